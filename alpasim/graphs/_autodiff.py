@@ -1,0 +1,475 @@
+"""Training graphs: reverse-mode VJP rules per primitive, rematerialisation and Adam.
+
+`training_graph(forward)` walks the forward ops backwards from the scalar loss and asks
+each primitive's vector-Jacobian rule for the ops that carry cotangents to its inputs.
+Every derived op records the forward op it comes from (`origin`) and that op's layer,
+so a pipeline stage always holds the forward and the backward of the same layers.
+Adam update ops follow, one per parameter, placed in the layer of the parameter's
+first use. Planning therefore never needs JAX; `alpasim.backends` lowers both graphs to
+JAX and the tests compare the derived gradients with `jax.grad`.
+
+Rematerialisation is Megatron-LM's "full" activation recomputation: each layer keeps
+only its inputs, and its whole forward (except ops tagged ``keep``, such as the
+language-model head, which Megatron does not checkpoint) is recomputed just before its
+backward. Recomputed ops have phase ``backward`` and ``remat=True``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ._builder import GraphBuilder
+from ._primitives import parse_einsum
+from ._types import Op, OpGraph, Tensor
+
+HALF = frozenset({"float16", "bfloat16"})
+
+
+@dataclass(frozen=True, slots=True)
+class AdamConfig:
+    """Adam hyperparameters carried as update-op params (they do not change costs)."""
+
+    lr: float = 1e-4
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+
+class _Ctx:
+    """What a VJP rule may do: read forward values, emit ops, make zeros."""
+
+    def __init__(self, b: GraphBuilder, fwd: OpGraph, remap: dict[str, str]) -> None:
+        self.b = b
+        self.fwd = fwd
+        self.remap = remap
+
+    def x(self, name: str) -> str:
+        """The forward value of `name` (its recomputed copy under remat)."""
+        return self.remap.get(name, name)
+
+    def t(self, name: str) -> Tensor:
+        return self.b.tensors[name]
+
+    def zeros(self, like: str) -> str:
+        t = self.b.tensors[like]
+        return self.b.one("full", [], name="zeros", shape=t.shape, dtype=t.dtype, value=0.0)
+
+    def ew(self, fn: str, *xs: str, **kw) -> str:
+        return self.b.ew(fn, *xs, **kw)
+
+    def scale(self, x: str, c: float) -> str:
+        return self.b.ew("mul", x, scalar=float(c), scalar_pos=1)
+
+    def cast(self, x: str, dtype: str) -> str:
+        return x if self.b.dtype(x) == dtype else self.b.one("convert", [x], dtype=dtype)
+
+
+Rule = Callable[[_Ctx, Op, list[str | None], list[bool]], list[str | None]]
+VJP_RULES: dict[str, Rule] = {}
+
+
+def _rule(*prims: str):
+    def deco(fn: Rule) -> Rule:
+        for p in prims:
+            VJP_RULES[p] = fn
+        return fn
+    return deco
+
+
+# ------------------------------------------------------------------- einsum
+def _einsum_operand_grad(c: _Ctx, dy: str, out: str, other: str, other_term: str,
+                         target: str, target_shape: tuple[int, ...], dtype: str) -> str:
+    """Cotangent of one einsum operand: contract dy with the other operand."""
+    keep = "".join(ch for ch in target if ch in out or ch in other_term)
+    g = c.b.einsum(f"{out},{other_term}->{keep}", dy, other, name="einsum_grad")
+    if keep != target:  # letters summed inside the operand alone: broadcast back
+        dims = tuple(target.index(ch) for ch in keep)
+        g = c.b.one("broadcast", [g], shape=target_shape, dims=dims)
+    return c.cast(g, dtype)
+
+
+@_rule("einsum")
+def _einsum_vjp(c, op, cts, needs):
+    (dy,) = cts
+    (a_term, b_term), out = parse_einsum(op.param("equation"))
+    a, b = op.inputs
+    grads: list[str | None] = [None, None]
+    if needs[0]:
+        grads[0] = _einsum_operand_grad(c, dy, out, c.x(b), b_term, a_term, c.t(a).shape, c.t(a).dtype)
+    if needs[1]:
+        grads[1] = _einsum_operand_grad(c, dy, out, c.x(a), a_term, b_term, c.t(b).shape, c.t(b).dtype)
+    return grads
+
+
+# -------------------------------------------------------------------- conv
+@_rule("conv2d")
+def _conv_vjp(c, op, cts, needs):
+    (dy,) = cts
+    x, w = op.inputs
+    geo = {"strides": op.param("strides", (1, 1)), "padding": op.param("padding", ((0, 0), (0, 0)))}
+    dx = c.b.one("conv2d_input_grad", [dy, c.x(w)], input_shape=c.t(x).shape, **geo) if needs[0] else None
+    dw = c.b.one("conv2d_filter_grad", [c.x(x), dy], filter_shape=c.t(w).shape, **geo) if needs[1] else None
+    return [dx, dw]
+
+
+@_rule("max_pool")
+def _pool_vjp(c, op, cts, needs):
+    return [c.b.one("max_pool_grad", [cts[0], c.x(op.inputs[0])], **op.attrs)]
+
+
+# -------------------------------------------------------------- elementwise
+def _elementwise_vjp(c: _Ctx, op: Op, cts, needs):
+    (dy,) = cts
+    fn = op.param("fn")
+    xs = [c.x(t) for t in op.inputs]
+    y = c.x(op.outputs[0])
+    scalar = op.param("scalar")
+    spos = op.param("scalar_pos", 1)
+    if scalar is not None:
+        (x,) = xs
+        if fn == "add":
+            return [dy]
+        if fn == "sub":
+            return [dy if spos == 1 else c.ew("neg", dy)]
+        if fn == "mul":
+            return [c.scale(dy, scalar)]
+        if fn == "div":
+            if spos == 1:
+                return [c.scale(dy, 1.0 / scalar)]
+            return [c.ew("neg", c.ew("mul", dy, c.ew("div", y, x)))]  # d(c/x) = -c/x^2 = -y/x
+        if fn == "pow":
+            if spos == 1:  # x ** c
+                return [c.ew("mul", dy, c.scale(c.ew("pow", x, scalar=scalar - 1.0, scalar_pos=1), scalar))]
+            return [c.ew("mul", dy, c.scale(y, math.log(scalar)))]  # c ** x
+        if fn in ("max", "min"):
+            cmp = "gt" if fn == "max" else "lt"
+            mask = c.ew(cmp, x, scalar=scalar, scalar_pos=1)
+            return [c.ew("select", mask, dy, c.zeros(dy))]
+        if fn in ELEMENTWISE_NO_GRAD:
+            return [None]
+        raise NotImplementedError(f"no VJP for elementwise {fn!r} with a scalar operand")
+    if fn in ELEMENTWISE_NO_GRAD:
+        return [None] * len(xs)
+    if fn == "add":
+        return [dy, dy]
+    if fn == "sub":
+        return [dy, c.ew("neg", dy) if needs[1] else None]
+    if fn == "mul":
+        a, b = xs
+        return [c.ew("mul", dy, b) if needs[0] else None, c.ew("mul", dy, a) if needs[1] else None]
+    if fn == "div":
+        a, b = xs
+        da = c.ew("div", dy, b)
+        return [da, c.ew("neg", c.ew("mul", da, c.ew("div", a, b))) if needs[1] else None]
+    if fn in ("max", "min"):
+        a, b = xs
+        mask = c.ew("gt" if fn == "max" else "lt", a, b)
+        zero = c.zeros(dy)
+        return [c.ew("select", mask, dy, zero) if needs[0] else None,
+                c.ew("select", mask, zero, dy) if needs[1] else None]
+    if fn == "pow":
+        a, b = xs
+        da = c.ew("mul", dy, c.ew("mul", b, c.ew("div", y, a)))
+        db = c.ew("mul", dy, c.ew("mul", y, c.ew("log", a))) if needs[1] else None
+        return [da, db]
+    if fn == "select":
+        p, a, b = xs
+        zero = c.zeros(dy)
+        return [None, c.ew("select", p, dy, zero) if needs[1] else None,
+                c.ew("select", p, zero, dy) if needs[2] else None]
+    (x,) = xs
+    if fn in ("identity",):
+        return [dy]
+    if fn == "neg":
+        return [c.ew("neg", dy)]
+    if fn == "exp":
+        return [c.ew("mul", dy, y)]
+    if fn == "log":
+        return [c.ew("div", dy, x)]
+    if fn == "tanh":
+        return [c.ew("mul", dy, c.ew("sub", c.ew("square", y), scalar=1.0, scalar_pos=0))]
+    if fn == "logistic":
+        return [c.ew("mul", dy, c.ew("mul", y, c.ew("sub", y, scalar=1.0, scalar_pos=0)))]
+    if fn == "relu":
+        return [c.ew("relu_grad", dy, x)]
+    if fn == "gelu":
+        return [c.ew("gelu_grad", dy, x)]
+    if fn == "rsqrt":
+        return [c.ew("mul", dy, c.scale(c.ew("div", y, x), -0.5))]
+    if fn == "sqrt":
+        return [c.ew("div", c.scale(dy, 0.5), y)]
+    if fn == "square":
+        return [c.ew("mul", dy, c.scale(x, 2.0))]
+    if fn == "abs":
+        return [c.ew("mul", dy, c.ew("sign", x))]
+    if fn == "reciprocal":
+        return [c.ew("neg", c.ew("mul", dy, c.ew("square", y)))]
+    if fn == "erf":
+        bump = c.ew("exp", c.ew("neg", c.ew("square", x)))
+        return [c.ew("mul", dy, c.scale(bump, 2.0 / math.sqrt(math.pi)))]
+    if fn == "sin":
+        return [c.ew("mul", dy, c.ew("cos", x))]
+    if fn == "cos":
+        return [c.ew("neg", c.ew("mul", dy, c.ew("sin", x)))]
+    raise NotImplementedError(f"no VJP rule for elementwise {fn!r}")
+
+
+ELEMENTWISE_NO_GRAD = frozenset({"stop_gradient", "sign", "gt", "ge", "lt", "le", "eq", "ne", "and", "or",
+                                 "not", "relu_grad", "gelu_grad"})
+VJP_RULES["elementwise"] = _elementwise_vjp
+
+
+@_rule("convert")
+def _convert_vjp(c, op, cts, needs):
+    return [c.cast(cts[0], c.t(op.inputs[0]).dtype)]
+
+
+@_rule("bias_add")
+def _bias_add_vjp(c, op, cts, needs):
+    (dy,) = cts
+    x, bias = op.inputs
+    lead = c.t(x).rank - c.t(bias).rank
+    db = None
+    if needs[1]:
+        db = c.b.one("reduce", [dy], name="bias_grad", kind="sum", axes=tuple(range(lead))) if lead else dy
+        db = c.cast(db, c.t(bias).dtype)
+    return [dy if needs[0] else None, db]
+
+
+# ---------------------------------------------------------- shape and layout
+def _axes(op: Op, rank: int) -> tuple[int, ...]:
+    return tuple(sorted(a % rank for a in op.param("axes")))
+
+
+@_rule("reduce")
+def _reduce_vjp(c, op, cts, needs):
+    (dy,) = cts
+    x = op.inputs[0]
+    shape = c.t(x).shape
+    axes = _axes(op, len(shape))
+    kept = tuple(i for i in range(len(shape)) if i not in axes)
+    bcast = c.b.one("broadcast", [dy], shape=shape, dims=kept)
+    kind = op.param("kind")
+    if kind == "sum":
+        return [bcast]
+    if kind == "mean":
+        return [c.scale(bcast, 1.0 / math.prod(shape[a] for a in axes))]
+    y = c.b.one("broadcast", [c.x(op.outputs[0])], shape=shape, dims=kept)
+    mask = c.ew("eq", c.x(x), y)
+    return [c.ew("select", mask, bcast, c.zeros(bcast))]
+
+
+@_rule("broadcast")
+def _broadcast_vjp(c, op, cts, needs):
+    (dy,) = cts
+    x = c.t(op.inputs[0])
+    shape, dims = op.param("shape"), op.param("dims")
+    summed = [d for d in range(len(shape)) if d not in dims]
+    summed += [d for i, d in enumerate(dims) if x.shape[i] != shape[d]]
+    g = c.b.one("reduce", [dy], kind="sum", axes=tuple(sorted(summed))) if summed else dy
+    if c.b.shape(g) != x.shape:
+        g = c.b.one("reshape", [g], shape=x.shape)
+    return [g]
+
+
+@_rule("reshape")
+def _reshape_vjp(c, op, cts, needs):
+    return [c.b.one("reshape", [cts[0]], shape=c.t(op.inputs[0]).shape)]
+
+
+@_rule("transpose")
+def _transpose_vjp(c, op, cts, needs):
+    perm = op.param("perm")
+    inv = tuple(sorted(range(len(perm)), key=lambda i: perm[i]))
+    return [c.b.one("transpose", [cts[0]], perm=inv)]
+
+
+@_rule("slice")
+def _slice_vjp(c, op, cts, needs):
+    shape = c.t(op.inputs[0]).shape
+    start, limit = op.param("start"), op.param("limit")
+    return [c.b.one("pad", [cts[0]], low=tuple(start), high=tuple(d - e for d, e in zip(shape, limit)))]
+
+
+@_rule("pad")
+def _pad_vjp(c, op, cts, needs):
+    shape = c.t(op.inputs[0]).shape
+    low = op.param("low")
+    return [c.b.one("slice", [cts[0]], start=tuple(low), limit=tuple(a + d for a, d in zip(low, shape)))]
+
+
+@_rule("concatenate")
+def _concat_vjp(c, op, cts, needs):
+    (dy,) = cts
+    rank = c.t(op.inputs[0]).rank
+    axis = op.param("axis") % rank
+    out, offset = [], 0
+    full = c.b.shape(dy)
+    for t, need in zip(op.inputs, needs):
+        n = c.t(t).shape[axis]
+        if need:
+            start = tuple(offset if i == axis else 0 for i in range(rank))
+            limit = tuple(offset + n if i == axis else full[i] for i in range(rank))
+            out.append(c.b.one("slice", [dy], start=start, limit=limit))
+        else:
+            out.append(None)
+        offset += n
+    return out
+
+
+# --------------------------------------------------- softmax, norms, losses
+@_rule("softmax")
+def _softmax_vjp(c, op, cts, needs):
+    return [c.b.one("softmax_grad", [cts[0], c.x(op.outputs[0])], axis=op.param("axis", -1),
+                    scale=op.param("scale", 1.0))]
+
+
+@_rule("layer_norm", "batch_norm")
+def _norm_vjp(c, op, cts, needs):
+    (dy,) = cts
+    x, gamma, _ = op.inputs
+    dx, dg, db = c.b.apply(f"{op.prim}_grad", [dy, c.x(x), c.x(gamma)], eps=op.param("eps", 1e-5))
+    return [dx if needs[0] else None, dg if needs[1] else None, db if needs[2] else None]
+
+
+@_rule("embedding")
+def _embedding_vjp(c, op, cts, needs):
+    table, ids = op.inputs
+    vocab = c.t(table).shape[0]
+    return [c.b.one("embedding_grad", [cts[0], c.x(ids)], vocab=vocab, dtype=c.t(table).dtype), None]
+
+
+@_rule("softmax_cross_entropy")
+def _xent_vjp(c, op, cts, needs):
+    logits, labels = op.inputs
+    return [c.b.one("softmax_cross_entropy_grad", [cts[0], c.x(logits), c.x(labels)]), None]
+
+
+@_rule("top2_gating")
+def _gating_vjp(c, op, cts, needs):
+    # The dispatch mask is piecewise constant in the gates: only the combine weights
+    # carry a gradient (as in GShard's and Alpa's implementations).
+    dcombine = cts[0]
+    if dcombine is None:
+        return [None]
+    return [c.b.one("top2_gating_grad", [dcombine, c.x(op.inputs[0])], capacity=op.param("capacity"))]
+
+
+NO_INPUT_PRIMS = frozenset({"iota", "full"})
+
+
+# ------------------------------------------------------------------- driver
+# Outputs that are piecewise constant in the inputs and so carry no cotangent.
+NONDIFF_OUTPUTS: dict[str, frozenset[int]] = {"top2_gating": frozenset({1})}
+
+
+def _needs_grad(fwd: OpGraph) -> set[str]:
+    """Float tensors that depend on a float parameter (those that carry cotangents)."""
+    live = {t.name for t in fwd.params if t.is_float}
+    for op in fwd.ops:
+        if op.prim == "elementwise" and op.param("fn") in ELEMENTWISE_NO_GRAD:
+            continue
+        if any(t in live for t in op.inputs):
+            dead = NONDIFF_OUTPUTS.get(op.prim, frozenset())
+            live.update(t for i, t in enumerate(op.outputs) if fwd.tensors[t].is_float and i not in dead)
+    return live
+
+
+def training_graph(forward: OpGraph, *, remat: bool = False, optimizer: AdamConfig | None = None,
+                   name: str | None = None) -> OpGraph:
+    """Forward graph with a scalar loss -> forward + backward + Adam update graph."""
+    if len(forward.outputs) != 1 or forward.tensors[forward.outputs[0]].rank != 0:
+        raise ValueError(f"graph {forward.name!r}: a training graph needs exactly one scalar output (the loss), "
+                         f"got outputs {list(forward.outputs)}")
+    if any(op.phase != "forward" for op in forward.ops):
+        raise ValueError(f"graph {forward.name!r} already has backward or update ops")
+    optimizer = optimizer or AdamConfig()
+    loss = forward.outputs[0]
+    b = GraphBuilder(name or forward.name)
+    b.tensors.update(forward.tensors)
+    b.ops.extend(forward.ops)
+    b.inputs.extend(forward.inputs)
+    b._op_names.update(op.name for op in forward.ops)
+    for t in forward.tensors:
+        b._names[t] = 1
+
+    needs = _needs_grad(forward)
+    remap: dict[str, str] = {}
+    ctx = _Ctx(b, forward, remap)
+    ct: dict[str, str | None] = {}
+    recomputed_layers: set[int] = set()
+
+    loss_op = forward.producer[loss]
+    with b.scope(phase="backward", layer=loss_op.layer, origin=loss_op.name):
+        ct[loss] = b.one("full", [], name="loss_grad_seed", shape=(), dtype=forward.tensors[loss].dtype, value=1.0)
+
+    for op in reversed(forward.ops):
+        cts = [ct.get(t) for t in op.outputs]
+        if all(g is None for g in cts) or op.prim in NO_INPUT_PRIMS:
+            continue
+        in_needs = [t in needs for t in op.inputs]
+        if not any(in_needs):
+            continue
+        with b.scope(phase="backward", layer=op.layer, origin=op.name, tags=op.tags):
+            if remat and op.layer not in recomputed_layers:
+                recomputed_layers.add(op.layer)
+                _recompute_layer(b, forward, op.layer, remap)
+            cts = [g if g is not None else ctx.zeros(t) for g, t in zip(cts, op.outputs)]
+            rule = VJP_RULES.get(op.prim)
+            if rule is None:
+                raise NotImplementedError(f"no VJP rule for primitive {op.prim!r} (op {op.name!r})")
+            grads = rule(ctx, op, cts, in_needs)
+            for t, g, need in zip(op.inputs, grads, in_needs):
+                if g is None or not need:
+                    continue
+                prev = ct.get(t)
+                ct[t] = g if prev is None else b.ew("add", prev, g, name="grad_acc")
+
+    return _append_updates(b, forward, ct, optimizer, loss)
+
+
+def _recompute_layer(b: GraphBuilder, fwd: OpGraph, layer: int, remap: dict[str, str]) -> None:
+    """Re-emit the forward ops of `layer` (except `keep` ops) reading recomputed values."""
+    for op in fwd.ops:
+        if op.layer != layer or "keep" in op.tags:
+            continue
+        ins = [remap.get(t, t) for t in op.inputs]
+        with b.scope(remat=True, origin=op.name, tags=op.tags):
+            outs = b.apply(op.prim, ins, name=f"{op.name}:remat", out_names=[f"{t}:remat" for t in op.outputs],
+                           **op.attrs)
+        remap.update(zip(op.outputs, outs))
+
+
+def _append_updates(b: GraphBuilder, fwd: OpGraph, ct: dict[str, str | None], opt: AdamConfig,
+                    loss: str) -> OpGraph:
+    outputs = [loss]
+    hyper = {"lr": opt.lr, "b1": opt.b1, "b2": opt.b2, "eps": opt.eps, "weight_decay": opt.weight_decay}
+    for p in fwd.params:
+        g = ct.get(p.name)
+        if g is None:
+            continue
+        first_use = fwd.consumers[p.name][0]
+        if b.tensors[g].role == "activation" and g not in fwd.tensors:
+            b.tensors[g] = Tensor(g, b.tensors[g].shape, b.tensors[g].dtype, "grad")
+        with b.scope(phase="update", layer=first_use.layer, origin=first_use.name, tags=()):
+            ins = [p.name, g]
+            out_names = [f"{p.name}:new"]
+            roles = ["param"]
+            if p.dtype in HALF:
+                ins.append(b.state(f"{p.name}:master", p.shape, "float32"))
+                out_names.append(f"{p.name}:master:new")
+                roles.append("optimizer_state")
+            ins += [b.state(f"{p.name}:adam_m", p.shape, "float32"), b.state(f"{p.name}:adam_v", p.shape, "float32")]
+            out_names += [f"{p.name}:adam_m:new", f"{p.name}:adam_v:new"]
+            roles += ["optimizer_state", "optimizer_state"]
+            outs = b.apply("adam", ins, name=f"adam:{p.name}", out_names=out_names, **hyper)
+            for o, role in zip(outs, roles):
+                t = b.tensors[o]
+                b.tensors[o] = Tensor(o, t.shape, t.dtype, role)
+            outputs += outs
+    meta = dict(fwd.meta)
+    meta["training"] = True
+    return b.build(outputs, meta)

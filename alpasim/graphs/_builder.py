@@ -1,0 +1,129 @@
+"""`GraphBuilder`: write a forward graph in data order, one primitive call per line.
+
+The model zoo, the JAX importer and the autodiff pass all build graphs through it, so
+every op is shape-checked by its primitive's rule at the moment it is added.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from ._primitives import infer_outputs
+from ._types import GraphError, Op, OpGraph, Tensor
+
+
+class GraphBuilder:
+    """Accumulates tensors and ops; `scope()` sets the layer, phase and tags of new ops."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.tensors: dict[str, Tensor] = {}
+        self.ops: list[Op] = []
+        self.inputs: list[str] = []
+        self._names: dict[str, int] = {}
+        self._op_names: set[str] = set()
+        self.layer = -1
+        self.phase = "forward"
+        self.tags: frozenset[str] = frozenset()
+        self.origin: str | None = None
+        self.remat = False
+        self.prefix = ""
+
+    # ------------------------------------------------------------ naming
+    def fresh(self, base: str) -> str:
+        """A tensor name not used yet, derived from `base`."""
+        base = self.prefix + base
+        n = self._names.get(base, 0)
+        name = base if n == 0 and base not in self.tensors else f"{base}.{n}"
+        while name in self.tensors:
+            n += 1
+            name = f"{base}.{n}"
+        self._names[base] = n + 1
+        return name
+
+    def _fresh_op(self, base: str) -> str:
+        name, n = base, 0
+        while name in self._op_names:
+            n += 1
+            name = f"{base}#{n}"
+        self._op_names.add(name)
+        return name
+
+    @contextlib.contextmanager
+    def scope(self, *, layer: int | None = None, phase: str | None = None, tags: Sequence[str] = (),
+              prefix: str | None = None, origin: str | None = None, remat: bool | None = None) -> Iterator[None]:
+        saved = (self.layer, self.phase, self.tags, self.prefix, self.origin, self.remat)
+        if layer is not None:
+            self.layer = layer
+        if phase is not None:
+            self.phase = phase
+        if prefix is not None:
+            self.prefix = prefix
+        if origin is not None:
+            self.origin = origin
+        if remat is not None:
+            self.remat = remat
+        self.tags = self.tags | frozenset(tags)
+        try:
+            yield
+        finally:
+            self.layer, self.phase, self.tags, self.prefix, self.origin, self.remat = saved
+
+    # ------------------------------------------------------------ leaves
+    def add_tensor(self, t: Tensor) -> str:
+        if t.name in self.tensors:
+            raise GraphError(f"tensor {t.name!r} already exists")
+        self.tensors[t.name] = t
+        return t.name
+
+    def input(self, name: str, shape: Sequence[int], dtype: str = "float32") -> str:
+        name = self.add_tensor(Tensor(self.fresh(name), tuple(shape), dtype, "input"))
+        self.inputs.append(name)
+        return name
+
+    def param(self, name: str, shape: Sequence[int], dtype: str = "float32") -> str:
+        return self.add_tensor(Tensor(self.fresh(name), tuple(shape), dtype, "param"))
+
+    def state(self, name: str, shape: Sequence[int], dtype: str = "float32") -> str:
+        return self.add_tensor(Tensor(self.fresh(name), tuple(shape), dtype, "optimizer_state"))
+
+    # ------------------------------------------------------------ ops
+    def apply(self, prim: str, inputs: Sequence[str], *, name: str | None = None,
+              out_names: Sequence[str] | None = None, role: str = "activation",
+              **params: Any) -> list[str]:
+        """Add one op; returns its output tensor names."""
+        ins = [self.tensors[t] for t in inputs]
+        outs = infer_outputs(prim, params, ins)
+        base = name or prim
+        if out_names is None:
+            out_names = [self.fresh(base if len(outs) == 1 else f"{base}:{i}") for i in range(len(outs))]
+        else:
+            out_names = [self.fresh(n) for n in out_names]
+        for n, (shape, dtype) in zip(out_names, outs):
+            self.tensors[n] = Tensor(n, shape, dtype, role)
+        self.ops.append(Op(self._fresh_op(self.prefix + base), prim, tuple(inputs), tuple(out_names), params,
+                           layer=self.layer, phase=self.phase, origin=self.origin, remat=self.remat,
+                           tags=self.tags))
+        return list(out_names)
+
+    def one(self, prim: str, inputs: Sequence[str], **kw: Any) -> str:
+        (out,) = self.apply(prim, inputs, **kw)
+        return out
+
+    # Short forms for the primitives models use most.
+    def einsum(self, equation: str, a: str, b: str, name: str = "einsum", **kw: Any) -> str:
+        return self.one("einsum", [a, b], name=name, equation=equation, **kw)
+
+    def ew(self, fn: str, *xs: str, name: str | None = None, **kw: Any) -> str:
+        return self.one("elementwise", list(xs), name=name or fn, fn=fn, **kw)
+
+    def shape(self, t: str) -> tuple[int, ...]:
+        return self.tensors[t].shape
+
+    def dtype(self, t: str) -> str:
+        return self.tensors[t].dtype
+
+    def build(self, outputs: Sequence[str], meta: dict[str, Any] | None = None) -> OpGraph:
+        return OpGraph(self.name, self.tensors, self.ops, self.inputs, outputs, meta)

@@ -1,0 +1,186 @@
+"""Forward graphs of the paper's language models: GPT-3 and GShard MoE.
+
+Both are pre-LN transformer stacks written the way Megatron-LM computes them, one op
+per kernel that matters:
+
+* attention: separate Q, K, V projections into heads (``bsh,hnd->bsnd``) so that
+  sharding the head letter ``n`` is Megatron's tensor parallelism (the bias is added
+  before the transpose to (b, n, s, d)); scores ``bnqd,bnkd->bnqk``; a fused
+  scale-(causal mask)-softmax; context ``bnqk,bnkd->bnqd``; output projection ``bnsd,ndh->bsh``;
+* MLP: ``bsh,hf->bsf``, GeLU, ``bsf,fh->bsh`` with biases;
+* MoE feed-forward (GShard, as in Alpa's benchmark model): tokens grouped into
+  G groups of S, gate ``GSM,ME->GSE`` + softmax, top-2 gating with capacity
+  C = 2S/E, dispatch ``GSEC,GSM->EGCM``, experts ``EGCM,EMH->EGCH`` / ``EGCH,EHM->GECM``
+  with ReLU, combine ``GSEC,GECM->GSM``; every other layer (even indices) is MoE;
+* the language-model head reuses the token embedding (tied weights) and ends in a
+  softmax cross-entropy. Head ops are tagged ``keep``: Megatron's activation
+  checkpointing covers transformer layers only.
+
+Layer labels: layer i is transformer block i; the embedding joins block 0 and the
+final norm and head join the last block.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ._builder import GraphBuilder
+from ._types import OpGraph
+
+
+@dataclass(frozen=True, slots=True)
+class GPTConfig:
+    """GPT-3 family (Megatron-LM layout). `batch` is the global batch per iteration."""
+
+    hidden: int
+    layers: int
+    heads: int
+    seq: int = 1024
+    vocab: int = 51200
+    batch: int = 1024
+    ffn_mult: int = 4
+    dtype: str = "float16"
+
+    def __post_init__(self) -> None:
+        _check_transformer(self)
+
+    @property
+    def family(self) -> str:
+        return "gpt3"
+
+
+@dataclass(frozen=True, slots=True)
+class MoEConfig:
+    """GShard MoE family: an MoE feed-forward in every other layer."""
+
+    hidden: int
+    layers: int
+    heads: int
+    experts: int
+    seq: int = 1024
+    vocab: int = 32000
+    batch: int = 1024
+    group_size: int = 2048
+    ffn_mult: int = 8
+    dtype: str = "float16"
+
+    def __post_init__(self) -> None:
+        _check_transformer(self)
+        if self.experts < 2:
+            raise ValueError(f"moe: experts must be >= 2, got {self.experts}")
+        if self.group_size < 1:
+            raise ValueError(f"moe: group_size must be positive, got {self.group_size}")
+
+    @property
+    def family(self) -> str:
+        return "moe"
+
+    @property
+    def tokens_per_group(self) -> int:
+        """S: the expert group size, shrunk (to a divisor) when the batch has fewer tokens."""
+        tokens = self.batch * self.seq
+        s = min(self.group_size, tokens)
+        while tokens % s:
+            s -= 1
+        return s
+
+    @property
+    def capacity(self) -> int:
+        """C = 2S/E: each expert takes up to twice its fair share of a group (top-2)."""
+        return max(1, 2 * self.tokens_per_group // self.experts)
+
+
+def _check_transformer(cfg) -> None:
+    for key in ("hidden", "layers", "heads", "seq", "vocab", "batch", "ffn_mult"):
+        v = getattr(cfg, key)
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{cfg.family}: {key} must be a positive integer, got {v!r}")
+    if cfg.hidden % cfg.heads:
+        raise ValueError(f"{cfg.family}: hidden={cfg.hidden} is not divisible by heads={cfg.heads}")
+    if cfg.dtype not in ("float16", "bfloat16", "float32"):
+        raise ValueError(f"{cfg.family}: dtype must be float16, bfloat16 or float32, got {cfg.dtype!r}")
+
+
+def _attention(b: GraphBuilder, x: str, cfg, causal: bool) -> str:
+    h, n = cfg.hidden, cfg.heads
+    d = h // n
+    dt = cfg.dtype
+    with b.scope(tags=("attention",)):
+        heads = []
+        for which in "qkv":
+            y = b.einsum("bsh,hnd->bsnd", x, b.param(f"w_{which}", (h, n, d), dt), name=f"{which}_proj")
+            y = b.one("bias_add", [y, b.param(f"b_{which}", (n, d), dt)], name=f"{which}_bias")
+            heads.append(b.one("transpose", [y], name=f"{which}_heads", perm=(0, 2, 1, 3)))  # (b, n, s, d)
+        q, k, v = heads
+        scores = b.einsum("bnqd,bnkd->bnqk", q, k, name="scores")
+        probs = b.one("softmax", [scores], name="softmax", axis=-1, scale=1.0 / math.sqrt(d), causal=causal)
+        ctx = b.einsum("bnqk,bnkd->bnqd", probs, v, name="context")
+        w_o = b.param("w_o", (n, d, h), dt)
+        out = b.einsum("bnsd,ndh->bsh", ctx, w_o, name="out_proj")
+        return b.one("bias_add", [out, b.param("b_o", (h,), dt)], name="out_bias")
+
+
+def _mlp(b: GraphBuilder, x: str, cfg) -> str:
+    h, f, dt = cfg.hidden, cfg.ffn_mult * cfg.hidden, cfg.dtype
+    with b.scope(tags=("mlp",)):
+        y = b.einsum("bsh,hf->bsf", x, b.param("w_fc1", (h, f), dt), name="fc1")
+        y = b.one("bias_add", [y, b.param("b_fc1", (f,), dt)], name="fc1_bias")
+        y = b.ew("gelu", y)
+        y = b.einsum("bsf,fh->bsh", y, b.param("w_fc2", (f, h), dt), name="fc2")
+        return b.one("bias_add", [y, b.param("b_fc2", (h,), dt)], name="fc2_bias")
+
+
+def _moe_ffn(b: GraphBuilder, x: str, cfg: MoEConfig) -> str:
+    h, f, e, dt = cfg.hidden, cfg.ffn_mult * cfg.hidden, cfg.experts, cfg.dtype
+    s, c = cfg.tokens_per_group, cfg.capacity
+    g = cfg.batch * cfg.seq // s
+    with b.scope(tags=("moe",)):
+        tokens = b.one("reshape", [x], name="group_tokens", shape=(g, s, h))
+        logits = b.einsum("GSM,ME->GSE", tokens, b.param("w_gate", (h, e), dt), name="gate")
+        gates = b.one("softmax", [logits], name="gate_softmax", axis=-1)
+        combine, dispatch = b.apply("top2_gating", [gates], name="top2_gating", out_names=["combine", "dispatch"],
+                                    capacity=c)
+        xe = b.einsum("GSEC,GSM->EGCM", dispatch, tokens, name="dispatch")
+        he = b.einsum("EGCM,EMH->EGCH", xe, b.param("w_expert_in", (e, h, f), dt), name="expert_in")
+        he = b.ew("relu", he)
+        ye = b.einsum("EGCH,EHM->GECM", he, b.param("w_expert_out", (e, f, h), dt), name="expert_out")
+        y = b.einsum("GSEC,GECM->GSM", combine, ye, name="combine")
+        return b.one("reshape", [y], name="ungroup_tokens", shape=(cfg.batch, cfg.seq, h))
+
+
+def _layer_norm(b: GraphBuilder, x: str, h: int, dt: str, name: str) -> str:
+    return b.one("layer_norm", [x, b.param(f"{name}_scale", (h,), dt), b.param(f"{name}_bias", (h,), dt)],
+                 name=name, eps=1e-5)
+
+
+def transformer_lm(cfg: GPTConfig | MoEConfig, name: str) -> OpGraph:
+    """Forward graph of a GPT-3 or GShard-MoE language model ending in the mean loss."""
+    moe = isinstance(cfg, MoEConfig)
+    bsz, s, h, dt = cfg.batch, cfg.seq, cfg.hidden, cfg.dtype
+    b = GraphBuilder(name)
+    ids = b.input("token_ids", (bsz, s), "int32")
+    labels = b.input("labels", (bsz, s), "int32")
+    with b.scope(layer=0, tags=("embedding",), prefix="embed/"):
+        wte = b.param("wte", (cfg.vocab, h), dt)
+        x = b.one("embedding", [wte, ids], name="token_embedding")
+        pos = b.one("broadcast", [b.param("wpe", (s, h), dt)], name="position_embedding",
+                    shape=(bsz, s, h), dims=(1, 2))
+        x = b.ew("add", x, pos, name="embed_sum")
+    for i in range(cfg.layers):
+        with b.scope(layer=i, prefix=f"layer{i}/"):
+            a = _attention(b, _layer_norm(b, x, h, dt, "ln_attn"), cfg, causal=not moe)
+            x = b.ew("add", x, a, name="residual_attn")
+            y = _layer_norm(b, x, h, dt, "ln_ffn")
+            y = _moe_ffn(b, y, cfg) if moe and i % 2 == 0 else _mlp(b, y, cfg)
+            x = b.ew("add", x, y, name="residual_ffn")
+    with b.scope(layer=cfg.layers - 1, tags=("head",), prefix="head/"):
+        x = _layer_norm(b, x, h, dt, "ln_final")
+        with b.scope(tags=("keep",)):
+            logits = b.einsum("bsh,vh->bsv", x, wte, name="logits")
+            loss = b.one("softmax_cross_entropy", [logits, labels], name="loss")
+    return b.build([loss], meta={"family": cfg.family, "config": _asdict(cfg), "dtype": dt})
+
+
+def _asdict(cfg) -> dict:
+    return {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}

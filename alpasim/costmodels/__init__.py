@@ -1,0 +1,33 @@
+"""Clusters and devices, collective / compute / memory costs, and the `CostModel` protocol."""
+
+from ._collectives import COLLECTIVE_KINDS as COLLECTIVE_KINDS
+from ._collectives import MeshAxis as MeshAxis
+from ._collectives import all_gather_time_s as all_gather_time_s
+from ._collectives import all_reduce_time_s as all_reduce_time_s
+from ._collectives import all_to_all_time_s as all_to_all_time_s
+from ._collectives import collective_time_s as collective_time_s
+from ._collectives import group_link as group_link
+from ._collectives import mesh_axes as mesh_axes
+from ._collectives import reduce_scatter_time_s as reduce_scatter_time_s
+from ._collectives import send_recv_time_s as send_recv_time_s
+from ._compute import HALF_EFFICIENCY_TIME_S as HALF_EFFICIENCY_TIME_S
+from ._compute import KERNEL_LAUNCH_OVERHEAD_S as KERNEL_LAUNCH_OVERHEAD_S
+from ._compute import MAX_MATMUL_EFFICIENCY as MAX_MATMUL_EFFICIENCY
+from ._compute import compute_time_s as compute_time_s
+from ._compute import matmul_efficiency as matmul_efficiency
+from ._compute import op_time_s as op_time_s
+from ._compute import traffic_bytes as traffic_bytes
+from ._hardware import CLUSTER_SCHEMA as CLUSTER_SCHEMA
+from ._hardware import Cluster as Cluster
+from ._hardware import ClusterError as ClusterError
+from ._hardware import Device as Device
+from ._hardware import Link as Link
+from ._memory import MemoryBreakdown as MemoryBreakdown
+from ._memory import activation_peak_bytes as activation_peak_bytes
+from ._memory import training_memory as training_memory
+from ._model import AnalyticCostModel as AnalyticCostModel
+from ._model import CostModel as CostModel
+from ._presets import PRESETS as PRESETS
+from ._presets import UnknownPresetError as UnknownPresetError
+from ._presets import get_cluster as get_cluster
+from ._presets import list_presets as list_presets

@@ -1,21 +1,66 @@
-"""Operator graphs: types, primitives, training-graph derivation, model zoo, JAX import."""
+"""Operator graphs: types, primitives, training-graph derivation, model zoo, JAX import.
+
+Public surface only; the modules behind it are private. Nothing here imports jax
+except `from_jax`, which imports it when called.
+"""
 
 from ._autodiff import AdamConfig as AdamConfig
+from ._autodiff import VJP_RULES as VJP_RULES
 from ._autodiff import training_graph as training_graph
+from ._build import BuiltGraph as BuiltGraph
+from ._build import build_training_graph as build_training_graph
+from ._build import flops_by_kind as flops_by_kind
+from ._build import load_forward as load_forward
+from ._build import ops_by_phase as ops_by_phase
 from ._builder import GraphBuilder as GraphBuilder
+from ._clustering import Clustering as Clustering
+from ._clustering import assign_layers as assign_layers
+from ._clustering import cluster_ops as cluster_ops
+from ._clustering import received_bytes_matrix as received_bytes_matrix
+from ._primitives import ELEMENTWISE as ELEMENTWISE
+from ._primitives import MATMUL_KINDS as MATMUL_KINDS
+from ._primitives import PRIMITIVES as PRIMITIVES
 from ._primitives import DimMap as DimMap
 from ._primitives import PrimitiveError as PrimitiveError
-from ._primitives import PRIMITIVES as PRIMITIVES
-from ._primitives import ELEMENTWISE as ELEMENTWISE
 from ._primitives import is_heavy as is_heavy
 from ._primitives import op_bytes as op_bytes
 from ._primitives import op_dims as op_dims
 from ._primitives import op_flops as op_flops
 from ._primitives import op_kind as op_kind
 from ._primitives import parse_einsum as parse_einsum
-from ._primitives import MATMUL_KINDS as MATMUL_KINDS
+from ._resnet import WResNetConfig as WResNetConfig
+from ._serialize import GraphFormatError as GraphFormatError
+from ._serialize import graph_from_json as graph_from_json
+from ._serialize import graph_to_json as graph_to_json
+from ._serialize import load_graph as load_graph
+from ._serialize import save_graph as save_graph
+from ._transformer import GPTConfig as GPTConfig
+from ._transformer import MoEConfig as MoEConfig
 from ._types import DTYPE_BYTES as DTYPE_BYTES
 from ._types import GraphError as GraphError
 from ._types import Op as Op
 from ._types import OpGraph as OpGraph
 from ._types import Tensor as Tensor
+from ._zoo import PAPER_GPUS as PAPER_GPUS
+from ._zoo import ZOO as ZOO
+from ._zoo import ModelSpecError as ModelSpecError
+from ._zoo import UnknownModelError as UnknownModelError
+from ._zoo import forward_graph as forward_graph
+from ._zoo import model_from_json as model_from_json
+from ._zoo import model_names as model_names
+from ._zoo import model_to_json as model_to_json
+from ._zoo import resolve_model as resolve_model
+
+
+def from_jax(loss_fn, params, batch, **kwargs):
+    """Import a JAX loss function as a forward OpGraph (see `_jax_import`)."""
+    from ._jax_import import from_jax as _from_jax
+
+    return _from_jax(loss_fn, params, batch, **kwargs)
+
+
+def training_graph_from_jax(loss_fn, params, batch, **kwargs):
+    """Import a JAX loss function and derive its training graph."""
+    from ._jax_import import training_graph_from_jax as _impl
+
+    return _impl(loss_fn, params, batch, **kwargs)

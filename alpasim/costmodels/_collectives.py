@@ -1,0 +1,178 @@
+"""Collective communication costs in the alpha-beta model with ring factors.
+
+A group of n devices joined by a link of bandwidth B (bytes/s per device and
+direction) and per-step latency alpha, moving a tensor of S bytes:
+
+    all_reduce      2(n-1) alpha + 2(n-1)/n * S/B    (ring reduce-scatter + all-gather)
+    all_gather       (n-1) alpha +  (n-1)/n * S/B    S = the gathered (full) tensor
+    reduce_scatter   (n-1) alpha +  (n-1)/n * S/B    S = the full tensor before scattering
+    all_to_all       (n-1) alpha +  (n-1)/n * S/B    S = one device's whole buffer; it keeps
+                                                     1/n and sends the rest in n-1 steps
+    send_recv              alpha +          S/B      one point-to-point message
+
+(Thakur, Rabenseifner and Gropp, "Optimization of collective communication operations
+in MPICH", IJHPCA 2005; the same step counts as NCCL's ring tuning model.) A group of
+one device costs nothing, and so does an empty message.
+
+Several mesh axes: a collective over axes (n_1, L_1) ... (n_k, L_k) runs one axis at a
+time, hierarchically. Order the axes fastest link first; then
+
+    T(S) = sum_j T_1axis(S_j, n_j, L_j),   S_j = S / (n_1 * ... * n_{j-1})
+
+for all-reduce (reduce-scatter on the fast axes, all-reduce of the 1/(n_1..n_{k-1})
+piece on the slowest, all-gather back: a reduce-scatter plus an all-gather cost exactly
+one all-reduce in this model), all-gather (gather the small pieces over the slow axes
+first) and reduce-scatter (scatter on the fast axes first). An all-to-all over several
+axes is one all-to-all per axis, each on the whole buffer: S_j = S. send_recv crosses
+the slowest link among the axes of size > 1.
+
+Ignored: contention between different collectives, link asymmetry inside a ring,
+tree and NVLS algorithms, protocol (LL/LL128) switching for small messages, and the
+compute of the reduction itself.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ._hardware import Cluster, ClusterError, Link, check_count
+
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+
+
+@dataclass(frozen=True, slots=True)
+class MeshAxis:
+    """One mesh axis as communication sees it: how many devices, over which link."""
+
+    size: int
+    link: Link
+
+    def __post_init__(self) -> None:
+        check_count("mesh axis", "size", self.size)
+        if not isinstance(self.link, Link):
+            raise ClusterError(f"mesh axis: link must be a Link, got {self.link!r}")
+
+
+def _check_bytes(nbytes: float) -> float:
+    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, float)) or not math.isfinite(nbytes) or nbytes < 0:
+        raise ValueError(f"collective: nbytes must be a finite number >= 0, got {nbytes!r}")
+    return float(nbytes)
+
+
+def _ring_time_s(nbytes: float, n: int, link: Link, steps_per_peer: int) -> float:
+    """`steps_per_peer` ring passes: steps*(n-1) alpha + steps*(n-1)/n * S/B."""
+    nbytes = _check_bytes(nbytes)
+    check_count("collective", "group size n", n)
+    if n == 1 or nbytes == 0:
+        return 0.0
+    k = steps_per_peer * (n - 1)
+    return k * link.latency_s + k / n * nbytes / link.bytes_per_s
+
+
+def all_reduce_time_s(nbytes: float, n: int, link: Link) -> float:
+    """Ring all-reduce of an S-byte tensor: 2(n-1) alpha + 2(n-1)/n * S/B (see module doc)."""
+    return _ring_time_s(nbytes, n, link, 2)
+
+
+def all_gather_time_s(nbytes: float, n: int, link: Link) -> float:
+    """Ring all-gather producing an S-byte tensor: (n-1) alpha + (n-1)/n * S/B."""
+    return _ring_time_s(nbytes, n, link, 1)
+
+
+def reduce_scatter_time_s(nbytes: float, n: int, link: Link) -> float:
+    """Ring reduce-scatter of an S-byte tensor: (n-1) alpha + (n-1)/n * S/B."""
+    return _ring_time_s(nbytes, n, link, 1)
+
+
+def all_to_all_time_s(nbytes: float, n: int, link: Link) -> float:
+    """Pairwise all-to-all of an S-byte buffer per device: (n-1) alpha + (n-1)/n * S/B."""
+    return _ring_time_s(nbytes, n, link, 1)
+
+
+def send_recv_time_s(nbytes: float, link: Link) -> float:
+    """One point-to-point message: alpha + S/B (zero for an empty message)."""
+    nbytes = _check_bytes(nbytes)
+    return 0.0 if nbytes == 0 else link.latency_s + nbytes / link.bytes_per_s
+
+
+_ONE_AXIS = {
+    "all_reduce": all_reduce_time_s,
+    "all_gather": all_gather_time_s,
+    "reduce_scatter": reduce_scatter_time_s,
+    "all_to_all": all_to_all_time_s,
+}
+
+
+def _as_axes(axes: MeshAxis | Sequence[MeshAxis | tuple[int, Link]]) -> list[MeshAxis]:
+    if isinstance(axes, MeshAxis):
+        return [axes]
+    return [a if isinstance(a, MeshAxis) else MeshAxis(*a) for a in axes]
+
+
+def collective_time_s(kind: str, nbytes: float,
+                      axes: MeshAxis | Sequence[MeshAxis | tuple[int, Link]]) -> float:
+    """Seconds for collective `kind` on S = `nbytes` over one or several mesh axes.
+
+    Formula: the hierarchical sum in the module docstring; axes are ordered by link
+    bandwidth, fastest first (ties keep the given order), and axes of size 1 add nothing.
+    """
+    if kind not in COLLECTIVE_KINDS:
+        raise ValueError(f"unknown collective {kind!r}; expected one of {COLLECTIVE_KINDS}")
+    nbytes = _check_bytes(nbytes)
+    group = [a for a in _as_axes(axes) if a.size > 1]
+    if kind == "send_recv":
+        if not group:
+            return 0.0
+        slowest = min(group, key=lambda a: (a.link.bytes_per_s, -a.link.latency_s))
+        return send_recv_time_s(nbytes, slowest.link)
+    one_axis = _ONE_AXIS[kind]
+    total, piece = 0.0, nbytes
+    for axis in sorted(group, key=lambda a: -a.link.bytes_per_s):
+        total += one_axis(piece, axis.size, axis.link)
+        if kind != "all_to_all":
+            piece /= axis.size
+    return total
+
+
+# ------------------------------------------------------------- cluster topology
+def group_link(cluster: Cluster, device_ids: Sequence[int]) -> Link:
+    """The link a group of devices communicates over.
+
+    Inside one node: the intra-node link. Spanning nodes: the inter-node per-device
+    share (`Cluster.inter_node_per_device`), which assumes every device of the node
+    crosses nodes at the same time, as the parallel groups of one mesh axis do. That
+    is pessimistic for a lone ring through all devices, whose few cross-node edges
+    would each see a whole network card.
+    """
+    ids = list(device_ids)
+    if not ids:
+        raise ClusterError(f"cluster {cluster.name!r}: a device group needs at least one device")
+    nodes = {cluster.node_of(d) for d in ids}
+    return cluster.intra_node if len(nodes) == 1 else cluster.inter_node_per_device
+
+
+def mesh_axes(cluster: Cluster, shape: Sequence[int]) -> tuple[MeshAxis, ...]:
+    """`MeshAxis` per axis of a logical mesh laid row-major over devices 0..prod(shape)-1.
+
+    Device ids count node by node, so the last axis is the fastest-varying one: a 2x8
+    mesh on 8-GPU nodes has axis 1 inside each node and axis 0 across the two nodes.
+    An axis gets the intra-node link only if every one of its groups stays in a node.
+    """
+    shape = tuple(shape)
+    for i, n in enumerate(shape):
+        check_count("mesh", f"shape[{i}]", n)
+    total = math.prod(shape)
+    if total > cluster.num_devices:
+        raise ClusterError(f"mesh shape {shape} needs {total} devices; cluster {cluster.name!r} has "
+                           f"{cluster.num_devices}")
+    nodes = (np.arange(total) // cluster.devices_per_node).reshape(shape)
+    axes = []
+    for i, n in enumerate(shape):
+        per_group = np.moveaxis(nodes, i, -1).reshape(-1, n)
+        spans = bool((per_group.max(axis=1) != per_group.min(axis=1)).any())
+        axes.append(MeshAxis(n, cluster.inter_node_per_device if spans else cluster.intra_node))
+    return tuple(axes)

@@ -1,0 +1,102 @@
+"""Analytic roofline for one operator on one device, with an efficiency curve.
+
+    time = max(F / (peak(dtype) * eff(F)), M / memory_bandwidth) + KERNEL_LAUNCH_OVERHEAD_S
+
+F is the op's FLOPs and M the bytes it moves, both per shard when the op is split
+`num_shards` ways. Matmul kinds (einsum, conv) run on tensor cores at the peak of
+their dtype, derated by `matmul_efficiency`; every other kind runs on the CUDA cores
+(float32 peak, no derating) and is memory bound in practice — its elementwise FLOPs are
+a handful per byte (Williams, Waterman and Patterson, "Roofline", CACM 2009).
+
+Ignored: fusion (XLA fuses chains of elementwise ops so their intermediates never reach
+HBM; we charge each op its reads and writes), caches, wave quantisation, achievable
+(rather than peak) HBM bandwidth, and overlap between consecutive kernels.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from alpasim.graphs import MATMUL_KINDS, Op, Tensor, op_bytes, op_flops, op_kind
+
+from ._hardware import Device
+
+# One CUDA kernel launch plus its minimal run time (a few microseconds on V100-H100).
+KERNEL_LAUNCH_OVERHEAD_S = 3e-6
+# Large cuBLAS GEMMs reach roughly 70-80% of the tensor-core peak; 0.7 is the V100 end.
+MAX_MATMUL_EFFICIENCY = 0.7
+# A matmul reaches half of MAX_MATMUL_EFFICIENCY when its ideal time at peak equals
+# this: small kernels cannot fill every SM and pay fixed pipeline fill and tail costs.
+# The half-efficiency size therefore scales with the peak: ~1 GFLOP on a V100 in fp16,
+# ~2.5 GFLOP on an A100, ~8 GFLOP on an H100.
+HALF_EFFICIENCY_TIME_S = 8e-6
+# Ops whose output is a view of their input: no kernel, no traffic.
+FREE_PRIMS = frozenset({"reshape"})
+
+
+def matmul_efficiency(flops: float, peak_flops_per_s: float) -> float:
+    """Fraction of peak a matmul of `flops` attains: MAX * F / (F + F_half).
+
+    F_half = peak * HALF_EFFICIENCY_TIME_S. The saturating form (one Michaelis-Menten
+    curve) turns into a fixed cost: F / (peak * eff) = (F + F_half) / (peak * MAX).
+    Ignores shape (a skinny GEMM is less efficient than a square one of equal FLOPs).
+    """
+    if flops <= 0:
+        return 0.0
+    f_half = peak_flops_per_s * HALF_EFFICIENCY_TIME_S
+    return MAX_MATMUL_EFFICIENCY * flops / (flops + f_half)
+
+
+def compute_time_s(flops: float, nbytes: float, dtype: str, device: Device, matmul: bool) -> float:
+    """Roofline seconds for a kernel of `flops` FLOPs moving `nbytes` (module docstring).
+
+    A kernel with neither FLOPs nor bytes (a view) costs nothing, not even a launch.
+    """
+    if flops < 0 or nbytes < 0 or not math.isfinite(flops) or not math.isfinite(nbytes):
+        raise ValueError(f"compute_time_s: flops and nbytes must be finite and >= 0, got {flops!r}, {nbytes!r}")
+    if flops == 0 and nbytes == 0:
+        return 0.0
+    if flops == 0:
+        compute_s = 0.0
+    elif matmul:
+        peak = device.peak_flops_per_s(dtype)
+        compute_s = flops / (peak * matmul_efficiency(flops, peak))
+    else:
+        compute_s = flops / device.peak_flops_per_s("float32")
+    memory_s = nbytes / device.memory_bandwidth_bytes_per_s
+    return max(compute_s, memory_s) + KERNEL_LAUNCH_OVERHEAD_S
+
+
+def traffic_bytes(op: Op, tensors: Mapping[str, Tensor]) -> int:
+    """HBM bytes an op moves: `op_bytes`, except views (0) and embedding lookups.
+
+    A lookup reads only the gathered rows, not the whole table: ids + 2 * output
+    (read the rows, write the result).
+    """
+    if op.prim in FREE_PRIMS:
+        return 0
+    if op.prim == "embedding":
+        _, ids = op.inputs
+        return tensors[ids].nbytes + 2 * tensors[op.outputs[0]].nbytes
+    return op_bytes(op, tensors)
+
+
+def compute_dtype(op: Op, tensors: Mapping[str, Tensor]) -> str:
+    """The dtype an op computes in: its widest float input (fp16 x fp32 runs at fp32)."""
+    floats = [tensors[t].dtype for t in op.inputs if tensors[t].is_float]
+    if not floats:
+        return "float32"
+    return "float32" if "float32" in floats else floats[0]
+
+
+def op_time_s(op: Op, tensors: Mapping[str, Tensor], device: Device, num_shards: int = 1) -> float:
+    """Roofline seconds of `op` split evenly `num_shards` ways (one shard on `device`).
+
+    Formula and what it ignores: module docstring. Each shard pays the launch overhead.
+    """
+    if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
+        raise ValueError(f"op {op.name!r}: num_shards must be an integer >= 1, got {num_shards!r}")
+    flops = op_flops(op, tensors) / num_shards
+    nbytes = traffic_bytes(op, tensors) / num_shards
+    return compute_time_s(flops, nbytes, compute_dtype(op, tensors), device, op_kind(op) in MATMUL_KINDS)

@@ -1,0 +1,247 @@
+"""Hardware descriptions: a `Device`, a `Link` and a `Cluster` of identical nodes.
+
+A cluster is data: frozen, validated, hashable, and round-trips through JSON
+(schema ``alpasim.cluster/1``) so that a plan can record the machine it was made for.
+Bandwidths of links are in Gbit/s per device and direction, the unit network
+datasheets use; `Link.bytes_per_s` converts once for the cost functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+CLUSTER_SCHEMA = "alpasim.cluster/1"
+# Dtypes a device may quote a peak for (the float dtypes of `alpasim.graphs`).
+PEAK_DTYPES = ("float16", "bfloat16", "float32")
+GIB = 2**30
+
+
+class ClusterError(ValueError):
+    """A device, link or cluster with an impossible value, or a malformed cluster JSON."""
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_positive(owner: str, field: str, value: Any) -> float:
+    """`value` as a finite float > 0, else a ClusterError naming `field` and the value."""
+    if not _is_number(value) or not math.isfinite(value) or value <= 0:
+        raise ClusterError(f"{owner}: {field} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+def check_count(owner: str, field: str, value: Any) -> int:
+    """`value` as an int >= 1, else a ClusterError naming `field` and the value."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ClusterError(f"{owner}: {field} must be an integer >= 1, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class Device:
+    """One accelerator: peak FLOP/s per dtype, memory capacity and memory bandwidth.
+
+    `peak_flops` accepts a mapping dtype -> FLOP/s and is stored as sorted (dtype,
+    FLOP/s) pairs so the device stays hashable; read it with `peak_flops_per_s(dtype)`.
+    For half precision it is the dense tensor-core peak; `float32` is the plain FP32
+    (CUDA-core) peak, which the compute model also uses for non-matmul ops.
+    """
+
+    name: str
+    peak_flops: tuple[tuple[str, float], ...]
+    memory_bytes: int
+    memory_bandwidth_bytes_per_s: float
+
+    def __post_init__(self) -> None:
+        owner = f"device {self.name!r}"
+        peaks = self.peak_flops
+        if isinstance(peaks, Mapping):
+            peaks = peaks.items()
+        try:
+            pairs = sorted((str(k), v) for k, v in peaks)
+        except (TypeError, ValueError):
+            raise ClusterError(f"{owner}: peak_flops must map dtype -> FLOP/s, got {self.peak_flops!r}") from None
+        for dtype, value in pairs:
+            if dtype not in PEAK_DTYPES:
+                raise ClusterError(f"{owner}: peak_flops has unknown dtype {dtype!r}; expected some of {PEAK_DTYPES}")
+            check_positive(owner, f"peak_flops[{dtype!r}]", value)
+        if "float32" not in dict(pairs):
+            raise ClusterError(f"{owner}: peak_flops needs a 'float32' entry, got {dict(pairs)!r}")
+        object.__setattr__(self, "peak_flops", tuple((k, float(v)) for k, v in pairs))
+        if not isinstance(self.memory_bytes, int) or isinstance(self.memory_bytes, bool) or self.memory_bytes <= 0:
+            raise ClusterError(f"{owner}: memory_bytes must be an integer > 0, got {self.memory_bytes!r}")
+        object.__setattr__(self, "memory_bandwidth_bytes_per_s",
+                           check_positive(owner, "memory_bandwidth_bytes_per_s", self.memory_bandwidth_bytes_per_s))
+
+    def peak_flops_per_s(self, dtype: str) -> float:
+        """Peak FLOP/s for `dtype`; dtypes without an entry (integers) use the float32 peak."""
+        table = dict(self.peak_flops)
+        return table.get(dtype, table["float32"])
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "peak_flops": dict(self.peak_flops), "memory_bytes": self.memory_bytes,
+                "memory_bandwidth_bytes_per_s": self.memory_bandwidth_bytes_per_s}
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """A communication channel: Gbit/s per device and direction, plus a per-message latency."""
+
+    name: str
+    bandwidth_gbps: float
+    latency_s: float
+
+    def __post_init__(self) -> None:
+        owner = f"link {self.name!r}"
+        object.__setattr__(self, "bandwidth_gbps", check_positive(owner, "bandwidth_gbps", self.bandwidth_gbps))
+        lat = self.latency_s
+        if not _is_number(lat) or not math.isfinite(lat) or lat < 0:
+            raise ClusterError(f"{owner}: latency_s must be a finite number >= 0, got {lat!r}")
+        object.__setattr__(self, "latency_s", float(lat))
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.bandwidth_gbps * 1e9 / 8
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "bandwidth_gbps": self.bandwidth_gbps, "latency_s": self.latency_s}
+
+
+@dataclass(frozen=True, slots=True)
+class Cluster:
+    """`nodes` identical nodes of `devices_per_node` devices each.
+
+    `intra_node` is the link a device uses to reach devices of its own node (NVLink or
+    NVSwitch). `inter_node` is ONE network card; a node has `nics_per_node` of them
+    (default: one per device, as in a DGX). When every device of a node talks across
+    nodes at once — what a collective along a mesh axis that spans nodes does, since
+    all groups along the axis run together — the cards are shared evenly, and a device
+    gets `inter_node_per_device`: min(nics, devices) * bandwidth / devices. A device
+    never drives more than one card (NCCL binds each GPU to its nearest NIC).
+    """
+
+    name: str
+    nodes: int
+    devices_per_node: int
+    device: Device
+    intra_node: Link
+    inter_node: Link
+    nics_per_node: int | None = None
+
+    def __post_init__(self) -> None:
+        owner = f"cluster {self.name!r}"
+        check_count(owner, "nodes", self.nodes)
+        check_count(owner, "devices_per_node", self.devices_per_node)
+        if self.nics_per_node is None:
+            object.__setattr__(self, "nics_per_node", self.devices_per_node)
+        check_count(owner, "nics_per_node", self.nics_per_node)
+        for field, kind in (("device", Device), ("intra_node", Link), ("inter_node", Link)):
+            value = getattr(self, field)
+            if not isinstance(value, kind):
+                raise ClusterError(f"{owner}: {field} must be a {kind.__name__}, got {value!r}")
+
+    @property
+    def num_devices(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    @property
+    def inter_node_per_device(self) -> Link:
+        """The network share of one device when all devices of its node cross nodes at once."""
+        share = min(self.nics_per_node, self.devices_per_node) / self.devices_per_node
+        link = self.inter_node
+        return Link(f"{link.name} (per-device share)", link.bandwidth_gbps * share, link.latency_s)
+
+    def node_of(self, device_id: int) -> int:
+        if not 0 <= device_id < self.num_devices:
+            raise ClusterError(f"cluster {self.name!r}: device id {device_id} outside [0, {self.num_devices})")
+        return device_id // self.devices_per_node
+
+    def with_overrides(self, *, nodes: int | None = None, devices_per_node: int | None = None,
+                       inter_node_gbps: float | None = None, memory_gb: float | None = None) -> Cluster:
+        """A new validated cluster with some fields replaced (None keeps the field).
+
+        `inter_node_gbps` is the bandwidth of one network card; `memory_gb` is in GiB
+        (2**30 bytes), the unit GPU memory is sold in (a "16 GB" V100 has 16 GiB).
+        The number of cards per node is kept.
+        """
+        changes: dict[str, Any] = {}
+        if nodes is not None:
+            changes["nodes"] = nodes
+        if devices_per_node is not None:
+            changes["devices_per_node"] = devices_per_node
+        if inter_node_gbps is not None:
+            changes["inter_node"] = dataclasses.replace(self.inter_node, bandwidth_gbps=inter_node_gbps)
+        if memory_gb is not None:
+            gib = check_positive(f"cluster {self.name!r}", "memory_gb", memory_gb)
+            changes["device"] = dataclasses.replace(self.device, memory_bytes=int(round(gib * GIB)))
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------------ JSON
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict (schema `alpasim.cluster/1`); `from_json` inverts it exactly."""
+        return {"schema": CLUSTER_SCHEMA, "name": self.name, "nodes": self.nodes,
+                "devices_per_node": self.devices_per_node, "nics_per_node": self.nics_per_node,
+                "device": self.device.to_json(), "intra_node": self.intra_node.to_json(),
+                "inter_node": self.inter_node.to_json()}
+
+    @classmethod
+    def from_json(cls, data: Any) -> Cluster:
+        """Parse a dict made by `to_json` (or by hand); errors name the offending field."""
+        r = _Reader(data, "cluster")
+        schema = r.get("schema", str)
+        if schema != CLUSTER_SCHEMA:
+            raise ClusterError(f"cluster JSON: field 'schema' must be {CLUSTER_SCHEMA!r}, got {schema!r}")
+        dev = r.sub("device")
+        device = Device(dev.get("name", str), dev.get("peak_flops", dict), dev.get("memory_bytes", int),
+                        dev.get("memory_bandwidth_bytes_per_s", float))
+        dev.done()
+        links = []
+        for key in ("intra_node", "inter_node"):
+            lk = r.sub(key)
+            links.append(Link(lk.get("name", str), lk.get("bandwidth_gbps", float), lk.get("latency_s", float)))
+            lk.done()
+        cluster = cls(r.get("name", str), r.get("nodes", int), r.get("devices_per_node", int), device,
+                      links[0], links[1], r.get("nics_per_node", int, optional=True))
+        r.done()
+        return cluster
+
+
+class _Reader:
+    """Typed access to one JSON object; remembers which keys were read to reject unknown ones."""
+
+    def __init__(self, data: Any, path: str) -> None:
+        if not isinstance(data, Mapping):
+            raise ClusterError(f"cluster JSON: field {path!r} must be an object, got {type(data).__name__}")
+        self.data, self.path, self.seen = data, path, set()
+
+    def get(self, key: str, kind: type, optional: bool = False) -> Any:
+        self.seen.add(key)
+        where = f"{self.path}.{key}"
+        if key not in self.data:
+            if optional:
+                return None
+            raise ClusterError(f"cluster JSON: missing field {where!r}")
+        value = self.data[key]
+        ok = {str: isinstance(value, str), dict: isinstance(value, Mapping),
+              int: isinstance(value, int) and not isinstance(value, bool),
+              float: _is_number(value)}[kind]
+        if not ok:
+            raise ClusterError(f"cluster JSON: field {where!r} must be {kind.__name__}, got {value!r}")
+        return value
+
+    def sub(self, key: str) -> _Reader:
+        self.seen.add(key)
+        if key not in self.data:
+            raise ClusterError(f"cluster JSON: missing field {self.path + '.' + key!r}")
+        return _Reader(self.data[key], f"{self.path}.{key}")
+
+    def done(self) -> None:
+        extra = sorted(set(self.data) - self.seen)
+        if extra:
+            raise ClusterError(f"cluster JSON: unknown field {self.path + '.' + extra[0]!r} "
+                              f"(known: {sorted(self.seen)})")

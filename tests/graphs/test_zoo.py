@@ -1,0 +1,236 @@
+"""Model zoo against closed forms written out independently of the graph builder."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from alpasim.graphs import (
+    ZOO,
+    GPTConfig,
+    MoEConfig,
+    ModelSpecError,
+    UnknownModelError,
+    WResNetConfig,
+    build_training_graph,
+    flops_by_kind,
+    forward_graph,
+    resolve_model,
+)
+
+GPT_NAMES = [n for n in ZOO if n.startswith("gpt3")]
+MOE_NAMES = [n for n in ZOO if n.startswith("moe")]
+WRN_NAMES = [n for n in ZOO if n.startswith("wresnet")]
+
+
+# ----------------------------------------------------------------------- GPT-3
+def gpt_params_closed_form(c: GPTConfig) -> float:
+    """Megatron-LM: 12 l h^2 (1 + 13/(12h)) + (V + s) h (final layer norm ignored)."""
+    l, h = c.layers, c.hidden
+    return 12 * l * h * h * (1 + 13 / (12 * h)) + (c.vocab + c.seq) * h
+
+
+def gpt_flops_closed_form(c: GPTConfig, remat: bool) -> float:
+    """Narayanan et al. 2021, eq. 3: 72 B s l h^2 (1 + s/(6h) + V/(12 l h)); with full
+    recomputation the layers run forward twice: 96 B s l h^2 (1 + s/(6h) + V/(16 l h))."""
+    b, s, l, h, v = c.batch, c.seq, c.layers, c.hidden, c.vocab
+    if remat:
+        return 96 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+    return 72 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
+
+
+@pytest.mark.parametrize("name", GPT_NAMES)
+def test_gpt_params_and_flops_match_megatron(name):
+    _, cfg = resolve_model(name)
+    for remat in (False, True):
+        built = build_training_graph(name, remat=remat)
+        assert built.graph.num_params() == pytest.approx(gpt_params_closed_form(cfg), rel=0.01)
+        einsum = flops_by_kind(built.graph)["einsum"]
+        assert einsum == pytest.approx(gpt_flops_closed_form(cfg, remat), rel=0.02)
+
+
+def test_gpt_zoo_sizes_are_what_the_names_say():
+    for name in GPT_NAMES:
+        billions = float(name.split("-")[1].rstrip("bm")) * (1e-3 if name.endswith("m") else 1)
+        assert forward_graph(name).num_params() / 1e9 == pytest.approx(billions, rel=0.03)
+
+
+# ------------------------------------------------------------------------- MoE
+def moe_params_closed_form(c: MoEConfig) -> int:
+    """Per layer: attention 4h^2 + 4h, two layer norms 4h. Dense FFN (odd layers) with
+    f = 8h: 2hf + f + h. MoE FFN (even layers): gate hE + experts 2Efh (no biases, as
+    in Alpa's benchmark model). Tied token embedding Vh, positions sh, final norm 2h."""
+    h, f, e = c.hidden, c.ffn_mult * c.hidden, c.experts
+    n_moe = (c.layers + 1) // 2
+    n_dense = c.layers - n_moe
+    per_layer = 4 * h * h + 8 * h
+    return (c.layers * per_layer + n_dense * (2 * h * f + f + h) + n_moe * (h * e + 2 * e * f * h)
+            + c.vocab * h + c.seq * h + 2 * h)
+
+
+def moe_einsum_flops_closed_form(c: MoEConfig, remat: bool) -> float:
+    """Forward, T = B s tokens in G groups of S, capacity C:
+    attention 8Th^2 + 4Tsh; dense FFN 4Thf; MoE FFN gate 2ThE, dispatch 2TECh,
+    experts 4(GEC)hf, combine 2TECh; head 2ThV. Backward is twice the forward for every
+    contraction except dispatch, whose mask operand takes no gradient (once, not twice).
+    Full remat recomputes every layer's forward again, but not the head."""
+    t, s, h, f, e, v = c.batch * c.seq, c.seq, c.hidden, c.ffn_mult * c.hidden, c.experts, c.vocab
+    g, cap = t // c.tokens_per_group, c.capacity
+    n_moe = (c.layers + 1) // 2
+    n_dense = c.layers - n_moe
+    attention = c.layers * (8 * t * h * h + 4 * t * s * h)
+    dense = n_dense * 4 * t * h * f
+    dispatch = n_moe * 2 * t * e * cap * h
+    moe_rest = n_moe * (2 * t * h * e + 4 * g * e * cap * h * f + 2 * t * e * cap * h)
+    head = 2 * t * h * v
+    forward_layers = attention + dense + dispatch + moe_rest
+    total = 3 * (forward_layers + head) - dispatch
+    return total + (forward_layers if remat else 0)
+
+
+@pytest.mark.parametrize("name", MOE_NAMES)
+def test_moe_params_and_flops_closed_form(name):
+    _, cfg = resolve_model(name)
+    assert forward_graph(name).num_params() == moe_params_closed_form(cfg)
+    for remat in (False, True):
+        einsum = flops_by_kind(build_training_graph(name, remat=remat).graph)["einsum"]
+        assert einsum == pytest.approx(moe_einsum_flops_closed_form(cfg, remat), rel=1e-9)
+
+
+def test_moe_sizes_are_what_the_names_say():
+    for name in MOE_NAMES:
+        billions = float(name.split("-")[1].rstrip("bm")) * (1e-3 if name.endswith("m") else 1)
+        assert forward_graph(name).num_params() / 1e9 == pytest.approx(billions, rel=0.05)
+
+
+def test_moe_capacity_is_two_tokens_per_expert_share():
+    cfg = MoEConfig(hidden=64, layers=2, heads=4, experts=8, seq=16, batch=4, group_size=2048)
+    assert cfg.tokens_per_group == 64  # only 64 tokens in the batch
+    assert cfg.capacity == 2 * 64 // 8
+
+
+# ----------------------------------------------------------------- Wide-ResNet
+def _wrn_layers(c: WResNetConfig):
+    """(kernel, c_in, c_out, stride, input spatial size) of every convolution."""
+    convs = [(7, 3, c.channels, 2, c.image)]
+    size = (c.image + 6 - 7) // 2 + 1          # stem conv, pad 3
+    size = (size + 2 - 3) // 2 + 1             # 3x3/2 max pool, pad 1
+    cin = c.channels
+    for stage, n in enumerate(c.blocks):
+        f = c.channels * 2 ** stage
+        for j in range(n):
+            stride = 2 if stage > 0 and j == 0 else 1
+            convs.append((1, cin, f, 1, size))
+            convs.append((3, f, f * c.width, stride, size))
+            out = (size + 2 - 3) // stride + 1
+            convs.append((1, f * c.width, 4 * f, 1, out))
+            if cin != 4 * f or stride != 1:
+                convs.append((1, cin, 4 * f, stride, size))
+            cin, size = 4 * f, out
+    return convs, cin
+
+
+def wrn_params_closed_form(c: WResNetConfig) -> int:
+    """Convolutions K^2 Cin Cout (no bias), batch norm 2 Cout each, dense 4C*8 -> classes."""
+    convs, final = _wrn_layers(c)
+    return sum(k * k * ci * co + 2 * co for k, ci, co, _, _ in convs) + final * c.classes + c.classes
+
+
+def wrn_conv_flops_closed_form(c: WResNetConfig) -> float:
+    """Forward 2 N Ho Wo Cout K^2 Cin per convolution; training = 3x, except that the
+    stem's input gradient (w.r.t. the images) is never computed."""
+    convs, _ = _wrn_layers(c)
+    fwd = []
+    for k, ci, co, stride, size in convs:
+        pad = k // 2
+        out = (size + 2 * pad - k) // stride + 1
+        fwd.append(2 * c.batch * out * out * co * k * k * ci)
+    return 3 * sum(fwd) - fwd[0]
+
+
+@pytest.mark.parametrize("name", WRN_NAMES)
+def test_wresnet_params_and_flops_closed_form(name):
+    _, cfg = resolve_model(name)
+    assert forward_graph(name).num_params() == wrn_params_closed_form(cfg)
+    flops = flops_by_kind(build_training_graph(name).graph)
+    assert flops["conv"] == pytest.approx(wrn_conv_flops_closed_form(cfg), rel=1e-12)
+    _, final = _wrn_layers(cfg)
+    assert flops["einsum"] == pytest.approx(3 * 2 * cfg.batch * final * cfg.classes, rel=1e-12)
+
+
+def test_wresnet_sizes_are_what_the_names_say():
+    for name in WRN_NAMES:
+        billions = float(name.split("-")[1].rstrip("bm")) * (1e-3 if name.endswith("m") else 1)
+        assert forward_graph(name).num_params() / 1e9 == pytest.approx(billions, rel=0.05)
+
+
+# ------------------------------------------------------------ specs and errors
+def test_spec_string_builds_the_described_model():
+    _, cfg = resolve_model("gpt3:hidden=4096,layers=32,heads=32,seq=1024,vocab=51200,batch=1024")
+    assert cfg == resolve_model("gpt3-6.7b")[1]
+    _, cfg = resolve_model("GPT3-1.3B:batch=8,layers=2")
+    assert (cfg.batch, cfg.layers, cfg.hidden) == (8, 2, 2048)
+    _, cfg = resolve_model("wresnet:channels=16,width=2,image=32,batch=4,dtype=fp16")
+    assert cfg.dtype == "float16" and cfg.image == 32
+
+
+@pytest.mark.parametrize("spec, fragment", [
+    ("gpt3:hidden=64,layrs=2", "'layrs'"),
+    ("gpt3:hidden=sixty", "'hidden'"),
+    ("moe:hidden=64,experts", "key=value"),
+    ("gpt3:hidden=65,heads=4", "not divisible"),
+    ("wresnet:depth=42", "depth"),
+    ("gpt3:hidden=0", "hidden"),
+])
+def test_malformed_spec_names_the_bad_key(spec, fragment):
+    with pytest.raises(ModelSpecError, match=fragment):
+        resolve_model(spec)
+
+
+def test_unknown_model_lists_valid_names():
+    with pytest.raises(UnknownModelError) as e:
+        resolve_model("gpt5-1t")
+    assert "gpt3-1.3b" in str(e.value) and "wresnet-2b" in str(e.value)
+
+
+def test_model_json_file(tmp_path):
+    p = tmp_path / "m.json"
+    p.write_text('{"family": "moe", "hidden": 64, "layers": 2, "heads": 4, "experts": 4, "seq": 16, "batch": 2}')
+    name, cfg = resolve_model(str(p))
+    assert isinstance(cfg, MoEConfig) and cfg.experts == 4 and name == "m"
+    p.write_text('{"family": "moe", "hidden": "big"}')
+    with pytest.raises(ModelSpecError, match="'hidden'"):
+        resolve_model(str(p))
+    p.write_text('{"family": "mlp"}')
+    with pytest.raises(ModelSpecError, match="'family'"):
+        resolve_model(str(p))
+    p.write_text("{not json")
+    with pytest.raises(ModelSpecError, match="not valid JSON"):
+        resolve_model(str(p))
+
+
+def test_every_training_op_has_a_layer_and_a_phase():
+    for name in ("gpt3-350m", "moe-380m", "wresnet-250m"):
+        g = build_training_graph(name, remat=True).graph
+        n_layers = g.num_layers
+        assert n_layers == forward_graph(name).num_layers
+        for op in g.ops:
+            assert 0 <= op.layer < n_layers, op
+            assert op.phase in ("forward", "backward", "update")
+            if op.phase != "forward":
+                origin = g.op_by_name[op.origin]
+                assert origin.phase == "forward" and origin.layer == op.layer, op
+
+
+def test_mixed_precision_keeps_fp32_master_weights_and_states():
+    g = build_training_graph("gpt3:hidden=64,layers=2,heads=4,seq=16,vocab=128,batch=2").graph
+    params = g.params
+    states = [t for t in g.tensors_with_role("optimizer_state") if t.name not in g.producer]
+    assert all(t.dtype == "float16" for t in params)
+    assert len(states) == 3 * len(params) and all(t.dtype == "float32" for t in states)
+    n = g.num_params()
+    # Megatron's 16 bytes per parameter: fp16 weight + fp16 grad + fp32 master, m and v.
+    grads = [t for t in g.tensors.values() if t.role == "grad"]
+    assert sum(t.nbytes for t in params + states + grads) == 16 * n
+    assert math.isclose(sum(t.nbytes for t in grads), 2 * n)

@@ -87,36 +87,53 @@ def cluster_ops(graph: OpGraph, num_layers: int, delta: float = 0.25) -> Cluster
 
 
 def _solve(c: np.ndarray, prefix: np.ndarray, num_layers: int, delta: float):
+    """Two passes: the bottleneck DP for G*, then the most uniform cut under G*.
+
+    Minimising (max received, sum of squared FLOPs) lexicographically is not
+    decomposable in one pass (a prefix with a worse bottleneck may still be under the
+    final one), but each pass alone is: first the eq. 6 recursion, then a min-sum DP
+    over the layers whose received bytes stay within G*.
+    """
+    bottleneck = _pass(c, prefix, num_layers, delta, limit=None)
+    if bottleneck is None:
+        return None
+    best_cost = bottleneck[1]
+    return _pass(c, prefix, num_layers, delta, limit=best_cost * (1 + COST_TIE_RTOL) + 1e-12)
+
+
+def _pass(c: np.ndarray, prefix: np.ndarray, num_layers: int, delta: float, limit: float | None):
     k_total = c.shape[0]
-    cap = (1 + delta) * prefix[-1] / num_layers
+    cap = (1 + delta) * prefix[-1] / num_layers * (1 + 1e-12)
     inf = np.inf
-    # g[r][k]: best max-received for ops 0..k-1 in r layers; sq: sum of squared layer FLOPs.
-    g = np.full((num_layers + 1, k_total + 1), inf)
-    sq = np.full((num_layers + 1, k_total + 1), inf)
+    # best[r][k]: objective for ops 0..k-1 in r layers (max received, or with a
+    # `limit` on received bytes, the sum of squared layer FLOPs); worst[r][k] the
+    # largest received bytes of that solution.
+    best = np.full((num_layers + 1, k_total + 1), inf)
+    worst = np.full((num_layers + 1, k_total + 1), inf)
     choice = np.zeros((num_layers + 1, k_total + 1), dtype=int)
-    g[0, 0] = 0.0
-    sq[0, 0] = 0.0
+    best[0, 0] = 0.0
+    worst[0, 0] = 0.0
     for r in range(1, num_layers + 1):
         for k in range(r, k_total - (num_layers - r) + 1):
-            # The last layer is ops i..k-1 (0-based), i in [r-1, k-1].
-            lo = max(r - 1, int(np.searchsorted(prefix, prefix[k] - cap * (1 + 1e-12), "left")))
+            # The last layer is ops i..k-1 (0-based).
+            lo = max(r - 1, int(np.searchsorted(prefix, prefix[k] - cap, "left")))
             if lo >= k:
                 continue
             i = np.arange(lo, k)
             seg = prefix[k] - prefix[i]
-            ok = (seg <= cap * (1 + 1e-12)) & np.isfinite(g[r - 1, i])
-            if not ok.any():
+            recv = c[i, k - 1]
+            ok = (seg <= cap) & np.isfinite(best[r - 1, i])
+            if limit is None:
+                value = np.where(ok, np.maximum(best[r - 1, i], recv), inf)
+            else:
+                value = np.where(ok & (recv <= limit), best[r - 1, i] + seg ** 2, inf)
+            j = int(np.argmin(value))
+            if not np.isfinite(value[j]):
                 continue
-            cost = np.maximum(g[r - 1, i], c[i, k - 1])
-            cost = np.where(ok, cost, inf)
-            best = cost.min()
-            tie = ok & (cost <= best * (1 + COST_TIE_RTOL) + 1e-12)
-            second = np.where(tie, sq[r - 1, i] + seg ** 2, inf)
-            j = int(np.argmin(second))
-            g[r, k] = cost[j]
-            sq[r, k] = second[j]
+            best[r, k] = value[j]
+            worst[r, k] = max(worst[r - 1, i[j]], recv[j])
             choice[r, k] = i[j]
-    if not np.isfinite(g[num_layers, k_total]):
+    if not np.isfinite(best[num_layers, k_total]):
         return None
     bounds = []
     k = k_total
@@ -124,7 +141,7 @@ def _solve(c: np.ndarray, prefix: np.ndarray, num_layers: int, delta: float):
         i = choice[r, k]
         bounds.append(int(i))
         k = i
-    return bounds[::-1], g[num_layers, k_total]
+    return bounds[::-1], worst[num_layers, k_total]
 
 
 def assign_layers(graph: OpGraph, num_layers: int, delta: float = 0.25) -> tuple[OpGraph, Clustering]:

@@ -181,9 +181,10 @@ def model_to_json(cfg: ModelConfig) -> dict[str, Any]:
     return {"schema": "alpasim.model/1", "family": cfg.family, **dataclasses.asdict(cfg)}
 
 
-def forward_graph(spec: str | ModelConfig) -> OpGraph:
+def forward_graph(spec: str | ModelConfig, *, name: str | None = None) -> OpGraph:
     """The forward graph (ending in the scalar loss) of a model from the zoo or a spec."""
-    name, cfg = resolve_model(spec)
+    resolved, cfg = resolve_model(spec)
+    name = name or resolved
     if isinstance(cfg, WResNetConfig):
         return wide_resnet(cfg, name)
     return transformer_lm(cfg, name)

@@ -35,7 +35,7 @@ ClusterOpt = Annotated[str, typer.Option("--cluster", help="Preset name or clust
 NodesOpt = Annotated[Optional[int], typer.Option("--nodes", help="Override the number of nodes.")]
 DpnOpt = Annotated[Optional[int], typer.Option("--devices-per-node", help="Override devices per node.")]
 GbpsOpt = Annotated[Optional[float], typer.Option("--inter-node-gbps", help="Override inter-node bandwidth.")]
-MemOpt = Annotated[Optional[float], typer.Option("--memory-gb", help="Override device memory (GB).")]
+MemOpt = Annotated[Optional[float], typer.Option("--memory-gb", help="Override device memory (GiB).")]
 
 
 def fail(message: str, code: int = 2) -> NoReturn:

@@ -24,6 +24,7 @@ class GraphBuilder:
         self.inputs: list[str] = []
         self._names: dict[str, int] = {}
         self._op_names: set[str] = set()
+        self._op_counts: dict[str, int] = {}
         self.layer = -1
         self.phase = "forward"
         self.tags: frozenset[str] = frozenset()
@@ -44,10 +45,12 @@ class GraphBuilder:
         return name
 
     def _fresh_op(self, base: str) -> str:
-        name, n = base, 0
+        n = self._op_counts.get(base, 0)
+        name = base if n == 0 else f"{base}#{n}"
         while name in self._op_names:
             n += 1
             name = f"{base}#{n}"
+        self._op_counts[base] = n + 1
         self._op_names.add(name)
         return name
 

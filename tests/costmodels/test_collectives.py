@@ -1,0 +1,164 @@
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from alpasim.costmodels import (
+    COLLECTIVE_KINDS,
+    ClusterError,
+    Link,
+    MeshAxis,
+    all_gather_time_s,
+    all_reduce_time_s,
+    all_to_all_time_s,
+    collective_time_s,
+    get_cluster,
+    group_link,
+    mesh_axes,
+    reduce_scatter_time_s,
+    send_recv_time_s,
+)
+
+GB = 1e9
+RING_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+
+def test_all_reduce_closed_form(link_100gb):
+    # 8-way ring all-reduce of 1 GB at 100 GB/s: 2*7/8 * 10 ms of transfer + 14 steps of 10 us.
+    assert all_reduce_time_s(GB, 8, link_100gb) == pytest.approx(2 * 7 / 8 * 0.01 + 14 * 1e-5)
+    assert collective_time_s("all_reduce", GB, [MeshAxis(8, link_100gb)]) == pytest.approx(0.01764)
+
+
+def test_gather_scatter_all_to_all_closed_forms(link_100gb):
+    assert all_gather_time_s(GB, 4, link_100gb) == pytest.approx(3 / 4 * 0.01 + 3 * 1e-5)
+    assert reduce_scatter_time_s(GB, 4, link_100gb) == pytest.approx(3 / 4 * 0.01 + 3 * 1e-5)
+    assert all_to_all_time_s(GB, 8, link_100gb) == pytest.approx(7 / 8 * 0.01 + 7 * 1e-5)
+    assert send_recv_time_s(GB, link_100gb) == pytest.approx(0.01 + 1e-5)
+
+
+def test_send_recv_on_25_gbps():
+    # 100 MB over 25 Gbit/s = 3.125 GB/s: 32 ms.
+    assert send_recv_time_s(100e6, Link("eth", 25.0, 0.0)) == pytest.approx(0.032)
+
+
+@pytest.mark.parametrize("kind", COLLECTIVE_KINDS)
+def test_one_device_and_empty_messages_are_free(kind, link_100gb):
+    assert collective_time_s(kind, GB, [MeshAxis(1, link_100gb)]) == 0.0
+    assert collective_time_s(kind, GB, [MeshAxis(1, link_100gb), MeshAxis(1, link_100gb)]) == 0.0
+    assert collective_time_s(kind, GB, []) == 0.0
+    assert collective_time_s(kind, 0, [MeshAxis(8, link_100gb)]) == 0.0
+
+
+def test_reduce_scatter_plus_all_gather_is_all_reduce(link_100gb):
+    for n in (2, 3, 8, 64):
+        rs_ag = reduce_scatter_time_s(GB, n, link_100gb) + all_gather_time_s(GB, n, link_100gb)
+        assert rs_ag == pytest.approx(all_reduce_time_s(GB, n, link_100gb))
+
+
+sizes = st.floats(min_value=0, max_value=1e12, allow_nan=False)
+links = st.builds(Link, st.just("l"), st.floats(1e-2, 1e4), st.floats(0, 1e-3))
+
+
+@given(kind=st.sampled_from(COLLECTIVE_KINDS), a=sizes, b=sizes, n=st.integers(1, 512), link=links)
+def test_monotone_in_bytes(kind, a, b, n, link):
+    lo, hi = sorted((a, b))
+    axes = [MeshAxis(n, link)]
+    assert collective_time_s(kind, lo, axes) <= collective_time_s(kind, hi, axes)
+
+
+@given(kind=st.sampled_from(RING_KINDS), s=st.floats(1, 1e12), n=st.integers(1, 512), link=links)
+def test_monotone_in_group_size(kind, s, n, link):
+    assert collective_time_s(kind, s, [MeshAxis(n, link)]) <= collective_time_s(kind, s, [MeshAxis(n + 1, link)])
+
+
+@given(kind=st.sampled_from(RING_KINDS), s=st.floats(0, 1e12), n=st.integers(2, 512), link=links)
+def test_bandwidth_term_bounded_by_ring_factor(kind, s, n, link):
+    zero_latency = Link("l", link.bandwidth_gbps, 0.0)
+    factor = 2.0 if kind == "all_reduce" else 1.0
+    t = collective_time_s(kind, s, [MeshAxis(n, zero_latency)])
+    assert t == pytest.approx(factor * (n - 1) / n * s / zero_latency.bytes_per_s)
+    assert t <= factor * s / zero_latency.bytes_per_s * (1 + 1e-12)
+
+
+def test_multi_axis_all_reduce_is_hierarchical(link_100gb, slow_link):
+    s = 8 * GB
+    fast, slow = MeshAxis(8, link_100gb), MeshAxis(2, slow_link)
+    # Reduce-scatter on the fast axis, all-reduce the 1/8 piece on the slow axis, all-gather back.
+    expected = (2 * 7 / 8 * s / 100e9 + 14 * 1e-5) + (2 * 1 / 2 * (s / 8) / 1e9 + 2 * 5e-5)
+    assert collective_time_s("all_reduce", s, [slow, fast]) == pytest.approx(expected)
+    assert collective_time_s("all_reduce", s, [fast, slow]) == pytest.approx(expected)  # order-free
+    flat_over_slow = all_reduce_time_s(s, 16, slow_link)
+    assert collective_time_s("all_reduce", s, [slow, fast]) < flat_over_slow
+
+
+def test_multi_axis_gather_scatter_and_all_to_all(link_100gb, slow_link):
+    s = 8 * GB
+    axes = [MeshAxis(2, slow_link), MeshAxis(4, link_100gb)]
+    shrinking = all_gather_time_s(s, 4, link_100gb) + all_gather_time_s(s / 4, 2, slow_link)
+    assert collective_time_s("all_gather", s, axes) == pytest.approx(shrinking)
+    assert collective_time_s("reduce_scatter", s, axes) == pytest.approx(shrinking)
+    whole = all_to_all_time_s(s, 4, link_100gb) + all_to_all_time_s(s, 2, slow_link)
+    assert collective_time_s("all_to_all", s, axes) == pytest.approx(whole)
+    # Point-to-point crosses the slowest link; an axis of size 1 is not crossed.
+    assert collective_time_s("send_recv", s, axes) == pytest.approx(send_recv_time_s(s, slow_link))
+    assert collective_time_s("send_recv", s, [MeshAxis(1, slow_link), MeshAxis(4, link_100gb)]) == \
+        pytest.approx(send_recv_time_s(s, link_100gb))
+
+
+@given(kind=st.sampled_from(RING_KINDS), s=st.floats(0, 1e12), n=st.integers(1, 64), link=links)
+def test_single_axis_matches_one_axis_function_and_size_one_axes_are_neutral(kind, s, n, link):
+    one = {"all_reduce": all_reduce_time_s, "all_gather": all_gather_time_s,
+           "reduce_scatter": reduce_scatter_time_s, "all_to_all": all_to_all_time_s}[kind]
+    expected = one(s, n, link)
+    assert collective_time_s(kind, s, MeshAxis(n, link)) == pytest.approx(expected)
+    assert collective_time_s(kind, s, [(1, link), (n, link), (1, link)]) == pytest.approx(expected)
+
+
+def test_bad_arguments(link_100gb):
+    with pytest.raises(ValueError, match="all_reduce"):
+        collective_time_s("allreduce", GB, [MeshAxis(2, link_100gb)])
+    with pytest.raises(ValueError, match="-1"):
+        collective_time_s("all_reduce", -1, [MeshAxis(2, link_100gb)])
+    with pytest.raises(ClusterError, match=r"size.*0"):
+        MeshAxis(0, link_100gb)
+    with pytest.raises(ClusterError, match=r"group size n.*0"):
+        all_reduce_time_s(GB, 0, link_100gb)
+
+
+def test_group_link(p3):
+    assert group_link(p3, range(8)) == p3.intra_node
+    assert group_link(p3, [3]) == p3.intra_node
+    spanning = group_link(p3, [0, 8])
+    assert spanning.bandwidth_gbps == pytest.approx(25 / 8)
+    assert spanning.latency_s == p3.inter_node.latency_s
+    assert group_link(get_cluster("dgx-a100"), [7, 8]).bandwidth_gbps == 200.0
+    with pytest.raises(ClusterError):
+        group_link(p3, [])
+    with pytest.raises(ClusterError, match="64"):
+        group_link(p3, [0, 64])
+
+
+def test_mesh_axes_on_p3(p3):
+    across, within = mesh_axes(p3, (2, 8))
+    assert (across.size, within.size) == (2, 8)
+    assert across.link.bandwidth_gbps == pytest.approx(25 / 8)
+    assert within.link == p3.intra_node
+    assert mesh_axes(p3, (4,))[0].link == p3.intra_node
+    assert mesh_axes(p3, (16,))[0].link == p3.inter_node_per_device
+    # 8x2: axis 0 strides by 2 over 16 devices, so it spans nodes; the pairs stay inside.
+    a0, a1 = mesh_axes(p3, (8, 2))
+    assert a0.link == p3.inter_node_per_device and a1.link == p3.intra_node
+    # 2x6 on 8-GPU nodes: the second row (devices 6..11) straddles the node boundary.
+    assert mesh_axes(p3, (2, 6))[1].link == p3.inter_node_per_device
+    with pytest.raises(ClusterError, match="128"):
+        mesh_axes(p3, (16, 8))
+
+
+def test_data_parallel_across_p3_nodes_is_slow(p3):
+    # A 1.3B-parameter fp16 gradient all-reduced over 2 nodes x 8 GPUs: the cross-node
+    # share (25/8 Gbps) dominates. Hierarchical: NVLink on 2.6 GB, then 2 nodes on 1/8.
+    s = 2.6e9
+    t = collective_time_s("all_reduce", s, mesh_axes(p3, (2, 8)))
+    nvlink = 2 * 7 / 8 * s / 130e9 + 14 * 3.4e-6
+    network = 2 * 1 / 2 * (s / 8) / (25e9 / 8 / 8) + 2 * 30e-6
+    assert t == pytest.approx(nvlink + network)
+    assert network > 10 * nvlink

@@ -1,0 +1,127 @@
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from alpasim.costmodels import (
+    HALF_EFFICIENCY_TIME_S,
+    KERNEL_LAUNCH_OVERHEAD_S,
+    MAX_MATMUL_EFFICIENCY,
+    compute_time_s,
+    matmul_efficiency,
+    op_time_s,
+    traffic_bytes,
+)
+from alpasim.graphs import GraphBuilder, OpGraph, op_bytes, op_flops
+
+
+def _matmul(m: int, k: int, n: int, dtype: str = "float16") -> OpGraph:
+    b = GraphBuilder("mm")
+    x = b.input("x", (m, k), dtype)
+    w = b.param("w", (k, n), dtype)
+    return b.build([b.einsum("mk,kn->mn", x, w)])
+
+
+def test_efficiency_constants_are_as_documented():
+    assert MAX_MATMUL_EFFICIENCY == 0.7
+    # Half efficiency at ~1 GFLOP on a V100 in fp16 (125 TFLOP/s * 8 us).
+    assert 125e12 * HALF_EFFICIENCY_TIME_S == pytest.approx(1e9)
+
+
+def test_big_matmul_is_compute_bound(p3):
+    g = _matmul(8192, 8192, 8192)
+    (op,) = g.ops
+    flops = 2 * 8192**3
+    assert op_flops(op, g.tensors) == flops
+    eff = 0.7 * flops / (flops + 1e9)  # independent closed form of the documented curve
+    assert eff > 0.69
+    compute = flops / (125e12 * eff)
+    memory = 3 * 8192 * 8192 * 2 / 900e9
+    assert compute > 10 * memory
+    assert op_time_s(op, g.tensors, p3.device) == pytest.approx(compute + KERNEL_LAUNCH_OVERHEAD_S)
+
+
+def test_fp32_matmul_uses_fp32_peak(p3):
+    g32, g16 = _matmul(4096, 4096, 4096, "float32"), _matmul(4096, 4096, 4096, "float16")
+    t32 = op_time_s(g32.ops[0], g32.tensors, p3.device)
+    t16 = op_time_s(g16.ops[0], g16.tensors, p3.device)
+    flops = 2 * 4096**3
+    f_half = 15.7e12 * HALF_EFFICIENCY_TIME_S
+    assert t32 == pytest.approx(flops / (15.7e12 * 0.7 * flops / (flops + f_half)) + KERNEL_LAUNCH_OVERHEAD_S)
+    assert t32 > 5 * t16
+
+
+def test_elementwise_is_bandwidth_bound(p3):
+    b = GraphBuilder("ew")
+    x = b.input("x", (4096, 4096))
+    y = b.input("y", (4096, 4096))
+    g = b.build([b.ew("add", x, y)])
+    (op,) = g.ops
+    nbytes = 3 * 4096 * 4096 * 4
+    assert op_bytes(op, g.tensors) == nbytes
+    assert op_time_s(op, g.tensors, p3.device) == pytest.approx(nbytes / 900e9 + KERNEL_LAUNCH_OVERHEAD_S)
+
+
+@given(a=st.floats(1, 1e15), b=st.floats(1, 1e15), peak=st.floats(1e12, 1e16))
+def test_efficiency_rises_with_size_and_saturates(a, b, peak):
+    lo, hi = sorted((a, b))
+    assert 0 < matmul_efficiency(lo, peak) <= matmul_efficiency(hi, peak) < MAX_MATMUL_EFFICIENCY
+
+
+def test_efficiency_half_point():
+    peak = 312e12
+    assert matmul_efficiency(peak * HALF_EFFICIENCY_TIME_S, peak) == pytest.approx(MAX_MATMUL_EFFICIENCY / 2)
+    assert matmul_efficiency(0, peak) == 0.0
+
+
+def test_small_matmuls_are_less_efficient(p3):
+    small, big = _matmul(256, 256, 256), _matmul(8192, 8192, 8192)
+    rate = [op_flops(g.ops[0], g.tensors) / op_time_s(g.ops[0], g.tensors, p3.device) for g in (small, big)]
+    assert rate[0] < 0.1 * rate[1]
+
+
+def test_sharding_splits_work_but_loses_efficiency(p3):
+    g = _matmul(8192, 8192, 8192)
+    (op,) = g.ops
+    full = op_time_s(op, g.tensors, p3.device)
+    eighth = op_time_s(op, g.tensors, p3.device, num_shards=8)
+    flops = 2 * 8192**3 / 8
+    assert eighth == pytest.approx((flops + 1e9) / (125e12 * 0.7) + KERNEL_LAUNCH_OVERHEAD_S)
+    assert full / 8 < eighth < full / 7
+    with pytest.raises(ValueError, match="num_shards.*0"):
+        op_time_s(op, g.tensors, p3.device, num_shards=0)
+
+
+def test_compute_time_s_roofline(toy_device):
+    # Memory bound: 1 GB at 1 TB/s = 1 ms, whatever the (tiny) FLOPs.
+    assert compute_time_s(1e6, 1e9, "float32", toy_device, matmul=False) == pytest.approx(1e-3 + 3e-6)
+    # Non-matmul compute ceiling is the fp32 peak without derating: 1e10 / 1e13 = 1 ms.
+    assert compute_time_s(1e10, 1.0, "float16", toy_device, matmul=False) == pytest.approx(1e-3 + 3e-6)
+    # Matmul: (F + F_half) / (peak * 0.7) with F_half = 100e12 * 8e-6 = 8e8.
+    assert compute_time_s(1e12, 1.0, "float16", toy_device, matmul=True) == \
+        pytest.approx((1e12 + 8e8) / (100e12 * 0.7) + 3e-6)
+    assert compute_time_s(0, 0, "float32", toy_device, matmul=True) == 0.0
+    with pytest.raises(ValueError, match="-1"):
+        compute_time_s(-1, 0, "float32", toy_device, matmul=False)
+
+
+def test_reshape_is_free_and_embedding_reads_rows_only(p3):
+    b = GraphBuilder("emb")
+    ids = b.input("ids", (8, 128), "int32")
+    table = b.param("table", (50000, 1024), "float16")
+    h = b.one("embedding", [table, ids])
+    r = b.one("reshape", [h], shape=(1024, 1024))
+    g = b.build([r])
+    emb, reshape = g.ops
+    assert op_time_s(reshape, g.tensors, p3.device) == 0.0
+    rows = 8 * 128 * 1024 * 2
+    assert traffic_bytes(emb, g.tensors) == 8 * 128 * 4 + 2 * rows
+    assert op_time_s(emb, g.tensors, p3.device) == pytest.approx((8 * 128 * 4 + 2 * rows) / 900e9 + 3e-6)
+
+
+def test_mixed_precision_matmul_runs_at_fp32(p3):
+    b = GraphBuilder("mixed")
+    x = b.input("x", (2048, 2048), "float16")
+    w = b.param("w", (2048, 2048), "float32")
+    g = b.build([b.einsum("mk,kn->mn", x, w)])
+    g16 = _matmul(2048, 2048, 2048)
+    assert op_time_s(g.ops[0], g.tensors, p3.device) > 5 * op_time_s(g16.ops[0], g16.tensors, p3.device)

@@ -1,0 +1,12 @@
+"""Backends: JAX semantics of the primitive set, then JAX and Ray execution of programs.
+
+Importing this package imports jax; `import alpasim` alone does not.
+"""
+
+from ._lowering import LOWERINGS as LOWERINGS
+from ._lowering import LoweringError as LoweringError
+from ._lowering import eval_op as eval_op
+from ._lowering import graph_leaves as graph_leaves
+from ._lowering import lower_graph as lower_graph
+from ._lowering import random_leaves as random_leaves
+from ._lowering import top2_gating as top2_gating

@@ -122,6 +122,15 @@ def _pool_vjp(c, op, cts, needs):
 
 # -------------------------------------------------------------- elementwise
 def _elementwise_vjp(c: _Ctx, op: Op, cts, needs):
+    grads = _elementwise_cotangents(c, op, cts, needs)
+    # A rank-0 operand broadcasts against the others: its cotangent is the sum.
+    for i, (t, g) in enumerate(zip(op.inputs, grads)):
+        if g is not None and c.t(t).rank == 0 and c.b.shape(g):
+            grads[i] = c.b.one("reduce", [g], kind="sum", axes=tuple(range(len(c.b.shape(g)))))
+    return grads
+
+
+def _elementwise_cotangents(c: _Ctx, op: Op, cts, needs):
     (dy,) = cts
     fn = op.param("fn")
     xs = [c.x(t) for t in op.inputs]

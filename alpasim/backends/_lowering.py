@@ -1,0 +1,483 @@
+"""JAX semantics of the primitive set, and `lower_graph`: an OpGraph as a JAX function.
+
+Every primitive of `alpasim.graphs.PRIMITIVES` has one implementation here, written
+the way the VJP rules in `alpasim.graphs._autodiff` assume it behaves: the backward
+primitives (`softmax_grad`, `layer_norm_grad`, `softmax_cross_entropy_grad`, ...) are
+closed-form kernels, checked in the tests against `jax.grad` of their forward
+primitive. The convolution, pooling and gating cotangents are `jax.vjp` of the forward
+implementation: their index bookkeeping is exactly what XLA's transposition rules
+already get right.
+
+Conventions: softmax, norms and the loss compute in float32 and cast back (what
+Megatron-LM's fused kernels do for half precision); every op's results are cast to
+the dtypes its graph declares, and a result whose shape disagrees with the graph is a
+`LoweringError`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from alpasim.graphs import ELEMENTWISE, PRIMITIVES, Op, OpGraph
+
+F32 = jnp.float32
+Impl = Callable[..., Any]  # (params dict, *operands) -> array | tuple of arrays
+LOWERINGS: dict[str, Impl] = {}
+
+
+class LoweringError(ValueError):
+    """A graph that cannot be evaluated: a missing leaf, an unknown primitive, a bad shape."""
+
+
+def _lowers(*prims: str):
+    def deco(fn: Impl) -> Impl:
+        for p in prims:
+            LOWERINGS[p] = fn
+        return fn
+    return deco
+
+
+# --------------------------------------------------------------------- einsum
+@_lowers("einsum")
+def _einsum(p, a, b):
+    dtype = jnp.dtype(p["dtype"]) if "dtype" in p else None
+    return jnp.einsum(p["equation"], a, b, preferred_element_type=dtype)
+
+
+# --------------------------------------------------------------------- conv2d
+def _conv(x, w, strides, padding):
+    """NHWC input, HWIO filter -> NHWC output."""
+    return lax.conv_general_dilated(x, w, window_strides=tuple(strides), padding=tuple(map(tuple, padding)),
+                                    dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+
+def _geometry(p) -> tuple[tuple[int, int], tuple[tuple[int, int], ...]]:
+    return tuple(p.get("strides", (1, 1))), tuple(p.get("padding", ((0, 0), (0, 0))))
+
+
+@_lowers("conv2d")
+def _conv2d(p, x, w):
+    return _conv(x, w, *_geometry(p))
+
+
+@_lowers("conv2d_input_grad")
+def _conv2d_input_grad(p, dy, w):
+    # conv2d is linear in x, so the transpose does not depend on the point (zeros).
+    x0 = jnp.zeros(tuple(p["input_shape"]), dy.dtype)
+    _, vjp = jax.vjp(lambda x: _conv(x, w.astype(dy.dtype), *_geometry(p)), x0)
+    return vjp(dy)[0]
+
+
+@_lowers("conv2d_filter_grad")
+def _conv2d_filter_grad(p, x, dy):
+    w0 = jnp.zeros(tuple(p["filter_shape"]), dy.dtype)
+    _, vjp = jax.vjp(lambda w: _conv(x.astype(dy.dtype), w, *_geometry(p)), w0)
+    return vjp(dy)[0]
+
+
+# ---------------------------------------------------------------- elementwise
+_GELU_C = math.sqrt(2.0 / math.pi)
+
+
+def _gelu_grad(dy, x):
+    """dy * d/dx of the tanh-approximate GeLU 0.5 x (1 + tanh(c (x + 0.044715 x^3)))."""
+    xf = x.astype(F32)
+    t = jnp.tanh(_GELU_C * (xf + 0.044715 * xf ** 3))
+    d = 0.5 * (1.0 + t) + 0.5 * xf * (1.0 - t * t) * _GELU_C * (1.0 + 3 * 0.044715 * xf * xf)
+    return (dy.astype(F32) * d).astype(dy.dtype)
+
+
+_EW_FNS: dict[str, Callable[..., Any]] = {
+    "neg": jnp.negative, "exp": jnp.exp, "log": jnp.log, "tanh": jnp.tanh, "logistic": jax.nn.sigmoid,
+    "relu": jax.nn.relu, "gelu": lambda x: jax.nn.gelu(x, approximate=True), "rsqrt": lax.rsqrt,
+    "sqrt": jnp.sqrt, "square": jnp.square, "abs": jnp.abs, "sign": jnp.sign,
+    "reciprocal": jnp.reciprocal, "erf": lax.erf, "sin": jnp.sin, "cos": jnp.cos,
+    "identity": lambda x: x, "stop_gradient": lax.stop_gradient, "not": jnp.logical_not,
+    "add": jnp.add, "sub": jnp.subtract, "mul": jnp.multiply, "div": jnp.divide,
+    "max": jnp.maximum, "min": jnp.minimum, "pow": jnp.power,
+    "gt": jnp.greater, "ge": jnp.greater_equal, "lt": jnp.less, "le": jnp.less_equal,
+    "eq": jnp.equal, "ne": jnp.not_equal, "and": jnp.logical_and, "or": jnp.logical_or,
+    "relu_grad": lambda dy, x: jnp.where(x > 0, dy, jnp.zeros_like(dy)),
+    "gelu_grad": _gelu_grad,
+    "select": jnp.where,
+}
+assert set(_EW_FNS) == set(ELEMENTWISE), sorted(set(ELEMENTWISE) ^ set(_EW_FNS))
+
+
+@_lowers("elementwise")
+def _elementwise(p, *xs):
+    fn = _EW_FNS[p["fn"]]
+    if "scalar" in p:
+        # A Python scalar is weakly typed: `x * 0.5` keeps x's dtype.
+        (x,) = xs
+        xs = (p["scalar"], x) if p.get("scalar_pos", 1) == 0 else (x, p["scalar"])
+    y = fn(*xs)
+    return y.astype(p["dtype"]) if "dtype" in p else y
+
+
+@_lowers("convert")
+def _convert(p, x):
+    return x.astype(p["dtype"])
+
+
+@_lowers("bias_add")
+def _bias_add(p, x, b):
+    return x + b.astype(x.dtype)  # numpy broadcasting aligns b with the trailing dims
+
+
+# ------------------------------------------------------- reductions and layout
+_REDUCE = {"sum": jnp.sum, "max": jnp.max, "min": jnp.min, "mean": jnp.mean}
+
+
+@_lowers("reduce")
+def _reduce(p, x):
+    return _REDUCE[p["kind"]](x, axis=tuple(a % max(x.ndim, 1) for a in p["axes"]))
+
+
+@_lowers("broadcast")
+def _broadcast(p, x):
+    return lax.broadcast_in_dim(x, tuple(p["shape"]), tuple(p["dims"]))
+
+
+@_lowers("reshape")
+def _reshape(p, x):
+    return jnp.reshape(x, tuple(p["shape"]))
+
+
+@_lowers("transpose")
+def _transpose(p, x):
+    return jnp.transpose(x, tuple(p["perm"]))
+
+
+@_lowers("slice")
+def _slice(p, x):
+    return lax.slice(x, tuple(p["start"]), tuple(p["limit"]))
+
+
+@_lowers("pad")
+def _pad(p, x):
+    return lax.pad(x, jnp.zeros((), x.dtype), [(lo, hi, 0) for lo, hi in zip(p["low"], p["high"])])
+
+
+@_lowers("concatenate")
+def _concatenate(p, *xs):
+    return jnp.concatenate(xs, axis=p["axis"])
+
+
+@_lowers("iota")
+def _iota(p):
+    return lax.broadcasted_iota(jnp.dtype(p.get("dtype", "int32")), tuple(p["shape"]), p["dimension"])
+
+
+@_lowers("full")
+def _full(p):
+    return jnp.full(tuple(p["shape"]), p["value"], jnp.dtype(p.get("dtype", "float32")))
+
+
+# ------------------------------------------------------------ softmax and norms
+@_lowers("softmax")
+def _softmax(p, x):
+    """softmax(scale * x) along `axis`; `causal` masks key index > query index (last two axes)."""
+    z = x.astype(F32) * p.get("scale", 1.0)
+    if p.get("causal", False):
+        q, k = x.shape[-2:]
+        allowed = jnp.arange(k)[None, :] <= jnp.arange(q)[:, None]  # (q, k)
+        z = jnp.where(allowed, z, -jnp.inf)
+    return jax.nn.softmax(z, axis=p.get("axis", -1)).astype(x.dtype)
+
+
+@_lowers("softmax_grad")
+def _softmax_grad(p, dy, y):
+    """scale * y * (dy - sum(dy * y)): masked entries have y = 0 and get no gradient."""
+    d, yf = dy.astype(F32), y.astype(F32)
+    dot = jnp.sum(d * yf, axis=p.get("axis", -1), keepdims=True)
+    return (p.get("scale", 1.0) * yf * (d - dot)).astype(dy.dtype)
+
+
+def _normalize(x, axes, eps):
+    """(x - mean) * rstd over `axes`, with rstd = 1 / sqrt(var + eps)."""
+    xf = x.astype(F32)
+    mean = jnp.mean(xf, axis=axes, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mean), axis=axes, keepdims=True)
+    rstd = lax.rsqrt(var + eps)
+    return (xf - mean) * rstd, rstd
+
+
+def _norm(x, gamma, beta, axes, eps):
+    xhat, _ = _normalize(x, axes, eps)
+    return (xhat * gamma.astype(F32) + beta.astype(F32)).astype(x.dtype)
+
+
+def _norm_grad(dy, x, gamma, axes, eps):
+    """(dx, dgamma, dbeta) of y = xhat * gamma + beta, xhat normalised over `axes`.
+
+    With g = dy * gamma: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), the means
+    over the normalised axes; dgamma and dbeta sum over every axis but the channel.
+    """
+    xhat, rstd = _normalize(x, axes, eps)
+    d = dy.astype(F32)
+    g = d * gamma.astype(F32)
+    dx = rstd * (g - jnp.mean(g, axis=axes, keepdims=True) - xhat * jnp.mean(g * xhat, axis=axes, keepdims=True))
+    lead = tuple(range(x.ndim - 1))
+    dgamma, dbeta = jnp.sum(d * xhat, axis=lead), jnp.sum(d, axis=lead)
+    return dx.astype(dy.dtype), dgamma.astype(gamma.dtype), dbeta.astype(gamma.dtype)
+
+
+@_lowers("layer_norm")
+def _layer_norm(p, x, gamma, beta):
+    return _norm(x, gamma, beta, (x.ndim - 1,), p.get("eps", 1e-5))
+
+
+@_lowers("layer_norm_grad")
+def _layer_norm_grad(p, dy, x, gamma):
+    return _norm_grad(dy, x, gamma, (x.ndim - 1,), p.get("eps", 1e-5))
+
+
+@_lowers("batch_norm")
+def _batch_norm(p, x, gamma, beta):
+    """Training-mode batch norm: statistics of this batch over every axis but the channel."""
+    return _norm(x, gamma, beta, tuple(range(x.ndim - 1)), p.get("eps", 1e-5))
+
+
+@_lowers("batch_norm_grad")
+def _batch_norm_grad(p, dy, x, gamma):
+    return _norm_grad(dy, x, gamma, tuple(range(x.ndim - 1)), p.get("eps", 1e-5))
+
+
+# --------------------------------------------------------- embedding and loss
+@_lowers("embedding")
+def _embedding(p, table, ids):
+    return jnp.take(table, ids, axis=0)
+
+
+@_lowers("embedding_grad")
+def _embedding_grad(p, dy, ids):
+    """Scatter-add of the rows of dy into (vocab, hidden); repeated ids accumulate."""
+    hidden = dy.shape[-1]
+    rows = dy.reshape(-1, hidden).astype(F32)
+    table = jnp.zeros((int(p["vocab"]), hidden), F32).at[ids.reshape(-1)].add(rows)
+    return table.astype(p.get("dtype", dy.dtype))
+
+
+@_lowers("softmax_cross_entropy")
+def _xent(p, logits, labels):
+    """Mean over label positions of -log_softmax(logits)[label], in float32."""
+    logp = jax.nn.log_softmax(logits.astype(F32), axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, labels[..., None].astype(jnp.int32), axis=-1))
+
+
+@_lowers("softmax_cross_entropy_grad")
+def _xent_grad(p, dloss, logits, labels):
+    """dloss * (softmax - onehot(labels)) / positions, in the logits dtype."""
+    probs = jax.nn.softmax(logits.astype(F32), axis=-1)
+    onehot = jax.nn.one_hot(labels, logits.shape[-1], dtype=F32)
+    return (dloss.astype(F32) * (probs - onehot) / labels.size).astype(logits.dtype)
+
+
+# ------------------------------------------------------------------ MoE gating
+def top2_gating(gates, capacity: int):
+    """GShard top-2 gating as in Alpa's benchmark MoE (lingvo's Top2Gating, no aux loss).
+
+    gates (G, S, E) -> combine (G, S, E, C) and dispatch (G, S, E, C). Each token picks
+    its best expert and the best of the rest; tokens queue per expert in sequence
+    order, all first choices ahead of all second choices, and those past capacity C are
+    dropped; the two kept gate values are renormalised to sum to one.
+    """
+    _, _, e = gates.shape
+    index_1 = jnp.argmax(gates, axis=-1)                                  # (G, S)
+    mask_1 = jax.nn.one_hot(index_1, e, dtype=jnp.int32)                  # (G, S, E)
+    rest = gates * (1 - mask_1).astype(gates.dtype)
+    index_2 = jnp.argmax(rest, axis=-1)
+    mask_2 = jax.nn.one_hot(index_2, e, dtype=jnp.int32)
+    gate_1 = jnp.sum(gates * mask_1.astype(gates.dtype), axis=-1)        # (G, S)
+    gate_2 = jnp.sum(rest * mask_2.astype(gates.dtype), axis=-1)
+
+    pos_1 = jnp.cumsum(mask_1, axis=1) - mask_1                           # slot in the expert's buffer
+    mask_1 = mask_1 * (pos_1 < capacity)
+    pos_2 = jnp.cumsum(mask_2, axis=1) - mask_2 + jnp.sum(mask_1, axis=1, keepdims=True)
+    mask_2 = mask_2 * (pos_2 < capacity)
+    kept_1 = jnp.sum(mask_1, axis=-1).astype(gates.dtype)                 # (G, S) 0/1
+    kept_2 = jnp.sum(mask_2, axis=-1).astype(gates.dtype)
+    gate_1, gate_2 = gate_1 * kept_1, gate_2 * kept_2
+    denom = gate_1 + gate_2
+    denom = jnp.where(denom > 0, denom, jnp.ones_like(denom))
+    gate_1, gate_2 = gate_1 / denom, gate_2 / denom
+
+    def part(gate, mask, pos):
+        slot = jax.nn.one_hot(jnp.sum(pos * mask, axis=-1), capacity, dtype=gates.dtype)  # (G, S, C)
+        return gate[..., None, None] * mask.astype(gates.dtype)[..., None] * slot[:, :, None, :]
+
+    combine = part(gate_1, mask_1, pos_1) + part(gate_2, mask_2, pos_2)
+    return combine, (combine > 0).astype(gates.dtype)
+
+
+@_lowers("top2_gating")
+def _top2_gating(p, gates):
+    return top2_gating(gates, int(p["capacity"]))
+
+
+@_lowers("top2_gating_grad")
+def _top2_gating_grad(p, dcombine, gates):
+    _, vjp = jax.vjp(lambda g: top2_gating(g, int(p["capacity"]))[0], gates)
+    return vjp(dcombine.astype(gates.dtype))[0]
+
+
+# --------------------------------------------------------------------- pooling
+def _max_pool_fn(p, x):
+    pad = ((0, 0), *map(tuple, p.get("padding", ((0, 0), (0, 0)))), (0, 0))
+    # A concrete -inf init lets JAX recognise reduce_window_max (and differentiate it).
+    return lax.reduce_window(x, np.array(-np.inf, x.dtype), lax.max, (1, *p["window"], 1),
+                             (1, *p["strides"], 1), pad)
+
+
+@_lowers("max_pool")
+def _max_pool(p, x):
+    return _max_pool_fn(p, x)
+
+
+@_lowers("max_pool_grad")
+def _max_pool_grad(p, dy, x):
+    _, vjp = jax.vjp(lambda v: _max_pool_fn(p, v), x)
+    return vjp(dy.astype(x.dtype))[0]
+
+
+# ------------------------------------------------------------------- optimizer
+@_lowers("adam")
+def _adam(p, *xs):
+    """One Adam step with step-1 bias correction (Kingma & Ba, 2015; decoupled decay).
+
+    (param, grad, m, v) -> (param', m', v'), or with an fp32 master copy
+    (param, grad, master, m, v) -> (param', master', m', v'), param' = master' in the
+    param dtype. upd = lr * m'/(1-b1) / (sqrt(v'/(1-b2)) + eps) + weight_decay * w.
+    """
+    lr, b1, b2, eps, wd = (p.get(k, d) for k, d in
+                           (("lr", 1e-4), ("b1", 0.9), ("b2", 0.999), ("eps", 1e-8), ("weight_decay", 0.0)))
+    if len(xs) == 5:
+        param, grad, master, m, v = xs
+        w = master.astype(F32)
+    else:
+        param, grad, m, v = xs
+        w = param.astype(F32)
+    g = grad.astype(F32)
+    m = b1 * m.astype(F32) + (1 - b1) * g
+    v = b2 * v.astype(F32) + (1 - b2) * g * g
+    w = w - (lr * (m / (1 - b1)) / (jnp.sqrt(v / (1 - b2)) + eps) + wd * w)
+    if len(xs) == 5:
+        return w.astype(param.dtype), w, m, v
+    return w.astype(param.dtype), m, v
+
+
+assert set(LOWERINGS) == set(PRIMITIVES), sorted(set(LOWERINGS) ^ set(PRIMITIVES))
+
+
+# ------------------------------------------------------------------- graphs
+def eval_op(op: Op, operands: Sequence[Any]) -> list[jax.Array]:
+    """The values of `op`'s outputs for the given operand values (no dtype or shape checks)."""
+    impl = LOWERINGS.get(op.prim)
+    if impl is None:
+        raise LoweringError(f"op {op.name!r}: no JAX lowering for primitive {op.prim!r}")
+    out = impl(op.attrs, *operands)
+    return list(out) if isinstance(out, tuple) else [out]
+
+
+def graph_leaves(graph: OpGraph) -> list[str]:
+    """Tensors read before any op writes them: inputs, parameters and optimizer states."""
+    leaves = dict.fromkeys(graph.inputs)
+    written: set[str] = set()
+    for op in graph.ops:
+        leaves.update((t, None) for t in op.inputs if t not in written)
+        written.update(op.outputs)
+    leaves.update((t, None) for t in graph.outputs if t not in written)
+    return list(leaves)
+
+
+def lower_graph(graph: OpGraph, outputs: Iterable[str] | None = None
+                ) -> Callable[[Mapping[str, Any]], dict[str, jax.Array]]:
+    """A pure function env -> values that evaluates `graph`'s ops in order.
+
+    `env` maps every leaf (see `graph_leaves`) to its value; the result maps every
+    tensor (leaves included) to its value, or only `outputs` when given. The function
+    can be wrapped in `jax.jit`, `jax.grad` or `jax.vmap` like any JAX function.
+    """
+    for op in graph.ops:
+        if op.prim not in LOWERINGS:
+            raise LoweringError(f"op {op.name!r}: no JAX lowering for primitive {op.prim!r}")
+    wanted = None if outputs is None else tuple(outputs)
+    for t in wanted or ():
+        if t not in graph.tensors:
+            raise LoweringError(f"graph {graph.name!r} has no tensor {t!r} to return")
+    leaves = graph_leaves(graph)
+    tensors = graph.tensors
+    dtypes = {name: jax.dtypes.canonicalize_dtype(t.dtype) for name, t in tensors.items()}
+
+    def run(env: Mapping[str, Any]) -> dict[str, jax.Array]:
+        missing = [t for t in leaves if t not in env]
+        if missing:
+            raise LoweringError(f"graph {graph.name!r}: no value for leaves {missing[:8]}"
+                                f"{' ...' if len(missing) > 8 else ''}")
+        values = {name: jnp.asarray(v) for name, v in env.items()}
+        for op in graph.ops:
+            outs = eval_op(op, [values[t] for t in op.inputs])
+            for name, v in zip(op.outputs, outs, strict=True):
+                if v.shape != tensors[name].shape:
+                    raise LoweringError(f"op {op.name!r} ({op.prim}) made {name!r} of shape {v.shape}; "
+                                        f"the graph says {tensors[name].shape}")
+                values[name] = v if v.dtype == dtypes[name] else v.astype(dtypes[name])
+        return values if wanted is None else {t: values[t] for t in wanted}
+
+    return run
+
+
+def random_leaves(graph: OpGraph, seed: int = 0, scale: float = 0.02) -> dict[str, np.ndarray]:
+    """Plausible values for every leaf of `graph`, for tests and benchmark runs.
+
+    Float parameters and inputs are normal(0, scale) (norm scales 1 + that); integer
+    inputs are uniform below the smallest bound their consumers imply (an embedding's
+    vocabulary, a loss's class count); optimizer states are zeros, except fp32 master
+    weights, which copy their parameter.
+    """
+    rng = np.random.default_rng(seed)
+    out: dict[str, np.ndarray] = {}
+    masters: dict[str, str] = {}
+    for op in graph.ops:
+        if op.prim == "adam" and len(op.inputs) == 5:
+            masters[op.inputs[2]] = op.inputs[0]
+    for name in graph_leaves(graph):
+        t = graph.tensors[name]
+        dtype = jax.dtypes.canonicalize_dtype(t.dtype)
+        if t.role == "optimizer_state":
+            continue
+        if t.is_float:
+            x = rng.normal(0.0, scale, t.shape)
+            if t.role == "param" and any(op.prim in ("layer_norm", "batch_norm") and op.inputs[1] == name
+                                         for op in graph.consumers[name]):
+                x += 1.0
+            out[name] = x.astype(dtype)
+        elif t.dtype == "bool":
+            out[name] = rng.random(t.shape) < 0.5
+        else:
+            out[name] = rng.integers(0, _index_bound(graph, name), t.shape).astype(dtype)
+    for name in graph_leaves(graph):
+        t = graph.tensors[name]
+        if t.role == "optimizer_state":
+            src = masters.get(name)
+            out[name] = (out[src].astype(np.float32) if src in out
+                         else np.zeros(t.shape, jax.dtypes.canonicalize_dtype(t.dtype)))
+    return out
+
+
+def _index_bound(graph: OpGraph, name: str) -> int:
+    bounds = []
+    for op in graph.consumers[name]:
+        if op.prim in ("embedding", "embedding_grad") and op.inputs[1] == name:
+            bounds.append(graph.tensors[op.inputs[0]].shape[0] if op.prim == "embedding" else op.param("vocab"))
+        elif op.prim in ("softmax_cross_entropy", "softmax_cross_entropy_grad") and op.inputs[-1] == name:
+            bounds.append(graph.tensors[op.inputs[-2]].shape[-1])
+    return max(1, min(bounds, default=2))

@@ -1,7 +1,7 @@
 """Operator graphs: types, primitives, training-graph derivation, model zoo, JAX import.
 
-Public surface only; the modules behind it are private. Nothing here imports jax
-except `from_jax`, which imports it when called.
+Public surface only; the modules behind it are private. Importing this package does
+not import jax; `from_jax` imports it when called.
 """
 
 from ._autodiff import AdamConfig as AdamConfig
@@ -17,6 +17,9 @@ from ._clustering import Clustering as Clustering
 from ._clustering import assign_layers as assign_layers
 from ._clustering import cluster_ops as cluster_ops
 from ._clustering import received_bytes_matrix as received_bytes_matrix
+from ._jax_import import from_jax as from_jax
+from ._jax_import import training_graph_from_jax as training_graph_from_jax
+from ._jax_values import JaxImportError as JaxImportError
 from ._primitives import ELEMENTWISE as ELEMENTWISE
 from ._primitives import MATMUL_KINDS as MATMUL_KINDS
 from ._primitives import PRIMITIVES as PRIMITIVES
@@ -51,16 +54,3 @@ from ._zoo import model_names as model_names
 from ._zoo import model_to_json as model_to_json
 from ._zoo import resolve_model as resolve_model
 
-
-def from_jax(loss_fn, params, batch, **kwargs):
-    """Import a JAX loss function as a forward OpGraph (see `_jax_import`)."""
-    from ._jax_import import from_jax as _from_jax
-
-    return _from_jax(loss_fn, params, batch, **kwargs)
-
-
-def training_graph_from_jax(loss_fn, params, batch, **kwargs):
-    """Import a JAX loss function and derive its training graph."""
-    from ._jax_import import training_graph_from_jax as _impl
-
-    return _impl(loss_fn, params, batch, **kwargs)

@@ -1,0 +1,304 @@
+"""Import a JAX loss function as a forward `OpGraph`.
+
+`from_jax(loss_fn, params, batch)` traces `loss_fn(params, batch)` with abstract shapes
+(`jax.make_jaxpr` on `jax.ShapeDtypeStruct` leaves: nothing is allocated), inlines the
+nested jaxprs that JAX wraps around library code (`jit`, `custom_jvp_call`,
+`custom_vjp_call`, `remat`/checkpoint, `closed_call`), and maps every JAX primitive
+onto alpasim's coarse set: `dot_general` becomes an `einsum` whose equation is built
+from the dimension numbers, `conv_general_dilated` a `conv2d` (with transposes around
+it when the layout is not NHWC/HWIO), a row lookup `gather` an `embedding`, and so on
+(`SUPPORTED` lists them). The training graph then comes from alpasim's own VJP rules,
+so planning a JAX model never needs JAX again.
+
+How the jaxpr maps, where it is not one-to-one:
+
+* A jaxpr variable holds either a graph tensor or a `Splat`, a constant whose
+  elements are all equal (a literal, a broadcast literal, folded scalar arithmetic).
+  Splats fold with numpy and become a `full` op only where a tensor is needed, so
+  guards such as `jnp.var`'s `where(n > 0, ..., nan)` leave no ops behind.
+* A splat operand of a binary elementwise op becomes its `scalar` param.
+* JAX's binary ops broadcast rank-0 operands and size-1 axes implicitly; alpasim's
+  elementwise ops need equal shapes, so explicit `broadcast` ops are inserted
+  (composed with the `broadcast_in_dim` that made the size-1 axes, if any).
+* `jax.nn.relu` (a custom_jvp around `max(x, 0)`) becomes the `relu` function.
+* Ops whose results do not reach the loss are dropped.
+
+Op and tensor names carry the nesting of the JAX functions they come from
+(`log_softmax/exp`). Every op is in layer 0; clustering assigns layers later. Importing
+this module does not import jax; calling `from_jax` does.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ._autodiff import AdamConfig, training_graph
+from ._builder import GraphBuilder
+from ._types import OpGraph, Tensor
+from ._jax_values import FOLD, JaxImportError, Splat, Value, dtype_name, py_scalar
+from ._jax_rules import ELEMENTWISE_FNS, HANDLERS, INLINE, PASSTHROUGH, SUPPORTED, out_aval
+
+
+def from_jax(loss_fn: Callable[[Any, Any], Any], params: Any, batch: Any, *, name: str = "imported") -> OpGraph:
+    """The forward `OpGraph` of `loss_fn(params, batch)`, ending in its scalar loss.
+
+    `params` and `batch` are pytrees of arrays or `jax.ShapeDtypeStruct`s; only their
+    shapes and dtypes are used. Parameter leaves become tensors of role ``param``
+    named by their key path (``layers/0/w``), batch leaves tensors of role ``input``
+    (``batch/x``).
+    """
+    import jax
+
+    p_abs, b_abs = _abstract(params), _abstract(batch)
+    closed = jax.make_jaxpr(loss_fn)(p_abs, b_abs)
+    outs = closed.out_avals
+    if len(outs) != 1 or outs[0].shape != () or dtype_name(outs[0].dtype) not in ("float32", "float16", "bfloat16"):
+        got = ", ".join(a.str_short() for a in outs)
+        raise JaxImportError(f"loss_fn must return one scalar float loss, got ({got})")
+    unsupported = sorted(_unsupported(closed.jaxpr))
+    if unsupported:
+        raise JaxImportError(f"unsupported JAX primitives: {', '.join(unsupported)}; alpasim maps only "
+                             f"these (nested calls are inlined): {', '.join(SUPPORTED)}")
+
+    b = GraphBuilder(name)
+    leaves = []
+    avals = iter(v.aval for v in closed.jaxpr.invars)  # canonical dtypes (no float64 without x64)
+    for tree, role, root in ((p_abs, "param", "params"), (b_abs, "input", "batch")):
+        for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            base = _path_name(path) or root
+            if role == "input" and base != root:
+                base = f"{root}/{base}"
+            aval = next(avals)
+            t = Tensor(b.fresh(base), aval.shape, dtype_name(aval.dtype), role)
+            b.add_tensor(t)
+            if role == "input":
+                b.inputs.append(t.name)
+            leaves.append(t.name)
+    imp = _Importer(b)
+    with b.scope(layer=0):
+        (loss,) = imp.inline(closed.jaxpr, closed.consts, leaves)
+        loss = imp.tensor(loss)
+        if b.tensors[loss].role != "activation":  # the loss is a leaf itself: give it a producer
+            loss = b.ew("identity", loss, name="loss")
+    sizes = Counter()
+    for t in b.tensors.values():
+        if t.role == "param" and t.is_float:
+            sizes[t.dtype] += t.size
+    meta = {"family": "jax", "function": getattr(loss_fn, "__name__", repr(loss_fn)),
+            "dtype": sizes.most_common(1)[0][0] if sizes else b.dtype(loss)}
+    return _finish(b, loss, meta)
+
+
+def training_graph_from_jax(loss_fn: Callable[[Any, Any], Any], params: Any, batch: Any, *, remat: bool = False,
+                            optimizer: AdamConfig | None = None, name: str = "imported") -> OpGraph:
+    """`training_graph(from_jax(...))`: forward, alpasim-derived backward and Adam updates."""
+    return training_graph(from_jax(loss_fn, params, batch, name=name), remat=remat, optimizer=optimizer)
+
+
+# ------------------------------------------------------------------ leaves
+def _abstract(tree: Any) -> Any:
+    import jax
+
+    def leaf(x: Any) -> Any:
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return x
+        if hasattr(x, "shape") and hasattr(x, "dtype"):
+            return jax.ShapeDtypeStruct(tuple(x.shape), x.dtype)
+        return jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x))
+
+    return jax.tree_util.tree_map(leaf, tree)
+
+
+def _path_name(path: Sequence[Any]) -> str:
+    """`layers/0/w` for the key path of ``params["layers"][0]["w"]``."""
+    parts = []
+    for k in path:
+        for attr in ("key", "idx", "name"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return "/".join(parts)
+
+
+_BODY_KEYS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+
+
+def _body(eqn: Any) -> tuple[Any, list[Any]]:
+    """The (open jaxpr, consts) of a call-like equation."""
+    for key in _BODY_KEYS:
+        sub = eqn.params.get(key)
+        if sub is None:
+            continue
+        if hasattr(sub, "consts"):
+            return sub.jaxpr, list(sub.consts)
+        return sub, []
+    raise JaxImportError(f"{eqn.primitive.name}: no nested jaxpr among params {sorted(eqn.params)}")
+
+
+def _unsupported(jaxpr: Any) -> set[str]:
+    """Names of the primitives of `jaxpr` (nested calls included) that have no mapping."""
+    out: set[str] = set()
+    for eqn in jaxpr.eqns:
+        prim = eqn.primitive.name
+        if prim in INLINE:
+            out |= _unsupported(_body(eqn)[0])
+        elif prim not in HANDLERS and prim not in ELEMENTWISE_FNS and prim not in PASSTHROUGH:
+            out.add(prim)
+    return out
+
+
+def _is_relu(eqn: Any) -> bool:
+    """Whether a custom_jvp call is `jax.nn.relu`: its body is `max(x, 0)` (maybe under a jit)."""
+    jaxpr, _ = _body(eqn)
+    while len(jaxpr.eqns) == 1 and jaxpr.eqns[0].primitive.name in ("jit", "pjit"):
+        jaxpr = _body(jaxpr.eqns[0])[0]
+    if len(jaxpr.invars) != 1 or len(jaxpr.eqns) != 1:
+        return False
+    (e,) = jaxpr.eqns
+    consts = [v for v in e.invars if hasattr(v, "val")]
+    return (e.primitive.name == "max" and len(consts) == 1 and np.all(np.asarray(consts[0].val) == 0)
+            and jaxpr.invars[0] in e.invars and list(jaxpr.outvars) == list(e.outvars))
+
+
+class _Importer:
+    """Walks a jaxpr, emitting graph ops into a builder."""
+
+    def __init__(self, b: GraphBuilder) -> None:
+        from jax.extend import core
+
+        self.b = b
+        self._literal, self._dropvar = core.Literal, core.DropVar
+        self._bcast: dict[str, tuple[str, tuple[int, ...]]] = {}  # broadcast output -> (source, dims)
+        self._perm: dict[str, tuple[str, tuple[int, ...]]] = {}  # transpose output -> (source, perm)
+
+    # ------------------------------------------------------------ walking
+    def inline(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Value]) -> list[Value]:
+        env: dict[Any, Value] = {}
+        for var, c in zip(jaxpr.constvars, consts):
+            env[var] = self._const(c)
+        env.update(zip(jaxpr.invars, args))
+        for eqn in jaxpr.eqns:
+            ins = [self._read(env, v) for v in eqn.invars]
+            outs = self._eqn(eqn, ins)
+            for var, val in zip(eqn.outvars, outs):
+                if not isinstance(var, self._dropvar):
+                    self._check(eqn, var, val)
+                    env[var] = val
+        return [self._read(env, v) for v in jaxpr.outvars]
+
+    def _eqn(self, eqn: Any, ins: list[Value]) -> list[Value]:
+        prim = eqn.primitive.name
+        if prim in INLINE:
+            if prim == "custom_jvp_call" and _is_relu(eqn):
+                return [self.ew("relu", ins, out_aval(eqn))]
+            jaxpr, consts = _body(eqn)
+            name = re.sub(r"\W", "", str(eqn.params.get("name", ""))).strip("_")  # "<lambda>" -> "lambda"
+            prefix = self.b.prefix + name + "/" if name else self.b.prefix
+            with self.b.scope(prefix=prefix):
+                return self.inline(jaxpr, consts, ins)
+        if prim in PASSTHROUGH:
+            return ins
+        if prim in ELEMENTWISE_FNS:
+            return [self.ew(ELEMENTWISE_FNS[prim], ins, out_aval(eqn))]
+        return HANDLERS[prim](self, eqn, ins)
+
+    def _read(self, env: dict[Any, Value], atom: Any) -> Value:
+        if isinstance(atom, self._literal):
+            dtype = dtype_name(atom.aval.dtype)
+            return Splat(py_scalar(np.asarray(atom.val).item(), dtype), tuple(atom.aval.shape), dtype)
+        return env[atom]
+
+    def _const(self, c: Any) -> Value:
+        arr = np.asarray(c)
+        dtype = dtype_name(arr.dtype)
+        if arr.size == 0 or not np.all(arr == arr.flat[0]):
+            raise JaxImportError(f"loss_fn captures a constant array of shape {arr.shape} ({dtype}) whose "
+                                 f"elements differ; pass it in `batch` instead")
+        return Splat(py_scalar(arr.flat[0].item(), dtype), arr.shape, dtype)
+
+    def _check(self, eqn: Any, var: Any, val: Value) -> None:
+        shape, dtype = (val.shape, val.dtype) if isinstance(val, Splat) else \
+            (self.b.shape(val), self.b.dtype(val))
+        want = (tuple(var.aval.shape), dtype_name(var.aval.dtype))
+        if (shape, dtype) != want:
+            raise JaxImportError(f"{eqn.primitive.name} mapped to a {dtype}{list(shape)} value but JAX gives "
+                                 f"{want[1]}{list(want[0])} (equation: {eqn})")
+
+    # ------------------------------------------------------------ emitting
+    def op(self, prim: str, inputs: Sequence[str], **kw: Any) -> str:
+        return self.b.one(prim, list(inputs), **kw)
+
+    def tensor(self, v: Value, shape: Sequence[int] | None = None) -> str:
+        """`v` as a tensor; a splat becomes a `full` op (of `shape` if given)."""
+        if isinstance(v, str):
+            return v
+        return self.op("full", [], name="full", shape=tuple(v.shape if shape is None else shape),
+                       value=v.value, dtype=v.dtype)
+
+    def broadcast(self, x: str, shape: Sequence[int], dims: Sequence[int]) -> str:
+        """broadcast_in_dim, composed with the broadcast that made `x` if there is one."""
+        shape, dims = tuple(shape), tuple(dims)
+        if self.b.shape(x) == shape:
+            return x
+        if x in self._bcast:
+            x, inner = self._bcast[x]
+            dims = tuple(dims[d] for d in inner)
+        out = self.op("broadcast", [x], shape=shape, dims=dims)
+        self._bcast[out] = (x, dims)
+        return out
+
+    def broadcast_to(self, x: str, shape: tuple[int, ...]) -> str:
+        """JAX's implicit broadcast of a binary operand: rank 0, or size-1 axes."""
+        rank = len(self.b.shape(x))
+        return self.broadcast(x, shape, () if rank == 0 else range(rank))
+
+    def reshape(self, x: Value, shape: Sequence[int]) -> Value:
+        shape = tuple(shape)
+        if isinstance(x, Splat):
+            return Splat(x.value, shape, x.dtype)
+        if self.b.shape(x) == shape:
+            return x
+        src = self._bcast.get(x, (None,))[0]
+        if src is not None and self.b.shape(src) == shape:  # undo a broadcast that only added unit axes
+            return src
+        return self.op("reshape", [x], shape=shape)
+
+    def ew(self, fn: str, ins: Sequence[Value], out: tuple[tuple[int, ...], str]) -> Value:
+        """`fn` of `ins`, of (shape, dtype) `out`; folded when all operands are splats."""
+        shape, dtype = out
+        splats = [i for i, v in enumerate(ins) if isinstance(v, Splat)]
+        if len(splats) == len(ins) and fn in FOLD:
+            with np.errstate(all="ignore"):
+                value = FOLD[fn](*(v.value for v in ins))
+            return Splat(py_scalar(value, dtype), shape, dtype)
+        if len(ins) == 2 and len(splats) == 1:
+            (pos,) = splats
+            x = self.broadcast_to(ins[1 - pos], shape)
+            return self.op("elementwise", [x], name=fn, fn=fn, scalar=ins[pos].value, scalar_pos=pos)
+        xs = [self.tensor(v, shape) if isinstance(v, Splat) else self.broadcast_to(v, shape) for v in ins]
+        return self.op("elementwise", xs, name=fn, fn=fn)
+
+
+# ----------------------------------------------------------------- finish
+def _finish(b: GraphBuilder, loss: str, meta: dict[str, Any]) -> OpGraph:
+    """Drop ops that do not reach the loss, name the loss ``loss`` and build the graph."""
+    live, ops = {loss}, []
+    for op in reversed(b.ops):
+        if live.intersection(op.outputs):
+            live.update(op.inputs)
+            ops.append(op)
+    ops.reverse()
+    rename = {loss: "loss"} if "loss" not in b.tensors else {}
+    sub = lambda t: rename.get(t, t)  # noqa: E731
+    ops = [op.replace(inputs=tuple(map(sub, op.inputs)), outputs=tuple(map(sub, op.outputs))) for op in ops]
+    tensors = {sub(n): Tensor(sub(n), t.shape, t.dtype, t.role) for n, t in b.tensors.items()
+               if t.role != "activation" or n in live}
+    return OpGraph(b.name, tensors, ops, b.inputs, [sub(loss)], meta)
+

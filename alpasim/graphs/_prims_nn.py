@@ -1,0 +1,222 @@
+"""Rules of the network primitives: softmax, norms, embedding, loss, MoE gating, pooling, Adam."""
+
+from __future__ import annotations
+
+import math
+
+from ._prim_core import Primitive, dimmap, letter_run, need, register, same_letters
+from ._prims_compute import conv_out
+
+
+# -------------------------------------------------------- softmax and norms
+def _axis_dims(p, ins, outs, axis_key="axis"):
+    """All operands of the input's rank share letters; lower-rank ones take the trailing letters."""
+    rank = ins[0].rank
+    full = letter_run(rank)
+    axis = p.get(axis_key, -1) % rank
+    pick = lambda t: full[rank - t.rank:]  # noqa: E731
+    return dimmap([pick(t) for t in ins], [pick(t) for t in outs], list(ins) + list(outs), within=full[axis])
+
+
+register(Primitive("softmax", "softmax", lambda p, ins: [(ins[0].shape, ins[0].dtype)],
+                    lambda p, ins, outs: 5.0 * ins[0].size, _axis_dims))
+
+
+def _softmax_grad_infer(p, ins):
+    dy, y = ins
+    need(dy.shape == y.shape, f"softmax_grad: cotangent {dy.shape} vs output {y.shape}")
+    return [(y.shape, dy.dtype)]
+
+
+register(Primitive("softmax_grad", "softmax", _softmax_grad_infer,
+                    lambda p, ins, outs: 4.0 * ins[0].size, _axis_dims, arity=(2,)))
+
+
+def _layer_norm_infer(p, ins):
+    x, gamma, beta = ins
+    need(gamma.shape == beta.shape == x.shape[-1:],
+          f"layer_norm: scale {gamma.shape} and bias {beta.shape} must equal the last axis of {x.shape}")
+    return [(x.shape, x.dtype)]
+
+
+register(Primitive("layer_norm", "normalization", _layer_norm_infer,
+                    lambda p, ins, outs: 8.0 * ins[0].size, _axis_dims, arity=(3,)))
+
+
+def _layer_norm_grad_infer(p, ins):
+    dy, x, gamma = ins
+    need(dy.shape == x.shape and gamma.shape == x.shape[-1:], "layer_norm_grad: operand shapes disagree")
+    return [(x.shape, dy.dtype), (gamma.shape, gamma.dtype), (gamma.shape, gamma.dtype)]
+
+
+register(Primitive("layer_norm_grad", "normalization", _layer_norm_grad_infer,
+                    lambda p, ins, outs: 12.0 * ins[0].size, _axis_dims, arity=(3,)))
+
+
+def _bn_dims(p, ins, outs):
+    # Batch norm reduces over N, H and W: all but the channel axis are reduced within.
+    rank = ins[0].rank
+    full = letter_run(rank)
+    pick = lambda t: full if t.rank == rank else full[-1]  # noqa: E731
+    return dimmap([pick(t) for t in ins], [pick(t) for t in outs], list(ins) + list(outs), within=full[:-1])
+
+
+def _batch_norm_infer(p, ins):
+    x, gamma, beta = ins
+    need(gamma.shape == beta.shape == x.shape[-1:], f"batch_norm: scale/bias must be ({x.shape[-1]},)")
+    return [(x.shape, x.dtype)]
+
+
+register(Primitive("batch_norm", "normalization", _batch_norm_infer,
+                    lambda p, ins, outs: 8.0 * ins[0].size, _bn_dims, arity=(3,)))
+
+
+def _batch_norm_grad_infer(p, ins):
+    dy, x, gamma = ins
+    need(dy.shape == x.shape and gamma.shape == x.shape[-1:], "batch_norm_grad: operand shapes disagree")
+    return [(x.shape, dy.dtype), (gamma.shape, gamma.dtype), (gamma.shape, gamma.dtype)]
+
+
+register(Primitive("batch_norm_grad", "normalization", _batch_norm_grad_infer,
+                    lambda p, ins, outs: 12.0 * ins[0].size, _bn_dims, arity=(3,)))
+
+
+# ----------------------------------------------------------- embedding / loss
+def _embedding_infer(p, ins):
+    table, ids = ins
+    need(table.rank == 2, f"embedding: table must be (vocab, hidden), got {table.shape}")
+    need(not ids.is_float, f"embedding: ids must be integers, got {ids.dtype}")
+    return [(ids.shape + table.shape[1:], table.dtype)]
+
+
+def _embedding_dims(p, ins, outs):
+    table, ids = ins
+    idx = letter_run(ids.rank)
+    v, h = letter_run(2, ids.rank)
+    return dimmap([v + h, idx], [idx + h], list(ins) + list(outs))
+
+
+register(Primitive("embedding", "embedding", _embedding_infer,
+                    lambda p, ins, outs: 0.0, _embedding_dims, arity=(2,)))
+
+
+def _embedding_grad_infer(p, ins):
+    dy, ids = ins
+    need(dy.shape[:-1] == ids.shape, f"embedding_grad: cotangent {dy.shape} vs ids {ids.shape}")
+    return [((int(p["vocab"]), dy.shape[-1]), p.get("dtype", dy.dtype))]
+
+
+def _embedding_grad_dims(p, ins, outs):
+    dy, ids = ins
+    idx = letter_run(ids.rank)
+    v, h = letter_run(2, ids.rank)
+    return dimmap([idx + h, idx], [v + h], list(ins) + list(outs))
+
+
+register(Primitive("embedding_grad", "embedding", _embedding_grad_infer,
+                    lambda p, ins, outs: float(ins[0].size), _embedding_grad_dims, arity=(2,)))
+
+
+def _xent_infer(p, ins):
+    logits, labels = ins
+    need(logits.shape[:-1] == labels.shape and not labels.is_float,
+          f"softmax_cross_entropy: labels {labels.shape} ({labels.dtype}) must index logits {logits.shape}")
+    return [((), "float32")]
+
+
+def _xent_dims(p, ins, outs):
+    logits, labels = ins
+    full = letter_run(logits.rank)
+    return dimmap([full, full[:-1]], [""], list(ins) + list(outs))
+
+
+register(Primitive("softmax_cross_entropy", "loss", _xent_infer,
+                    lambda p, ins, outs: 6.0 * ins[0].size, _xent_dims, arity=(2,)))
+
+
+def _xent_grad_infer(p, ins):
+    dloss, logits, labels = ins
+    need(dloss.rank == 0, "softmax_cross_entropy_grad: loss cotangent must be a scalar")
+    return [(logits.shape, logits.dtype)]
+
+
+def _xent_grad_dims(p, ins, outs):
+    dloss, logits, labels = ins
+    full = letter_run(logits.rank)
+    return dimmap(["", full, full[:-1]], [full], list(ins) + list(outs), within=full[-1])
+
+
+register(Primitive("softmax_cross_entropy_grad", "loss", _xent_grad_infer,
+                    lambda p, ins, outs: 6.0 * ins[1].size, _xent_grad_dims, arity=(3,)))
+
+
+# ------------------------------------------------------------------ MoE gating
+def _gating_infer(p, ins):
+    gates = ins[0]
+    need(gates.rank == 3, f"top2_gating: gates must be (groups, group_size, experts), got {gates.shape}")
+    g, s, e = gates.shape
+    c = int(p["capacity"])
+    need(c > 0, f"top2_gating: capacity must be positive, got {c}")
+    return [((g, s, e, c), gates.dtype), ((g, s, e, c), gates.dtype)]
+
+
+def _gating_dims(p, ins, outs):
+    return dimmap(["gse"], ["gsec", "gsec"], list(ins) + list(outs), within="se")
+
+
+register(Primitive("top2_gating", "gating", _gating_infer,
+                    lambda p, ins, outs: 10.0 * outs[0].size, _gating_dims))
+
+
+def _gating_grad_infer(p, ins):
+    dcombine, gates = ins
+    g, s, e = gates.shape
+    need(dcombine.shape == (g, s, e, int(p["capacity"])), "top2_gating_grad: cotangent shape mismatch")
+    return [(gates.shape, gates.dtype)]
+
+
+register(Primitive("top2_gating_grad", "gating", _gating_grad_infer,
+                    lambda p, ins, outs: 10.0 * ins[0].size,
+                    lambda p, ins, outs: dimmap(["gsec", "gse"], ["gse"], list(ins) + list(outs), within="se"),
+                    arity=(2,)))
+
+
+# ------------------------------------------------------------------- pooling
+def _pool_geometry(p, x_shape):
+    n, h, w, c = x_shape
+    kh, kw = p["window"]
+    sh, sw = p["strides"]
+    pad = p.get("padding", ((0, 0), (0, 0)))
+    return (n, conv_out(h, kh, sh, pad[0]), conv_out(w, kw, sw, pad[1]), c)
+
+
+register(Primitive("max_pool", "pooling", lambda p, ins: [(_pool_geometry(p, ins[0].shape), ins[0].dtype)],
+                    lambda p, ins, outs: float(outs[0].size * math.prod(p["window"])),
+                    lambda p, ins, outs: dimmap(["nhwc"], ["nHWc"], list(ins) + list(outs))))
+
+
+def _pool_grad_infer(p, ins):
+    dy, x = ins
+    need(_pool_geometry(p, x.shape) == dy.shape, "max_pool_grad: cotangent does not match the pooled input")
+    return [(x.shape, dy.dtype)]
+
+
+register(Primitive("max_pool_grad", "pooling", _pool_grad_infer,
+                    lambda p, ins, outs: float(ins[0].size * math.prod(p["window"])),
+                    lambda p, ins, outs: dimmap(["nHWc", "nhwc"], ["nhwc"], list(ins) + list(outs)),
+                    arity=(2,)))
+
+
+# ------------------------------------------------------------------ optimizer
+def _adam_infer(p, ins):
+    # (param, grad, m, v) or, with mixed precision, (param, grad, master, m, v).
+    need(len(ins) in (4, 5), f"adam takes 4 or 5 operands, got {len(ins)}")
+    shape = ins[0].shape
+    need(all(t.shape == shape for t in ins), f"adam: operand shapes differ {[t.shape for t in ins]}")
+    return [(t.shape, t.dtype) for t in ins if t is not ins[1]]
+
+
+register(Primitive("adam", "optimizer", _adam_infer,
+                    # ~12 FLOPs per element: two moment EMAs, bias corrections, rsqrt, update.
+                    lambda p, ins, outs: 12.0 * ins[0].size,
+                    lambda p, ins, outs: same_letters(ins, outs), arity=(4, 5)))

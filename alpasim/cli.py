@@ -261,7 +261,8 @@ def _print_graph(r: dict[str, Any]) -> None:
     m = r["memory"]
     t.add_row("model states", f"params {_fmt_bytes(m['params_bytes'])}, grads {_fmt_bytes(m['grads_bytes'])}, "
                               f"optimizer {_fmt_bytes(m['optimizer_bytes'])}")
-    t.add_row("activations (peak)", _fmt_bytes(m["activations_peak_bytes"]) + (" (with remat)" if r["remat"] else ""))
+    t.add_row("activations (peak)", _fmt_bytes(m["activations_peak_bytes"])
+              + (" with remat" if r["remat"] else "") + " — whole batch in one pass, no microbatching")
     t.add_row("graph build", f"{r['build_s']:.2f} s")
     if "cluster" in r:
         c, v = r["cluster"], r["on_cluster"]

@@ -29,6 +29,7 @@ class DimMap:
     outputs: tuple[str, ...]
     sizes: tuple[tuple[str, int], ...]
     reduced_within: frozenset[str] = frozenset()
+    unshardable: frozenset[str] = frozenset()
 
     @property
     def size_of(self) -> dict[str, int]:
@@ -80,12 +81,15 @@ def letter_run(n: int, start: int = 0) -> str:
 
 
 def dimmap(ins: Sequence[str], outs: Sequence[str], tensors: Sequence[Tensor],
-            within: str = "") -> DimMap:
+           within: str = "", fixed: str = "") -> DimMap:
+    """A DimMap; `within` letters are reduced inside the op, `fixed` ones cannot be
+    sharded at all (their data layout differs between operands: strided spatial loops,
+    the fresh axes of a reshape, the cut axis of a slice)."""
     sizes: dict[str, int] = {}
     for term, t in zip(list(ins) + list(outs), tensors):
         for c, d in zip(term, t.shape):
             sizes.setdefault(c, d)
-    return DimMap(tuple(ins), tuple(outs), tuple(sorted(sizes.items())), frozenset(within))
+    return DimMap(tuple(ins), tuple(outs), tuple(sorted(sizes.items())), frozenset(within), frozenset(fixed))
 
 
 def same_letters(ins: Sequence[Tensor], outs: Sequence[Tensor]) -> DimMap:

@@ -84,10 +84,12 @@ def _conv_flops_from(x_shape, w_shape, y_shape):
 
 
 _CONV_X, _CONV_W, _CONV_Y = "nhwc", "klcf", "nHWf"
+# Spatial loops of a strided convolution would need halo exchanges: never sharded.
+_CONV_SPATIAL = "hwklHW"
 register(Primitive(
     "conv2d", "conv", _conv_infer,
     lambda p, ins, outs: _conv_flops_from(ins[0].shape, ins[1].shape, outs[0].shape),
-    lambda p, ins, outs: dimmap([_CONV_X, _CONV_W], [_CONV_Y], list(ins) + list(outs)),
+    lambda p, ins, outs: dimmap([_CONV_X, _CONV_W], [_CONV_Y], list(ins) + list(outs), fixed=_CONV_SPATIAL),
     arity=(2,), heavy=True))
 
 
@@ -102,7 +104,7 @@ def _conv_in_grad_infer(p, ins):
 register(Primitive(
     "conv2d_input_grad", "conv", _conv_in_grad_infer,
     lambda p, ins, outs: _conv_flops_from(outs[0].shape, ins[1].shape, ins[0].shape),
-    lambda p, ins, outs: dimmap([_CONV_Y, _CONV_W], [_CONV_X], list(ins) + list(outs)),
+    lambda p, ins, outs: dimmap([_CONV_Y, _CONV_W], [_CONV_X], list(ins) + list(outs), fixed=_CONV_SPATIAL),
     arity=(2,), heavy=True))
 
 
@@ -117,7 +119,7 @@ def _conv_filter_grad_infer(p, ins):
 register(Primitive(
     "conv2d_filter_grad", "conv", _conv_filter_grad_infer,
     lambda p, ins, outs: _conv_flops_from(ins[0].shape, outs[0].shape, ins[1].shape),
-    lambda p, ins, outs: dimmap([_CONV_X, _CONV_Y], [_CONV_W], list(ins) + list(outs)),
+    lambda p, ins, outs: dimmap([_CONV_X, _CONV_Y], [_CONV_W], list(ins) + list(outs), fixed=_CONV_SPATIAL),
     arity=(2,), heavy=True))
 
 

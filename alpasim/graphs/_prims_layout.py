@@ -24,8 +24,9 @@ def _broadcast_dims(p, ins, outs):
     x = ins[0]
     out = letter_run(len(p["shape"]))
     term = "".join(out[d] if x.shape[i] == p["shape"][d] else letter_run(1, len(out) + i)
-                      for i, d in enumerate(p["dims"]))
-    return dimmap([term], [out], list(ins) + list(outs))
+                   for i, d in enumerate(p["dims"]))
+    # An expanded size-1 axis has nothing to split; new output axes may be sharded.
+    return dimmap([term], [out], list(ins) + list(outs), fixed="".join(c for c in term if c not in out))
 
 
 register(Primitive("broadcast", "data_movement", _broadcast_infer, lambda p, ins, outs: 0.0, _broadcast_dims))
@@ -67,13 +68,15 @@ def _reshape_dims(p, ins, outs):
     src, dst = ins[0].shape, tuple(p["shape"])
     a, b = [""] * len(src), [""] * len(dst)
     fresh = iter(LETTERS)
+    trailing = []
     for gi, gj in reshape_groups(src, dst):
         lead = next(fresh)
         for n, i in enumerate(gi):
             a[i] = lead if n == 0 else next(fresh)
         for n, j in enumerate(gj):
             b[j] = lead if n == 0 else next(fresh)
-    return dimmap(["".join(a)], ["".join(b)], list(ins) + list(outs))
+        trailing += [a[i] for i in gi[1:]] + [b[j] for j in gj[1:]]
+    return dimmap(["".join(a)], ["".join(b)], list(ins) + list(outs), fixed="".join(trailing))
 
 
 register(Primitive("reshape", "data_movement", _reshape_infer, lambda p, ins, outs: 0.0, _reshape_dims))
@@ -107,7 +110,8 @@ def _slice_dims(p, ins, outs):
     x, y = ins[0], outs[0]
     a = letter_run(x.rank)
     b = "".join(c if x.shape[i] == y.shape[i] else letter_run(1, x.rank + i) for i, c in enumerate(a))
-    return dimmap([a], [b], list(ins) + list(outs))
+    cut = "".join(c for c in a + b if c not in a or c not in b)
+    return dimmap([a], [b], list(ins) + list(outs), fixed=cut)
 
 
 register(Primitive("slice", "data_movement", _slice_infer, lambda p, ins, outs: 0.0, _slice_dims))
@@ -139,7 +143,8 @@ def _concat_dims(p, ins, outs):
     axis = p["axis"] % rank
     full = letter_run(rank)
     other = lambda k: full[:axis] + letter_run(1, rank + k) + full[axis + 1:]  # noqa: E731
-    return dimmap([other(k) for k in range(len(ins))], [other(len(ins))], list(ins) + list(outs))
+    return dimmap([other(k) for k in range(len(ins))], [other(len(ins))], list(ins) + list(outs),
+                  fixed=letter_run(len(ins) + 1, rank))
 
 
 register(Primitive("concatenate", "data_movement", _concat_infer, lambda p, ins, outs: 0.0, _concat_dims,

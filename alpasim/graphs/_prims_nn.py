@@ -127,7 +127,9 @@ def _xent_infer(p, ins):
 def _xent_dims(p, ins, outs):
     logits, labels = ins
     full = letter_run(logits.rank)
-    return dimmap([full, full[:-1]], [""], list(ins) + list(outs))
+    # Sharding the class axis would need a max and a sum across shards (Megatron's
+    # vocab-parallel loss); it is treated as reduced within the op.
+    return dimmap([full, full[:-1]], [""], list(ins) + list(outs), within=full[-1])
 
 
 register(Primitive("softmax_cross_entropy", "loss", _xent_infer,
@@ -192,7 +194,7 @@ def _pool_geometry(p, x_shape):
 
 register(Primitive("max_pool", "pooling", lambda p, ins: [(_pool_geometry(p, ins[0].shape), ins[0].dtype)],
                     lambda p, ins, outs: float(outs[0].size * math.prod(p["window"])),
-                    lambda p, ins, outs: dimmap(["nhwc"], ["nHWc"], list(ins) + list(outs))))
+                    lambda p, ins, outs: dimmap(["nhwc"], ["nHWc"], list(ins) + list(outs), fixed="hwHW")))
 
 
 def _pool_grad_infer(p, ins):
@@ -203,7 +205,7 @@ def _pool_grad_infer(p, ins):
 
 register(Primitive("max_pool_grad", "pooling", _pool_grad_infer,
                     lambda p, ins, outs: float(ins[0].size * math.prod(p["window"])),
-                    lambda p, ins, outs: dimmap(["nHWc", "nhwc"], ["nhwc"], list(ins) + list(outs)),
+                    lambda p, ins, outs: dimmap(["nHWc", "nhwc"], ["nhwc"], list(ins) + list(outs), fixed="hwHW"),
                     arity=(2,)))
 
 

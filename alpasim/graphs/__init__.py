@@ -33,6 +33,7 @@ from ._primitives import op_kind as op_kind
 from ._primitives import parse_einsum as parse_einsum
 from ._resnet import WResNetConfig as WResNetConfig
 from ._serialize import GraphFormatError as GraphFormatError
+from ._slicing import stage_graph as stage_graph
 from ._serialize import graph_from_json as graph_from_json
 from ._serialize import graph_to_json as graph_to_json
 from ._serialize import load_graph as load_graph

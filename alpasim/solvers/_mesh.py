@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from alpasim.costmodels import Cluster, Link, MeshAxis, mesh_axes
 
@@ -22,11 +22,17 @@ class LogicalMesh:
 
     axes: tuple[MeshAxis, MeshAxis]
 
+    _hash: int = field(init=False, repr=False, compare=False)
+
     def __post_init__(self) -> None:
         axes = tuple(self.axes)
         if len(axes) != 2 or not all(isinstance(a, MeshAxis) for a in axes):
             raise ValueError(f"a logical mesh has exactly two MeshAxis axes, got {self.axes!r}")
         object.__setattr__(self, "axes", axes)
+        object.__setattr__(self, "_hash", hash(axes))
+
+    def __hash__(self) -> int:  # meshes key every cost cache: hash once
+        return self._hash
 
     @classmethod
     def of(cls, shape: Sequence[int], links: Link | Sequence[Link]) -> LogicalMesh:

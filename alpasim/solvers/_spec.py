@@ -41,7 +41,9 @@ class ShardingSpec:
 
     @classmethod
     def parse(cls, text: str) -> ShardingSpec:
-        """'S0R' -> ((0,), ()); 'S01R' -> ((0, 1), ()); '' is a scalar (rank 0)."""
+        """'S0R' -> ((0,), ()); 'S01R' -> ((0, 1), ()); '' or 'scalar' (as printed) is rank 0."""
+        if text == "scalar":
+            return cls(())
         dims, i = [], 0
         while i < len(text):
             c = text[i]

@@ -1,0 +1,153 @@
+"""The ILP of seed eq. 1: formulate -> solve -> decode, each a separate step.
+
+    min  sum_v s_v . (c_v + d_v)  +  sum_(v,u) e_vu . vec(R_vu)
+    s.t. s_v one-hot,  e_vu = s_v (x) s_u  (linearised),  memory(p) <= budget for all p
+
+Linearisation: for an edge, the resharding cost depends only on the pair (spec the
+producer stores, spec the consumer needs), so e is indexed by distinct *spec* pairs,
+not strategy pairs (a GPT einsum has ~30 strategies but a weight ~10 specs). With
+a_p = sum of s_v over strategies storing spec p and b_q likewise for the consumer, the
+transport constraints sum_q e_pq = a_p, sum_p e_pq = b_q force e_pq = a_p b_q for
+one-hot a, b, so e can be continuous. Costs enter in microseconds and memory in GiB so
+the solver's tolerances see numbers near one.
+
+Memory (optional): M_t = sum_i s_owner(t)^i * bytes_t / shards_i(t) for every tensor;
+persistent tensors plus the activations live at each candidate peak must fit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import pulp
+
+from ._intra_problem import IntraOpProblem
+
+US = 1e6          # objective unit: microseconds
+GIB = float(2 ** 30)
+SOLVERS = ("highs", "cbc")
+
+
+@dataclass
+class Formulation:
+    """The PuLP model and handles to its variables."""
+
+    model: pulp.LpProblem
+    s: list[list[pulp.LpVariable]]
+    memory_budget_bytes: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class SolveResult:
+    status: str            # optimal | time_limit | infeasible | error
+    objective_s: float | None
+    wall_s: float
+    choice: tuple[int, ...] | None
+    solver: str
+
+
+def formulate(problem: IntraOpProblem, memory_budget_bytes: float | None = None) -> Formulation:
+    model = pulp.LpProblem("intra_op", pulp.LpMinimize)
+    s = [[pulp.LpVariable(f"s{v}_{i}", cat="Binary") for i in range(node.k)] for v, node in enumerate(problem.nodes)]
+    objective = []
+    for v, node in enumerate(problem.nodes):
+        model += pulp.lpSum(s[v]) == 1, f"one_hot_{v}"
+        objective += [float(c) * US * x for c, x in zip(node.cost, s[v]) if c]
+    for n, edge in enumerate(problem.edges):
+        if not edge.cost.any():
+            continue
+        p_count = len(edge.specs)
+        a = [pulp.lpSum(s[edge.src][i] for i in np.flatnonzero(edge.src_spec == p)) for p in range(p_count)]
+        b = [pulp.lpSum(s[edge.dst][j] for j in np.flatnonzero(edge.dst_spec == q)) for q in range(p_count)]
+        used_p = [p for p in range(p_count) if (edge.src_spec == p).any()]
+        used_q = [q for q in range(p_count) if (edge.dst_spec == q).any()]
+        e = {(p, q): pulp.LpVariable(f"e{n}_{p}_{q}", lowBound=0) for p in used_p for q in used_q}
+        for p in used_p:
+            model += pulp.lpSum(e[p, q] for q in used_q) == a[p], f"edge{n}_src{p}"
+        for q in used_q:
+            model += pulp.lpSum(e[p, q] for p in used_p) == b[q], f"edge{n}_dst{q}"
+        objective += [float(edge.cost[p, q]) * US * x for (p, q), x in e.items() if edge.cost[p, q]]
+    model += pulp.lpSum(objective)
+    if memory_budget_bytes is not None:
+        _add_memory(model, problem, s, memory_budget_bytes)
+    return Formulation(model, s, memory_budget_bytes)
+
+
+def memory_expression(problem: IntraOpProblem, s, tensor: str):
+    v = problem.node_of_tensor[tensor]
+    return pulp.lpSum(float(b) / GIB * x for b, x in zip(problem.tensor_bytes(v, tensor), s[v]) if b)
+
+
+def _add_memory(model: pulp.LpProblem, problem: IntraOpProblem, s, budget: float) -> None:
+    persistent = pulp.lpSum(memory_expression(problem, s, t) for t in problem.persistent)
+    acts = {t for live in problem.live_sets for t in live}
+    m = {}
+    for t in acts:
+        m[t] = pulp.LpVariable(f"mem_{len(m)}", lowBound=0)
+        model += m[t] == memory_expression(problem, s, t), f"mem_def_{len(m)}"
+    if not problem.live_sets:
+        model += persistent <= budget / GIB, "memory"
+    for i, live in enumerate(problem.live_sets):
+        model += persistent + pulp.lpSum(m[t] for t in live) <= budget / GIB, f"memory_{i}"
+
+
+def solve(form: Formulation, solver: str = "highs", time_limit_s: float | None = None) -> SolveResult:
+    if solver not in SOLVERS:
+        raise ValueError(f"unknown ILP solver {solver!r}; choose one of {', '.join(SOLVERS)}")
+    backend = (pulp.HiGHS(msg=False, timeLimit=time_limit_s) if solver == "highs"
+               else pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s))
+    t0 = time.perf_counter()
+    try:
+        with _native_stdout_silenced():
+            form.model.solve(backend)
+    except pulp.PulpSolverError as e:
+        return SolveResult("error", None, time.perf_counter() - t0, None, f"{solver}: {e}")
+    wall = time.perf_counter() - t0
+    status = pulp.LpStatus.get(form.model.status, "Undefined")
+    sol = form.model.sol_status
+    if status == "Infeasible" or sol == pulp.LpSolutionInfeasible:
+        return SolveResult("infeasible", None, wall, None, solver)
+    choice = decode(form)
+    if choice is None:
+        kind = "time_limit" if time_limit_s is not None else "error"
+        return SolveResult(kind, None, wall, None, solver)
+    optimal = status == "Optimal" and sol in (pulp.LpSolutionOptimal, None)
+    objective = pulp.value(form.model.objective)
+    return SolveResult("optimal" if optimal else "time_limit", (objective or 0.0) / US, wall, choice, solver)
+
+
+@contextlib.contextmanager
+def _native_stdout_silenced() -> Iterator[None]:
+    """Silence C-level stdout: HiGHS prints a banner when created, before any option
+    can turn it off, and `--json` promises one JSON object on stdout."""
+    sys.stdout.flush()
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # captured by pytest or similar
+        yield
+        return
+    saved = os.dup(fd)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), fd)
+        try:
+            yield
+        finally:
+            os.dup2(saved, fd)
+            os.close(saved)
+
+
+def decode(form: Formulation) -> tuple[int, ...] | None:
+    """The chosen strategy index of every node, or None when the solver found none."""
+    out = []
+    for xs in form.s:
+        vals = [x.value() for x in xs]
+        if any(v is None for v in vals):
+            return None
+        out.append(int(np.argmax(vals)))
+    return tuple(out)

@@ -1,0 +1,136 @@
+"""The intra-op pass for one stage on one mesh: build -> formulate -> solve -> decode -> rewrite.
+
+`solve_intra_op` is the recipe the inter-op pass and the CLI call. After the ILP, the
+weight-update-sharding rewrite (seed 3.4.5, post-ILP): where the plan all-reduces a
+gradient and then runs a replicated update, a strategy of the same group that
+reduce-scatters the gradient, updates a shard and all-gathers the new weights costs the
+same in the alpha-beta model (reduce-scatter + all-gather = all-reduce) but holds
+gradients and optimizer states sharded. The rewrite takes such an alternative whenever
+the whole plan's cost does not rise and its memory falls.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import pulp
+
+from alpasim.costmodels import CostModel
+from alpasim.graphs import OpGraph
+
+from ._intra_ilp import GIB, Formulation, formulate, memory_expression, solve
+from ._intra_plan import IntraOpPlan, objective_s, realize
+from ._intra_problem import IntraOpProblem, build_problem
+from ._mesh import LogicalMesh
+from ._spec import ShardingSpec
+from ._strategies import Strategy
+
+# Relative slack under which a rewritten plan counts as costing the same.
+REWRITE_RTOL = 1e-9
+
+
+class IntraOpInfeasible(ValueError):
+    """No plan fits the memory budget; the message says how much would be needed."""
+
+    def __init__(self, message: str, min_memory_bytes: float) -> None:
+        super().__init__(message)
+        self.min_memory_bytes = min_memory_bytes
+
+
+@dataclass(frozen=True)
+class IntraOpResult:
+    """Status, objective, timings and the decoded plan of one intra-op solve."""
+
+    status: str                 # optimal | time_limit
+    objective_s: float          # the solver's objective (seconds)
+    plan: IntraOpPlan
+    solve_s: float
+    build_s: float
+    solver: str
+    num_nodes: int
+    num_edges: int
+    rewritten: int              # groups changed by the weight-update-sharding rewrite
+    problem: IntraOpProblem
+
+    @property
+    def time_limited(self) -> bool:
+        return self.status != "optimal"
+
+
+def solve_intra_op(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel, *,
+                   memory_budget_bytes: float | None = None, with_compute: bool = False,
+                   solver: str = "highs", time_limit_s: float | None = None,
+                   allow_replicated_heavy: bool = False, rewrite: bool = True,
+                   restrict: Mapping[str, Sequence[Strategy]] | None = None,
+                   leaf_specs: Mapping[str, Sequence[ShardingSpec]] | None = None) -> IntraOpResult:
+    t0 = time.perf_counter()
+    problem = build_problem(graph, mesh, cost_model, with_compute=with_compute,
+                            allow_replicated_heavy=allow_replicated_heavy, restrict=restrict, leaf_specs=leaf_specs)
+    form = formulate(problem, memory_budget_bytes)
+    build_s = time.perf_counter() - t0
+    result = solve(form, solver, time_limit_s)
+    if result.status == "infeasible":
+        need = min_memory_bytes(problem, solver)
+        raise IntraOpInfeasible(
+            f"does not fit: {graph.name} on a {mesh} mesh needs at least {need / GIB:.2f} GiB per device, "
+            f"the budget is {memory_budget_bytes / GIB:.2f} GiB", need)
+    if result.choice is None:
+        raise RuntimeError(f"intra-op solve on {graph.name} ({mesh}) returned no plan: {result.solver} "
+                           f"{result.status} after {result.wall_s:.1f} s")
+    choice = result.choice
+    rewritten = 0
+    if rewrite:
+        choice, rewritten = weight_update_sharding(problem, choice, memory_budget_bytes)
+    plan = realize(problem, choice)
+    return IntraOpResult(result.status, result.objective_s, plan, result.wall_s, build_s, result.solver,
+                         len(problem.nodes), len(problem.edges), rewritten, problem)
+
+
+def weight_update_sharding(problem: IntraOpProblem, choice: tuple[int, ...],
+                           budget: float | None = None) -> tuple[tuple[int, ...], int]:
+    """Switch update groups to reduce-scatter forms that cost no more and hold less."""
+    current = realize(problem, choice)
+    cost = objective_s(current, problem.with_compute)
+    changed = 0
+    for v, node in enumerate(problem.nodes):
+        if not any(problem.graph.op_by_name[o].prim == "adam" for o in node.ops):
+            continue
+        if not any(c.kind == "all_reduce" for s in node.choices[choice[v]].values() for c in s.collectives):
+            continue
+        best = None
+        root = node.ops[0]
+        loops = node.choices[choice[v]][root].loops
+        for j in range(node.k):
+            # Only the same loop mapping with another way to finish the partial sums.
+            if j == choice[v] or node.choices[j][root].loops != loops:
+                continue
+            trial = choice[:v] + (j,) + choice[v + 1:]
+            plan = realize(problem, trial)
+            if objective_s(plan, problem.with_compute) > cost * (1 + REWRITE_RTOL) + 1e-15:
+                continue
+            if plan.memory.total_bytes >= current.memory.total_bytes:
+                continue
+            if best is None or plan.memory.total_bytes < best[1].memory.total_bytes:
+                best = (trial, plan)
+        if best is not None:
+            choice, current = best
+            changed += 1
+    return choice, changed
+
+
+def min_memory_bytes(problem: IntraOpProblem, solver: str = "highs") -> float:
+    """The least per-device memory any plan of `problem` needs (an ILP of its own)."""
+    form = formulate(problem)
+    model = pulp.LpProblem("min_memory", pulp.LpMinimize)
+    for name, c in form.model.constraints.items():
+        if name.startswith("one_hot"):
+            model += c, name
+    peak = pulp.LpVariable("peak", lowBound=0)
+    model += peak
+    persistent = pulp.lpSum(memory_expression(problem, form.s, t) for t in problem.persistent)
+    for i, live in enumerate(problem.live_sets or [[]]):
+        model += persistent + pulp.lpSum(memory_expression(problem, form.s, t) for t in live) <= peak, f"peak_{i}"
+    solve(Formulation(model, form.s, None), solver)
+    return float(peak.value() or 0.0) * GIB

@@ -1,0 +1,129 @@
+"""`IntraOpPlan`: a decoded intra-op choice, costed from the graph itself.
+
+`realize(problem, choice)` walks the graph once with the chosen strategies and never
+reads the ILP's matrices: each op pays its own collectives (and compute), each operand
+read in another layout than it is stored in pays its resharding, and each updated
+parameter pays the trip back to its stored layout. Memory is recomputed the same way:
+parameters, gradients and optimizer states by their layouts, plus the peak of live
+activations along the op order. So a test can hold the solver's objective to this
+independent sum.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ._intra_problem import IntraOpProblem
+from ._mesh import LogicalMesh
+from ._resharding import Collective, resharding_collectives
+from ._spec import ShardingSpec
+from ._strategies import Strategy
+
+
+@dataclass(frozen=True, slots=True)
+class PlacedCollective:
+    """A collective with where it happens: inside an op, or resharding a tensor for one."""
+
+    collective: Collective
+    op: str
+    tensor: str | None = None     # set for resharding
+
+    def to_json(self, mesh: LogicalMesh) -> dict:
+        d = self.collective.to_json()
+        d.update(op=self.op, time_s=self.collective.time_s(mesh))
+        if self.tensor is not None:
+            d["tensor"] = self.tensor
+        return d
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryUse:
+    """Per-device bytes of one stage under a plan."""
+
+    params_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float
+    activations_peak_bytes: float
+
+    @property
+    def total_bytes(self) -> float:
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_peak_bytes
+
+    def to_json(self) -> dict:
+        return {"params_bytes": self.params_bytes, "grads_bytes": self.grads_bytes,
+                "optimizer_bytes": self.optimizer_bytes, "activations_peak_bytes": self.activations_peak_bytes,
+                "total_bytes": self.total_bytes}
+
+
+@dataclass(frozen=True)
+class IntraOpPlan:
+    """Per-op strategy, per-tensor spec, collectives, predicted time and memory."""
+
+    mesh: LogicalMesh
+    strategies: dict[str, Strategy]
+    specs: dict[str, ShardingSpec]           # layout each tensor is stored/produced in
+    collectives: tuple[PlacedCollective, ...]
+    communication_s: float
+    compute_s: float
+    memory: MemoryUse
+    choice: tuple[int, ...]
+
+    @property
+    def time_s(self) -> float:
+        """Compute plus communication, without overlap."""
+        return self.compute_s + self.communication_s
+
+    def partition_specs(self, params: list[str], axis_names: tuple[str, str] = ("x", "y")) -> dict[str, tuple]:
+        """`jax.sharding.PartitionSpec` arguments of each parameter's stored layout."""
+        return {p: self.specs[p].partition_spec(axis_names) for p in params if p in self.specs}
+
+
+def realize(problem: IntraOpProblem, choice: tuple[int, ...]) -> IntraOpPlan:
+    graph, mesh = problem.graph, problem.mesh
+    strategies: dict[str, Strategy] = {}
+    specs: dict[str, ShardingSpec] = {}
+    for v, node in enumerate(problem.nodes):
+        i = choice[v]
+        strategies.update(node.choices[i])
+        specs.update(node.specs[i])
+    placed: list[PlacedCollective] = []
+    compute_s = 0.0
+    stored: dict[str, ShardingSpec] = {t: specs[t] for t in specs if t not in graph.producer}
+    for op in graph.ops:
+        s = strategies[op.name]
+        compute_s += s.compute_s
+        for t, need in zip(op.inputs, s.in_specs):
+            have = stored.get(t)
+            if have is None:  # an optimizer state first read here: stored as needed
+                stored[t] = need
+                continue
+            for c in resharding_collectives(have, need, graph.tensors[t].nbytes, mesh):
+                placed.append(PlacedCollective(c, op.name, t))
+        placed += [PlacedCollective(c, op.name) for c in s.collectives]
+        for t, spec in zip(op.outputs, s.out_specs):
+            stored[t] = spec
+    for new, param in problem.loop_backs:
+        for c in resharding_collectives(stored[new], stored[param], graph.tensors[new].nbytes, mesh):
+            placed.append(PlacedCollective(c, f"loop-back:{param}", new))
+    comm = sum(p.collective.time_s(mesh) for p in placed)
+    specs.update(stored)
+    return IntraOpPlan(mesh, strategies, specs, tuple(placed), comm, compute_s,
+                       memory_use(problem, stored), tuple(choice))
+
+
+def memory_use(problem: IntraOpProblem, specs: dict[str, ShardingSpec]) -> MemoryUse:
+    graph, mesh = problem.graph, problem.mesh
+
+    def per_device(t: str) -> float:
+        return graph.tensors[t].nbytes / specs[t].num_shards(mesh)
+
+    by_role = {"param": 0.0, "grad": 0.0, "optimizer_state": 0.0}
+    for t in problem.persistent:
+        by_role[graph.tensors[t].role] += per_device(t)
+    peak = max((sum(per_device(t) for t in live) for live in problem.live_sets), default=0.0)
+    return MemoryUse(by_role["param"], by_role["grad"], by_role["optimizer_state"], peak)
+
+
+def objective_s(plan: IntraOpPlan, with_compute: bool) -> float:
+    """What the ILP minimises, recomputed from a realised plan."""
+    return plan.communication_s + (plan.compute_s if with_compute else 0.0)

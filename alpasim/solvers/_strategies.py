@@ -1,0 +1,122 @@
+"""Parallel algorithms of one op on a 2-D mesh, enumerated from its dimension map.
+
+An op's `DimMap` names every loop with a letter (seed 3.4.4, Table 3). A strategy maps
+each live mesh axis to at most one letter (both axes to one letter is S01), and that
+fixes everything else:
+
+* operand specs: a dimension is split on the axes its letter is mapped to;
+* partial outputs: an output that lacks a mapped letter (a contraction, a gather over
+  a sharded vocabulary, a reduction) holds partial sums on those axes and pays an
+  all-reduce; or, as a separate strategy, a reduce-scatter onto one of its free
+  dimensions (the consumer then sees it sharded);
+* compute: the op's work divided by the number of loop shards (replication repeats it).
+
+For batched matmul this yields the paper's Table 3: #1 (i->0, j->1: no communication),
+#2 (i->0, k->1: all-reduce on axis 1) and #7 (k->{0,1}: all-reduce on both axes).
+Heavy ops (contractions, convolutions) must use every live mesh axis unless replication
+is allowed (Alpa never replicates them); letters a primitive marks unshardable or
+reduced-within are never split, and no operand may be split unevenly.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from alpasim.costmodels import CostModel
+from alpasim.graphs import Op, Tensor, is_heavy, op_dims
+
+from ._mesh import LogicalMesh
+from ._resharding import Collective
+from ._spec import ShardingSpec, spec_fits
+
+
+@dataclass(frozen=True, slots=True)
+class Strategy:
+    """One parallel algorithm: loop->axes map, operand specs, own collectives and costs."""
+
+    loops: tuple[tuple[str, tuple[int, ...]], ...]
+    in_specs: tuple[ShardingSpec, ...]
+    out_specs: tuple[ShardingSpec, ...]
+    collectives: tuple[Collective, ...]
+    comm_s: float
+    compute_s: float
+
+    @property
+    def name(self) -> str:
+        loops = ",".join(f"{c}@{''.join(map(str, a))}" for c, a in self.loops) or "replicated"
+        if any(k.kind == "reduce_scatter" for k in self.collectives):
+            loops += " reduce-scatter->" + "/".join(map(str, self.out_specs))
+        return loops
+
+    def cost_s(self, with_compute: bool) -> float:
+        return self.comm_s + (self.compute_s if with_compute else 0.0)
+
+
+def _spec_of(term: str, loops: Mapping[str, tuple[int, ...]]) -> ShardingSpec:
+    return ShardingSpec(tuple(loops.get(c, ()) for c in term))
+
+
+def enumerate_strategies(op: Op, tensors: Mapping[str, Tensor], mesh: LogicalMesh, cost_model: CostModel,
+                         *, allow_replicated_heavy: bool = False) -> list[Strategy]:
+    """Every valid strategy of `op` on `mesh`, cheapest first among duplicates."""
+    dm = op_dims(op, tensors)
+    ins = [tensors[t] for t in op.inputs]
+    outs = [tensors[t] for t in op.outputs]
+    letters = list(dict.fromkeys("".join(dm.inputs) + "".join(dm.outputs)))
+    shardable = [c for c in letters if c not in dm.unshardable and c not in dm.reduced_within]
+    live = [a for a in (0, 1) if mesh.shape[a] > 1]
+    heavy = is_heavy(op) and not allow_replicated_heavy
+    in_letters = set("".join(dm.inputs))
+    found: dict[tuple, Strategy] = {}
+    for choice in itertools.product([None, *shardable], repeat=len(live)):
+        if heavy and None in choice:
+            continue
+        loops: dict[str, tuple[int, ...]] = {}
+        for a, c in zip(live, choice):
+            if c is not None:
+                loops[c] = loops.get(c, ()) + (a,)
+        in_specs = tuple(_spec_of(term, loops) for term in dm.inputs)
+        base_out = tuple(_spec_of(term, loops) for term in dm.outputs)
+        if not all(spec_fits(s, t.shape, mesh) for s, t in zip(in_specs + base_out, ins + outs)):
+            continue
+        loop_shards = mesh.axis_size(tuple(a for axes in loops.values() for a in axes))
+        compute_s = cost_model.op_time_s(op, tensors, num_shards=loop_shards)
+        for out_specs, collectives in _finish_outputs(dm.outputs, outs, base_out, loops, in_letters,
+                                                     dm.unshardable | dm.reduced_within, mesh):
+            comm_s = sum(c.time_s(mesh) for c in collectives)
+            s = Strategy(tuple(sorted(loops.items())), in_specs, out_specs, tuple(collectives), comm_s, compute_s)
+            key = (in_specs, out_specs, tuple(collectives))
+            if key not in found or s.cost_s(True) < found[key].cost_s(True):
+                found[key] = s
+    return list(found.values())
+
+
+def _finish_outputs(terms: Sequence[str], outs: Sequence[Tensor], base: tuple[ShardingSpec, ...],
+                    loops: Mapping[str, tuple[int, ...]], in_letters: set[str], fixed: frozenset[str],
+                    mesh: LogicalMesh):
+    """Yield (output specs, collectives) for the all-reduce form and reduce-scatter forms."""
+    partial: list[tuple[int, ...]] = []
+    for term in terms:
+        axes = tuple(sorted(a for c, ax in loops.items() if c in in_letters and c not in term for a in ax))
+        partial.append(axes)
+    all_reduce = [Collective("all_reduce", t.nbytes / s.num_shards(mesh), p)
+                  for t, s, p in zip(outs, base, partial) if p]
+    yield base, all_reduce
+    partial_outputs = [i for i, p in enumerate(partial) if p]
+    if len(partial_outputs) != 1:
+        return
+    (i,) = partial_outputs
+    axes, t, term = partial[i], outs[i], terms[i]
+    for d, c in enumerate(term):
+        if base[i].dims[d] or c in fixed or c in loops:
+            continue
+        dims = list(base[i].dims)
+        dims[d] = axes
+        spec = ShardingSpec(tuple(dims))
+        if not spec_fits(spec, t.shape, mesh):
+            continue
+        before = t.nbytes / base[i].num_shards(mesh)
+        specs = base[:i] + (spec,) + base[i + 1:]
+        yield specs, [Collective("reduce_scatter", before, axes)]

@@ -21,6 +21,7 @@ from rich.table import Table
 
 from alpasim import costmodels as cm
 from alpasim import graphs as gr
+from alpasim import solvers as sv
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Plan, simulate and run Alpa-style parallel training.")
@@ -28,7 +29,7 @@ out = Console()
 err = Console(stderr=True)
 
 USER_ERRORS = (gr.UnknownModelError, gr.ModelSpecError, gr.GraphFormatError, gr.GraphError,
-               cm.ClusterError, cm.UnknownPresetError)
+               cm.ClusterError, cm.UnknownPresetError, sv.IntraOpInfeasible, sv.ShardingError)
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
 ClusterOpt = Annotated[str, typer.Option("--cluster", help="Preset name or cluster JSON file.")]
@@ -274,6 +275,156 @@ def _print_graph(r: dict[str, Any]) -> None:
                                           f"({v['ideal_tflops_per_device']:.1f} TFLOP/s in contractions)")
         t.add_row("ideal on all devices", f"{v['ideal_iteration_s']:.3f} s / iteration (perfect scaling bound)")
     out.print(t)
+
+
+# ----------------------------------------------------------------------- intra
+INTRA_METHODS = ("alpa", "data_parallel", "megatron")
+
+
+def _parse_layers(text: str | None, num_layers: int) -> tuple[int, int]:
+    if text is None:
+        mid = num_layers // 2
+        return mid, mid
+    try:
+        first, _, last = text.partition(":")
+        a, b = int(first), int(last or first)
+    except ValueError:
+        fail(f"--layers {text!r}: expected 'i:j' (inclusive layer range) or 'i'")
+    if not 0 <= a <= b < num_layers:
+        fail(f"--layers {text!r}: the model has layers 0..{num_layers - 1}")
+    return a, b
+
+
+def _intra_solve(stage: gr.OpGraph, mesh: sv.LogicalMesh, model: cm.CostModel, method: str, budget: float,
+                 solver: str, time_limit: float | None, compute: bool) -> sv.IntraOpResult:
+    kw: dict[str, Any] = {}
+    if method == "data_parallel":
+        kw["restrict"], kw["leaf_specs"] = sv.data_parallel_restriction(stage, mesh, model)
+        kw["rewrite"] = False
+    elif method == "megatron":
+        kw["restrict"], kw["leaf_specs"] = sv.megatron_restriction(stage, mesh, model)
+        kw["rewrite"] = False
+    return sv.solve_intra_op(stage, mesh, model, memory_budget_bytes=budget, solver=solver,
+                             time_limit_s=time_limit, with_compute=compute, **kw)
+
+
+def intra_report(model_name: str, mesh_shape: tuple[int, int], cluster: cm.Cluster, *, layers: str | None,
+                 batch: int, method: str, solver: str, time_limit: float | None, compute: bool,
+                 top: int = 12) -> dict[str, Any]:
+    """Solve one stage on one mesh and compare with the hand-designed assignments."""
+    name, source = model_with_batch(model_name, batch)
+    fwd = source if isinstance(source, gr.OpGraph) else gr.forward_graph(source, name=name)
+    graph = gr.build_training_graph(fwd).graph
+    first, last = _parse_layers(layers, graph.num_layers)
+    stage = gr.stage_graph(graph, first, last)
+    mesh = sv.LogicalMesh.on_cluster(cluster, mesh_shape)
+    model = cm.AnalyticCostModel(cluster)
+    budget = float(cluster.device.memory_bytes)
+    result = _intra_solve(stage, mesh, model, method, budget, solver, time_limit, compute)
+    plan = result.plan
+    compare: dict[str, Any] = {}
+    for other in ("data_parallel", "megatron"):
+        try:
+            r = _intra_solve(stage, mesh, model, other, None, solver, time_limit, compute)
+        except (sv.IntraOpInfeasible, RuntimeError) as e:
+            compare[other] = {"error": str(e)}
+            continue
+        compare[other] = {"communication_s": r.plan.communication_s, "compute_s": r.plan.compute_s,
+                          "memory_bytes": r.plan.memory.total_bytes,
+                          "fits": r.plan.memory.total_bytes <= budget}
+    heavy = sorted((op for op in stage.ops if gr.is_heavy(op)), key=lambda o: -gr.op_flops(o, stage.tensors))
+    return {
+        "model": name, "layers": [first, last], "batch": batch, "mesh": list(mesh_shape),
+        "cluster": cluster.name, "method": method, "solver": result.solver,
+        "status": result.status, "time_limited": result.time_limited,
+        "objective_s": result.objective_s, "communication_s": plan.communication_s,
+        "compute_s": plan.compute_s, "time_s": plan.time_s,
+        "memory_bytes": plan.memory.total_bytes, "memory": plan.memory.to_json(),
+        "memory_budget_bytes": budget, "fits": plan.memory.total_bytes <= budget,
+        "solve_s": result.solve_s, "build_s": result.build_s,
+        "ilp": {"nodes": result.num_nodes, "edges": result.num_edges, "rewritten_groups": result.rewritten},
+        "specs": {t: str(spec) for t, spec in plan.specs.items()},
+        "partition_specs": {p: list(v) for p, v in plan.partition_specs([t.name for t in stage.params]).items()},
+        "heavy_ops": [{"op": op.name, "equation": op.param("equation") or op.prim,
+                       "strategy": plan.strategies[op.name].name,
+                       "inputs": [str(x) for x in plan.strategies[op.name].in_specs],
+                       "outputs": [str(x) for x in plan.strategies[op.name].out_specs],
+                       "flops": gr.op_flops(op, stage.tensors)} for op in heavy[:top]],
+        "collectives": [c.to_json(mesh) for c in plan.collectives],
+        "compare": compare,
+    }
+
+
+@app.command()
+def intra(
+    model: Annotated[str, typer.Argument(help="Zoo name, spec string, model JSON or graph JSON.")],
+    mesh: Annotated[str, typer.Option("--mesh", help="Logical mesh shape, e.g. 2x4.")] = "1x8",
+    cluster: ClusterOpt = "aws-p3.16xlarge",
+    nodes: NodesOpt = None,
+    devices_per_node: DpnOpt = None,
+    inter_node_gbps: GbpsOpt = None,
+    memory_gb: MemOpt = None,
+    layers: Annotated[Optional[str], typer.Option("--layers", help="Layer range i:j (default: a middle layer).")] = None,
+    batch: Annotated[int, typer.Option("--batch", help="Microbatch size the stage runs on.")] = 8,
+    method: Annotated[str, typer.Option("--method", help="alpa (the ILP), data_parallel or megatron.")] = "alpa",
+    solver: Annotated[str, typer.Option("--solver", help="highs or cbc.")] = "highs",
+    time_limit: Annotated[Optional[float], typer.Option("--time-limit", help="ILP time limit, seconds.")] = None,
+    compute: Annotated[bool, typer.Option("--compute", help="Add compute time to the ILP objective.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Shard one stage (layers i..j, one microbatch) on one logical mesh with the ILP."""
+    if method not in INTRA_METHODS:
+        fail(f"--method {method!r}: choose one of {', '.join(INTRA_METHODS)}")
+    if solver not in sv.SOLVERS:
+        fail(f"--solver {solver!r}: choose one of {', '.join(sv.SOLVERS)}")
+    try:
+        shape = sv.parse_mesh_shape(mesh)
+    except ValueError as e:
+        fail(str(e))
+    c = load_cluster(cluster, nodes, devices_per_node, inter_node_gbps, memory_gb)
+    if shape[0] * shape[1] > c.num_devices:
+        fail(f"--mesh {mesh} needs {shape[0] * shape[1]} devices; {c.name} has {c.num_devices}")
+    report = intra_report(model, shape, c, layers=layers, batch=batch, method=method, solver=solver,
+                          time_limit=time_limit, compute=compute)
+    if as_json:
+        emit_json(report)
+        return
+    _print_intra(report)
+
+
+def _print_intra(r: dict[str, Any]) -> None:
+    head = (f"{r['model']} layers {r['layers'][0]}..{r['layers'][1]}, microbatch {r['batch']}, "
+            f"{r['mesh'][0]}x{r['mesh'][1]} mesh of {r['cluster']} — {r['method']} ({r['solver']}, {r['status']})")
+    t = Table(title=head)
+    for col in ("op", "loops", "inputs", "output", "GFLOP"):
+        t.add_column(col)
+    for h in r["heavy_ops"]:
+        t.add_row(h["op"], h["strategy"], " ".join(h["inputs"]), " ".join(h["outputs"]), f"{h['flops'] / 1e9:.1f}")
+    out.print(t)
+    kinds: dict[str, list[float]] = {}
+    for c in r["collectives"]:
+        k = kinds.setdefault(f"{c['kind']} on axes {c['mesh_axes']}", [0, 0.0, 0.0])
+        k[0] += 1
+        k[1] += c["bytes"]
+        k[2] += c["time_s"]
+    ct = Table(title="collectives")
+    for col in ("kind", "count", "bytes", "time"):
+        ct.add_column(col)
+    for k, (n, b, s) in sorted(kinds.items(), key=lambda kv: -kv[1][2]):
+        ct.add_row(k, str(n), _fmt_bytes(b), f"{s * 1e3:.3f} ms")
+    out.print(ct)
+    m = r["memory"]
+    out.print(f"communication {r['communication_s'] * 1e3:.3f} ms, compute {r['compute_s'] * 1e3:.3f} ms, "
+              f"memory {_fmt_bytes(m['total_bytes'])} per device (params {_fmt_bytes(m['params_bytes'])}, "
+              f"grads {_fmt_bytes(m['grads_bytes'])}, optimizer {_fmt_bytes(m['optimizer_bytes'])}, "
+              f"activations {_fmt_bytes(m['activations_peak_bytes'])}); ILP {r['ilp']['nodes']} nodes, "
+              f"{r['ilp']['edges']} edges, solved in {r['solve_s']:.2f} s")
+    for name, c in r["compare"].items():
+        if "error" in c:
+            out.print(f"  {name}: {c['error']}")
+        else:
+            out.print(f"  {name}: communication {c['communication_s'] * 1e3:.3f} ms, memory "
+                      f"{_fmt_bytes(c['memory_bytes'])} per device, {'fits' if c['fits'] else 'does NOT fit'}")
 
 
 def main() -> None:

@@ -422,7 +422,7 @@ def training_graph(forward: OpGraph, *, remat: bool = False, optimizer: AdamConf
         in_needs = [t in needs for t in op.inputs]
         if not any(in_needs):
             continue
-        with b.scope(phase="backward", layer=op.layer, origin=op.name, tags=op.tags):
+        with b.scope(phase="backward", layer=op.layer, origin=op.name, tags=op.tags, prefix=f"{op.name}:"):
             if remat and op.layer not in recomputed_layers:
                 recomputed_layers.add(op.layer)
                 _recompute_layer(b, forward, op.layer, remap)
@@ -446,7 +446,7 @@ def _recompute_layer(b: GraphBuilder, fwd: OpGraph, layer: int, remap: dict[str,
         if op.layer != layer or "keep" in op.tags:
             continue
         ins = [remap.get(t, t) for t in op.inputs]
-        with b.scope(remat=True, origin=op.name, tags=op.tags):
+        with b.scope(remat=True, origin=op.name, tags=op.tags, prefix=""):
             outs = b.apply(op.prim, ins, name=f"{op.name}:remat", out_names=[f"{t}:remat" for t in op.outputs],
                            **op.attrs)
         remap.update(zip(op.outputs, outs))

@@ -9,9 +9,9 @@ in the source and in the destination:
 * used in both, on different dimensions (or positions): an all-to-all along that axis.
 
 The steps run in the cheapest valid order: slices first (they shrink every later
-message), then all-to-alls, then all-gathers, slowest link first. Sizes follow the collective cost
-conventions of `alpasim.costmodels`: an all-gather's bytes are the gathered tensor
-inside one group, an all-to-all's are one device's buffer. Partial sums never need
+message), then all-to-alls, then all-gathers, slowest link first. Sizes follow the
+collective cost conventions of `alpasim.costmodels`: an all-gather's bytes are the
+gathered tensor inside one group, an all-to-all's are one device's buffer. Partial sums never need
 resharding here: a strategy that leaves partial outputs pays its all-reduce or
 reduce-scatter itself.
 """
@@ -82,7 +82,7 @@ def _resharding(src: ShardingSpec, dst: ShardingSpec, nbytes: float, mesh: Logic
     for a in gathers:
         out.append(Collective("all_gather", per_device * mesh.shape[a], (a,)))
         per_device *= mesh.shape[a]
-    return out
+    return tuple(out)  # cached: immutable
 
 
 def _placement(spec: ShardingSpec, axis: int, mesh: LogicalMesh) -> tuple[int, int] | None:

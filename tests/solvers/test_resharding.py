@@ -8,10 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from alpasim.costmodels import Link, all_gather_time_s, all_to_all_time_s, collective_time_s
-from alpasim.solvers._mesh import LogicalMesh
-from alpasim.solvers._resharding import (Collective, collectives_time_s, resharding_collectives,
-                                         resharding_time_s)
-from alpasim.solvers._spec import ShardingError, ShardingSpec, all_specs, spec_fits
+from alpasim.solvers import (Collective, LogicalMesh, ShardingError, ShardingSpec, all_specs,
+                             resharding_collectives, resharding_time_s, spec_fits)
 
 LINK = Link("test", 100.0, 1e-6)
 ITEMSIZE = 4  # float32
@@ -21,6 +19,10 @@ TENSOR_SHAPES = [(4, 8), (8, 4, 4), (16,)]
 
 def mesh(n0: int, n1: int) -> LogicalMesh:
     return LogicalMesh.of((n0, n1), LINK)
+
+
+def collectives_time_s(collectives, m: LogicalMesh) -> float:
+    return sum(c.time_s(m) for c in collectives)
 
 
 # ---------------------------------------------------------------- oracle

@@ -5,8 +5,8 @@ import itertools
 import pytest
 
 from alpasim.costmodels import Link, get_cluster
-from alpasim.solvers._mesh import LogicalMesh, parse_mesh_shape
-from alpasim.solvers._spec import ShardingError, ShardingSpec, all_specs, check_spec, spec_fits
+from alpasim.solvers import (LogicalMesh, ShardingError, ShardingSpec, all_specs, check_spec, parse_mesh_shape,
+                             spec_fits)
 
 LINK = Link("test", 100.0, 1e-6)
 
@@ -245,6 +245,16 @@ def test_on_cluster_4x4_on_two_nodes():
     assert m.axes[1].link == p3.intra_node
     m = LogicalMesh.on_cluster(p3, (8, 2))
     assert m.axes[0].link == p3.inter_node_per_device and m.axes[1].link == p3.intra_node
+
+
+def test_on_cluster_axis_crosses_nodes_if_any_group_does():
+    # 4x3 on 8-GPU nodes: rows {0,1,2} {3,4,5} stay inside node 0 but {6,7,8} crosses,
+    # and all groups of an axis run at once, so axis 1 is as slow as the network.
+    p3 = get_cluster("aws-p3.16xlarge", nodes=2)
+    m = LogicalMesh.on_cluster(p3, (4, 3))
+    assert m.axes[0].link == p3.inter_node_per_device and m.axes[1].link == p3.inter_node_per_device
+    m = LogicalMesh.on_cluster(p3, (2, 4))
+    assert m.axes[0].link == p3.intra_node and m.axes[1].link == p3.intra_node
 
 
 def test_on_cluster_rejects_too_many_devices_and_wrong_rank():

@@ -2,14 +2,14 @@
 
 from ._intra_baselines import MEGATRON_PARAM_DIMS as MEGATRON_PARAM_DIMS
 from ._intra_baselines import batch_letters as batch_letters
-from ._intra_baselines import data_parallel as data_parallel_restriction
-from ._intra_baselines import megatron as megatron_restriction
+from ._intra_baselines import data_parallel_restriction as data_parallel_restriction
+from ._intra_baselines import megatron_restriction as megatron_restriction
 from ._intra_ilp import SOLVERS as SOLVERS
 from ._intra_ilp import Formulation as Formulation
 from ._intra_ilp import SolveResult as SolveResult
 from ._intra_ilp import decode as decode
 from ._intra_ilp import formulate as formulate
-from ._intra_ilp import solve as solve_ilp
+from ._intra_ilp import solve_ilp as solve_ilp
 from ._intra_op import IntraOpInfeasible as IntraOpInfeasible
 from ._intra_op import IntraOpResult as IntraOpResult
 from ._intra_op import min_memory_bytes as min_memory_bytes

@@ -54,7 +54,7 @@ def _axes_of(s: Strategy) -> dict[int, str]:
     return {a: c for c, axes in s.loops for a in axes}
 
 
-def data_parallel(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel):
+def data_parallel_restriction(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel):
     """(restrict, leaf_specs) for pure data parallelism."""
     batch = batch_letters(graph)
     live = [a for a in (0, 1) if mesh.shape[a] > 1]
@@ -69,7 +69,7 @@ def data_parallel(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel):
     return restrict, _replicated_params(graph)
 
 
-def megatron(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel):
+def megatron_restriction(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel):
     """(restrict, leaf_specs) for Megatron-LM's data x tensor parallel layout."""
     batch = batch_letters(graph)
     leaf_specs = _megatron_params(graph, mesh)
@@ -113,4 +113,4 @@ def _megatron_params(graph: OpGraph, mesh: LogicalMesh) -> dict[str, list[Shardi
     return specs
 
 
-BASELINES: Mapping[str, object] = {"data_parallel": data_parallel, "megatron": megatron}
+BASELINES: Mapping[str, object] = {"data_parallel": data_parallel_restriction, "megatron": megatron_restriction}

@@ -97,7 +97,7 @@ def _add_memory(model: pulp.LpProblem, problem: IntraOpProblem, s, budget: float
         model += persistent + pulp.lpSum(m[t] for t in live) <= budget / GIB, f"memory_{i}"
 
 
-def solve(form: Formulation, solver: str = "highs", time_limit_s: float | None = None) -> SolveResult:
+def solve_ilp(form: Formulation, solver: str = "highs", time_limit_s: float | None = None) -> SolveResult:
     if solver not in SOLVERS:
         raise ValueError(f"unknown ILP solver {solver!r}; choose one of {', '.join(SOLVERS)}")
     backend = (pulp.HiGHS(msg=False, timeLimit=time_limit_s) if solver == "highs"

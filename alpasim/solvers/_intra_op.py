@@ -20,7 +20,7 @@ import pulp
 from alpasim.costmodels import CostModel
 from alpasim.graphs import OpGraph
 
-from ._intra_ilp import GIB, Formulation, formulate, memory_expression, solve
+from ._intra_ilp import GIB, Formulation, formulate, memory_expression, solve_ilp
 from ._intra_plan import IntraOpPlan, objective_s, realize
 from ._intra_problem import IntraOpProblem, build_problem
 from ._mesh import LogicalMesh
@@ -70,7 +70,7 @@ def solve_intra_op(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel, *,
                             allow_replicated_heavy=allow_replicated_heavy, restrict=restrict, leaf_specs=leaf_specs)
     form = formulate(problem, memory_budget_bytes)
     build_s = time.perf_counter() - t0
-    result = solve(form, solver, time_limit_s)
+    result = solve_ilp(form, solver, time_limit_s)
     if result.status == "infeasible":
         need = min_memory_bytes(problem, solver)
         raise IntraOpInfeasible(
@@ -132,5 +132,5 @@ def min_memory_bytes(problem: IntraOpProblem, solver: str = "highs") -> float:
     persistent = pulp.lpSum(memory_expression(problem, form.s, t) for t in problem.persistent)
     for i, live in enumerate(problem.live_sets or [[]]):
         model += persistent + pulp.lpSum(memory_expression(problem, form.s, t) for t in live) <= peak, f"peak_{i}"
-    solve(Formulation(model, form.s, None), solver)
+    solve_ilp(Formulation(model, form.s, None), solver)
     return float(peak.value() or 0.0) * GIB

@@ -352,6 +352,7 @@ def intra_report(model_name: str, mesh_shape: tuple[int, int], cluster: cm.Clust
                        "flops": gr.op_flops(op, stage.tensors)} for op in heavy[:top]],
         "collectives": [c.to_json(mesh) for c in plan.collectives],
         "compare": compare,
+        "notes": result.problem.notes,
     }
 
 
@@ -419,6 +420,9 @@ def _print_intra(r: dict[str, Any]) -> None:
               f"grads {_fmt_bytes(m['grads_bytes'])}, optimizer {_fmt_bytes(m['optimizer_bytes'])}, "
               f"activations {_fmt_bytes(m['activations_peak_bytes'])}); ILP {r['ilp']['nodes']} nodes, "
               f"{r['ilp']['edges']} edges, solved in {r['solve_s']:.2f} s")
+    if r["notes"]:
+        err.print(f"note: {len(r['notes'])} heavy ops have no even split over every mesh axis "
+                  f"(first: {r['notes'][0]})", markup=False)
     for name, c in r["compare"].items():
         if "error" in c:
             out.print(f"  {name}: {c['error']}")

@@ -85,6 +85,7 @@ class IntraOpProblem:
     live_sets: list[list[str]]           # activation tensors live at each checked point
     loop_backs: list[tuple[str, str]]    # (new value, parameter) pairs
     strategies: dict[str, list[Strategy]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)   # what the builder had to relax, and why
 
     def tensor_bytes(self, node: int, tensor: str) -> np.ndarray:
         """Per-device bytes of `tensor` under each strategy of `node`."""
@@ -118,6 +119,7 @@ def build_problem(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel, *, w
     restrict = restrict or {}
     leaf_specs = leaf_specs or {}
     strategies: dict[str, list[Strategy]] = {}
+    notes: list[str] = []
     for op in graph.ops:
         if op.name in restrict:
             strategies[op.name] = list(restrict[op.name])
@@ -125,7 +127,11 @@ def build_problem(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel, *, w
             strategies[op.name] = enumerate_strategies(op, tensors, mesh, cost_model,
                                                        allow_replicated_heavy=allow_replicated_heavy)
         if not strategies[op.name]:
+            # No even split of this op uses every mesh axis (e.g. a 1x3 mesh and
+            # power-of-two dimensions): let it replicate rather than fail, and say so.
             strategies[op.name] = enumerate_strategies(op, tensors, mesh, cost_model, allow_replicated_heavy=True)
+            notes.append(f"{op.name}: no even split over every axis of the {mesh} mesh; "
+                         f"it may run replicated on some axes")
 
     owned = {t for t, tensor in tensors.items()
              if tensor.role == "optimizer_state" and _is_leaf(graph, t)}
@@ -213,7 +219,7 @@ def build_problem(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel, *, w
                   and (tensor.role != "param" or _is_leaf(graph, t))]
     live_sets = _live_sets(graph, set(persistent) | owned)
     return IntraOpProblem(graph, mesh, with_compute, nodes, edges, node_of, persistent, live_sets, loop_backs,
-                          strategies)
+                          strategies, notes)
 
 
 def _follow(op, options: list[Strategy], known: dict[str, ShardingSpec], tensors: Mapping[str, Tensor],

@@ -87,3 +87,38 @@ def test_bad_graph_and_cluster_files_name_file_and_field(tmp_path):
     cluster.write_text(json.dumps({"schema": "alpasim.cluster/1", "name": "x"}))
     proc = run("graph", "gpt3-350m", "--cluster", str(cluster))
     assert proc.returncode == 2 and str(cluster) in proc.stderr
+
+
+def test_intra_json_contract():
+    r = run_json("intra", "gpt3-1.3b", "--mesh", "2x4", "--layers", "5", "--batch", "8")
+    for key in ("status", "objective_s", "communication_s", "compute_s", "memory_bytes", "specs", "collectives",
+                "compare"):
+        assert key in r
+    assert r["status"] == "optimal" and r["layers"] == [5, 5] and r["mesh"] == [2, 4]
+    assert r["objective_s"] == pytest.approx(r["communication_s"], rel=1e-6)
+    assert r["specs"]["layer5/w_fc1"] in {"RS1", "RS01", "S0S1", "RR", "S0R", "S1R", "RS0", "S01R", "S1S0"}
+    c = r["collectives"][0]
+    assert {"kind", "bytes", "mesh_axes"} <= set(c)
+    for name in ("data_parallel", "megatron"):
+        cmp = r["compare"][name]
+        assert {"communication_s", "memory_bytes", "fits"} <= set(cmp)
+        assert r["communication_s"] <= cmp["communication_s"] * (1 + 1e-9)
+    assert r["memory_bytes"] <= r["compare"]["data_parallel"]["memory_bytes"]
+
+
+def test_intra_method_and_memory_override():
+    dp = run_json("intra", "gpt3-350m", "--mesh", "1x4", "--method", "data_parallel")
+    assert all(s.strip("R") == "" for p, s in dp["specs"].items() if p.endswith("/w_fc1"))
+    proc = run("intra", "gpt3-1.3b", "--mesh", "1x8", "--memory-gb", "0.01")
+    assert proc.returncode == 2 and "does not fit" in proc.stderr and "GiB per device" in proc.stderr
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["intra", "gpt3-350m", "--mesh", "2by4"], "mesh shape"),
+    (["intra", "gpt3-350m", "--mesh", "16x16"], "needs 256 devices"),
+    (["intra", "gpt3-350m", "--method", "zero9"], "--method"),
+    (["intra", "gpt3-350m", "--layers", "99"], "layers 0..23"),
+])
+def test_intra_user_errors(args, fragment):
+    proc = run(*args)
+    assert proc.returncode == 2 and fragment in proc.stderr and "Traceback" not in proc.stderr

@@ -8,11 +8,14 @@ producer stores, spec the consumer needs), so e is indexed by distinct *spec* pa
 not strategy pairs (a GPT einsum has ~30 strategies but a weight ~10 specs). With
 a_p = sum of s_v over strategies storing spec p and b_q likewise for the consumer, the
 transport constraints sum_q e_pq = a_p, sum_p e_pq = b_q force e_pq = a_p b_q for
-one-hot a, b, so e can be continuous. Costs enter in microseconds and memory in GiB so
-the solver's tolerances see numbers near one.
+one-hot a, b, so e can be continuous. Costs enter in microseconds so the solver's
+tolerances see numbers near one.
 
 Memory (optional): M_t = sum_i s_owner(t)^i * bytes_t / shards_i(t) for every tensor;
-persistent tensors plus the activations live at each candidate peak must fit.
+persistent tensors plus the activations live at each candidate peak must fit. Memory
+enters in units of the budget (the right-hand side is 1): the solver's absolute
+feasibility tolerance (~1e-7) is then a relative one, whether the stage holds 40 GiB
+or, in a test, 40 bytes (in GiB units a 100-byte overshoot would count as fitting).
 """
 
 from __future__ import annotations
@@ -32,6 +35,10 @@ from ._intra_problem import IntraOpProblem
 US = 1e6          # objective unit: microseconds
 GIB = float(2 ** 30)
 SOLVERS = ("highs", "cbc")
+# Stop only when the optimum is proven (up to the solvers' absolute gap, 1e-6 us in
+# HiGHS): HiGHS's default relative gap, 1e-4, let it return plans up to 0.01% worse
+# than the optimum with status "optimal".
+MIP_REL_GAP = 0.0
 
 
 @dataclass
@@ -79,29 +86,31 @@ def formulate(problem: IntraOpProblem, memory_budget_bytes: float | None = None)
     return Formulation(model, s, memory_budget_bytes)
 
 
-def memory_expression(problem: IntraOpProblem, s, tensor: str):
+def memory_expression(problem: IntraOpProblem, s, tensor: str, unit_bytes: float = GIB):
+    """Per-device memory of `tensor` in units of `unit_bytes`, linear in its owner's s."""
     v = problem.node_of_tensor[tensor]
-    return pulp.lpSum(float(b) / GIB * x for b, x in zip(problem.tensor_bytes(v, tensor), s[v]) if b)
+    return pulp.lpSum(float(b) / unit_bytes * x for b, x in zip(problem.tensor_bytes(v, tensor), s[v]) if b)
 
 
 def _add_memory(model: pulp.LpProblem, problem: IntraOpProblem, s, budget: float) -> None:
-    persistent = pulp.lpSum(memory_expression(problem, s, t) for t in problem.persistent)
+    unit = budget if budget > 0 else GIB
+    persistent = pulp.lpSum(memory_expression(problem, s, t, unit) for t in problem.persistent)
     acts = {t for live in problem.live_sets for t in live}
     m = {}
     for t in acts:
         m[t] = pulp.LpVariable(f"mem_{len(m)}", lowBound=0)
-        model += m[t] == memory_expression(problem, s, t), f"mem_def_{len(m)}"
+        model += m[t] == memory_expression(problem, s, t, unit), f"mem_def_{len(m)}"
     if not problem.live_sets:
-        model += persistent <= budget / GIB, "memory"
+        model += persistent <= budget / unit, "memory"
     for i, live in enumerate(problem.live_sets):
-        model += persistent + pulp.lpSum(m[t] for t in live) <= budget / GIB, f"memory_{i}"
+        model += persistent + pulp.lpSum(m[t] for t in live) <= budget / unit, f"memory_{i}"
 
 
 def solve_ilp(form: Formulation, solver: str = "highs", time_limit_s: float | None = None) -> SolveResult:
     if solver not in SOLVERS:
         raise ValueError(f"unknown ILP solver {solver!r}; choose one of {', '.join(SOLVERS)}")
-    backend = (pulp.HiGHS(msg=False, timeLimit=time_limit_s) if solver == "highs"
-               else pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s))
+    backend = (pulp.HiGHS(msg=False, timeLimit=time_limit_s, gapRel=MIP_REL_GAP) if solver == "highs"
+               else pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=MIP_REL_GAP))
     t0 = time.perf_counter()
     try:
         with _native_stdout_silenced():

@@ -127,10 +127,16 @@ def min_memory_bytes(problem: IntraOpProblem, solver: str = "highs") -> float:
     for name, c in form.model.constraints.items():
         if name.startswith("one_hot"):
             model += c, name
+    # Measured in units of the fully replicated footprint, so the peak is near one
+    # whatever the stage's size (see `_intra_ilp`'s note on memory units).
+    tensors = problem.graph.tensors
+    unit = (sum(tensors[t].nbytes for t in problem.persistent)
+            + max((sum(tensors[t].nbytes for t in live) for live in problem.live_sets), default=0)) or GIB
     peak = pulp.LpVariable("peak", lowBound=0)
     model += peak
-    persistent = pulp.lpSum(memory_expression(problem, form.s, t) for t in problem.persistent)
+    persistent = pulp.lpSum(memory_expression(problem, form.s, t, unit) for t in problem.persistent)
     for i, live in enumerate(problem.live_sets or [[]]):
-        model += persistent + pulp.lpSum(memory_expression(problem, form.s, t) for t in live) <= peak, f"peak_{i}"
+        model += (persistent + pulp.lpSum(memory_expression(problem, form.s, t, unit) for t in live) <= peak,
+                  f"peak_{i}")
     solve_ilp(Formulation(model, form.s, None), solver)
-    return float(peak.value() or 0.0) * GIB
+    return float(peak.value() or 0.0) * unit

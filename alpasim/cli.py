@@ -296,7 +296,7 @@ def _parse_layers(text: str | None, num_layers: int) -> tuple[int, int]:
 
 
 def _intra_solve(stage: gr.OpGraph, mesh: sv.LogicalMesh, model: cm.CostModel, method: str, budget: float,
-                 solver: str, time_limit: float | None, compute: bool) -> sv.IntraOpResult:
+                 solver: str, time_limit: float | None, compute: bool, microbatches: int) -> sv.IntraOpResult:
     kw: dict[str, Any] = {}
     if method == "data_parallel":
         kw["restrict"], kw["leaf_specs"] = sv.data_parallel_restriction(stage, mesh, model)
@@ -305,12 +305,12 @@ def _intra_solve(stage: gr.OpGraph, mesh: sv.LogicalMesh, model: cm.CostModel, m
         kw["restrict"], kw["leaf_specs"] = sv.megatron_restriction(stage, mesh, model)
         kw["rewrite"] = False
     return sv.solve_intra_op(stage, mesh, model, memory_budget_bytes=budget, solver=solver,
-                             time_limit_s=time_limit, with_compute=compute, **kw)
+                             time_limit_s=time_limit, with_compute=compute, microbatches=microbatches, **kw)
 
 
 def intra_report(model_name: str, mesh_shape: tuple[int, int], cluster: cm.Cluster, *, layers: str | None,
                  batch: int, method: str, solver: str, time_limit: float | None, compute: bool,
-                 top: int = 12) -> dict[str, Any]:
+                 microbatches: int = 1, top: int = 12) -> dict[str, Any]:
     """Solve one stage on one mesh and compare with the hand-designed assignments."""
     name, source = model_with_batch(model_name, batch)
     fwd = source if isinstance(source, gr.OpGraph) else gr.forward_graph(source, name=name)
@@ -320,16 +320,18 @@ def intra_report(model_name: str, mesh_shape: tuple[int, int], cluster: cm.Clust
     mesh = sv.LogicalMesh.on_cluster(cluster, mesh_shape)
     model = cm.AnalyticCostModel(cluster)
     budget = float(cluster.device.memory_bytes)
-    result = _intra_solve(stage, mesh, model, method, budget, solver, time_limit, compute)
+    result = _intra_solve(stage, mesh, model, method, budget, solver, time_limit, compute, microbatches)
     plan = result.plan
     compare: dict[str, Any] = {}
     for other in ("data_parallel", "megatron"):
         try:
-            r = _intra_solve(stage, mesh, model, other, None, solver, time_limit, compute)
+            r = _intra_solve(stage, mesh, model, other, None, solver, time_limit, compute, microbatches)
         except (sv.IntraOpInfeasible, RuntimeError) as e:
             compare[other] = {"error": str(e)}
             continue
-        compare[other] = {"communication_s": r.plan.communication_s, "compute_s": r.plan.compute_s,
+        compare[other] = {"communication_s": r.plan.amortized_communication_s(microbatches),
+                          "microbatch_communication_s": r.plan.communication_s, "sync_s": r.plan.sync_s,
+                          "compute_s": r.plan.compute_s,
                           "memory_bytes": r.plan.memory.total_bytes,
                           "fits": r.plan.memory.total_bytes <= budget}
     heavy = sorted((op for op in stage.ops if gr.is_heavy(op)), key=lambda o: -gr.op_flops(o, stage.tensors))
@@ -337,8 +339,11 @@ def intra_report(model_name: str, mesh_shape: tuple[int, int], cluster: cm.Clust
         "model": name, "layers": [first, last], "batch": batch, "mesh": list(mesh_shape),
         "cluster": cluster.name, "method": method, "solver": result.solver,
         "status": result.status, "time_limited": result.time_limited,
-        "objective_s": result.objective_s, "communication_s": plan.communication_s,
-        "compute_s": plan.compute_s, "time_s": plan.time_s,
+        "microbatches": microbatches, "objective_s": result.objective_s,
+        "communication_s": plan.amortized_communication_s(microbatches),
+        "microbatch_communication_s": plan.communication_s, "sync_s": plan.sync_s,
+        "compute_s": plan.compute_s, "update_s": plan.update_s, "time_s": plan.time_s,
+        "iteration_s": plan.iteration_s(microbatches),
         "memory_bytes": plan.memory.total_bytes, "memory": plan.memory.to_json(),
         "memory_budget_bytes": budget, "fits": plan.memory.total_bytes <= budget,
         "solve_s": result.solve_s, "build_s": result.build_s,
@@ -371,6 +376,8 @@ def intra(
     solver: Annotated[str, typer.Option("--solver", help="highs or cbc.")] = "highs",
     time_limit: Annotated[Optional[float], typer.Option("--time-limit", help="ILP time limit, seconds.")] = None,
     compute: Annotated[bool, typer.Option("--compute", help="Add compute time to the ILP objective.")] = False,
+    microbatches: Annotated[int, typer.Option("--microbatches", help="Gradient-accumulation steps: weight "
+                                              "gradients sync once per this many microbatches.")] = 1,
     as_json: JsonOpt = False,
 ) -> None:
     """Shard one stage (layers i..j, one microbatch) on one logical mesh with the ILP."""
@@ -385,8 +392,10 @@ def intra(
     c = load_cluster(cluster, nodes, devices_per_node, inter_node_gbps, memory_gb)
     if shape[0] * shape[1] > c.num_devices:
         fail(f"--mesh {mesh} needs {shape[0] * shape[1]} devices; {c.name} has {c.num_devices}")
+    if microbatches < 1:
+        fail(f"--microbatches must be at least 1, got {microbatches}")
     report = intra_report(model, shape, c, layers=layers, batch=batch, method=method, solver=solver,
-                          time_limit=time_limit, compute=compute)
+                          time_limit=time_limit, compute=compute, microbatches=microbatches)
     if as_json:
         emit_json(report)
         return
@@ -415,7 +424,9 @@ def _print_intra(r: dict[str, Any]) -> None:
         ct.add_row(k, str(n), _fmt_bytes(b), f"{s * 1e3:.3f} ms")
     out.print(ct)
     m = r["memory"]
-    out.print(f"communication {r['communication_s'] * 1e3:.3f} ms, compute {r['compute_s'] * 1e3:.3f} ms, "
+    out.print(f"communication {r['microbatch_communication_s'] * 1e3:.3f} ms per microbatch + gradient sync "
+              f"{r['sync_s'] * 1e3:.3f} ms per iteration ({r['microbatches']} microbatches), "
+              f"compute {r['compute_s'] * 1e3:.3f} ms, "
               f"memory {_fmt_bytes(m['total_bytes'])} per device (params {_fmt_bytes(m['params_bytes'])}, "
               f"grads {_fmt_bytes(m['grads_bytes'])}, optimizer {_fmt_bytes(m['optimizer_bytes'])}, "
               f"activations {_fmt_bytes(m['activations_peak_bytes'])}); ILP {r['ilp']['nodes']} nodes, "

@@ -61,12 +61,12 @@ class IntraOpResult:
 
 def solve_intra_op(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel, *,
                    memory_budget_bytes: float | None = None, with_compute: bool = False,
-                   solver: str = "highs", time_limit_s: float | None = None,
+                   microbatches: int = 1, solver: str = "highs", time_limit_s: float | None = None,
                    allow_replicated_heavy: bool = False, rewrite: bool = True,
                    restrict: Mapping[str, Sequence[Strategy]] | None = None,
                    leaf_specs: Mapping[str, Sequence[ShardingSpec]] | None = None) -> IntraOpResult:
     t0 = time.perf_counter()
-    problem = build_problem(graph, mesh, cost_model, with_compute=with_compute,
+    problem = build_problem(graph, mesh, cost_model, with_compute=with_compute, microbatches=microbatches,
                             allow_replicated_heavy=allow_replicated_heavy, restrict=restrict, leaf_specs=leaf_specs)
     form = formulate(problem, memory_budget_bytes)
     build_s = time.perf_counter() - t0
@@ -92,7 +92,7 @@ def weight_update_sharding(problem: IntraOpProblem, choice: tuple[int, ...],
                            budget: float | None = None) -> tuple[tuple[int, ...], int]:
     """Switch update groups to reduce-scatter forms that cost no more and hold less."""
     current = realize(problem, choice)
-    cost = objective_s(current, problem.with_compute)
+    cost = objective_s(current, problem.with_compute, problem.microbatches)
     changed = 0
     for v, node in enumerate(problem.nodes):
         if not any(problem.graph.op_by_name[o].prim == "adam" for o in node.ops):
@@ -108,7 +108,7 @@ def weight_update_sharding(problem: IntraOpProblem, choice: tuple[int, ...],
                 continue
             trial = choice[:v] + (j,) + choice[v + 1:]
             plan = realize(problem, trial)
-            if objective_s(plan, problem.with_compute) > cost * (1 + REWRITE_RTOL) + 1e-15:
+            if objective_s(plan, problem.with_compute, problem.microbatches) > cost * (1 + REWRITE_RTOL) + 1e-15:
                 continue
             if plan.memory.total_bytes >= current.memory.total_bytes:
                 continue

@@ -27,10 +27,11 @@ class PlacedCollective:
     collective: Collective
     op: str
     tensor: str | None = None     # set for resharding
+    per_iteration: bool = False   # gradient sync / update: once per iteration, not per microbatch
 
     def to_json(self, mesh: LogicalMesh) -> dict:
         d = self.collective.to_json()
-        d.update(op=self.op, time_s=self.collective.time_s(mesh))
+        d.update(op=self.op, time_s=self.collective.time_s(mesh), per_iteration=self.per_iteration)
         if self.tensor is not None:
             d["tensor"] = self.tensor
         return d
@@ -57,7 +58,12 @@ class MemoryUse:
 
 @dataclass(frozen=True)
 class IntraOpPlan:
-    """Per-op strategy, per-tensor spec, collectives, predicted time and memory."""
+    """Per-op strategy, per-tensor spec, collectives, predicted time and memory.
+
+    Times split the way gradient accumulation runs a stage: `compute_s` and
+    `communication_s` are per microbatch (forward and backward), `sync_s` and `update_s`
+    once per iteration (weight-gradient synchronisation and the optimizer).
+    """
 
     mesh: LogicalMesh
     strategies: dict[str, Strategy]
@@ -67,11 +73,21 @@ class IntraOpPlan:
     compute_s: float
     memory: MemoryUse
     choice: tuple[int, ...]
+    sync_s: float = 0.0
+    update_s: float = 0.0
 
     @property
     def time_s(self) -> float:
-        """Compute plus communication, without overlap."""
+        """Per-microbatch compute plus communication, without overlap."""
         return self.compute_s + self.communication_s
+
+    def amortized_communication_s(self, microbatches: int = 1) -> float:
+        """Communication per microbatch with the gradient sync spread over `microbatches`."""
+        return self.communication_s + self.sync_s / microbatches
+
+    def iteration_s(self, microbatches: int) -> float:
+        """One iteration of this stage alone: B microbatches, then sync and update."""
+        return microbatches * self.time_s + self.sync_s + self.update_s
 
     def partition_specs(self, params: list[str], axis_names: tuple[str, str] = ("x", "y")) -> dict[str, tuple]:
         """`jax.sharding.PartitionSpec` arguments of each parameter's stored layout."""
@@ -87,28 +103,34 @@ def realize(problem: IntraOpProblem, choice: tuple[int, ...]) -> IntraOpPlan:
         strategies.update(node.choices[i])
         specs.update(node.specs[i])
     placed: list[PlacedCollective] = []
-    compute_s = 0.0
+    compute_s = update_s = 0.0
     stored: dict[str, ShardingSpec] = {t: specs[t] for t in specs if t not in graph.producer}
     for op in graph.ops:
         s = strategies[op.name]
-        compute_s += s.compute_s
+        update = op.phase == "update"
+        if update:
+            update_s += s.compute_s
+        else:
+            compute_s += s.compute_s
         for t, need in zip(op.inputs, s.in_specs):
             have = stored.get(t)
             if have is None:  # an optimizer state first read here: stored as needed
                 stored[t] = need
                 continue
             for c in resharding_collectives(have, need, graph.tensors[t].nbytes, mesh):
-                placed.append(PlacedCollective(c, op.name, t))
-        placed += [PlacedCollective(c, op.name) for c in s.collectives]
+                placed.append(PlacedCollective(c, op.name, t, update))
+        sync = s.sync or (False,) * len(s.collectives)
+        placed += [PlacedCollective(c, op.name, None, x) for c, x in zip(s.collectives, sync)]
         for t, spec in zip(op.outputs, s.out_specs):
             stored[t] = spec
     for new, param in problem.loop_backs:
         for c in resharding_collectives(stored[new], stored[param], graph.tensors[new].nbytes, mesh):
-            placed.append(PlacedCollective(c, f"loop-back:{param}", new))
-    comm = sum(p.collective.time_s(mesh) for p in placed)
+            placed.append(PlacedCollective(c, f"loop-back:{param}", new, True))
+    comm = sum(p.collective.time_s(mesh) for p in placed if not p.per_iteration)
+    sync_s = sum(p.collective.time_s(mesh) for p in placed if p.per_iteration)
     specs.update(stored)
     return IntraOpPlan(mesh, strategies, specs, tuple(placed), comm, compute_s,
-                       memory_use(problem, stored), tuple(choice))
+                       memory_use(problem, stored), tuple(choice), sync_s, update_s)
 
 
 def memory_use(problem: IntraOpProblem, specs: dict[str, ShardingSpec]) -> MemoryUse:
@@ -124,6 +146,8 @@ def memory_use(problem: IntraOpProblem, specs: dict[str, ShardingSpec]) -> Memor
     return MemoryUse(by_role["param"], by_role["grad"], by_role["optimizer_state"], peak)
 
 
-def objective_s(plan: IntraOpPlan, with_compute: bool) -> float:
-    """What the ILP minimises, recomputed from a realised plan."""
-    return plan.communication_s + (plan.compute_s if with_compute else 0.0)
+def objective_s(plan: IntraOpPlan, with_compute: bool, microbatches: int = 1) -> float:
+    """What the ILP minimises, recomputed from a realised plan: seconds per microbatch
+    with the once-per-iteration work amortised over the microbatches."""
+    compute = plan.compute_s + plan.update_s / microbatches if with_compute else 0.0
+    return plan.communication_s + plan.sync_s / microbatches + compute

@@ -12,7 +12,10 @@ Built from a (stage) graph, a logical mesh and a cost model, before any solver s
   spec. A light op with only leaf operands roots its own group. A group's strategy
   count is its root's, so a GPT layer's problem stays a few dozen nodes.
 * **Edges**: a tensor produced (or stored) by one node and read by another, with a
-  resharding cost per (producer spec, consumer spec) pair. An update op writing a new
+  resharding cost per (producer spec, consumer spec) pair.
+* **Costs per microbatch**: with B microbatches of gradient accumulation, weight-gradient
+  synchronisation, optimizer ops and resharding for them happen once per iteration,
+  everything else B times; costs are per microbatch with the former divided by B. An update op writing a new
   parameter value adds the edge back to the parameter's leaf (Adam updates in place,
   so the new value must end up in the stored layout).
 * **Memory terms**: bytes per device of each tensor under each strategy of the node that
@@ -78,6 +81,7 @@ class IntraOpProblem:
     graph: OpGraph
     mesh: LogicalMesh
     with_compute: bool
+    microbatches: int                    # once-per-iteration costs are divided by this
     nodes: list[Node]
     edges: list[Edge]
     node_of_tensor: dict[str, int]       # which node fixes each tensor's layout
@@ -110,7 +114,7 @@ def _is_leaf(graph: OpGraph, t: str) -> bool:
 
 
 def build_problem(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel, *, with_compute: bool = False,
-                  allow_replicated_heavy: bool = False,
+                  microbatches: int = 1, allow_replicated_heavy: bool = False,
                   restrict: Mapping[str, Sequence[Strategy]] | None = None,
                   leaf_specs: Mapping[str, Sequence[ShardingSpec]] | None = None) -> IntraOpProblem:
     """Turn a graph into nodes and edges (module doc). `restrict` and `leaf_specs`
@@ -174,14 +178,15 @@ def build_problem(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel, *, w
                 if name == root:
                     s = strategies[name][i]
                 else:
-                    s = _follow(op, strategies[name], specs[i], tensors, mesh, with_compute)
+                    s = _follow(op, strategies[name], specs[i], tensors, mesh, with_compute, microbatches)
                 choices[i][name] = s
-                cost[i] += s.cost_s(with_compute)
+                cost[i] += s.cost_s(with_compute, microbatches)
+                scale = 1.0 / microbatches if op.phase == "update" else 1.0
                 for t, spec in zip(op.inputs, s.in_specs):
                     if t in specs[i]:  # produced earlier in this group: reshard inside it
                         for c in resharding_collectives(specs[i][t], spec, tensors[t].nbytes, mesh):
                             inner[i].append((t, c))
-                            cost[i] += c.time_s(mesh)
+                            cost[i] += c.time_s(mesh) * scale
                     elif t in owned:
                         specs[i][t] = spec
                 for t, spec in zip(op.outputs, s.out_specs):
@@ -206,38 +211,41 @@ def build_problem(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel, *, w
             if src == dst and not _is_leaf(graph, t):
                 continue  # resharding inside the group is part of its cost
             edges.append(_edge(nodes, src, dst, t, op.name, lambda i, name=op.name, pos=pos, d=dst:
-                               nodes[d].choices[i][name].in_specs[pos], tensors, mesh))
+                               nodes[d].choices[i][name].in_specs[pos], tensors, mesh,
+                               1.0 / microbatches if op.phase == "update" else 1.0))
         if op.prim == "adam":
             param, new = op.inputs[0], op.outputs[0]
             if param in node_of and nodes[node_of[param]].leaf == param:
                 loop_backs.append((new, param))
                 edges.append(_edge(nodes, dst, node_of[param], new, f"loop-back:{param}",
-                                   lambda i, p=param, n=node_of[param]: nodes[n].specs[i][p], tensors, mesh))
+                                   lambda i, p=param, n=node_of[param]: nodes[n].specs[i][p], tensors, mesh,
+                                   1.0 / microbatches))
 
     persistent = [t for t, tensor in tensors.items()
                   if tensor.role in PERSISTENT_ROLES and t in node_of and not t.endswith(":new")
                   and (tensor.role != "param" or _is_leaf(graph, t))]
     live_sets = _live_sets(graph, set(persistent) | owned)
-    return IntraOpProblem(graph, mesh, with_compute, nodes, edges, node_of, persistent, live_sets, loop_backs,
-                          strategies, notes)
+    return IntraOpProblem(graph, mesh, with_compute, microbatches, nodes, edges, node_of, persistent, live_sets,
+                          loop_backs, strategies, notes)
 
 
 def _follow(op, options: list[Strategy], known: dict[str, ShardingSpec], tensors: Mapping[str, Tensor],
-            mesh: LogicalMesh, with_compute: bool) -> Strategy:
+            mesh: LogicalMesh, with_compute: bool, microbatches: int) -> Strategy:
     """A follower's cheapest strategy given the specs its group already fixed."""
     best, best_cost = options[0], float("inf")
+    scale = 1.0 / microbatches if op.phase == "update" else 1.0
     for s in options:
-        cost = s.cost_s(with_compute)
+        cost = s.cost_s(with_compute, microbatches)
         for t, spec in zip(op.inputs, s.in_specs):
             if t in known:
-                cost += resharding_time_s(known[t], spec, tensors[t].nbytes, mesh)
+                cost += resharding_time_s(known[t], spec, tensors[t].nbytes, mesh) * scale
         if cost < best_cost - 1e-15:
             best, best_cost = s, cost
     return best
 
 
 def _edge(nodes: list[Node], src: int, dst: int, tensor: str, consumer: str, dst_spec_of, tensors,
-          mesh: LogicalMesh) -> Edge:
+          mesh: LogicalMesh, scale: float = 1.0) -> Edge:
     src_specs = [nodes[src].specs[i][tensor] for i in range(nodes[src].k)]
     dst_specs = [dst_spec_of(i) for i in range(nodes[dst].k)]
     distinct = list(dict.fromkeys(src_specs + dst_specs))
@@ -246,7 +254,7 @@ def _edge(nodes: list[Node], src: int, dst: int, tensor: str, consumer: str, dst
     cost = np.zeros((len(distinct), len(distinct)))
     for a in dict.fromkeys(src_specs):
         for b in dict.fromkeys(dst_specs):
-            cost[index[a], index[b]] = resharding_time_s(a, b, nbytes, mesh)
+            cost[index[a], index[b]] = resharding_time_s(a, b, nbytes, mesh) * scale
     return Edge(src, dst, tensor, consumer, distinct, np.array([index[s] for s in src_specs]),
                 np.array([index[s] for s in dst_specs]), cost)
 

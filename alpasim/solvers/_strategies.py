@@ -40,8 +40,11 @@ class Strategy:
     in_specs: tuple[ShardingSpec, ...]
     out_specs: tuple[ShardingSpec, ...]
     collectives: tuple[Collective, ...]
-    comm_s: float
+    comm_s: float                 # collectives run every microbatch
     compute_s: float
+    sync: tuple[bool, ...] = ()   # per collective: once per iteration (gradient sync)?
+    sync_s: float = 0.0           # collectives run once per iteration
+    update: bool = False          # an optimizer op: its compute runs once per iteration
 
     @property
     def name(self) -> str:
@@ -50,8 +53,15 @@ class Strategy:
             loops += " reduce-scatter->" + "/".join(map(str, self.out_specs))
         return loops
 
-    def cost_s(self, with_compute: bool) -> float:
-        return self.comm_s + (self.compute_s if with_compute else 0.0)
+    def cost_s(self, with_compute: bool, microbatches: int = 1) -> float:
+        """Seconds per microbatch, with once-per-iteration work amortised over `microbatches`.
+
+        With gradient accumulation a weight gradient is summed locally over the
+        microbatches and synchronised once, and the optimizer runs once: that is why data
+        parallelism's communication is amortised while tensor parallelism's is not.
+        """
+        compute = (self.compute_s / microbatches if self.update else self.compute_s) if with_compute else 0.0
+        return self.comm_s + self.sync_s / microbatches + compute
 
 
 def _spec_of(term: str, loops: Mapping[str, tuple[int, ...]]) -> ShardingSpec:
@@ -83,10 +93,15 @@ def enumerate_strategies(op: Op, tensors: Mapping[str, Tensor], mesh: LogicalMes
             continue
         loop_shards = mesh.axis_size(tuple(a for axes in loops.values() for a in axes))
         compute_s = cost_model.op_time_s(op, tensors, num_shards=loop_shards)
+        update = op.phase == "update"
         for out_specs, collectives in _finish_outputs(dm.outputs, outs, base_out, loops, in_letters,
                                                      dm.unshardable | dm.reduced_within, mesh):
-            comm_s = sum(c.time_s(mesh) for c in collectives)
-            s = Strategy(tuple(sorted(loops.items())), in_specs, out_specs, tuple(collectives), comm_s, compute_s)
+            sync = tuple(update or is_grad for _, is_grad in collectives)
+            collectives = [c for c, _ in collectives]
+            comm_s = sum(c.time_s(mesh) for c, x in zip(collectives, sync) if not x)
+            sync_s = sum(c.time_s(mesh) for c, x in zip(collectives, sync) if x)
+            s = Strategy(tuple(sorted(loops.items())), in_specs, out_specs, tuple(collectives), comm_s, compute_s,
+                         sync, sync_s, update)
             key = (in_specs, out_specs, tuple(collectives))
             if key not in found or s.cost_s(True) < found[key].cost_s(True):
                 found[key] = s
@@ -101,7 +116,9 @@ def _finish_outputs(terms: Sequence[str], outs: Sequence[Tensor], base: tuple[Sh
     for term in terms:
         axes = tuple(sorted(a for c, ax in loops.items() if c in in_letters and c not in term for a in ax))
         partial.append(axes)
-    all_reduce = [Collective("all_reduce", t.nbytes / s.num_shards(mesh), p)
+    # Each collective comes with whether it finishes a weight gradient (synchronised once
+    # per iteration, after accumulation) rather than an activation (every microbatch).
+    all_reduce = [(Collective("all_reduce", t.nbytes / s.num_shards(mesh), p), t.role == "grad")
                   for t, s, p in zip(outs, base, partial) if p]
     yield base, all_reduce
     partial_outputs = [i for i, p in enumerate(partial) if p]
@@ -119,4 +136,4 @@ def _finish_outputs(terms: Sequence[str], outs: Sequence[Tensor], base: tuple[Sh
             continue
         before = t.nbytes / base[i].num_shards(mesh)
         specs = base[:i] + (spec,) + base[i + 1:]
-        yield specs, [Collective("reduce_scatter", before, axes)]
+        yield specs, [(Collective("reduce_scatter", before, axes), t.role == "grad")]

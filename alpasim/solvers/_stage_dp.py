@@ -1,0 +1,120 @@
+"""The stage-mesh DP of seed eqs. 2-4, over a precomputed stage cost table.
+
+    T* = min over slicings and submeshes of  sum_i t_i + (B - 1) * max_j t_j       (eq. 2)
+
+For a fixed bottleneck t_max, F(s, k, d) is the least sum of stage latencies slicing
+layers k..L-1 into s stages on exactly d devices with every stage <= t_max (eq. 3):
+
+    F(s, k, d) = min_{k <= i, shape: size <= d}  t(k..i, shape, s) + F(s-1, i+1, d - size)
+
+and T*(t_max) = min_s F(s, 0, D) + (B - 1) t_max (eq. 4). Candidate bottlenecks are the
+table's finite costs in increasing order; one is evaluated only if it exceeds the last
+evaluated by a relative gap `epsilon` (the paper's epsilon, made relative so it is
+unit-free), and the enumeration stops once B * t_max >= T* (no larger bottleneck can
+win). `t(k..i, shape, s)` depends on s, the number of stages from this one to the end,
+because 1F1B keeps min(s, B) microbatches of this stage's activations in flight (eq. 5).
+
+Each (s, shape) step is a (min, +) product of a (k, i) cost matrix with the (i+1, d)
+table of the previous step, done with numpy broadcasting: O(S * shapes * L^2 * D) per
+bottleneck, vectorised.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+INF = np.inf
+
+
+@dataclass(frozen=True, slots=True)
+class StageChoice:
+    first: int      # first layer (inclusive)
+    last: int       # last layer (inclusive)
+    shape: int      # index into the submesh shapes
+    cost_s: float   # t for this stage
+
+
+@dataclass(frozen=True, slots=True)
+class DPResult:
+    latency_s: float                  # T* (eq. 2), inf when nothing is feasible
+    stages: tuple[StageChoice, ...]
+    t_max_s: float
+    candidates_evaluated: int
+
+
+def pipeline_latency_s(costs: Sequence[float], microbatches: int) -> float:
+    """Eq. 2 for given stage latencies."""
+    return float(sum(costs) + (microbatches - 1) * max(costs))
+
+
+def stage_dp(cost: np.ndarray, sizes: Sequence[int], num_devices: int, microbatches: int,
+             epsilon: float = 1e-6, max_stages: int | None = None) -> DPResult:
+    """Solve eq. 2 over `cost[k, i, shape, s-1]` = t(layers k..i, shape, s stages from here).
+
+    `cost` has shape (L, L, num_shapes, S_max); entries with i < k or infeasible are inf.
+    """
+    num_layers, _, num_shapes, s_max = cost.shape
+    s_max = min(s_max, num_layers, num_devices, max_stages or s_max)
+    sizes = np.asarray(sizes, dtype=int)
+    finite = np.unique(cost[np.isfinite(cost)])
+    best = DPResult(INF, (), INF, 0)
+    last_tried = -INF
+    evaluated = 0
+    for t_max in finite:
+        if microbatches * t_max >= best.latency_s:
+            break
+        if t_max < last_tried * (1 + epsilon):
+            continue
+        last_tried = t_max
+        evaluated += 1
+        total, stages = _solve_fixed(cost, sizes, num_devices, s_max, t_max)
+        if stages is None:
+            continue
+        # Eq. 4 with the bottleneck actually reached (never above t_max).
+        latency = pipeline_latency_s([c.cost_s for c in stages], microbatches)
+        if latency < best.latency_s:
+            best = DPResult(latency, tuple(stages), max(c.cost_s for c in stages), evaluated)
+    return DPResult(best.latency_s, best.stages, best.t_max_s, evaluated)
+
+
+def _solve_fixed(cost: np.ndarray, sizes: np.ndarray, num_devices: int, s_max: int, t_max: float):
+    num_layers = cost.shape[0]
+    d_count = num_devices + 1
+    # f[s][k, d]: best sum for layers k..L-1 in s stages on exactly d devices.
+    f = [np.full((num_layers + 1, d_count), INF)]
+    f[0][num_layers, 0] = 0.0
+    arg: list[np.ndarray] = [np.zeros((num_layers + 1, d_count, 2), dtype=int)]
+    best_total, best_s = INF, 0
+    for s in range(1, s_max + 1):
+        fs = np.full((num_layers + 1, d_count), INF)
+        argmin = np.full((num_layers + 1, d_count, 2), -1, dtype=int)
+        prev = f[s - 1]
+        for h, size in enumerate(sizes):
+            if size > num_devices:
+                continue
+            t = cost[:, :, h, s - 1]                       # (k, i)
+            t = np.where(t <= t_max, t, INF)
+            shifted = np.full((num_layers, d_count), INF)   # [i, d] = prev[i+1, d - size]
+            shifted[:, size:] = prev[1:, :d_count - size]
+            cand = t[:, :, None] + shifted[None, :, :]      # (k, i, d)
+            i_best = np.argmin(cand, axis=1)                # (k, d)
+            v = np.take_along_axis(cand, i_best[:, None, :], axis=1)[:, 0, :]
+            better = v < fs[:num_layers]
+            fs[:num_layers] = np.where(better, v, fs[:num_layers])
+            argmin[:num_layers, :, 0] = np.where(better, i_best, argmin[:num_layers, :, 0])
+            argmin[:num_layers, :, 1] = np.where(better, h, argmin[:num_layers, :, 1])
+        f.append(fs)
+        arg.append(argmin)
+        if fs[0, num_devices] < best_total:
+            best_total, best_s = fs[0, num_devices], s
+    if not np.isfinite(best_total):
+        return INF, None
+    stages, k, d = [], 0, num_devices
+    for s in range(best_s, 0, -1):
+        i, h = arg[s][k, d]
+        stages.append(StageChoice(int(k), int(i), int(h), float(cost[k, i, h, s - 1])))
+        k, d = i + 1, d - int(sizes[h])
+    return best_total, stages

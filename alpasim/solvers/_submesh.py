@@ -1,0 +1,126 @@
+"""Submeshes of a cluster (seed 3.4.7): allowed shapes, coverage, placement, logical views.
+
+A cluster is an N x M grid (nodes x devices per node, M a power of two). Stages get
+submeshes of two families only: (1, 2^k) inside one node, and (n, M), n whole nodes.
+Any list of such shapes whose sizes add up to N*M tiles the grid (the paper's
+Appendix A): the (n, M) blocks take whole nodes, and the (1, 2^k) pieces, placed
+largest first, pack the remaining nodes exactly, because powers of two that sum to a
+multiple of M fill bins of size M with no gap (each bin's free space stays a multiple
+of the next piece). `place_submeshes` does exactly that and returns device ids.
+
+Logical views: a submesh of d devices can be viewed as any (d0, d1) with d0*d1 = d whose
+second axis stays inside a node (so the fast links sit on axis 1 and a view that
+spans nodes puts the slow links on axis 0). Each view's links come from the cluster.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from alpasim.costmodels import Cluster, ClusterError, MeshAxis, group_link
+
+from ._mesh import LogicalMesh
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class SubmeshShape:
+    """(n, m): n nodes (or 1) by m devices of each."""
+
+    n: int
+    m: int
+
+    @property
+    def size(self) -> int:
+        return self.n * self.m
+
+    def __str__(self) -> str:
+        return f"({self.n},{self.m})"
+
+
+def _is_pow2(x: int) -> bool:
+    return x >= 1 and x & (x - 1) == 0
+
+
+def check_cluster_grid(cluster: Cluster) -> None:
+    if not _is_pow2(cluster.devices_per_node):
+        raise ClusterError(f"cluster {cluster.name!r}: the stage-mesh DP needs devices_per_node to be a power "
+                           f"of two (got {cluster.devices_per_node})")
+
+
+def submesh_shapes(nodes: int, devices_per_node: int) -> list[SubmeshShape]:
+    """(1, 1), (1, 2), ..., (1, M) and (2, M), ..., (N, M)."""
+    out = []
+    m = 1
+    while m <= devices_per_node:
+        out.append(SubmeshShape(1, m))
+        m *= 2
+    out += [SubmeshShape(n, devices_per_node) for n in range(2, nodes + 1)]
+    return out
+
+
+def place_submeshes(shapes: Sequence[SubmeshShape], nodes: int, devices_per_node: int) -> list[list[int]]:
+    """Device ids for each shape (in the given order) tiling the cluster exactly.
+
+    Raises ValueError when the sizes do not add up or a shape is not allowed.
+    """
+    total = sum(s.size for s in shapes)
+    if total != nodes * devices_per_node:
+        raise ValueError(f"submeshes of {total} devices cannot cover a {nodes}x{devices_per_node} cluster exactly")
+    allowed = set(submesh_shapes(nodes, devices_per_node))
+    for s in shapes:
+        if s not in allowed:
+            raise ValueError(f"submesh shape {s} is not one of the allowed shapes {sorted(allowed)}")
+    placement: list[list[int] | None] = [None] * len(shapes)
+    node = 0
+    for i, s in enumerate(shapes):
+        if s.n > 1:
+            placement[i] = list(range(node * devices_per_node, (node + s.n) * devices_per_node))
+            node += s.n
+    # Remaining nodes: one-node pieces, largest first, first fit.
+    free = [(n, 0) for n in range(node, nodes)]  # (node, next free slot)
+    order = sorted((i for i, p in enumerate(placement) if p is None), key=lambda i: -shapes[i].m)
+    for i in order:
+        m = shapes[i].m
+        for k, (n, used) in enumerate(free):
+            if used + m <= devices_per_node:
+                placement[i] = list(range(n * devices_per_node + used, n * devices_per_node + used + m))
+                free[k] = (n, used + m)
+                break
+        else:
+            raise ValueError(f"cannot place submesh {shapes[i]}: the shapes do not tile the cluster")
+    return [p for p in placement if p is not None]
+
+
+def covers_exactly(shapes: Sequence[SubmeshShape], nodes: int, devices_per_node: int) -> bool:
+    """Whether `place_submeshes` tiles the cluster with these shapes (every device once)."""
+    try:
+        placed = place_submeshes(shapes, nodes, devices_per_node)
+    except ValueError:
+        return False
+    ids = sorted(d for p in placed for d in p)
+    return ids == list(range(nodes * devices_per_node))
+
+
+def logical_shapes(shape: SubmeshShape, devices_per_node: int) -> list[tuple[int, int]]:
+    """Views (d0, d1) of a submesh whose axis 1 stays inside a node."""
+    d = shape.size
+    return [(d // b, b) for b in range(1, d + 1)
+            if d % b == 0 and b <= shape.m and shape.m % b == 0 and devices_per_node % b == 0]
+
+
+def logical_mesh(cluster: Cluster, devices: Sequence[int], view: tuple[int, int]) -> LogicalMesh:
+    """The `LogicalMesh` of `devices` (row-major) in `view`, with links from the cluster."""
+    d0, d1 = view
+    if d0 * d1 != len(devices):
+        raise ValueError(f"view {view} does not have {len(devices)} devices")
+    grid = [list(devices[r * d1:(r + 1) * d1]) for r in range(d0)]
+    axis0 = [[grid[r][c] for r in range(d0)] for c in range(d1)]
+    link0 = _worst_link(cluster, axis0) if d0 > 1 else cluster.intra_node
+    link1 = _worst_link(cluster, grid) if d1 > 1 else cluster.intra_node
+    return LogicalMesh((MeshAxis(d0, link0), MeshAxis(d1, link1)))
+
+
+def _worst_link(cluster: Cluster, groups: list[list[int]]):
+    links = [group_link(cluster, g) for g in groups]
+    return min(links, key=lambda link: link.bytes_per_s)

@@ -15,13 +15,17 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/alpasim graph gpt3-1.3b --cluster aws-p3.16xlarge
+	mkdir -p out
+	$(BIN)/alpasim graph gpt3-2.6b --cluster aws-p3.16xlarge --nodes 1
+	$(BIN)/alpasim plan --model gpt3-2.6b --cluster aws-p3.16xlarge --nodes 1 --out out/demo-plan.json
 
 test: $(STAMP)
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_graph_build.py
+	$(BIN)/python benchmarks/bench_intra_ilp.py
+	$(BIN)/python benchmarks/plan_time.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

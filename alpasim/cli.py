@@ -29,7 +29,8 @@ out = Console()
 err = Console(stderr=True)
 
 USER_ERRORS = (gr.UnknownModelError, gr.ModelSpecError, gr.GraphFormatError, gr.GraphError,
-               cm.ClusterError, cm.UnknownPresetError, sv.IntraOpInfeasible, sv.ShardingError)
+               cm.ClusterError, cm.UnknownPresetError, sv.IntraOpInfeasible, sv.ShardingError,
+               sv.PlanInfeasible, sv.PlanFormatError)
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
 ClusterOpt = Annotated[str, typer.Option("--cluster", help="Preset name or cluster JSON file.")]
@@ -440,6 +441,115 @@ def _print_intra(r: dict[str, Any]) -> None:
         else:
             out.print(f"  {name}: communication {c['communication_s'] * 1e3:.3f} ms, memory "
                       f"{_fmt_bytes(c['memory_bytes'])} per device, {'fits' if c['fits'] else 'does NOT fit'}")
+
+
+# ------------------------------------------------------------------------ plan
+def _plan_map(workers: int | None, ray: bool, ray_address: str | None):
+    """(map function, closer): a Ray map, a local process pool, or plain map."""
+    if ray or ray_address:
+        from alpasim import backends
+
+        return backends.ray_map_fn(ray_address, workers), backends.ray_shutdown
+    import os
+    from concurrent.futures import ProcessPoolExecutor
+
+    n = workers if workers is not None else (os.cpu_count() or 1)
+    if n <= 1:
+        return map, lambda: None
+    pool = ProcessPoolExecutor(n)
+    return (lambda fn, items: pool.map(fn, items)), (lambda: pool.shutdown(cancel_futures=True))
+
+
+def make_plan(model: str, cluster: cm.Cluster, *, microbatches: str, remat: bool, layers: int | None,
+              cache: bool, workers: int | None, ray: bool, ray_address: str | None, quiet: bool) -> sv.PipelinePlan:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    mb: int | str = microbatches
+    if microbatches != "auto":
+        try:
+            mb = int(microbatches)
+        except ValueError:
+            fail(f"--microbatches {microbatches!r}: a positive integer or 'auto'")
+    map_fn, close = _plan_map(workers, ray, ray_address)
+    progress = Progress(TextColumn("stage costs {task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), console=err, transient=True, disable=quiet)
+    tasks: dict[str, Any] = {}
+
+    def report(label: str, done: int, total: int) -> None:
+        if label not in tasks:
+            tasks[label] = progress.add_task(label, total=total)
+        progress.update(tasks[label], completed=done)
+
+    try:
+        with progress:
+            return sv.plan_pipeline(model, cluster, microbatches=mb, remat=remat, map_fn=map_fn,
+                                    cache=sv.DiskCache(enabled=cache), progress=report, layers=layers)
+    finally:
+        close()
+
+
+@app.command()
+def plan(
+    model: Annotated[str, typer.Option("--model", help="Zoo name, spec string or model JSON.")],
+    cluster: ClusterOpt = "aws-p3.16xlarge",
+    nodes: NodesOpt = None,
+    devices_per_node: DpnOpt = None,
+    inter_node_gbps: GbpsOpt = None,
+    memory_gb: MemOpt = None,
+    microbatches: Annotated[str, typer.Option("--microbatches", help="Number of microbatches B, or 'auto' to "
+                                              "search B jointly.")] = "auto",
+    layers: Annotated[Optional[int], typer.Option("--layers", help="Re-cluster into L layers (eq. 6 DP).")] = None,
+    remat: Annotated[bool, typer.Option("--remat/--no-remat", help="Activation rematerialisation.")] = True,
+    out_path: Annotated[Optional[Path], typer.Option("--out", help="Write the plan JSON here.")] = None,
+    no_cache: Annotated[bool, typer.Option("--no-cache", help="Bypass the on-disk stage-cost cache.")] = False,
+    workers: Annotated[Optional[int], typer.Option("--workers", help="Local processes filling the table.")] = None,
+    ray: Annotated[bool, typer.Option("--ray", help="Fill the stage-cost table with Ray tasks.")] = False,
+    ray_address: Annotated[Optional[str], typer.Option("--ray-address", help="Ray cluster address.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Plan pipeline stages, submeshes and intra-op shardings for a model on a cluster."""
+    c = load_cluster(cluster, nodes, devices_per_node, inter_node_gbps, memory_gb)
+    p = make_plan(model, c, microbatches=microbatches, remat=remat, layers=layers, cache=not no_cache,
+                  workers=workers, ray=ray, ray_address=ray_address, quiet=as_json)
+    if out_path is not None:
+        p.save(out_path)
+        err.print(f"wrote {out_path}")
+    if as_json:
+        emit_json(p.to_json())
+        return
+    print_plan(p)
+
+
+def print_plan(p: sv.PipelinePlan) -> None:
+    m, c, pr = p.model, p.cluster, p.predicted
+    title = (f"{m['name']} ({_fmt_count(m['params'])} params) on {c['nodes']} x {c['devices_per_node']} "
+             f"{c['device']} — {len(p.stages)} stages, {p.microbatches} microbatches of {m['microbatch_size']}")
+    t = Table(title=title)
+    for col in ("stage", "layers", "submesh", "devices", "logical mesh", "time / microbatch", "memory / device",
+                "in flight"):
+        t.add_column(col)
+    for i, s in enumerate(p.stages):
+        devs = f"{s.devices[0]}..{s.devices[-1]}" if len(s.devices) > 1 else str(s.devices[0])
+        t.add_row(str(i), f"{s.layers[0]}..{s.layers[1]}", f"{s.submesh[0]}x{s.submesh[1]}", devs,
+                  f"{s.logical_mesh[0]}x{s.logical_mesh[1]}", f"{s.time_s * 1e3:.1f} ms", _fmt_bytes(s.memory_bytes),
+                  str(s.inflight_microbatches))
+    out.print(t)
+    ht = Table(title="heaviest ops (first and last layer of each stage)")
+    for col in ("stage", "op", "equation", "loops", "output spec"):
+        ht.add_column(col)
+    for i, s in enumerate(p.stages):
+        for h in s.heavy_ops[:3]:
+            ht.add_row(str(i), h["op"], h["equation"], h["strategy"], h["output"])
+    out.print(ht)
+    out.print(f"predicted iteration {pr['iteration_s']:.2f} s, {pr['tflops_per_device']:.1f} TFLOP/s per device, "
+              f"{pr['throughput_pflops']:.3f} PFLOP/s in all, peak memory {_fmt_bytes(pr['peak_memory_bytes'])} "
+              f"per device, bubble {pr['bubble_fraction']:.1%}")
+    sr = p.search
+    out.print(f"search: {sr['seconds']:.1f} s, {sr['ilp_solves']} intra-op jobs, {sr['cache_hits']} cache hits, "
+              f"B tried {sr['microbatch_candidates']}")
+    for r in p.runner_ups:
+        when = f"{r['iteration_s']:.2f} s" if r["iteration_s"] is not None else "no plan fits"
+        out.print(f"  runner-up B={r['microbatches']}: {when} ({len(r['stages'])} stages)")
 
 
 def main() -> None:

@@ -59,7 +59,11 @@ class SolveResult:
     solver: str
 
 
-def formulate(problem: IntraOpProblem, memory_budget_bytes: float | None = None) -> Formulation:
+def formulate(problem: IntraOpProblem, memory_budget_bytes: float | None = None,
+              activation_multiplier: float = 1.0) -> Formulation:
+    """The ILP of `problem`; with a budget, persistent + multiplier x live activations must
+    fit at every candidate peak (the multiplier is how many microbatches 1F1B keeps in
+    flight on the stage, seed eq. 5)."""
     model = pulp.LpProblem("intra_op", pulp.LpMinimize)
     s = [[pulp.LpVariable(f"s{v}_{i}", cat="Binary") for i in range(node.k)] for v, node in enumerate(problem.nodes)]
     objective = []
@@ -82,7 +86,7 @@ def formulate(problem: IntraOpProblem, memory_budget_bytes: float | None = None)
         objective += [float(edge.cost[p, q]) * US * x for (p, q), x in e.items() if edge.cost[p, q]]
     model += pulp.lpSum(objective)
     if memory_budget_bytes is not None:
-        _add_memory(model, problem, s, memory_budget_bytes)
+        _add_memory(model, problem, s, memory_budget_bytes, activation_multiplier)
     return Formulation(model, s, memory_budget_bytes)
 
 
@@ -92,7 +96,7 @@ def memory_expression(problem: IntraOpProblem, s, tensor: str, unit_bytes: float
     return pulp.lpSum(float(b) / unit_bytes * x for b, x in zip(problem.tensor_bytes(v, tensor), s[v]) if b)
 
 
-def _add_memory(model: pulp.LpProblem, problem: IntraOpProblem, s, budget: float) -> None:
+def _add_memory(model: pulp.LpProblem, problem: IntraOpProblem, s, budget: float, multiplier: float = 1.0) -> None:
     unit = budget if budget > 0 else GIB
     persistent = pulp.lpSum(memory_expression(problem, s, t, unit) for t in problem.persistent)
     acts = {t for live in problem.live_sets for t in live}
@@ -103,14 +107,17 @@ def _add_memory(model: pulp.LpProblem, problem: IntraOpProblem, s, budget: float
     if not problem.live_sets:
         model += persistent <= budget / unit, "memory"
     for i, live in enumerate(problem.live_sets):
-        model += persistent + pulp.lpSum(m[t] for t in live) <= budget / unit, f"memory_{i}"
+        model += persistent + multiplier * pulp.lpSum(m[t] for t in live) <= budget / unit, f"memory_{i}"
 
 
-def solve_ilp(form: Formulation, solver: str = "highs", time_limit_s: float | None = None) -> SolveResult:
+def solve_ilp(form: Formulation, solver: str = "highs", time_limit_s: float | None = None,
+              mip_gap: float | None = None) -> SolveResult:
+    """Solve to proven optimality (or `mip_gap`, relative, when the caller accepts one)."""
     if solver not in SOLVERS:
         raise ValueError(f"unknown ILP solver {solver!r}; choose one of {', '.join(SOLVERS)}")
-    backend = (pulp.HiGHS(msg=False, timeLimit=time_limit_s, gapRel=MIP_REL_GAP) if solver == "highs"
-               else pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=MIP_REL_GAP))
+    gap = MIP_REL_GAP if mip_gap is None else mip_gap
+    backend = (pulp.HiGHS(msg=False, timeLimit=time_limit_s, gapRel=gap) if solver == "highs"
+               else pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=gap))
     t0 = time.perf_counter()
     try:
         with _native_stdout_silenced():

@@ -61,18 +61,30 @@ class IntraOpResult:
 
 def solve_intra_op(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel, *,
                    memory_budget_bytes: float | None = None, with_compute: bool = False,
-                   microbatches: int = 1, solver: str = "highs", time_limit_s: float | None = None,
+                   microbatches: int = 1, activation_multiplier: float = 1.0, solver: str = "highs",
+                   time_limit_s: float | None = None, mip_gap: float | None = None,
                    allow_replicated_heavy: bool = False, rewrite: bool = True,
                    restrict: Mapping[str, Sequence[Strategy]] | None = None,
                    leaf_specs: Mapping[str, Sequence[ShardingSpec]] | None = None) -> IntraOpResult:
     t0 = time.perf_counter()
     problem = build_problem(graph, mesh, cost_model, with_compute=with_compute, microbatches=microbatches,
                             allow_replicated_heavy=allow_replicated_heavy, restrict=restrict, leaf_specs=leaf_specs)
-    form = formulate(problem, memory_budget_bytes)
-    build_s = time.perf_counter() - t0
-    result = solve_ilp(form, solver, time_limit_s)
+    return solve_problem(problem, memory_budget_bytes=memory_budget_bytes,
+                         activation_multiplier=activation_multiplier, solver=solver, time_limit_s=time_limit_s,
+                         mip_gap=mip_gap, rewrite=rewrite, build_s=time.perf_counter() - t0)
+
+
+def solve_problem(problem: IntraOpProblem, *, memory_budget_bytes: float | None = None,
+                  activation_multiplier: float = 1.0, solver: str = "highs", time_limit_s: float | None = None,
+                  mip_gap: float | None = None, rewrite: bool = True, build_s: float = 0.0) -> IntraOpResult:
+    """Formulate, solve and decode an already built problem (reused across budgets)."""
+    t0 = time.perf_counter()
+    graph, mesh = problem.graph, problem.mesh
+    form = formulate(problem, memory_budget_bytes, activation_multiplier)
+    build_s += time.perf_counter() - t0
+    result = solve_ilp(form, solver, time_limit_s, mip_gap)
     if result.status == "infeasible":
-        need = min_memory_bytes(problem, solver)
+        need = min_memory_bytes(problem, solver, activation_multiplier)
         raise IntraOpInfeasible(
             f"does not fit: {graph.name} on a {mesh} mesh needs at least {need / GIB:.2f} GiB per device, "
             f"the budget is {memory_budget_bytes / GIB:.2f} GiB", need)
@@ -120,8 +132,28 @@ def weight_update_sharding(problem: IntraOpProblem, choice: tuple[int, ...],
     return choice, changed
 
 
-def min_memory_bytes(problem: IntraOpProblem, solver: str = "highs") -> float:
+def min_memory_bytes(problem: IntraOpProblem, solver: str = "highs", activation_multiplier: float = 1.0) -> float:
     """The least per-device memory any plan of `problem` needs (an ILP of its own)."""
+    return _min_memory(problem, solver, activation_multiplier)[0]
+
+
+def min_memory_choice(problem: IntraOpProblem, solver: str = "highs", activation_multiplier: float = 1.0,
+                      slack: float = 1e-3, mip_gap: float | None = None) -> tuple[float, IntraOpResult | None]:
+    """(least memory, the fastest plan within `slack` of it): two solves, memory first.
+
+    One weighted objective (memory + tiny x time) would be the textbook lexicographic
+    trick, but proving its optimum takes HiGHS minutes; two small solves take seconds.
+    """
+    least = min_memory_bytes(problem, solver, activation_multiplier)
+    try:
+        fast = solve_problem(problem, memory_budget_bytes=least * (1 + slack) + 1.0,
+                             activation_multiplier=activation_multiplier, solver=solver, mip_gap=mip_gap)
+    except (IntraOpInfeasible, RuntimeError):
+        return least, None
+    return least, fast
+
+
+def _min_memory(problem: IntraOpProblem, solver: str, multiplier: float):
     form = formulate(problem)
     model = pulp.LpProblem("min_memory", pulp.LpMinimize)
     for name, c in form.model.constraints.items():
@@ -131,12 +163,13 @@ def min_memory_bytes(problem: IntraOpProblem, solver: str = "highs") -> float:
     # whatever the stage's size (see `_intra_ilp`'s note on memory units).
     tensors = problem.graph.tensors
     unit = (sum(tensors[t].nbytes for t in problem.persistent)
-            + max((sum(tensors[t].nbytes for t in live) for live in problem.live_sets), default=0)) or GIB
+            + multiplier * max((sum(tensors[t].nbytes for t in live) for live in problem.live_sets),
+                               default=0)) or GIB
     peak = pulp.LpVariable("peak", lowBound=0)
-    model += peak
+    model.setObjective(peak)
     persistent = pulp.lpSum(memory_expression(problem, form.s, t, unit) for t in problem.persistent)
     for i, live in enumerate(problem.live_sets or [[]]):
-        model += (persistent + pulp.lpSum(memory_expression(problem, form.s, t, unit) for t in live) <= peak,
-                  f"peak_{i}")
-    solve_ilp(Formulation(model, form.s, None), solver)
-    return float(peak.value() or 0.0) * unit
+        acts = pulp.lpSum(memory_expression(problem, form.s, t, unit) for t in live)
+        model += persistent + multiplier * acts <= peak, f"peak_{i}"
+    result = solve_ilp(Formulation(model, form.s, None), solver)
+    return float(peak.value() or 0.0) * unit, result.choice

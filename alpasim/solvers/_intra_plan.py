@@ -50,6 +50,15 @@ class MemoryUse:
     def total_bytes(self) -> float:
         return self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_peak_bytes
 
+    @property
+    def persistent_bytes(self) -> float:
+        """Held for the whole step: parameters, gradients and optimizer states."""
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes
+
+    def with_inflight(self, microbatches: float) -> float:
+        """Bytes when `microbatches` microbatches' activations are alive at once (1F1B)."""
+        return self.persistent_bytes + microbatches * self.activations_peak_bytes
+
     def to_json(self) -> dict:
         return {"params_bytes": self.params_bytes, "grads_bytes": self.grads_bytes,
                 "optimizer_bytes": self.optimizer_bytes, "activations_peak_bytes": self.activations_peak_bytes,

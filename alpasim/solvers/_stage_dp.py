@@ -50,6 +50,14 @@ def pipeline_latency_s(costs: Sequence[float], microbatches: int) -> float:
     return float(sum(costs) + (microbatches - 1) * max(costs))
 
 
+def bubble_fraction(costs: Sequence[float], microbatches: int) -> float:
+    """Idle share of the pipeline: 1 - (work done) / (stages x iteration time), eq. 2."""
+    if not costs:
+        return 0.0
+    busy = microbatches * sum(costs)
+    return 1.0 - busy / (len(costs) * pipeline_latency_s(costs, microbatches))
+
+
 def stage_dp(cost: np.ndarray, sizes: Sequence[int], num_devices: int, microbatches: int,
              epsilon: float = 1e-6, max_stages: int | None = None) -> DPResult:
     """Solve eq. 2 over `cost[k, i, shape, s-1]` = t(layers k..i, shape, s stages from here).

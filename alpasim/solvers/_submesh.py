@@ -103,10 +103,20 @@ def covers_exactly(shapes: Sequence[SubmeshShape], nodes: int, devices_per_node:
 
 
 def logical_shapes(shape: SubmeshShape, devices_per_node: int) -> list[tuple[int, int]]:
-    """Views (d0, d1) of a submesh whose axis 1 stays inside a node."""
+    """Views (d0, d1) of a submesh whose axis 1 stays inside a node.
+
+    Inside a node every split is a candidate. A submesh of several nodes is viewed as
+    (nodes, M) — model parallelism within each node, data parallelism across — or as
+    one flat data-parallel axis (n*M, 1): splitting a node between the two axes would
+    put model-parallel traffic on the slow inter-node links, which Alpa's default
+    search space excludes for the same reason, and it halves the ILPs to solve.
+    """
     d = shape.size
-    return [(d // b, b) for b in range(1, d + 1)
-            if d % b == 0 and b <= shape.m and shape.m % b == 0 and devices_per_node % b == 0]
+    views = [(d // b, b) for b in range(1, d + 1)
+             if d % b == 0 and b <= shape.m and shape.m % b == 0 and devices_per_node % b == 0]
+    if shape.n > 1:
+        views = [v for v in views if v[1] in (1, shape.m)]
+    return views
 
 
 def logical_mesh(cluster: Cluster, devices: Sequence[int], view: tuple[int, int]) -> LogicalMesh:

@@ -122,3 +122,32 @@ def test_intra_method_and_memory_override():
 def test_intra_user_errors(args, fragment):
     proc = run(*args)
     assert proc.returncode == 2 and fragment in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_plan_gpt3_2_6b_on_one_node(tmp_path):
+    out = tmp_path / "plan.json"
+    proc = subprocess.run([sys.executable, "-m", "alpasim.cli", "plan", "--model", "gpt3-2.6b", "--cluster",
+                           "aws-p3.16xlarge", "--nodes", "1", "--json", "--out", str(out)], capture_output=True,
+                          text=True, timeout=600, env={**__import__("os").environ,
+                                                      "ALPASIM_CACHE_DIR": str(tmp_path / "cache")})
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(proc.stdout)
+    assert r["schema"] == "alpasim.plan/1" and r["feasible"] and r["method"] == "alpa"
+    assert {"name", "params", "flops_per_iteration"} <= set(r["model"])
+    assert {"name", "nodes", "devices_per_node"} <= set(r["cluster"])
+    assert {"iteration_s", "tflops_per_device", "throughput_pflops", "peak_memory_bytes"} <= set(r["predicted"])
+    assert {"seconds", "ilp_solves", "cache_hits"} <= set(r["search"])
+    devices = sorted(d for s in r["stages"] for d in s["devices"])
+    assert devices == list(range(8))
+    for s in r["stages"]:
+        assert {"layers", "devices", "submesh", "logical_mesh", "time_s", "memory_bytes"} <= set(s)
+        assert s["memory_bytes"] <= 16 * 2 ** 30
+    assert json.loads(out.read_text()) == r
+
+
+def test_plan_that_fits_nowhere_is_one_line():
+    proc = run("plan", "--model", "gpt3-39b", "--nodes", "1", "--devices-per-node", "1", "--microbatches", "1024",
+               "--no-cache")
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "does not fit" in lines[0] and "GiB per device" in lines[0]

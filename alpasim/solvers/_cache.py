@@ -1,0 +1,68 @@
+"""A content-addressed disk cache for results that took long (stage costs, plans).
+
+Keys are SHA-256 digests of a JSON description of everything the result depends on
+(the layer's canonical structure, the mesh and its links, the device, the solver
+settings and `CACHE_VERSION`), so a stale entry can never be read for a changed
+problem. Values are JSON files — data only, never pickle. The directory is
+`$ALPASIM_CACHE_DIR`, else `~/.cache/alpasim`; `enabled=False` (the CLI's `--no-cache`)
+bypasses it entirely.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+CACHE_VERSION = "stage-costs/3"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("ALPASIM_CACHE_DIR") or Path.home() / ".cache" / "alpasim")
+
+
+def digest(obj: Any) -> str:
+    text = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class DiskCache:
+    """get/put of JSON values by key description; silently off when disabled or unwritable."""
+
+    def __init__(self, enabled: bool = True, root: Path | None = None, namespace: str = "stages") -> None:
+        self.enabled = enabled
+        self.root = (root or cache_dir()) / namespace
+        self.hits = 0
+        self.misses = 0
+
+    def _path(self, key: str) -> Path:
+        return self.root / key[:2] / f"{key}.json"
+
+    def get(self, key: str) -> Any | None:
+        if not self.enabled:
+            return None
+        path = self._path(key)
+        try:
+            value = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+            self.misses += 1
+            return None
+        self.hits += 1
+        return value
+
+    def put(self, key: str, value: Any) -> None:
+        if not self.enabled:
+            return
+        path = self._path(key)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # Write then rename, so a crash or a concurrent reader never sees half a file.
+            fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                json.dump(value, f)
+            os.replace(tmp, path)
+        except OSError:
+            self.enabled = False  # a read-only home must not break planning

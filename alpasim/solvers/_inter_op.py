@@ -1,0 +1,223 @@
+"""The inter-op pass (seed Algorithm 1): model + cluster -> `PipelinePlan`.
+
+For each candidate number of microbatches B (beyond Alpa: searched jointly, each a
+divisor of the global batch): build the microbatch training graph, relabel its layers
+into planning units (embedding / stem and head become units of their own, so the
+expensive transformer or residual blocks are all alike), fill the stage cost table from
+the intra-op ILP (`_stage_costs`), run the stage-mesh DP (`_stage_dp`), place the chosen
+submeshes on the cluster (`_submesh`) and assemble the plan. The best B wins; the
+others are reported as runner-ups with their predicted times.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from alpasim.costmodels import Cluster
+from alpasim.graphs import (
+    OpGraph,
+    assign_layers,
+    build_training_graph,
+    flops_by_kind,
+    forward_graph,
+    resolve_model,
+    stage_graph,
+)
+
+from ._cache import DiskCache
+from ._pipeline_plan import PipelinePlan, PipelineStage
+from ._stage_costs import StageCosts, build_stage_costs, canonical_params
+from ._stage_dp import DPResult, bubble_fraction, stage_dp
+from ._submesh import place_submeshes
+
+GIB = 2 ** 30
+# The B search starts at this microbatch size (a GPU-efficient size for the paper's
+# models) and climbs towards better predicted iteration times.
+START_MICROBATCH_SIZE = 4
+# Microbatch sizes tried by `--microbatches auto`, largest first.
+AUTO_MICROBATCH_SIZES = (32, 16, 8, 4, 2, 1)
+UNIT_TAGS_FIRST = frozenset({"embedding", "stem"})
+UNIT_TAGS_LAST = frozenset({"head"})
+
+
+class PlanInfeasible(ValueError):
+    """No plan fits the cluster; the message names the memory a device would need."""
+
+    def __init__(self, message: str, min_memory_bytes: float) -> None:
+        super().__init__(message)
+        self.min_memory_bytes = min_memory_bytes
+
+
+@dataclass(frozen=True)
+class Candidate:
+    microbatches: int
+    graph: OpGraph
+    costs: StageCosts
+    dp: DPResult
+
+
+def planning_units(fwd: OpGraph) -> OpGraph:
+    """Give embedding/stem ops and head ops layers of their own (block i -> i + 1)."""
+    if not any(op.tags & (UNIT_TAGS_FIRST | UNIT_TAGS_LAST) for op in fwd.ops):
+        return fwd
+    last = max(op.layer for op in fwd.ops)
+    ops = []
+    for op in fwd.ops:
+        if op.tags & UNIT_TAGS_FIRST:
+            layer = 0
+        elif op.tags & UNIT_TAGS_LAST:
+            layer = last + 2
+        else:
+            layer = op.layer + 1
+        ops.append(op.replace(layer=layer))
+    return fwd.replace(ops=ops)
+
+
+def microbatch_candidates(global_batch: int, requested: int | str) -> list[int]:
+    if requested != "auto":
+        b = int(requested)
+        if b < 1 or global_batch % b:
+            raise ValueError(f"--microbatches {b} must divide the global batch {global_batch}")
+        return [b]
+    out = [global_batch // m for m in AUTO_MICROBATCH_SIZES if m <= global_batch and global_batch % m == 0]
+    return list(dict.fromkeys(out)) or [1]
+
+
+def plan_pipeline(model: str, cluster: Cluster, *, microbatches: int | str = "auto", remat: bool = True,
+                  map_fn: Callable[[Callable, Iterable], Iterable] = map, cache: DiskCache | None = None,
+                  progress: Callable[[str, int, int], None] | None = None, epsilon: float = 1e-6,
+                  method: str = "alpa", layers: int | None = None) -> PipelinePlan:
+    """Plan `model` on `cluster`; `layers` re-clusters the forward ops into that many
+    layers with the eq. 6 DP instead of the zoo's blocks (planning units)."""
+    t0 = time.perf_counter()
+    name, cfg = resolve_model(model)
+    global_batch = cfg.batch
+    cache = cache or DiskCache(enabled=False)
+    candidates: list[Candidate] = []
+    jobs = hits = 0
+    options = microbatch_candidates(global_batch, microbatches)
+    evaluated: dict[int, Candidate] = {}
+
+    def evaluate(b: int) -> Candidate:
+        nonlocal jobs, hits
+        if b in evaluated:
+            return evaluated[b]
+        mb_cfg = dataclasses.replace(cfg, batch=global_batch // b)
+        fwd = forward_graph(mb_cfg, name=name)
+        fwd = planning_units(fwd) if layers is None else assign_layers(fwd, layers)[0]
+        graph = build_training_graph(fwd, remat=remat).graph
+        report = (lambda done, total: progress(f"B={b}", done, total)) if progress else None
+        costs = build_stage_costs(graph, cluster, b, map_fn=map_fn, cache=cache, progress=report)
+        jobs += costs.ilp_jobs
+        hits += costs.cache_hits
+        dp = stage_dp(costs.cost, [s.size for s in costs.shapes], cluster.num_devices, b, epsilon=epsilon)
+        evaluated[b] = Candidate(b, graph, costs, dp)
+        candidates.append(evaluated[b])
+        return evaluated[b]
+
+    # Hill-climb over B (candidates ordered by microbatch size).
+    start = min(range(len(options)), key=lambda i: abs(global_batch // options[i] - START_MICROBATCH_SIZE))
+    i = start
+    best = evaluate(options[i])
+    for step in (1, -1):
+        j = i + step
+        while 0 <= j < len(options):
+            c = evaluate(options[j])
+            if c.dp.latency_s < best.dp.latency_s or (not best.dp.stages and c.dp.stages):
+                best, i = c, j
+                j += step
+            elif not best.dp.stages:
+                j += step  # nothing feasible yet: keep looking this way
+            else:
+                break
+        if best.microbatches != options[start]:
+            break  # improved going up: no need to look down
+    search = {"seconds": time.perf_counter() - t0, "ilp_solves": jobs, "cache_hits": hits,
+              "microbatch_candidates": sorted(c.microbatches for c in candidates),
+              "dp_bottlenecks_evaluated": best.dp.candidates_evaluated}
+    if not best.dp.stages:
+        need = min(_least_memory(c) for c in candidates)
+        raise PlanInfeasible(
+            f"does not fit: no plan of {name} on {cluster.num_devices} x {cluster.device.name} fits in "
+            f"{cluster.device.memory_bytes / GIB:.1f} GiB per device; the smallest plan needs at least "
+            f"{need / GIB:.1f} GiB per device", need)
+    return _assemble_plan(name, cfg, cluster, best, candidates, search, remat, method)
+
+
+def _least_memory(c: Candidate) -> float:
+    """Per-device memory of the whole model as one stage on every device, fewest in flight."""
+    full = max(range(len(c.costs.shapes)), key=lambda h: c.costs.shapes[h].size)
+    best = float("inf")
+    for m, (shape, _, _) in enumerate(c.costs.meshes):
+        if c.costs.shapes.index(shape) != full:
+            continue
+        total = 0.0
+        for kind in c.costs.layer_kind:
+            opts = c.costs.options.get((kind, m), [])
+            total += min((o.persistent_bytes + o.activation_bytes for o in opts), default=float("inf"))
+        best = min(best, total)
+    return best
+
+
+def _assemble_plan(name: str, cfg, cluster: Cluster, best: Candidate, candidates: Sequence[Candidate],
+                   search: dict, remat: bool, method: str) -> PipelinePlan:
+    costs, dp, b = best.costs, best.dp, best.microbatches
+    shapes = [costs.shapes[st.shape] for st in dp.stages]
+    placed = place_submeshes(shapes, cluster.nodes, cluster.devices_per_node)
+    n_stages = len(dp.stages)
+    stages = []
+    for idx, (st, devices) in enumerate(zip(dp.stages, placed)):
+        s = n_stages - idx
+        view = int(costs.view[st.first, st.last, st.shape, s - 1])
+        j = int(costs.option[st.first, st.last, st.shape, s - 1])
+        _, logical, _ = costs.meshes[view]
+        compute = sync = pers = act = 0.0
+        param_specs: dict[str, str] = {}
+        heavy: list[dict] = []
+        kinds_shown: set[str] = set()
+        for layer in range(st.first, st.last + 1):
+            kind = costs.layer_kind[layer]
+            opts = costs.options[(kind, view)]
+            o = opts[min(j, len(opts) - 1)]
+            compute += o.time_s
+            sync += o.sync_s
+            pers += o.persistent_bytes
+            act += o.activation_bytes
+            layer_graph = stage_graph(best.graph, layer, layer)
+            for p, spec in zip(canonical_params(layer_graph), o.param_specs):
+                param_specs[p] = spec
+            if kind not in kinds_shown:  # the heaviest ops of each distinct layer kind
+                kinds_shown.add(kind)
+                for i, strategy, out in o.heavy[:3]:
+                    op = layer_graph.ops[i]
+                    heavy.append({"op": op.name, "equation": op.param("equation") or op.prim,
+                                  "strategy": strategy, "output": out})
+        inflight = min(s, b)
+        stages.append(PipelineStage((st.first, st.last), tuple(devices), (shapes[idx].n, shapes[idx].m),
+                                    tuple(logical), float(st.cost_s), pers + inflight * act, inflight,
+                                    compute, sync, pers, act, j, param_specs, tuple(heavy)))
+    flops = flops_by_kind(best.graph)["matmul"] * b
+    iteration = dp.latency_s
+    predicted = {
+        "iteration_s": iteration,
+        "tflops_per_device": flops / iteration / cluster.num_devices / 1e12,
+        "throughput_pflops": flops / iteration / 1e15,
+        "peak_memory_bytes": max(s.memory_bytes for s in stages),
+        "bubble_fraction": bubble_fraction([s.time_s for s in stages], b),
+    }
+    runner_ups = []
+    for c in candidates:
+        if c is best:
+            continue
+        runner_ups.append({"microbatches": c.microbatches, "iteration_s": c.dp.latency_s if c.dp.stages else None,
+                           "stages": [[s.first, s.last, str(c.costs.shapes[s.shape])] for s in c.dp.stages]})
+    model = {"name": name, "family": cfg.family, "params": best.graph.num_params(),
+             "flops_per_iteration": flops, "global_batch": cfg.batch, "microbatch_size": cfg.batch // b,
+             "layers": best.graph.num_layers, "remat": remat}
+    cl = {"name": cluster.name, "nodes": cluster.nodes, "devices_per_node": cluster.devices_per_node,
+          "device": cluster.device.name, "inter_node_gbps": cluster.inter_node.bandwidth_gbps,
+          "device_memory_bytes": cluster.device.memory_bytes}
+    return PipelinePlan(model, cl, method, True, b, tuple(stages), predicted, search, "1f1b", tuple(runner_ups))

@@ -1,0 +1,266 @@
+"""The stage cost table t_intra(layers k..i, submesh, stages after) from the intra-op ILP.
+
+Solving one ILP per (layer range, submesh, logical view, stages-after) is what made
+Alpa's compilation take 40 minutes. We solve per *layer kind* instead and compose:
+
+1. Layers are keyed by their canonical structure (ops, shapes, dtypes, roles; names
+   dropped), so the 46 middle layers of GPT-3 39B are one kind, solved once per
+   logical mesh — in memory and on disk (`_cache.DiskCache`), across runs.
+2. For each (kind, logical mesh) the ILP gives a small Pareto set of plans: the fastest,
+   the smallest (memory first, time as tie-break) and one in between. Each option
+   records time per microbatch, once-per-iteration sync/update time, persistent bytes
+   (params, grads, optimizer states) and activation bytes of one microbatch.
+3. A stage k..i on a view sums its layers' options (prefix sums; one option index for
+   the whole stage), its memory is persistent + min(s, B) x activations (seed eq. 5,
+   s = stages from this one to the end) and it takes the fastest option that fits the
+   device; a submesh takes its fastest logical view. Infeasible = inf.
+
+What the composition ignores, and why it is acceptable: resharding between two layers
+of a stage whose plans disagree on the boundary layout (layers of one kind share a
+plan, and the boundary is the residual stream, batch-sharded in practice) and mixing
+options inside a stage (a finer knapsack could fit a little more in memory).
+`exact_stage_plan` re-solves a chosen stage as one ILP when that matters.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from alpasim.costmodels import AnalyticCostModel, Cluster
+from alpasim.graphs import OpGraph, is_heavy, op_flops, stage_graph
+
+from ._cache import CACHE_VERSION, DiskCache, digest
+from ._intra_op import IntraOpInfeasible, min_memory_choice, solve_intra_op, solve_problem
+from ._mesh import LogicalMesh
+from ._submesh import SubmeshShape, check_cluster_grid, logical_mesh, logical_shapes, submesh_shapes
+
+INF = math.inf
+# Memory-first ILP keeps this many microbatches of activations in flight when it looks
+# for the smallest plan (a typical 1F1B depth; the table then applies the real one).
+REFERENCE_INFLIGHT = 4
+# Only look for an in-between option when the fastest plan is this much bigger.
+PARETO_GAP = 1.25
+TOP_HEAVY = 6
+# Stage costs are estimates: a plan within 0.1% of the best is good enough, and proving
+# the last 0.1% is most of HiGHS's time on two-axis meshes.
+PLANNING_MIP_GAP = 1e-3
+
+
+@dataclass(frozen=True, slots=True)
+class LayerOption:
+    """One intra-op plan of one layer kind on one logical mesh, summarised."""
+
+    time_s: float               # forward + backward per microbatch (compute + communication)
+    sync_s: float               # gradient sync + optimizer, once per iteration
+    persistent_bytes: float
+    activation_bytes: float
+    param_specs: tuple[str, ...]                 # in the layer's canonical parameter order
+    heavy: tuple[tuple[int, str, str], ...]      # (op index, strategy, output spec) of the heaviest ops
+    ilp_status: str = "optimal"
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> LayerOption:
+        return cls(d["time_s"], d["sync_s"], d["persistent_bytes"], d["activation_bytes"], tuple(d["param_specs"]),
+                   tuple(tuple(h) for h in d["heavy"]), d.get("ilp_status", "optimal"))
+
+
+def canonical_key(graph: OpGraph) -> str:
+    """A digest of a layer's structure with names replaced by first-appearance indices."""
+    index: dict[str, int] = {}
+
+    def ref(t: str) -> int:
+        return index.setdefault(t, len(index))
+
+    ops = []
+    for op in graph.ops:
+        ops.append([op.prim, op.phase, [[k, v] for k, v in op.params],
+                    [[ref(t), list(graph.tensors[t].shape), graph.tensors[t].dtype, graph.tensors[t].role]
+                     for t in op.inputs],
+                    [[ref(t), list(graph.tensors[t].shape), graph.tensors[t].dtype, graph.tensors[t].role]
+                     for t in op.outputs]])
+    outputs = sorted(index[t] for t in graph.outputs if t in index)
+    return digest({"ops": ops, "outputs": outputs})
+
+
+def canonical_params(graph: OpGraph) -> list[str]:
+    seen = dict.fromkeys(t for op in graph.ops for t in op.inputs if t in {p.name for p in graph.params})
+    return list(seen)
+
+
+def mesh_key(mesh: LogicalMesh) -> list:
+    return [[a.size, a.link.bandwidth_gbps, a.link.latency_s] for a in mesh.axes]
+
+
+def layer_options(layer: OpGraph, mesh: LogicalMesh, cluster: Cluster, microbatches: int,
+                  memory_bytes: float) -> list[LayerOption]:
+    """The Pareto set of plans of one layer on one mesh (see the module doc)."""
+    model = AnalyticCostModel(cluster)
+    params = canonical_params(layer)
+    heavy = sorted((i for i, op in enumerate(layer.ops) if is_heavy(op)),
+                   key=lambda i: -op_flops(layer.ops[i], layer.tensors))[:TOP_HEAVY]
+
+    def summarise(plan, status: str) -> LayerOption:
+        return LayerOption(plan.time_s, plan.sync_s + plan.update_s, plan.memory.persistent_bytes,
+                           plan.memory.activations_peak_bytes, tuple(str(plan.specs[p]) for p in params),
+                           tuple((i, plan.strategies[layer.ops[i].name].name,
+                                  "/".join(map(str, plan.strategies[layer.ops[i].name].out_specs))) for i in heavy),
+                           status)
+
+    fast = solve_intra_op(layer, mesh, model, with_compute=True, microbatches=microbatches, mip_gap=PLANNING_MIP_GAP)
+    options = [summarise(fast.plan, fast.status)]
+    least, small = min_memory_choice(fast.problem, activation_multiplier=REFERENCE_INFLIGHT,
+                                     mip_gap=PLANNING_MIP_GAP)
+    if small is not None:
+        options.append(summarise(small.plan, small.status))
+        big = fast.plan.memory.with_inflight(REFERENCE_INFLIGHT)
+        if big > PARETO_GAP * least and least > 0:
+            try:
+                mid = solve_problem(fast.problem, memory_budget_bytes=math.sqrt(big * least),
+                                    activation_multiplier=REFERENCE_INFLIGHT, mip_gap=PLANNING_MIP_GAP)
+                options.append(summarise(mid.plan, mid.status))
+            except (IntraOpInfeasible, RuntimeError):
+                pass
+    options.sort(key=lambda o: (o.time_s + o.sync_s / microbatches, o.persistent_bytes))
+    pareto: list[LayerOption] = []
+    for o in options:  # keep only options that save memory for the time they cost
+        mem = o.persistent_bytes + REFERENCE_INFLIGHT * o.activation_bytes
+        if all(mem < p.persistent_bytes + REFERENCE_INFLIGHT * p.activation_bytes for p in pareto):
+            pareto.append(o)
+    return pareto
+
+
+def _options_job(job: tuple) -> list[dict]:
+    """Top-level (picklable) unit of work for a process pool or a Ray task."""
+    layer, mesh, cluster, microbatches, memory_bytes = job
+    return [o.to_json() for o in layer_options(layer, mesh, cluster, microbatches, memory_bytes)]
+
+
+@dataclass
+class StageCosts:
+    """t(k..i, shape, s) with what realises each entry."""
+
+    cost: np.ndarray                    # (L, L, shapes, S) seconds per microbatch (sync amortised), inf if none
+    view: np.ndarray                    # (L, L, shapes, S) index into `meshes` of the winning view
+    option: np.ndarray                  # (L, L, shapes, S) option index used
+    memory: np.ndarray                  # (L, L, shapes, S) per-device bytes of the winner
+    shapes: list[SubmeshShape]
+    meshes: list[tuple[SubmeshShape, tuple[int, int], LogicalMesh]]
+    layer_kind: list[str]               # kind key of each layer
+    options: dict[tuple[str, int], list[LayerOption]]   # (kind, mesh index) -> options
+    ilp_jobs: int
+    cache_hits: int
+    min_memory_bytes: float             # least per-device memory any stage of one layer needs
+
+
+def build_stage_costs(graph: OpGraph, cluster: Cluster, microbatches: int, *, max_stages: int | None = None,
+                      map_fn: Callable[[Callable, Iterable], Iterable] = map, cache: DiskCache | None = None,
+                      progress: Callable[[int, int], None] | None = None) -> StageCosts:
+    check_cluster_grid(cluster)
+    cache = cache or DiskCache(enabled=False)
+    num_layers = graph.num_layers
+    shapes = submesh_shapes(cluster.nodes, cluster.devices_per_node)
+    meshes = []
+    for shape in shapes:
+        devices = list(range(shape.size))
+        for view in logical_shapes(shape, cluster.devices_per_node):
+            meshes.append((shape, view, logical_mesh(cluster, devices, view)))
+    layers = [stage_graph(graph, l, l) for l in range(num_layers)]
+    kinds = [canonical_key(g) for g in layers]
+    first_of_kind = {k: layers[i] for i, k in reversed(list(enumerate(kinds)))}
+    memory = float(cluster.device.memory_bytes)
+    device_key = [cluster.device.name, sorted(cluster.device.to_json().items())]
+
+    options: dict[tuple[str, int], list[LayerOption]] = {}
+    pending, keys = [], []
+    seen_mesh: dict[str, int] = {}
+    for kind, layer in first_of_kind.items():
+        for m, (_, _, mesh) in enumerate(meshes):
+            key = digest([CACHE_VERSION, kind, mesh_key(mesh), microbatches, device_key])
+            if key in seen_mesh:  # the same logical mesh reached from another submesh
+                options[(kind, m)] = options.get((kind, seen_mesh[key]), [])
+                keys.append((kind, m, key, True))
+                continue
+            seen_mesh[key] = m
+            hit = cache.get(key)
+            if hit is not None:
+                options[(kind, m)] = [LayerOption.from_json(d) for d in hit]
+                continue
+            pending.append((layer, mesh, cluster, microbatches, memory))
+            keys.append((kind, m, key, False))
+    solved = [(k, m, key) for k, m, key, dup in keys if not dup]
+    total = len(pending)
+    for n, (result, (kind, m, key)) in enumerate(zip(map_fn(_options_job, pending), solved), 1):
+        options[(kind, m)] = [LayerOption.from_json(d) for d in result]
+        cache.put(key, result)
+        if progress is not None:
+            progress(n, total)
+    for kind, m, key, dup in keys:  # duplicates resolved after their original was solved
+        if dup:
+            options[(kind, m)] = options[(kind, seen_mesh[key])]
+    costs = _assemble(kinds, options, meshes, shapes, memory, microbatches, num_layers,
+                      max_stages or min(num_layers, cluster.num_devices))
+    least = min((o.persistent_bytes + o.activation_bytes for opts in options.values() for o in opts), default=INF)
+    return StageCosts(*costs, shapes, meshes, kinds, options, total, cache.hits, least)
+
+
+def _assemble(kinds: Sequence[str], options, meshes, shapes, memory: float, microbatches: int, num_layers: int,
+              s_max: int):
+    n_mesh = len(meshes)
+    n_opt = max((len(v) for v in options.values()), default=1)
+    time = np.full((num_layers, n_mesh, n_opt), INF)
+    pers = np.full((num_layers, n_mesh, n_opt), INF)
+    act = np.full((num_layers, n_mesh, n_opt), INF)
+    for l, kind in enumerate(kinds):
+        for m in range(n_mesh):
+            opts = options.get((kind, m), [])
+            for j in range(n_opt):
+                if not opts:
+                    continue
+                o = opts[min(j, len(opts) - 1)]
+                time[l, m, j] = o.time_s + o.sync_s / microbatches
+                pers[l, m, j] = o.persistent_bytes
+                act[l, m, j] = o.activation_bytes
+
+    def ranges(x: np.ndarray) -> np.ndarray:  # (L, ...) -> (L, L, ...) sums over k..i
+        prefix = np.concatenate([np.zeros((1,) + x.shape[1:]), np.cumsum(x, axis=0)])
+        out = prefix[None, 1:] - prefix[:-1, None]
+        k, i = np.indices((num_layers, num_layers))
+        out[k > i] = INF
+        return out
+
+    t_range, p_range, a_range = ranges(time), ranges(pers), ranges(act)
+    shape_of_mesh = np.array([shapes.index(s) for s, _, _ in meshes])
+    cost = np.full((num_layers, num_layers, len(shapes), s_max), INF)
+    view = np.zeros(cost.shape, dtype=int)
+    opt = np.zeros(cost.shape, dtype=int)
+    mem = np.full(cost.shape, INF)
+    for s in range(1, s_max + 1):
+        inflight = min(s, microbatches)
+        need = p_range + inflight * a_range                         # (L, L, M, J)
+        t = np.where(need <= memory, t_range, INF)
+        j_best = np.argmin(t, axis=3)                               # (L, L, M)
+        t_best = np.take_along_axis(t, j_best[..., None], axis=3)[..., 0]
+        m_need = np.take_along_axis(need, j_best[..., None], axis=3)[..., 0]
+        for h in range(len(shapes)):
+            cols = np.flatnonzero(shape_of_mesh == h)
+            if not len(cols):
+                continue
+            sub = t_best[:, :, cols]
+            pick = np.argmin(sub, axis=2)
+            cost[:, :, h, s - 1] = np.take_along_axis(sub, pick[..., None], axis=2)[..., 0]
+            view[:, :, h, s - 1] = cols[pick]
+            opt[:, :, h, s - 1] = np.take_along_axis(j_best[:, :, cols], pick[..., None], axis=2)[..., 0]
+            mem[:, :, h, s - 1] = np.take_along_axis(m_need[:, :, cols], pick[..., None], axis=2)[..., 0]
+    return cost, view, opt, mem
+
+
+def options_json(options: Sequence[LayerOption]) -> str:
+    return json.dumps([o.to_json() for o in options])

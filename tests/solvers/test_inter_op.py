@@ -1,0 +1,100 @@
+"""The inter-op pass end to end: feasible plans that cover the cluster and fit memory."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from alpasim.costmodels import get_cluster
+from alpasim.solvers import (
+    DiskCache,
+    PlanFormatError,
+    PlanInfeasible,
+    bubble_fraction,
+    load_plan,
+    microbatch_candidates,
+    plan_from_json,
+    plan_pipeline,
+)
+
+GB16 = 16 * 2 ** 30
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return DiskCache(root=tmp_path_factory.mktemp("cache"))
+
+
+@given(st.lists(st.floats(0.01, 10), min_size=1, max_size=8), st.integers(1, 63), st.integers(1, 64))
+@settings(max_examples=300, deadline=None)
+def test_more_microbatches_never_grow_the_bubble(costs, b, extra):
+    assert bubble_fraction(costs, b + extra) <= bubble_fraction(costs, b) + 1e-12
+    # Balanced stages: the textbook (S - 1) / (S - 1 + B).
+    s = len(costs)
+    assert bubble_fraction([1.0] * s, b) == pytest.approx((s - 1) / (s - 1 + b))
+
+
+def _check_plan(plan, cluster):
+    devices = sorted(d for s in plan.stages for d in s.devices)
+    assert devices == list(range(cluster.num_devices))            # exact cover
+    assert plan.stages[0].layers[0] == 0
+    for a, b in zip(plan.stages, plan.stages[1:]):
+        assert b.layers[0] == a.layers[1] + 1                       # contiguous layers
+    assert plan.stages[-1].layers[1] == plan.model["layers"] - 1
+    for s in plan.stages:
+        assert s.memory_bytes <= cluster.device.memory_bytes         # fits a 16 GB V100
+        assert s.logical_mesh[0] * s.logical_mesh[1] == len(s.devices)
+    assert plan.feasible and plan.predicted["iteration_s"] > 0
+    assert plan.predicted["peak_memory_bytes"] <= GB16
+
+
+def test_gpt3_6_7b_on_two_nodes(cache):
+    cluster = get_cluster("aws-p3.16xlarge", nodes=2)
+    plan = plan_pipeline("gpt3-6.7b", cluster, microbatches=128, cache=cache)
+    _check_plan(plan, cluster)
+    # Slow links between nodes: no stage's model-parallel axis spans nodes.
+    for s in plan.stages:
+        nodes = {d // 8 for d in s.devices}
+        if len(nodes) > 1:
+            assert s.logical_mesh[1] in (1, 8)
+    # A plan round-trips through JSON exactly.
+    assert plan_from_json(json.loads(json.dumps(plan.to_json()))) == plan
+    tflops = plan.predicted["tflops_per_device"]
+    assert 5 < tflops < 125  # below the V100's fp16 peak, above nonsense
+
+
+def test_second_run_is_served_from_the_cache(cache):
+    cluster = get_cluster("aws-p3.16xlarge", nodes=1)
+    first = plan_pipeline("gpt3-350m:batch=64", cluster, microbatches=8, cache=cache)
+    again = plan_pipeline("gpt3-350m:batch=64", cluster, microbatches=8, cache=cache)
+    assert first.search["ilp_solves"] > 0 and again.search["ilp_solves"] == 0
+    assert again.search["cache_hits"] >= first.search["ilp_solves"]
+    assert again.predicted["iteration_s"] == pytest.approx(first.predicted["iteration_s"])
+
+
+def test_model_that_fits_nowhere_says_how_much_memory():
+    cluster = get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=1)
+    with pytest.raises(PlanInfeasible, match=r"needs at least \d+\.\d GiB per device") as e:
+        plan_pipeline("gpt3-39b", cluster, microbatches=1024)
+    assert e.value.min_memory_bytes > GB16
+
+
+def test_microbatch_candidates_divide_the_batch():
+    assert microbatch_candidates(1024, "auto") == [32, 64, 128, 256, 512, 1024]
+    assert microbatch_candidates(1024, 64) == [64]
+    with pytest.raises(ValueError, match="divide"):
+        microbatch_candidates(1024, 3)
+
+
+def test_bad_plan_files(tmp_path):
+    p = tmp_path / "p.json"
+    p.write_text('{"schema": "alpasim.plan/0"}')
+    with pytest.raises(PlanFormatError, match="'schema'"):
+        load_plan(p)
+    p.write_text('{"schema": "alpasim.plan/1", "model": {}, "cluster": {}, "method": "alpa", "feasible": true, '
+                 '"microbatches": 2, "stages": [{"layers": [0, 1]}], "predicted": {}, "search": {}}')
+    with pytest.raises(PlanFormatError, match=r"stages\[0\]: missing field 'devices'"):
+        load_plan(p)

@@ -461,7 +461,8 @@ def _plan_map(workers: int | None, ray: bool, ray_address: str | None):
 
 
 def make_plan(model: str, cluster: cm.Cluster, *, microbatches: str, remat: bool, layers: int | None,
-              cache: bool, workers: int | None, ray: bool, ray_address: str | None, quiet: bool) -> sv.PipelinePlan:
+              cache: bool, workers: int | None, ray: bool, ray_address: str | None, quiet: bool,
+              max_stages: int = 16, epsilon: float = 1e-3) -> sv.PipelinePlan:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     mb: int | str = microbatches
@@ -483,7 +484,8 @@ def make_plan(model: str, cluster: cm.Cluster, *, microbatches: str, remat: bool
     try:
         with progress:
             return sv.plan_pipeline(model, cluster, microbatches=mb, remat=remat, map_fn=map_fn,
-                                    cache=sv.DiskCache(enabled=cache), progress=report, layers=layers)
+                                    cache=sv.DiskCache(enabled=cache), progress=report, layers=layers,
+                                    max_stages=max_stages, epsilon=epsilon)
     finally:
         close()
 
@@ -505,12 +507,17 @@ def plan(
     workers: Annotated[Optional[int], typer.Option("--workers", help="Local processes filling the table.")] = None,
     ray: Annotated[bool, typer.Option("--ray", help="Fill the stage-cost table with Ray tasks.")] = False,
     ray_address: Annotated[Optional[str], typer.Option("--ray-address", help="Ray cluster address.")] = None,
+    max_stages: Annotated[int, typer.Option("--max-stages", help="Deepest pipeline considered.")] = 16,
+    epsilon: Annotated[float, typer.Option("--epsilon", help="Relative gap between bottlenecks tried.")] = 1e-3,
     as_json: JsonOpt = False,
 ) -> None:
     """Plan pipeline stages, submeshes and intra-op shardings for a model on a cluster."""
     c = load_cluster(cluster, nodes, devices_per_node, inter_node_gbps, memory_gb)
+    if max_stages < 1 or epsilon < 0:
+        fail("--max-stages must be at least 1 and --epsilon at least 0")
     p = make_plan(model, c, microbatches=microbatches, remat=remat, layers=layers, cache=not no_cache,
-                  workers=workers, ray=ray, ray_address=ray_address, quiet=as_json)
+                  workers=workers, ray=ray, ray_address=ray_address, quiet=as_json, max_stages=max_stages,
+                  epsilon=epsilon)
     if out_path is not None:
         p.save(out_path)
         err.print(f"wrote {out_path}")

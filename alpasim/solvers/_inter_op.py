@@ -34,6 +34,12 @@ from ._stage_dp import DPResult, bubble_fraction, stage_dp
 from ._submesh import place_submeshes
 
 GIB = 2 ** 30
+# Relative gap between evaluated bottlenecks t_max (the paper's epsilon, unit-free):
+# the DP's answer is within about B * epsilon * t_max of the optimum.
+DEFAULT_EPSILON = 1e-3
+# Deeper pipelines than this are never worth it on the paper's clusters (each stage would
+# hold a handful of layers on a few devices), and the DP's cost grows with the depth.
+DEFAULT_MAX_STAGES = 16
 # The B search starts at this microbatch size (a GPU-efficient size for the paper's
 # models) and climbs towards better predicted iteration times.
 START_MICROBATCH_SIZE = 4
@@ -88,8 +94,9 @@ def microbatch_candidates(global_batch: int, requested: int | str) -> list[int]:
 
 def plan_pipeline(model: str, cluster: Cluster, *, microbatches: int | str = "auto", remat: bool = True,
                   map_fn: Callable[[Callable, Iterable], Iterable] = map, cache: DiskCache | None = None,
-                  progress: Callable[[str, int, int], None] | None = None, epsilon: float = 1e-6,
-                  method: str = "alpa", layers: int | None = None) -> PipelinePlan:
+                  progress: Callable[[str, int, int], None] | None = None, epsilon: float = DEFAULT_EPSILON,
+                  method: str = "alpa", layers: int | None = None,
+                  max_stages: int = DEFAULT_MAX_STAGES) -> PipelinePlan:
     """Plan `model` on `cluster`; `layers` re-clusters the forward ops into that many
     layers with the eq. 6 DP instead of the zoo's blocks (planning units)."""
     t0 = time.perf_counter()
@@ -110,10 +117,12 @@ def plan_pipeline(model: str, cluster: Cluster, *, microbatches: int | str = "au
         fwd = planning_units(fwd) if layers is None else assign_layers(fwd, layers)[0]
         graph = build_training_graph(fwd, remat=remat).graph
         report = (lambda done, total: progress(f"B={b}", done, total)) if progress else None
-        costs = build_stage_costs(graph, cluster, b, map_fn=map_fn, cache=cache, progress=report)
+        s_max = min(max_stages, graph.num_layers, cluster.num_devices)
+        costs = build_stage_costs(graph, cluster, b, max_stages=s_max, map_fn=map_fn, cache=cache,
+                                  progress=report)
         jobs += costs.ilp_jobs
         hits += costs.cache_hits
-        dp = stage_dp(costs.cost, [s.size for s in costs.shapes], cluster.num_devices, b, epsilon=epsilon)
+        dp = stage_dp(costs.cost, [sh.size for sh in costs.shapes], cluster.num_devices, b, epsilon=epsilon)
         evaluated[b] = Candidate(b, graph, costs, dp)
         candidates.append(evaluated[b])
         return evaluated[b]

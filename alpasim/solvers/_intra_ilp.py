@@ -66,48 +66,65 @@ def formulate(problem: IntraOpProblem, memory_budget_bytes: float | None = None,
     flight on the stage, seed eq. 5)."""
     model = pulp.LpProblem("intra_op", pulp.LpMinimize)
     s = [[pulp.LpVariable(f"s{v}_{i}", cat="Binary") for i in range(node.k)] for v, node in enumerate(problem.nodes)]
-    objective = []
+    # Expressions are built from (variable, coefficient) lists: PuLP's operator
+    # overloading allocates an object per term and dominated formulation time.
+    objective: list[tuple[pulp.LpVariable, float]] = []
     for v, node in enumerate(problem.nodes):
-        model += pulp.lpSum(s[v]) == 1, f"one_hot_{v}"
-        objective += [float(c) * US * x for c, x in zip(node.cost, s[v]) if c]
+        model += _expr((x, 1.0) for x in s[v]) == 1, f"one_hot_{v}"
+        objective += [(x, float(c) * US) for c, x in zip(node.cost, s[v]) if c]
     for n, edge in enumerate(problem.edges):
         if not edge.cost.any():
             continue
         p_count = len(edge.specs)
-        a = [pulp.lpSum(s[edge.src][i] for i in np.flatnonzero(edge.src_spec == p)) for p in range(p_count)]
-        b = [pulp.lpSum(s[edge.dst][j] for j in np.flatnonzero(edge.dst_spec == q)) for q in range(p_count)]
-        used_p = [p for p in range(p_count) if (edge.src_spec == p).any()]
-        used_q = [q for q in range(p_count) if (edge.dst_spec == q).any()]
+        src_of = [np.flatnonzero(edge.src_spec == p) for p in range(p_count)]
+        dst_of = [np.flatnonzero(edge.dst_spec == q) for q in range(p_count)]
+        used_p = [p for p in range(p_count) if len(src_of[p])]
+        used_q = [q for q in range(p_count) if len(dst_of[q])]
         e = {(p, q): pulp.LpVariable(f"e{n}_{p}_{q}", lowBound=0) for p in used_p for q in used_q}
         for p in used_p:
-            model += pulp.lpSum(e[p, q] for q in used_q) == a[p], f"edge{n}_src{p}"
+            terms = [(e[p, q], 1.0) for q in used_q] + [(s[edge.src][i], -1.0) for i in src_of[p]]
+            model += _expr(terms) == 0, f"edge{n}_src{p}"
         for q in used_q:
-            model += pulp.lpSum(e[p, q] for p in used_p) == b[q], f"edge{n}_dst{q}"
-        objective += [float(edge.cost[p, q]) * US * x for (p, q), x in e.items() if edge.cost[p, q]]
-    model += pulp.lpSum(objective)
+            terms = [(e[p, q], 1.0) for p in used_p] + [(s[edge.dst][j], -1.0) for j in dst_of[q]]
+            model += _expr(terms) == 0, f"edge{n}_dst{q}"
+        objective += [(x, float(edge.cost[p, q]) * US) for (p, q), x in e.items() if edge.cost[p, q]]
+    model += _expr(objective)
     if memory_budget_bytes is not None:
         _add_memory(model, problem, s, memory_budget_bytes, activation_multiplier)
     return Formulation(model, s, memory_budget_bytes)
 
 
+def _expr(terms) -> pulp.LpAffineExpression:
+    """An affine expression from (variable, coefficient) pairs, summing repeats."""
+    out: dict = {}
+    for x, c in terms:
+        out[x] = out.get(x, 0.0) + c
+    return pulp.LpAffineExpression(list(out.items()))
+
+
 def memory_expression(problem: IntraOpProblem, s, tensor: str, unit_bytes: float = GIB):
     """Per-device memory of `tensor` in units of `unit_bytes`, linear in its owner's s."""
+    return _expr(_memory_terms(problem, s, tensor, unit_bytes))
+
+
+def _memory_terms(problem: IntraOpProblem, s, tensor: str, unit_bytes: float):
     v = problem.node_of_tensor[tensor]
-    return pulp.lpSum(float(b) / unit_bytes * x for b, x in zip(problem.tensor_bytes(v, tensor), s[v]) if b)
+    return [(x, float(b) / unit_bytes) for b, x in zip(problem.tensor_bytes(v, tensor), s[v]) if b]
 
 
 def _add_memory(model: pulp.LpProblem, problem: IntraOpProblem, s, budget: float, multiplier: float = 1.0) -> None:
     unit = budget if budget > 0 else GIB
-    persistent = pulp.lpSum(memory_expression(problem, s, t, unit) for t in problem.persistent)
+    persistent = [term for t in problem.persistent for term in _memory_terms(problem, s, t, unit)]
     acts = {t for live in problem.live_sets for t in live}
     m = {}
     for t in acts:
         m[t] = pulp.LpVariable(f"mem_{len(m)}", lowBound=0)
-        model += m[t] == memory_expression(problem, s, t, unit), f"mem_def_{len(m)}"
+        terms = [(m[t], 1.0)] + [(x, -c) for x, c in _memory_terms(problem, s, t, unit)]
+        model += _expr(terms) == 0, f"mem_def_{len(m)}"
     if not problem.live_sets:
-        model += persistent <= budget / unit, "memory"
+        model += _expr(persistent) <= budget / unit, "memory"
     for i, live in enumerate(problem.live_sets):
-        model += persistent + multiplier * pulp.lpSum(m[t] for t in live) <= budget / unit, f"memory_{i}"
+        model += _expr(persistent + [(m[t], multiplier) for t in live]) <= budget / unit, f"memory_{i}"
 
 
 def solve_ilp(form: Formulation, solver: str = "highs", time_limit_s: float | None = None,

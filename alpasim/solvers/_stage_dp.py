@@ -96,15 +96,17 @@ def _solve_fixed(cost: np.ndarray, sizes: np.ndarray, num_devices: int, s_max: i
     f[0][num_layers, 0] = 0.0
     arg: list[np.ndarray] = [np.zeros((num_layers + 1, d_count, 2), dtype=int)]
     best_total, best_s = INF, 0
+    masked = np.where(cost <= t_max, cost, INF)
     for s in range(1, s_max + 1):
         fs = np.full((num_layers + 1, d_count), INF)
         argmin = np.full((num_layers + 1, d_count, 2), -1, dtype=int)
         prev = f[s - 1]
+        if not np.isfinite(prev).any():
+            break  # no way to fill the rest with s-1 stages, so none with more
         for h, size in enumerate(sizes):
             if size > num_devices:
                 continue
-            t = cost[:, :, h, s - 1]                       # (k, i)
-            t = np.where(t <= t_max, t, INF)
+            t = masked[:, :, h, s - 1]                      # (k, i)
             shifted = np.full((num_layers, d_count), INF)   # [i, d] = prev[i+1, d - size]
             shifted[:, size:] = prev[1:, :d_count - size]
             cand = t[:, :, None] + shifted[None, :, :]      # (k, i, d)

@@ -98,3 +98,32 @@ def test_bad_plan_files(tmp_path):
                  '"microbatches": 2, "stages": [{"layers": [0, 1]}], "predicted": {}, "search": {}}')
     with pytest.raises(PlanFormatError, match=r"stages\[0\]: missing field 'devices'"):
         load_plan(p)
+
+
+def test_partition_spec_export(cache):
+    cluster = get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=4)
+    plan = plan_pipeline("gpt3:hidden=256,layers=4,heads=8,seq=128,vocab=1024,batch=32", cluster,
+                         microbatches=4, cache=cache)
+    specs = plan.partition_specs()
+    assert len(specs) == len(plan.stages)
+    for stage, per_param in zip(plan.stages, specs):
+        assert set(per_param) == set(stage.param_specs)
+        for p, spec in per_param.items():
+            text = stage.param_specs[p]
+            assert len(spec) == text.count("R") + text.count("S")      # one entry per dimension
+            for entry in spec:
+                assert entry is None or entry in ("x", "y") or entry == ["x", "y"]
+
+
+def test_stage_table_on_ray(tmp_path):
+    from alpasim.backends import ray_map_fn, ray_shutdown
+
+    cluster = get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=2)
+    model = "gpt3:hidden=128,layers=2,heads=4,seq=64,vocab=512,batch=8"
+    local = plan_pipeline(model, cluster, microbatches=2)
+    try:
+        remote = plan_pipeline(model, cluster, microbatches=2, map_fn=ray_map_fn(num_cpus=2))
+    finally:
+        ray_shutdown()
+    assert remote.predicted["iteration_s"] == pytest.approx(local.predicted["iteration_s"])
+    assert [s.layers for s in remote.stages] == [s.layers for s in local.stages]

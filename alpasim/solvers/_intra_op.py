@@ -138,7 +138,8 @@ def min_memory_bytes(problem: IntraOpProblem, solver: str = "highs", activation_
 
 
 def min_memory_choice(problem: IntraOpProblem, solver: str = "highs", activation_multiplier: float = 1.0,
-                      slack: float = 1e-3, mip_gap: float | None = None) -> tuple[float, IntraOpResult | None]:
+                      slack: float = 1e-3, mip_gap: float | None = None,
+                      time_limit_s: float | None = None) -> tuple[float, IntraOpResult | None]:
     """(least memory, the fastest plan within `slack` of it): two solves, memory first.
 
     One weighted objective (memory + tiny x time) would be the textbook lexicographic
@@ -147,7 +148,8 @@ def min_memory_choice(problem: IntraOpProblem, solver: str = "highs", activation
     least = min_memory_bytes(problem, solver, activation_multiplier)
     try:
         fast = solve_problem(problem, memory_budget_bytes=least * (1 + slack) + 1.0,
-                             activation_multiplier=activation_multiplier, solver=solver, mip_gap=mip_gap)
+                             activation_multiplier=activation_multiplier, solver=solver, mip_gap=mip_gap,
+                             time_limit_s=time_limit_s)
     except (IntraOpInfeasible, RuntimeError):
         return least, None
     return least, fast

@@ -49,6 +49,9 @@ TOP_HEAVY = 6
 # Stage costs are estimates: a plan within 0.1% of the best is good enough, and proving
 # the last 0.1% is most of HiGHS's time on two-axis meshes.
 PLANNING_MIP_GAP = 1e-3
+# A planning ILP that has not proven its optimum by then returns its incumbent (flagged
+# in the option's `ilp_status`): one hard layer must not stall the whole table.
+PLANNING_TIME_LIMIT_S = 15.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,17 +117,19 @@ def layer_options(layer: OpGraph, mesh: LogicalMesh, cluster: Cluster, microbatc
                                   "/".join(map(str, plan.strategies[layer.ops[i].name].out_specs))) for i in heavy),
                            status)
 
-    fast = solve_intra_op(layer, mesh, model, with_compute=True, microbatches=microbatches, mip_gap=PLANNING_MIP_GAP)
+    fast = solve_intra_op(layer, mesh, model, with_compute=True, microbatches=microbatches, mip_gap=PLANNING_MIP_GAP,
+                          time_limit_s=PLANNING_TIME_LIMIT_S)
     options = [summarise(fast.plan, fast.status)]
     least, small = min_memory_choice(fast.problem, activation_multiplier=REFERENCE_INFLIGHT,
-                                     mip_gap=PLANNING_MIP_GAP)
+                                     mip_gap=PLANNING_MIP_GAP, time_limit_s=PLANNING_TIME_LIMIT_S)
     if small is not None:
         options.append(summarise(small.plan, small.status))
         big = fast.plan.memory.with_inflight(REFERENCE_INFLIGHT)
         if big > PARETO_GAP * least and least > 0:
             try:
                 mid = solve_problem(fast.problem, memory_budget_bytes=math.sqrt(big * least),
-                                    activation_multiplier=REFERENCE_INFLIGHT, mip_gap=PLANNING_MIP_GAP)
+                                    activation_multiplier=REFERENCE_INFLIGHT, mip_gap=PLANNING_MIP_GAP,
+                                    time_limit_s=PLANNING_TIME_LIMIT_S)
                 options.append(summarise(mid.plan, mid.status))
             except (IntraOpInfeasible, RuntimeError):
                 pass

@@ -541,7 +541,7 @@ def print_plan(p: sv.PipelinePlan) -> None:
                   f"{s.logical_mesh[0]}x{s.logical_mesh[1]}", f"{s.time_s * 1e3:.1f} ms", _fmt_bytes(s.memory_bytes),
                   str(s.inflight_microbatches))
     out.print(t)
-    ht = Table(title="heaviest ops (first and last layer of each stage)")
+    ht = Table(title="heaviest ops of each distinct layer kind in a stage")
     for col in ("stage", "op", "equation", "loops", "output spec"):
         ht.add_column(col)
     for i, s in enumerate(p.stages):

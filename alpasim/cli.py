@@ -55,13 +55,7 @@ def load_cluster(spec: str, nodes: int | None = None, devices_per_node: int | No
     overrides = {"nodes": nodes, "devices_per_node": devices_per_node,
                  "inter_node_gbps": inter_node_gbps, "memory_gb": memory_gb}
     if spec.endswith(".json") or Path(spec).is_file():
-        path = Path(spec)
-        if not path.is_file():
-            raise cm.ClusterError(f"{spec}: no such file")
-        try:
-            data = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise cm.ClusterError(f"{spec}: not valid JSON ({e})") from None
+        data = gr.read_json_file(spec, cm.ClusterError)
         try:
             cluster = cm.Cluster.from_json(data)
         except cm.ClusterError as e:
@@ -163,7 +157,7 @@ def _inter_node_text(c: cm.Cluster) -> str:
 
 # ----------------------------------------------------------------------- graph
 def graph_report(model: str, *, layers: int | None, remat: bool, batch: int | None,
-                 cluster: cm.Cluster | None) -> dict[str, Any]:
+                 cluster: cm.Cluster | None, save: Path | None = None) -> dict[str, Any]:
     """Everything `alpasim graph` shows, as one JSON-ready dict."""
     t0 = time.perf_counter()
     name, source = model_with_batch(model, batch)
@@ -171,6 +165,9 @@ def graph_report(model: str, *, layers: int | None, remat: bool, batch: int | No
     built = gr.build_training_graph(fwd, layers=layers, remat=remat)
     build_s = time.perf_counter() - t0
     g = built.graph
+    if save is not None:
+        gr.save_graph(g, save)
+        err.print(f"wrote {save}")
     other = gr.build_training_graph(fwd, layers=layers, remat=not remat).graph
     flops = gr.flops_by_kind(g)
     flops_other = gr.flops_by_kind(other)
@@ -196,11 +193,11 @@ def graph_report(model: str, *, layers: int | None, remat: bool, batch: int | No
     }
     if cluster is not None:
         report["cluster"] = _cluster_json(cluster)
-        report["on_cluster"] = _cluster_view(g, mem, cluster)
+        report["on_cluster"] = _cluster_view(g, mem, cluster, flops["matmul"])
     return report
 
 
-def _cluster_view(g: gr.OpGraph, mem: cm.MemoryBreakdown, cluster: cm.Cluster) -> dict[str, Any]:
+def _cluster_view(g: gr.OpGraph, mem: cm.MemoryBreakdown, cluster: cm.Cluster, matmul_flops: float) -> dict[str, Any]:
     """What one device of the cluster would need, and an ideal-scaling time bound."""
     model = cm.AnalyticCostModel(cluster)
     single_s = sum(model.op_time_s(op, g.tensors) for op in g.ops)
@@ -212,12 +209,8 @@ def _cluster_view(g: gr.OpGraph, mem: cm.MemoryBreakdown, cluster: cm.Cluster) -
         "min_devices_for_model_states": max(1, -(-states // device_mem)),
         "single_device_iteration_s": single_s,
         "ideal_iteration_s": single_s / cluster.num_devices,
-        "ideal_tflops_per_device": gr_matmul(g) / single_s / 1e12 if single_s else 0.0,
+        "ideal_tflops_per_device": matmul_flops / single_s / 1e12 if single_s else 0.0,
     }
-
-
-def gr_matmul(g: gr.OpGraph) -> float:
-    return gr.flops_by_kind(g)["matmul"]
 
 
 @app.command()
@@ -236,12 +229,7 @@ def graph(
 ) -> None:
     """Parameters, FLOPs per iteration, op counts per phase and layers of a training graph."""
     c = load_cluster(cluster, nodes, devices_per_node, inter_node_gbps, memory_gb) if cluster else None
-    report = graph_report(model, layers=layers, remat=remat, batch=batch, cluster=c)
-    if save is not None:
-        name, source = model_with_batch(model, batch)
-        fwd = source if isinstance(source, gr.OpGraph) else gr.forward_graph(source, name=name)
-        gr.save_graph(gr.build_training_graph(fwd, layers=layers, remat=remat).graph, save)
-        err.print(f"wrote {save}")
+    report = graph_report(model, layers=layers, remat=remat, batch=batch, cluster=c, save=save)
     if as_json:
         emit_json(report)
         return

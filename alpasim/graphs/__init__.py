@@ -5,6 +5,7 @@ not import jax; `from_jax` imports it when called.
 """
 
 from ._autodiff import AdamConfig as AdamConfig
+from ._autodiff import AutodiffError as AutodiffError
 from ._autodiff import VJP_RULES as VJP_RULES
 from ._autodiff import training_graph as training_graph
 from ._build import BuiltGraph as BuiltGraph
@@ -18,6 +19,7 @@ from ._clustering import assign_layers as assign_layers
 from ._clustering import cluster_ops as cluster_ops
 from ._clustering import received_bytes_matrix as received_bytes_matrix
 from ._jax_import import from_jax as from_jax
+from ._jsonfile import read_json_file as read_json_file
 from ._jax_import import training_graph_from_jax as training_graph_from_jax
 from ._jax_values import JaxImportError as JaxImportError
 from ._primitives import ELEMENTWISE as ELEMENTWISE

@@ -38,6 +38,11 @@ class AdamConfig:
     weight_decay: float = 0.0
 
 
+class AutodiffError(ValueError):
+    """A forward graph with an op alpasim cannot differentiate (e.g. a gradient
+    primitive written into the forward pass: second derivatives are not derived)."""
+
+
 class _Ctx:
     """What a VJP rule may do: read forward values, emit ops, make zeros."""
 
@@ -159,7 +164,7 @@ def _elementwise_cotangents(c: _Ctx, op: Op, cts, needs):
             return [c.ew("select", mask, dy, c.zeros(dy))]
         if fn in ELEMENTWISE_NO_GRAD:
             return [None]
-        raise NotImplementedError(f"no VJP for elementwise {fn!r} with a scalar operand")
+        raise AutodiffError(f"elementwise {fn!r} with a scalar operand has no derivative rule")
     if fn in ELEMENTWISE_NO_GRAD:
         return [None] * len(xs)
     if fn == "add":
@@ -223,7 +228,7 @@ def _elementwise_cotangents(c: _Ctx, op: Op, cts, needs):
         return [c.ew("mul", dy, c.ew("cos", x))]
     if fn == "cos":
         return [c.ew("neg", c.ew("mul", dy, c.ew("sin", x)))]
-    raise NotImplementedError(f"no VJP rule for elementwise {fn!r}")
+    raise AutodiffError(f"elementwise {fn!r} has no derivative rule")
 
 
 ELEMENTWISE_NO_GRAD = frozenset({"stop_gradient", "sign", "gt", "ge", "lt", "le", "eq", "ne", "and", "or",
@@ -429,7 +434,8 @@ def training_graph(forward: OpGraph, *, remat: bool = False, optimizer: AdamConf
             cts = [g if g is not None else ctx.zeros(t) for g, t in zip(cts, op.outputs)]
             rule = VJP_RULES.get(op.prim)
             if rule is None:
-                raise NotImplementedError(f"no VJP rule for primitive {op.prim!r} (op {op.name!r})")
+                raise AutodiffError(f"op {op.name!r}: primitive {op.prim!r} cannot be differentiated; "
+                                    f"differentiable primitives: {', '.join(sorted(VJP_RULES))}")
             grads = rule(ctx, op, cts, in_needs)
             for t, g, need in zip(op.inputs, grads, in_needs):
                 if g is None or not need:

@@ -16,23 +16,22 @@ from pathlib import Path
 from ._autodiff import AdamConfig, training_graph
 from ._clustering import Clustering, assign_layers
 from ._primitives import op_flops, op_kind
-from ._serialize import load_graph
+from ._jsonfile import read_json_file
+from ._serialize import GraphFormatError, graph_from_json
 from ._types import PHASES, OpGraph
 from ._zoo import forward_graph
 
 
 def load_forward(model: str) -> OpGraph:
     """A forward graph from a zoo name, spec string, model JSON or saved graph JSON."""
-    path = Path(model)
-    if model.endswith(".json") and path.is_file():
-        import json
-
+    if model.endswith(".json") and Path(model).is_file():
         try:
-            schema = json.loads(path.read_text()).get("schema", "")
-        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
-            schema = ""
+            data = read_json_file(model, GraphFormatError)
+        except GraphFormatError:
+            data = None
+        schema = data.get("schema", "") if isinstance(data, dict) else ""
         if isinstance(schema, str) and schema.startswith("alpasim.graph/"):
-            g = load_graph(path)
+            g = graph_from_json(data, model)
             if g.meta.get("training"):
                 raise ValueError(f"{model}: holds a training graph; pass its forward graph")
             return g

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ._jsonfile import read_json_file
 from ._primitives import PrimitiveError, infer_outputs
 from ._types import GraphError, Op, OpGraph, Tensor
 
@@ -127,11 +128,4 @@ def save_graph(graph: OpGraph, path: str | Path) -> None:
 
 
 def load_graph(path: str | Path) -> OpGraph:
-    p = Path(path)
-    if not p.is_file():
-        raise GraphFormatError(f"{path}: no such file")
-    try:
-        data = json.loads(p.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise GraphFormatError(f"{path}: not valid JSON ({e})") from None
-    return graph_from_json(data, str(path))
+    return graph_from_json(read_json_file(path, GraphFormatError), str(path))

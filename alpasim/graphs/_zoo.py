@@ -16,11 +16,11 @@ A model is named as
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Union
 
+from ._jsonfile import read_json_file
 from ._resnet import WResNetConfig, wide_resnet
 from ._transformer import GPTConfig, MoEConfig, transformer_lm
 from ._types import OpGraph
@@ -148,13 +148,7 @@ def resolve_model(spec: str | ModelConfig) -> tuple[str, ModelConfig]:
 
 
 def _read_json(path: str) -> dict:
-    p = Path(path)
-    if not p.is_file():
-        raise ModelSpecError(f"{path}: no such file")
-    try:
-        data = json.loads(p.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelSpecError(f"{path}: not valid JSON ({e})") from None
+    data = read_json_file(path, ModelSpecError)
     if not isinstance(data, dict):
         raise ModelSpecError(f"{path}: top level must be a JSON object, got {type(data).__name__}")
     return data

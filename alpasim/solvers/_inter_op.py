@@ -24,7 +24,6 @@ from alpasim.graphs import (
     flops_by_kind,
     forward_graph,
     resolve_model,
-    stage_graph,
 )
 
 from ._cache import DiskCache
@@ -195,7 +194,7 @@ def _assemble_plan(name: str, cfg, cluster: Cluster, best: Candidate, candidates
             sync += o.sync_s
             pers += o.persistent_bytes
             act += o.activation_bytes
-            layer_graph = stage_graph(best.graph, layer, layer)
+            layer_graph = costs.layer_graphs[layer]
             for p, spec in zip(canonical_params(layer_graph), o.param_specs):
                 param_specs[p] = spec
             if kind not in kinds_shown:  # the heaviest ops of each distinct layer kind

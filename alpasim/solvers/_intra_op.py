@@ -94,14 +94,13 @@ def solve_problem(problem: IntraOpProblem, *, memory_budget_bytes: float | None 
     choice = result.choice
     rewritten = 0
     if rewrite:
-        choice, rewritten = weight_update_sharding(problem, choice, memory_budget_bytes)
+        choice, rewritten = weight_update_sharding(problem, choice)
     plan = realize(problem, choice)
     return IntraOpResult(result.status, result.objective_s, plan, result.wall_s, build_s, result.solver,
                          len(problem.nodes), len(problem.edges), rewritten, problem)
 
 
-def weight_update_sharding(problem: IntraOpProblem, choice: tuple[int, ...],
-                           budget: float | None = None) -> tuple[tuple[int, ...], int]:
+def weight_update_sharding(problem: IntraOpProblem, choice: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
     """Switch update groups to reduce-scatter forms that cost no more and hold less."""
     current = realize(problem, choice)
     cost = objective_s(current, problem.with_compute, problem.microbatches)

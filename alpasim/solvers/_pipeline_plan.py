@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from alpasim.graphs import read_json_file
+
 PLAN_SCHEMA = "alpasim.plan/1"
 
 
@@ -125,11 +127,4 @@ def plan_from_json(data: Any, source: str = "<plan JSON>") -> PipelinePlan:
 
 
 def load_plan(path: str | Path) -> PipelinePlan:
-    p = Path(path)
-    if not p.is_file():
-        raise PlanFormatError(f"{path}: no such file")
-    try:
-        data = json.loads(p.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise PlanFormatError(f"{path}: not valid JSON ({e})") from None
-    return plan_from_json(data, str(path))
+    return plan_from_json(read_json_file(path, PlanFormatError), str(path))

@@ -24,7 +24,6 @@ options inside a stage (a finer knapsack could fit a little more in memory).
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
@@ -105,8 +104,7 @@ def mesh_key(mesh: LogicalMesh) -> list:
     return [[a.size, a.link.bandwidth_gbps, a.link.latency_s] for a in mesh.axes]
 
 
-def layer_options(layer: OpGraph, mesh: LogicalMesh, cluster: Cluster, microbatches: int,
-                  memory_bytes: float) -> list[LayerOption]:
+def layer_options(layer: OpGraph, mesh: LogicalMesh, cluster: Cluster, microbatches: int) -> list[LayerOption]:
     """The Pareto set of plans of one layer on one mesh (see the module doc)."""
     model = AnalyticCostModel(cluster)
     params = canonical_params(layer)
@@ -147,8 +145,8 @@ def layer_options(layer: OpGraph, mesh: LogicalMesh, cluster: Cluster, microbatc
 
 def _options_job(job: tuple) -> list[dict]:
     """Top-level (picklable) unit of work for a process pool or a Ray task."""
-    layer, mesh, cluster, microbatches, memory_bytes = job
-    return [o.to_json() for o in layer_options(layer, mesh, cluster, microbatches, memory_bytes)]
+    layer, mesh, cluster, microbatches = job
+    return [o.to_json() for o in layer_options(layer, mesh, cluster, microbatches)]
 
 
 @dataclass
@@ -162,6 +160,7 @@ class StageCosts:
     shapes: list[SubmeshShape]
     meshes: list[tuple[SubmeshShape, tuple[int, int], LogicalMesh]]
     layer_kind: list[str]               # kind key of each layer
+    layer_graphs: list[OpGraph]         # each layer's own graph (forward, backward, update)
     options: dict[tuple[str, int], list[LayerOption]]   # (kind, mesh index) -> options
     ilp_jobs: int
     cache_hits: int
@@ -187,36 +186,26 @@ def build_stage_costs(graph: OpGraph, cluster: Cluster, microbatches: int, *, ma
     device_key = [cluster.device.name, sorted(cluster.device.to_json().items())]
 
     options: dict[tuple[str, int], list[LayerOption]] = {}
-    pending, keys = [], []
-    seen_mesh: dict[str, int] = {}
+    pending, solved = [], []
     for kind, layer in first_of_kind.items():
         for m, (_, _, mesh) in enumerate(meshes):
             key = digest([CACHE_VERSION, kind, mesh_key(mesh), microbatches, device_key])
-            if key in seen_mesh:  # the same logical mesh reached from another submesh
-                options[(kind, m)] = options.get((kind, seen_mesh[key]), [])
-                keys.append((kind, m, key, True))
-                continue
-            seen_mesh[key] = m
             hit = cache.get(key)
             if hit is not None:
                 options[(kind, m)] = [LayerOption.from_json(d) for d in hit]
                 continue
-            pending.append((layer, mesh, cluster, microbatches, memory))
-            keys.append((kind, m, key, False))
-    solved = [(k, m, key) for k, m, key, dup in keys if not dup]
+            pending.append((layer, mesh, cluster, microbatches))
+            solved.append((kind, m, key))
     total = len(pending)
     for n, (result, (kind, m, key)) in enumerate(zip(map_fn(_options_job, pending), solved), 1):
         options[(kind, m)] = [LayerOption.from_json(d) for d in result]
         cache.put(key, result)
         if progress is not None:
             progress(n, total)
-    for kind, m, key, dup in keys:  # duplicates resolved after their original was solved
-        if dup:
-            options[(kind, m)] = options[(kind, seen_mesh[key])]
     costs = _assemble(kinds, options, meshes, shapes, memory, microbatches, num_layers,
                       max_stages or min(num_layers, cluster.num_devices))
     least = min((o.persistent_bytes + o.activation_bytes for opts in options.values() for o in opts), default=INF)
-    return StageCosts(*costs, shapes, meshes, kinds, options, total, cache.hits, least)
+    return StageCosts(*costs, shapes, meshes, kinds, layers, options, total, cache.hits, least)
 
 
 def _assemble(kinds: Sequence[str], options, meshes, shapes, memory: float, microbatches: int, num_layers: int,
@@ -268,7 +257,3 @@ def _assemble(kinds: Sequence[str], options, meshes, shapes, memory: float, micr
             opt[:, :, h, s - 1] = np.take_along_axis(j_best[:, :, cols], pick[..., None], axis=2)[..., 0]
             mem[:, :, h, s - 1] = np.take_along_axis(m_need[:, :, cols], pick[..., None], axis=2)[..., 0]
     return cost, view, opt, mem
-
-
-def options_json(options: Sequence[LayerOption]) -> str:
-    return json.dumps([o.to_json() for o in options])

@@ -234,3 +234,15 @@ def test_mixed_precision_keeps_fp32_master_weights_and_states():
     grads = [t for t in g.tensors.values() if t.role == "grad"]
     assert sum(t.nbytes for t in params + states + grads) == 16 * n
     assert math.isclose(sum(t.nbytes for t in grads), 2 * n)
+
+
+def test_gradient_primitive_in_a_forward_graph_is_a_clear_error():
+    from alpasim.graphs import AutodiffError, GraphBuilder, training_graph
+
+    b = GraphBuilder("second_order")
+    x = b.param("x", (4, 8))
+    y = b.one("softmax", [x], axis=-1)
+    g = b.one("softmax_grad", [y, y], axis=-1)
+    loss = b.one("reduce", [g], kind="sum", axes=(0, 1))
+    with pytest.raises(AutodiffError, match="'softmax_grad' cannot be differentiated"):
+        training_graph(b.build([loss]))

@@ -28,7 +28,7 @@ from alpasim.graphs import (
 
 from ._cache import DiskCache
 from ._pipeline_plan import PipelinePlan, PipelineStage
-from ._stage_costs import StageCosts, build_stage_costs, canonical_params
+from ._stage_costs import LayerOption, StageCosts, build_stage_costs, canonical_params
 from ._stage_dp import DPResult, bubble_fraction, stage_dp
 from ._submesh import place_submeshes
 
@@ -177,20 +177,22 @@ def _assemble_plan(name: str, cfg, cluster: Cluster, best: Candidate, candidates
     placed = place_submeshes(shapes, cluster.nodes, cluster.devices_per_node)
     n_stages = len(dp.stages)
     stages = []
+    chosen: dict[int, LayerOption] = {}      # layer -> the option its stage runs
     for idx, (st, devices) in enumerate(zip(dp.stages, placed)):
         s = n_stages - idx
         view = int(costs.view[st.first, st.last, st.shape, s - 1])
         j = int(costs.option[st.first, st.last, st.shape, s - 1])
         _, logical, _ = costs.meshes[view]
-        compute = sync = pers = act = 0.0
+        compute = sync = pers = act = forward = 0.0
         param_specs: dict[str, str] = {}
         heavy: list[dict] = []
         kinds_shown: set[str] = set()
         for layer in range(st.first, st.last + 1):
             kind = costs.layer_kind[layer]
             opts = costs.options[(kind, view)]
-            o = opts[min(j, len(opts) - 1)]
+            o = chosen[layer] = opts[min(j, len(opts) - 1)]
             compute += o.time_s
+            forward += o.forward_s
             sync += o.sync_s
             pers += o.persistent_bytes
             act += o.activation_bytes
@@ -206,7 +208,8 @@ def _assemble_plan(name: str, cfg, cluster: Cluster, best: Candidate, candidates
         inflight = min(s, b)
         stages.append(PipelineStage((st.first, st.last), tuple(devices), (shapes[idx].n, shapes[idx].m),
                                     tuple(logical), float(st.cost_s), pers + inflight * act, inflight,
-                                    compute, sync, pers, act, j, param_specs, tuple(heavy)))
+                                    compute, sync, pers, act, j, param_specs, tuple(heavy), forward,
+                                    compute - forward))
     flops = flops_by_kind(best.graph)["matmul"] * b
     iteration = dp.latency_s
     predicted = {
@@ -227,5 +230,44 @@ def _assemble_plan(name: str, cfg, cluster: Cluster, best: Candidate, candidates
              "layers": best.graph.num_layers, "remat": remat}
     cl = {"name": cluster.name, "nodes": cluster.nodes, "devices_per_node": cluster.devices_per_node,
           "device": cluster.device.name, "inter_node_gbps": cluster.inter_node.bandwidth_gbps,
-          "device_memory_bytes": cluster.device.memory_bytes}
-    return PipelinePlan(model, cl, method, True, b, tuple(stages), predicted, search, "1f1b", tuple(runner_ups))
+          "device_memory_bytes": cluster.device.memory_bytes, "spec": cluster.to_json()}
+    transfers = stage_transfers(best.graph, costs.layer_graphs, chosen, [(s.first, s.last) for s in dp.stages])
+    return PipelinePlan(model, cl, method, True, b, tuple(stages), predicted, search, "1f1b", tuple(runner_ups),
+                        transfers=transfers)
+
+
+def stage_transfers(graph: OpGraph, layer_graphs: Sequence[OpGraph], chosen: dict[int, LayerOption],
+                    ranges: Sequence[tuple[int, int]]) -> tuple[dict, ...]:
+    """Every activation or cotangent one stage produces and another reads, with the
+    layout the sender's plan produces it in and the layout the receiver's plan reads it
+    in (what cross-mesh resharding needs). One record per (tensor, receiving stage).
+    A tensor that only feeds parameter gradients or updates on the receiver (a tied
+    embedding's gradient from the head) moves once per iteration: gradient
+    accumulation is a sum, so the sender accumulates its part over the microbatches
+    and sends the total."""
+    stage_of = {layer: i for i, (first, last) in enumerate(ranges) for layer in range(first, last + 1)}
+    readers: dict[str, dict[int, list]] = {}     # tensor -> receiving stage -> [(layer, feeds a gradient/update)]
+    for op in graph.ops:
+        to_grad = op.phase == "update" or all(graph.tensors[o].role == "grad" for o in op.outputs)
+        for t in op.inputs:
+            readers.setdefault(t, {}).setdefault(stage_of[op.layer], []).append((op.layer, to_grad))
+    out = []
+    for layer, lg in enumerate(layer_graphs):
+        src = stage_of[layer]
+        for k, t in enumerate(lg.outputs):
+            tensor = graph.tensors[t]
+            if tensor.role != "activation":
+                continue
+            for dst, reads in sorted(readers.get(t, {}).items()):
+                if dst == src:
+                    continue
+                first = min(l for l, _ in reads)
+                dst_graph = layer_graphs[first]
+                out.append({
+                    "tensor": t, "shape": list(tensor.shape), "dtype": tensor.dtype, "nbytes": tensor.nbytes,
+                    "src_stage": src, "dst_stage": dst, "direction": "forward" if dst > src else "backward",
+                    "per_iteration": all(to_grad for _, to_grad in reads),
+                    "src_spec": chosen[layer].output_specs[k] if chosen[layer].output_specs else None,
+                    "dst_spec": (chosen[first].input_specs[dst_graph.inputs.index(t)]
+                                 if chosen[first].input_specs else None)})
+    return tuple(out)

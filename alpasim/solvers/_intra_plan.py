@@ -84,6 +84,12 @@ class IntraOpPlan:
     choice: tuple[int, ...]
     sync_s: float = 0.0
     update_s: float = 0.0
+    forward_s: float = 0.0                   # the forward ops' share of compute + communication
+
+    @property
+    def backward_s(self) -> float:
+        """Per-microbatch time of the backward ops (with any recomputation)."""
+        return self.time_s - self.forward_s
 
     @property
     def time_s(self) -> float:
@@ -112,7 +118,7 @@ def realize(problem: IntraOpProblem, choice: tuple[int, ...]) -> IntraOpPlan:
         strategies.update(node.choices[i])
         specs.update(node.specs[i])
     placed: list[PlacedCollective] = []
-    compute_s = update_s = 0.0
+    compute_s = update_s = forward_s = 0.0
     stored: dict[str, ShardingSpec] = {t: specs[t] for t in specs if t not in graph.producer}
     for op in graph.ops:
         s = strategies[op.name]
@@ -121,6 +127,9 @@ def realize(problem: IntraOpProblem, choice: tuple[int, ...]) -> IntraOpPlan:
             update_s += s.compute_s
         else:
             compute_s += s.compute_s
+        forward = op.phase == "forward"
+        if forward:
+            forward_s += s.compute_s
         for t, need in zip(op.inputs, s.in_specs):
             have = stored.get(t)
             if have is None:  # an optimizer state first read here: stored as needed
@@ -128,8 +137,11 @@ def realize(problem: IntraOpProblem, choice: tuple[int, ...]) -> IntraOpPlan:
                 continue
             for c in resharding_collectives(have, need, graph.tensors[t].nbytes, mesh):
                 placed.append(PlacedCollective(c, op.name, t, update))
+                forward_s += c.time_s(mesh) if forward else 0.0
         sync = s.sync or (False,) * len(s.collectives)
         placed += [PlacedCollective(c, op.name, None, x) for c, x in zip(s.collectives, sync)]
+        if forward:
+            forward_s += sum(c.time_s(mesh) for c, x in zip(s.collectives, sync) if not x)
         for t, spec in zip(op.outputs, s.out_specs):
             stored[t] = spec
     for new, param in problem.loop_backs:
@@ -139,7 +151,7 @@ def realize(problem: IntraOpProblem, choice: tuple[int, ...]) -> IntraOpPlan:
     sync_s = sum(p.collective.time_s(mesh) for p in placed if p.per_iteration)
     specs.update(stored)
     return IntraOpPlan(mesh, strategies, specs, tuple(placed), comm, compute_s,
-                       memory_use(problem, stored), tuple(choice), sync_s, update_s)
+                       memory_use(problem, stored), tuple(choice), sync_s, update_s, forward_s)
 
 
 def memory_use(problem: IntraOpProblem, specs: dict[str, ShardingSpec]) -> MemoryUse:

@@ -40,6 +40,8 @@ class PipelineStage:
     option: int = 0                         # which Pareto plan of the layers
     param_specs: dict[str, str] = field(default_factory=dict)
     heavy_ops: tuple[dict, ...] = ()
+    forward_s: float = 0.0                  # per microbatch: the forward share of compute_s
+    backward_s: float = 0.0                 # per microbatch: backward (with recomputation)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -62,6 +64,9 @@ class PipelinePlan:
     schedule: str = "1f1b"
     runner_ups: tuple[dict, ...] = ()
     notes: tuple[str, ...] = ()
+    # Tensors that cross stages: {tensor, shape, dtype, nbytes, src_stage, dst_stage,
+    # direction ("forward" | "backward"), per_iteration, src_spec, dst_spec}.
+    transfers: tuple[dict, ...] = ()
 
     @property
     def num_devices(self) -> int:
@@ -82,7 +87,7 @@ class PipelinePlan:
             "schema": PLAN_SCHEMA, "model": self.model, "cluster": self.cluster, "method": self.method,
             "feasible": self.feasible, "microbatches": self.microbatches, "schedule": self.schedule,
             "stages": [s.to_json() for s in self.stages], "predicted": self.predicted, "search": self.search,
-            "runner_ups": list(self.runner_ups), "notes": list(self.notes),
+            "runner_ups": list(self.runner_ups), "notes": list(self.notes), "transfers": list(self.transfers),
         }
 
     def save(self, path: str | Path) -> None:
@@ -111,7 +116,7 @@ def plan_from_json(data: Any, source: str = "<plan JSON>") -> PipelinePlan:
                     float(s["time_s"]), float(s["memory_bytes"]), int(s["inflight_microbatches"]),
                     float(s.get("compute_s", 0.0)), float(s.get("sync_s", 0.0)), float(s.get("params_bytes", 0.0)),
                     float(s.get("activation_bytes", 0.0)), int(s.get("option", 0)), dict(s.get("param_specs", {})),
-                    tuple(s.get("heavy_ops", ()))))
+                    tuple(s.get("heavy_ops", ())), float(s.get("forward_s", 0.0)), float(s.get("backward_s", 0.0))))
             except KeyError as e:
                 raise PlanFormatError(f"{source}: stages[{i}]: missing field {e.args[0]!r}") from None
             except (TypeError, ValueError) as e:
@@ -119,7 +124,7 @@ def plan_from_json(data: Any, source: str = "<plan JSON>") -> PipelinePlan:
         return PipelinePlan(dict(data["model"]), dict(data["cluster"]), str(data["method"]), bool(data["feasible"]),
                             int(data["microbatches"]), tuple(stages), dict(data["predicted"]), dict(data["search"]),
                             str(data.get("schedule", "1f1b")), tuple(data.get("runner_ups", ())),
-                            tuple(data.get("notes", ())))
+                            tuple(data.get("notes", ())), tuple(data.get("transfers", ())))
     except KeyError as e:
         raise PlanFormatError(f"{source}: missing field {e.args[0]!r}") from None
     except (TypeError, ValueError) as e:

@@ -67,6 +67,9 @@ class LayerOption:
     param_specs: tuple[str, ...]                 # in the layer's canonical parameter order
     heavy: tuple[tuple[int, str, str], ...]      # (op index, strategy, output spec) of the heaviest ops
     ilp_status: str = "optimal"
+    forward_s: float = 0.0                       # the forward share of time_s
+    input_specs: tuple[str, ...] = ()            # layout of each layer-graph input, in `graph.inputs` order
+    output_specs: tuple[str, ...] = ()           # layout of each layer-graph output, in `graph.outputs` order
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -74,7 +77,8 @@ class LayerOption:
     @classmethod
     def from_json(cls, d: dict) -> LayerOption:
         return cls(d["time_s"], d["sync_s"], d["persistent_bytes"], d["activation_bytes"], tuple(d["param_specs"]),
-                   tuple(tuple(h) for h in d["heavy"]), d.get("ilp_status", "optimal"))
+                   tuple(tuple(h) for h in d["heavy"]), d.get("ilp_status", "optimal"), d.get("forward_s", 0.0),
+                   tuple(d.get("input_specs", ())), tuple(d.get("output_specs", ())))
 
 
 def canonical_key(graph: OpGraph) -> str:
@@ -116,7 +120,8 @@ def layer_options(layer: OpGraph, mesh: LogicalMesh, cluster: Cluster, microbatc
                            plan.memory.activations_peak_bytes, tuple(str(plan.specs[p]) for p in params),
                            tuple((i, plan.strategies[layer.ops[i].name].name,
                                   "/".join(map(str, plan.strategies[layer.ops[i].name].out_specs))) for i in heavy),
-                           status)
+                           status, plan.forward_s, tuple(str(plan.specs[t]) for t in layer.inputs),
+                           tuple(str(plan.specs[t]) for t in layer.outputs))
 
     fast = solve_intra_op(layer, mesh, model, with_compute=True, microbatches=microbatches, mip_gap=PLANNING_MIP_GAP,
                           time_limit_s=PLANNING_TIME_LIMIT_S)

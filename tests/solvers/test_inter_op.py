@@ -13,6 +13,7 @@ from alpasim.solvers import (
     DiskCache,
     PlanFormatError,
     PlanInfeasible,
+    ShardingSpec,
     bubble_fraction,
     load_plan,
     microbatch_candidates,
@@ -55,6 +56,7 @@ def test_gpt3_6_7b_on_two_nodes(cache):
     cluster = get_cluster("aws-p3.16xlarge", nodes=2)
     plan = plan_pipeline("gpt3-6.7b", cluster, microbatches=128, cache=cache)
     _check_plan(plan, cluster)
+    _check_transfers(plan)
     # Slow links between nodes: no stage's model-parallel axis spans nodes.
     for s in plan.stages:
         nodes = {d // 8 for d in s.devices}
@@ -64,6 +66,27 @@ def test_gpt3_6_7b_on_two_nodes(cache):
     assert plan_from_json(json.loads(json.dumps(plan.to_json()))) == plan
     tflops = plan.predicted["tflops_per_device"]
     assert 5 < tflops < 125  # below the V100's fp16 peak, above nonsense
+
+
+def _check_transfers(plan):
+    """Stage times split into forward and backward; what crosses stages is the residual
+    stream forward and its cotangent backward, between neighbours, with layouts of the
+    right rank on each side."""
+    for s in plan.stages:
+        assert s.forward_s > 0 and s.backward_s > s.forward_s          # backward recomputes (remat)
+        assert s.forward_s + s.backward_s == pytest.approx(s.compute_s)
+    per_microbatch = [t for t in plan.transfers if not t["per_iteration"]]
+    pairs = {(t["src_stage"], t["dst_stage"]) for t in per_microbatch}
+    n = len(plan.stages)
+    assert pairs == {(i, i + 1) for i in range(n - 1)} | {(i + 1, i) for i in range(n - 1)}
+    mb = plan.model["microbatch_size"]
+    for t in plan.transfers:
+        assert (t["direction"] == "forward") == (t["dst_stage"] > t["src_stage"])
+        assert ShardingSpec.parse(t["src_spec"]).rank == len(t["shape"])
+        assert ShardingSpec.parse(t["dst_spec"]).rank == len(t["shape"])
+        if not t["per_iteration"]:
+            assert t["shape"][0] == mb                                   # activations of one microbatch
+            assert t["nbytes"] == 2 * mb * 1024 * 4096                   # (b, s, h) fp16 of GPT-3 6.7B
 
 
 def test_second_run_is_served_from_the_cache(cache):

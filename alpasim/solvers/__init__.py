@@ -65,3 +65,10 @@ from ._submesh import logical_mesh as logical_mesh
 from ._submesh import logical_shapes as logical_shapes
 from ._submesh import place_submeshes as place_submeshes
 from ._submesh import submesh_shapes as submesh_shapes
+from ._cross_mesh import CROSS_MESH_METHODS as CROSS_MESH_METHODS
+from ._cross_mesh import SIGNAL_BYTES as SIGNAL_BYTES
+from ._cross_mesh import CrossMeshPlan as CrossMeshPlan
+from ._cross_mesh import LocalGather as LocalGather
+from ._cross_mesh import Tile as Tile
+from ._cross_mesh import Transfer as Transfer
+from ._cross_mesh import cross_mesh_plan as cross_mesh_plan

@@ -128,12 +128,18 @@ def _add_memory(model: pulp.LpProblem, problem: IntraOpProblem, s, budget: float
 
 
 def solve_ilp(form: Formulation, solver: str = "highs", time_limit_s: float | None = None,
-              mip_gap: float | None = None) -> SolveResult:
-    """Solve to proven optimality (or `mip_gap`, relative, when the caller accepts one)."""
+              mip_gap: float | None = None, presolve: bool = True) -> SolveResult:
+    """Solve to proven optimality (or `mip_gap`, relative, when the caller accepts one).
+
+    `presolve=False` skips HiGHS's presolve: on some memory-bounded problems HiGHS 1.16's
+    presolve loops without checking its time limit, while the same model without
+    presolve solves in a second (CBC ignores the flag).
+    """
     if solver not in SOLVERS:
         raise ValueError(f"unknown ILP solver {solver!r}; choose one of {', '.join(SOLVERS)}")
     gap = MIP_REL_GAP if mip_gap is None else mip_gap
-    backend = (pulp.HiGHS(msg=False, timeLimit=time_limit_s, gapRel=gap) if solver == "highs"
+    options = {} if presolve else {"presolve": "off"}
+    backend = (pulp.HiGHS(msg=False, timeLimit=time_limit_s, gapRel=gap, **options) if solver == "highs"
                else pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=gap))
     t0 = time.perf_counter()
     try:

@@ -76,13 +76,14 @@ def solve_intra_op(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel, *,
 
 def solve_problem(problem: IntraOpProblem, *, memory_budget_bytes: float | None = None,
                   activation_multiplier: float = 1.0, solver: str = "highs", time_limit_s: float | None = None,
-                  mip_gap: float | None = None, rewrite: bool = True, build_s: float = 0.0) -> IntraOpResult:
+                  mip_gap: float | None = None, rewrite: bool = True, build_s: float = 0.0,
+                  presolve: bool = True) -> IntraOpResult:
     """Formulate, solve and decode an already built problem (reused across budgets)."""
     t0 = time.perf_counter()
     graph, mesh = problem.graph, problem.mesh
     form = formulate(problem, memory_budget_bytes, activation_multiplier)
     build_s += time.perf_counter() - t0
-    result = solve_ilp(form, solver, time_limit_s, mip_gap)
+    result = solve_ilp(form, solver, time_limit_s, mip_gap, presolve)
     if result.status == "infeasible":
         need = min_memory_bytes(problem, solver, activation_multiplier)
         raise IntraOpInfeasible(
@@ -138,23 +139,27 @@ def min_memory_bytes(problem: IntraOpProblem, solver: str = "highs", activation_
 
 def min_memory_choice(problem: IntraOpProblem, solver: str = "highs", activation_multiplier: float = 1.0,
                       slack: float = 1e-3, mip_gap: float | None = None,
-                      time_limit_s: float | None = None) -> tuple[float, IntraOpResult | None]:
+                      time_limit_s: float | None = None,
+                      presolve: bool = True) -> tuple[float, IntraOpResult | None]:
     """(least memory, the fastest plan within `slack` of it): two solves, memory first.
 
     One weighted objective (memory + tiny x time) would be the textbook lexicographic
     trick, but proving its optimum takes HiGHS minutes; two small solves take seconds.
     """
-    least = min_memory_bytes(problem, solver, activation_multiplier)
+    least = _min_memory(problem, solver, activation_multiplier, time_limit_s, mip_gap, presolve)[0]
     try:
         fast = solve_problem(problem, memory_budget_bytes=least * (1 + slack) + 1.0,
                              activation_multiplier=activation_multiplier, solver=solver, mip_gap=mip_gap,
-                             time_limit_s=time_limit_s)
+                             time_limit_s=time_limit_s, presolve=presolve)
     except (IntraOpInfeasible, RuntimeError):
         return least, None
     return least, fast
 
 
-def _min_memory(problem: IntraOpProblem, solver: str, multiplier: float):
+def _min_memory(problem: IntraOpProblem, solver: str, multiplier: float, time_limit_s: float | None = None,
+                mip_gap: float | None = None, presolve: bool = True):
+    """Minimise the peak bytes. With a time limit or gap the incumbent's peak comes
+    back: an achievable memory, perhaps a little above the least."""
     form = formulate(problem)
     model = pulp.LpProblem("min_memory", pulp.LpMinimize)
     for name, c in form.model.constraints.items():
@@ -172,5 +177,5 @@ def _min_memory(problem: IntraOpProblem, solver: str, multiplier: float):
     for i, live in enumerate(problem.live_sets or [[]]):
         acts = pulp.lpSum(memory_expression(problem, form.s, t, unit) for t in live)
         model += persistent + multiplier * acts <= peak, f"peak_{i}"
-    result = solve_ilp(Formulation(model, form.s, None), solver)
+    result = solve_ilp(Formulation(model, form.s, None), solver, time_limit_s, mip_gap, presolve)
     return float(peak.value() or 0.0) * unit, result.choice

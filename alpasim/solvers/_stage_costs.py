@@ -54,6 +54,9 @@ PLANNING_TIME_LIMIT_S = 15.0
 # The memory-bounded Pareto points are the hardest MIPs (the budget binds); 1% of slack
 # on them halves their time and only moves a point along a curve we sample coarsely.
 PARETO_MIP_GAP = 1e-2
+# HiGHS's presolve can loop past its time limit on memory-bounded layer problems (seen
+# on MoE expert layers); these solves run without it (see `solve_ilp`).
+PARETO_PRESOLVE = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +130,8 @@ def layer_options(layer: OpGraph, mesh: LogicalMesh, cluster: Cluster, microbatc
                           time_limit_s=PLANNING_TIME_LIMIT_S)
     options = [summarise(fast.plan, fast.status)]
     least, small = min_memory_choice(fast.problem, activation_multiplier=REFERENCE_INFLIGHT,
-                                     mip_gap=PARETO_MIP_GAP, time_limit_s=PLANNING_TIME_LIMIT_S)
+                                     mip_gap=PARETO_MIP_GAP, time_limit_s=PLANNING_TIME_LIMIT_S,
+                                     presolve=PARETO_PRESOLVE)
     if small is not None:
         options.append(summarise(small.plan, small.status))
         big = fast.plan.memory.with_inflight(REFERENCE_INFLIGHT)
@@ -135,7 +139,7 @@ def layer_options(layer: OpGraph, mesh: LogicalMesh, cluster: Cluster, microbatc
             try:
                 mid = solve_problem(fast.problem, memory_budget_bytes=math.sqrt(big * least),
                                     activation_multiplier=REFERENCE_INFLIGHT, mip_gap=PARETO_MIP_GAP,
-                                    time_limit_s=PLANNING_TIME_LIMIT_S)
+                                    time_limit_s=PLANNING_TIME_LIMIT_S, presolve=PARETO_PRESOLVE)
                 options.append(summarise(mid.plan, mid.status))
             except (IntraOpInfeasible, RuntimeError):
                 pass

@@ -18,6 +18,8 @@ demo: $(STAMP)
 	mkdir -p out
 	$(BIN)/alpasim graph gpt3-2.6b --cluster aws-p3.16xlarge --nodes 1
 	$(BIN)/alpasim plan --model gpt3-2.6b --cluster aws-p3.16xlarge --nodes 1 --out out/demo-plan.json
+	$(BIN)/alpasim simulate out/demo-plan.json --trace out/demo-trace.json --gantt out/demo-gantt.png
+	@echo "simulated timeline: out/demo-trace.json (open in https://ui.perfetto.dev), out/demo-gantt.png"
 
 test: $(STAMP)
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q

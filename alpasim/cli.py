@@ -21,6 +21,7 @@ from rich.table import Table
 
 from alpasim import costmodels as cm
 from alpasim import graphs as gr
+from alpasim import simulator as sim
 from alpasim import solvers as sv
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -497,6 +498,8 @@ def plan(
     ray_address: Annotated[Optional[str], typer.Option("--ray-address", help="Ray cluster address.")] = None,
     max_stages: Annotated[int, typer.Option("--max-stages", help="Deepest pipeline considered.")] = 16,
     epsilon: Annotated[float, typer.Option("--epsilon", help="Relative gap between bottlenecks tried.")] = 1e-3,
+    run_simulation: Annotated[bool, typer.Option("--simulate", help="Also simulate the plan (1F1B) and show "
+                                                 "the timeline metrics.")] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Plan pipeline stages, submeshes and intra-op shardings for a model on a cluster."""
@@ -509,10 +512,13 @@ def plan(
     if out_path is not None:
         p.save(out_path)
         err.print(f"wrote {out_path}")
+    report = simulation_report(p, p.schedule) if run_simulation else None
     if as_json:
-        emit_json(p.to_json())
+        emit_json(p.to_json() if report is None else {**p.to_json(), "simulation": report})
         return
     print_plan(p)
+    if report is not None:
+        print_simulation(report)
 
 
 def print_plan(p: sv.PipelinePlan) -> None:
@@ -545,6 +551,77 @@ def print_plan(p: sv.PipelinePlan) -> None:
     for r in p.runner_ups:
         when = f"{r['iteration_s']:.2f} s" if r["iteration_s"] is not None else "no plan fits"
         out.print(f"  runner-up B={r['microbatches']}: {when} ({len(r['stages'])} stages)")
+
+
+# -------------------------------------------------------------------- simulate
+def simulation_report(p: sv.PipelinePlan, schedule: str, *, chunks: int = 2, cross_mesh: str = "local_all_gather",
+                      trace: Path | None = None, gantt: Path | None = None,
+                      memory_png: Path | None = None) -> dict[str, Any]:
+    """Simulate one iteration of a plan; the timeline metrics as one JSON-ready dict."""
+    tl = sim.simulate(p, schedule, chunks=chunks, cross_mesh=cross_mesh)
+    report = tl.to_json()
+    written = {}
+    for key, path, write in (("trace", trace, tl.chrome_trace), ("gantt", gantt, tl.gantt_png),
+                             ("memory_png", memory_png, tl.memory_png)):
+        if path is not None:
+            try:
+                write(path)
+            except OSError as e:
+                fail(f"cannot write {path}: {e.strerror or e}")
+            written[key] = str(path)
+    report["outputs"] = written
+    return report
+
+
+@app.command()
+def simulate(
+    plan_file: Annotated[Path, typer.Argument(help="A plan JSON written by `alpasim plan --out`.")],
+    schedule: Annotated[str, typer.Option("--schedule", help="1f1b, gpipe or interleaved.")] = "1f1b",
+    chunks: Annotated[int, typer.Option("--chunks", help="Model chunks per mesh (interleaved only).")] = 2,
+    cross_mesh: Annotated[str, typer.Option("--cross-mesh", help="Cross-mesh resharding: local_all_gather, "
+                                            "send_recv or signal.")] = "local_all_gather",
+    trace: Annotated[Optional[Path], typer.Option("--trace", help="Write a Chrome trace JSON (Perfetto).")] = None,
+    gantt: Annotated[Optional[Path], typer.Option("--gantt", help="Write a Gantt chart PNG.")] = None,
+    memory_png: Annotated[Optional[Path], typer.Option("--memory-png", help="Write memory over time PNG.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Simulate one training iteration of a plan: iteration time, bubbles, memory, traffic."""
+    if schedule not in sim.SCHEDULES:
+        fail(f"--schedule {schedule!r}: choose one of {', '.join(sim.SCHEDULES)}")
+    if cross_mesh not in sim.CROSS_MESH_METHODS:
+        fail(f"--cross-mesh {cross_mesh!r}: choose one of {', '.join(sim.CROSS_MESH_METHODS)}")
+    if chunks < 1:
+        fail(f"--chunks must be at least 1, got {chunks}")
+    p = sv.load_plan(plan_file)
+    report = simulation_report(p, schedule, chunks=chunks, cross_mesh=cross_mesh, trace=trace, gantt=gantt,
+                               memory_png=memory_png)
+    if as_json:
+        emit_json(report)
+        return
+    print_simulation(report, title=f"{plan_file}: {p.model.get('name', '?')}")
+
+
+def print_simulation(r: dict[str, Any], title: str = "simulation") -> None:
+    sched = r["schedule"] + (f", {r['chunks']} chunks" if r["schedule"] == "interleaved" else "")
+    t = Table(title=f"{title} — {sched}, {r['microbatches']} microbatches, cross-mesh {r['cross_mesh']}")
+    for col in ("mesh", "devices", "compute", "sync", "communication", "idle", "peak memory / device"):
+        t.add_column(col)
+    peaks = r["peak_memory_bytes"]
+    for m in r["meshes"]:
+        devs = m["devices"]
+        t.add_row(str(m["stage"]), f"{devs[0]}..{devs[-1]}" if len(devs) > 1 else str(devs[0]),
+                  f"{m['compute_s']:.3f} s", f"{m['sync_s']:.3f} s", f"{m['comm_s']:.3f} s", f"{m['idle_s']:.3f} s",
+                  _fmt_bytes(max(peaks[d] for d in devs)))
+    out.print(t)
+    pred = r["predicted_iteration_s"]
+    vs = f" (plan predicted {pred:.3f} s, eq. 2)" if pred else ""
+    out.print(f"simulated iteration {r['iteration_s']:.3f} s{vs}, bubble {r['bubble_fraction']:.1%}, "
+              f"cross-mesh traffic {_fmt_bytes(r['cross_mesh_bytes'])} ({_fmt_bytes(r['inter_node_bytes'])} "
+              f"between nodes); simulated in {r['wall_s']:.2f} s")
+    for note in r["notes"]:
+        err.print(f"note: {note}", markup=False)
+    for key, path in r["outputs"].items():
+        out.print(f"wrote {key.replace('_', ' ')}: {path}")
 
 
 def main() -> None:

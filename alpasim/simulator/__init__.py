@@ -1,0 +1,30 @@
+"""Simulator: pipeline schedules as per-mesh programs, a SimPy engine and timelines."""
+
+from ._engine import plan_cluster as plan_cluster
+from ._engine import simulate as simulate
+from ._engine import stage_phase_s as stage_phase_s
+from ._network import FluidNetwork as FluidNetwork
+from ._program import Free as Free
+from ._program import GradSync as GradSync
+from ._program import Instruction as Instruction
+from ._program import Program as Program
+from ._program import Recv as Recv
+from ._program import Run as Run
+from ._program import Send as Send
+from ._program import StageTransfer as StageTransfer
+from ._program import Update as Update
+from ._routes import CROSS_MESH_METHODS as CROSS_MESH_METHODS
+from ._schedules import SCHEDULES as SCHEDULES
+from ._schedules import build_program as build_program
+from ._schedules import gpipe as gpipe
+from ._schedules import gpipe_order as gpipe_order
+from ._schedules import interleaved_1f1b as interleaved_1f1b
+from ._schedules import interleaved_order as interleaved_order
+from ._schedules import one_f_one_b as one_f_one_b
+from ._schedules import one_f_one_b_order as one_f_one_b_order
+from ._schedules import stage_transfers as stage_transfers
+from ._synthetic import synthetic_plan as synthetic_plan
+from ._timeline import EVENT_KINDS as EVENT_KINDS
+from ._timeline import Event as Event
+from ._timeline import MeshInfo as MeshInfo
+from ._timeline import Timeline as Timeline

@@ -1,0 +1,278 @@
+"""The discrete-event engine: run a plan's `Program` on a simulated cluster (SimPy).
+
+Each mesh is one SimPy process walking its instruction list (seed 3.4.11: meshes
+follow static lists without a driver). Semantics:
+
+- `Run` takes the stage's forward_s or backward_s (divided by the number of chunks);
+  plans without the split use 1/3 and 2/3 of compute_s (backward ~ 2x forward).
+- `Send` does not block the mesh: it waits the link latency, then starts one flow per
+  point-to-point copy of the tensor's route (`_routes`) in the fluid network
+  (`_network`: max-min fair sharing of every NVLink port and network card, so
+  concurrent messages through one card slow each other down). The tensor has arrived
+  when its last flow ends.
+- `Recv` blocks until the tensor has arrived, then runs the receiver-side local
+  all-gathers (their ring time). Time blocked while the data was on the wire is
+  communication; time blocked before the sender even sent it is idle.
+- `GradSync` takes the stage's sync_s (the planner's costed gradient all-reduce plus
+  optimizer update, once per iteration; `Update` is a marker, already inside it).
+  Tensors that move once per iteration are sent after the sender's last run and
+  received before its `GradSync`.
+- Memory per device of a mesh: params_bytes, plus activation_bytes (/ chunks) from
+  the start of each forward to the `Free` after its backward, plus receive buffers
+  from arrival until the run (or sync) that consumes them. Devices of one mesh run
+  SPMD and share this footprint; a buffer counts at the largest per-device share.
+
+Ties are deterministic: SimPy orders events by (time, priority, insertion), and the
+engine creates them in a fixed order. With `free_communication`, messages arrive the
+instant they are sent and gathers cost nothing (the seed's eq. 2 setting).
+
+Ignored: contention between pipeline messages and the gradient all-reduce or the
+local all-gathers, compute slowed by communication kernels, PCIe hops to the NIC.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Iterator
+
+import simpy
+
+from alpasim.costmodels import Cluster, UnknownPresetError, get_cluster
+from alpasim.solvers import PipelinePlan, PipelineStage
+
+from ._network import FluidNetwork
+from ._program import Free, GradSync, Program, Recv, Run, Send, Update
+from ._routes import LinkTable, Route, route_transfers
+from ._schedules import build_program
+from ._timeline import Event, MeshInfo, Timeline
+
+
+def stage_phase_s(stage: PipelineStage, microbatches: int) -> tuple[float, float]:
+    """(forward, backward) seconds of one microbatch on a stage.
+
+    Old plans carry no split (both 0): backward is taken as twice the forward, the
+    usual ratio for matmul-dominated layers (two matmuls per forward one).
+    """
+    if stage.forward_s > 0 or stage.backward_s > 0:
+        return stage.forward_s, stage.backward_s
+    compute = stage.compute_s if stage.compute_s > 0 else max(stage.time_s - stage.sync_s / microbatches, 0.0)
+    return compute / 3, 2 * compute / 3
+
+
+def plan_cluster(plan: PipelinePlan) -> Cluster | None:
+    """The cluster a plan was made for: its recorded `spec`, else the named preset resized."""
+    info = plan.cluster
+    if info.get("spec"):
+        return Cluster.from_json(info["spec"])
+    overrides = {k: info.get(k) for k in ("nodes", "devices_per_node", "inter_node_gbps")}
+    try:
+        return get_cluster(str(info.get("name")), **overrides)
+    except UnknownPresetError:
+        return None
+
+
+class _Channel:
+    """One tensor of one microbatch in flight: when it was sent, when it arrived."""
+
+    __slots__ = ("arrived_at", "pending", "sent_at", "waiter")
+
+    def __init__(self) -> None:
+        self.sent_at: float | None = None
+        self.arrived_at: float | None = None
+        self.waiter: simpy.Event | None = None
+        self.pending = 0
+
+
+class _Engine:
+    def __init__(self, plan: PipelinePlan, program: Program, routes: list[Route], links: LinkTable | None,
+                 free: bool) -> None:
+        self.plan, self.program, self.routes, self.free = plan, program, routes, free
+        self.env = simpy.Environment()
+        v, B = program.chunks, program.microbatches
+        self.phase_s = []
+        for st in plan.stages:
+            f, b = stage_phase_s(st, B)
+            self.phase_s.append({"forward": f / v, "backward": b / v})
+        self.act_bytes = [st.activation_bytes / v for st in plan.stages]
+        self.alpha = [max((c.latency_s for c in r.copies), default=0.0) for r in routes]
+        self.net = FluidNetwork(links.capacities) if links is not None and not free and links.names else None
+        self.link_names = links.names if links is not None else []
+        self.channels: dict[tuple[int, int], _Channel] = {}
+        self.events: list[Event] = []
+        self.memory: list[list[tuple[float, float]]] = [[(0.0, st.params_bytes)] for st in plan.stages]
+        self.mem = [st.params_bytes for st in plan.stages]
+        self.held: list[dict[tuple, float]] = [{} for _ in plan.stages]
+        self.flows: dict[int, tuple] = {}
+        self.next_flow = 0
+        self.pc = [0] * program.num_meshes
+        self.end: list[float | None] = [None] * program.num_meshes
+        self.used_links: set[int] = set()
+        self.cross_bytes = self.inter_bytes = 0.0
+
+    # ------------------------------------------------------------ messages
+    def _channel(self, key: tuple[int, int]) -> _Channel:
+        ch = self.channels.get(key)
+        if ch is None:
+            ch = self.channels[key] = _Channel()
+        return ch
+
+    def _arrive(self, ch: _Channel) -> None:
+        ch.arrived_at = self.env.now
+        if ch.waiter is not None:
+            ch.waiter.succeed()
+
+    def _send(self, ins: Send) -> None:
+        ch = self._channel((ins.transfer, ins.microbatch))
+        ch.sent_at = self.env.now
+        route = self.routes[ins.transfer]
+        self.cross_bytes += route.wire_bytes
+        self.inter_bytes += route.inter_node_bytes
+        if self.free or not route.copies:
+            self._arrive(ch)
+            return
+        ch.pending = len(route.copies)
+        start = functools.partial(self._start_flows, ch, route, ins)
+        alpha = self.alpha[ins.transfer]
+        if alpha > 0:
+            self.env.timeout(alpha).callbacks.append(start)
+        else:
+            start(None)
+
+    def _start_flows(self, ch: _Channel, route: Route, ins: Send, _event: object) -> None:
+        now = self.env.now
+        for copy in route.copies:
+            fid = self.next_flow
+            self.next_flow += 1
+            self.flows[fid] = (ch, copy, ins, now)
+            self._schedule(self.net.add(fid, copy.links, copy.nbytes, now))
+
+    def _schedule(self, changed: list[tuple[int, float, int]]) -> None:
+        now = self.env.now
+        for fid, finish, version in changed:
+            self.env.timeout(max(finish - now, 0.0)).callbacks.append(
+                functools.partial(self._finish_flow, fid, version))
+
+    def _finish_flow(self, fid: int, version: int, _event: object) -> None:
+        if not self.net.is_current(fid, version):
+            return  # the flow's rate changed after this finish time was handed out
+        now = self.env.now
+        changed = self.net.remove(fid, now)
+        ch, copy, ins, start = self.flows.pop(fid)
+        name = self.program.transfers[ins.transfer].tensor
+        for link in copy.links:
+            self.used_links.add(link)
+            self.events.append(Event(self.link_names[link], "send", ins.src_stage, ins.microbatch, start, now,
+                                     copy.nbytes, name))
+        ch.pending -= 1
+        if ch.pending == 0:
+            self._arrive(ch)
+        self._schedule(changed)
+
+    # -------------------------------------------------------------- meshes
+    def _sample(self, k: int, delta: float) -> None:
+        self.mem[k] += delta
+        self.memory[k].append((self.env.now, self.mem[k]))
+
+    def _mesh(self, k: int) -> Iterator[simpy.Event]:
+        env, track, held = self.env, f"mesh{k}", self.held[k]
+        phase_s, act = self.phase_s[k], self.act_bytes[k]
+        transfers = self.program.transfers
+        for pc, ins in enumerate(self.program.meshes[k]):
+            self.pc[k] = pc
+            kind = type(ins)
+            if kind is Run:
+                if ins.phase == "forward":
+                    self._sample(k, act)
+                start, d = env.now, phase_s[ins.phase]
+                if d > 0:
+                    yield env.timeout(d)
+                self.events.append(Event(track, "compute", k, ins.microbatch, start, env.now, 0.0, ins.phase,
+                                         ins.chunk))
+                buf = held.pop((ins.microbatch, ins.phase, ins.chunk), 0.0)
+                if buf:
+                    self._sample(k, -buf)
+            elif kind is Send:
+                self._send(ins)
+            elif kind is Recv:
+                ch = self._channel((ins.transfer, ins.microbatch))
+                t0 = env.now
+                if ch.arrived_at is None:
+                    ch.waiter = env.event()
+                    yield ch.waiter
+                route, t = self.routes[ins.transfer], transfers[ins.transfer]
+                wire_start = max(t0, ch.sent_at)
+                if env.now > wire_start:
+                    self.events.append(Event(track, "recv", k, ins.microbatch, wire_start, env.now,
+                                             route.wire_bytes, t.tensor))
+                if route.gather_s > 0 and not self.free:
+                    start = env.now
+                    yield env.timeout(route.gather_s)
+                    self.events.append(Event(track, "allgather", k, ins.microbatch, start, env.now,
+                                             route.buffer_bytes, t.tensor))
+                if route.buffer_bytes:
+                    key = ("sync",) if t.per_iteration else (ins.microbatch, t.direction, t.dst_chunk)
+                    held[key] = held.get(key, 0.0) + route.buffer_bytes
+                    self._sample(k, route.buffer_bytes)
+            elif kind is Free:
+                self._sample(k, -act)
+            elif kind is GradSync:
+                start, d = env.now, self.plan.stages[k].sync_s
+                if d > 0:
+                    yield env.timeout(d)
+                self.events.append(Event(track, "sync", k, -1, start, env.now))
+                buf = held.pop(("sync",), 0.0)
+                if buf:
+                    self._sample(k, -buf)
+            elif kind is not Update:
+                raise TypeError(f"mesh {k}: unknown instruction {ins!r}")
+        self.end[k] = env.now
+
+    def run(self) -> list[float]:
+        for k in range(self.program.num_meshes):
+            self.env.process(self._mesh(k))
+        self.env.run()
+        stuck = [k for k, t in enumerate(self.end) if t is None]
+        if stuck:
+            k = stuck[0]
+            raise RuntimeError(f"schedule {self.program.schedule!r} deadlocked: mesh {k} waits forever at "
+                               f"instruction {self.pc[k]}: {self.program.meshes[k][self.pc[k]]!r}")
+        return self.end  # type: ignore[return-value]
+
+
+def simulate(plan: PipelinePlan, schedule: str | Program = "1f1b", *, chunks: int = 2,
+             cluster: Cluster | None = None, cross_mesh: str = "local_all_gather",
+             free_communication: bool = False) -> Timeline:
+    """Simulate one training iteration of `plan` under `schedule` and return its `Timeline`.
+
+    `schedule` is a name in `SCHEDULES` ("1f1b", "gpipe", "interleaved" with `chunks`
+    model chunks per mesh) or a ready `Program`. `cluster` defaults to the one recorded
+    in the plan. `cross_mesh` picks the resharding method ("local_all_gather",
+    "send_recv", "signal"). `free_communication` makes every message instant.
+    """
+    t0 = time.perf_counter()
+    program = schedule if isinstance(schedule, Program) else build_program(plan, schedule, chunks=chunks)
+    if program.num_meshes != len(plan.stages):
+        raise ValueError(f"program has {program.num_meshes} meshes but the plan {len(plan.stages)} stages")
+    if cluster is None:
+        cluster = plan_cluster(plan)
+        if cluster is None and not free_communication:
+            raise ValueError(f"plan cluster {plan.cluster.get('name')!r} is no preset and the plan records no "
+                             "'spec'; pass a cluster or use free communication")
+    routes, links = route_transfers(program, plan, cluster, cross_mesh)
+    engine = _Engine(plan, program, routes, links, free_communication)
+    ends = engine.run()
+    meshes = tuple(MeshInfo(k, tuple(st.devices),
+                            tuple(sorted({cluster.node_of(d) for d in st.devices})) if cluster else (),
+                            st.params_bytes) for k, st in enumerate(plan.stages))
+    used = sorted(engine.used_links)
+    notes = ()
+    fallback = sum(1 for r, t in zip(routes, program.transfers) if not r.planned and t.nbytes > 0)
+    if fallback:
+        note = (f"{fallback} of {len(routes)} cross-mesh tensors had no usable sharding specs and were split "
+                "evenly over the receivers")
+        notes = (note,)
+    return Timeline(program.schedule, program.microbatches, program.chunks, cross_mesh, meshes, max(ends),
+                    engine.events, engine.memory, tuple((links.names[i], links.nodes[i]) for i in used),
+                    engine.cross_bytes, engine.inter_bytes, plan.predicted.get("iteration_s"),
+                    free_communication, notes, time.perf_counter() - t0)

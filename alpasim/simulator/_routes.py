@@ -1,0 +1,154 @@
+"""Routes: how each cross-mesh tensor of a `Program` travels over the cluster's links.
+
+For every `StageTransfer` the cross-mesh resharding planner (seed 3.4.10,
+`alpasim.solvers.cross_mesh_plan`) gives point-to-point copies between devices and,
+with ``local_all_gather``, ring all-gathers inside the receiver mesh. Each copy is
+mapped onto the links it occupies, the same ports the resharding cost model charges:
+
+    same node     the sender's NVLink port out, the receiver's NVLink port in
+    across nodes  the sender node's network card out, the receiver node's card in
+                  (device d drives card local_index * nics_per_node // devices_per_node)
+
+Each port direction is a link of the fluid network (`_network`) with the link's
+bandwidth; a copy first waits the link latency (alpha), then flows. A local
+all-gather is charged its ring time on the receiver group's link (`all_gather_time_s`
+on `group_link`) and does not enter the fluid network: it runs on fast local links
+while the mesh waits for it, which is what the rewrite is for.
+
+Fallback, used when a transfer has no sharding specs (synthetic and old plans, the
+wrap-around tensors of an interleaved schedule) or the planner rejects them: receiver
+device j gets nbytes / |receivers| from sender device j mod |senders| (an evenly
+sharded receiver; under ``signal`` one byte each). Zero-byte control messages move
+nothing and cost nothing.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from alpasim.costmodels import Cluster, all_gather_time_s, group_link
+from alpasim.graphs import DTYPE_BYTES
+from alpasim.solvers import (
+    CROSS_MESH_METHODS,
+    SIGNAL_BYTES,
+    PipelinePlan,
+    cross_mesh_plan,
+)
+
+from ._program import Program, StageTransfer
+
+
+@dataclass(frozen=True, slots=True)
+class Copy:
+    """One point-to-point message: `links` are fluid-network link ids (empty if local)."""
+
+    src: int
+    dst: int
+    nbytes: float
+    links: tuple[int, ...]
+    latency_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Everything the engine needs to move one transfer once."""
+
+    copies: tuple[Copy, ...]          # the non-local copies only
+    gather_s: float                   # receiver-side all-gathers (concurrent groups: the slowest)
+    wire_bytes: float                 # bytes on links between devices
+    inter_node_bytes: float
+    buffer_bytes: float               # the most any receiving device holds of it
+    planned: bool                     # False: the even-split fallback was used
+
+
+class LinkTable:
+    """Fluid-network links, created on first use: one per port direction."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self.names: list[str] = []
+        self.capacities: list[float] = []
+        self.nodes: list[int] = []
+        self._ids: dict[tuple, int] = {}
+
+    def _link(self, key: tuple, name: str, node: int, bytes_per_s: float) -> int:
+        if key not in self._ids:
+            self._ids[key] = len(self.names)
+            self.names.append(name)
+            self.capacities.append(bytes_per_s)
+            self.nodes.append(node)
+        return self._ids[key]
+
+    def ports(self, src: int, dst: int) -> tuple[tuple[int, ...], float]:
+        """(link ids, latency) of a copy from device `src` to device `dst`."""
+        c = self.cluster
+        a, b = c.node_of(src), c.node_of(dst)
+        if a == b:
+            bw = c.intra_node.bytes_per_s
+            return (self._link(("out", src), f"dev{src} nvlink out", a, bw),
+                    self._link(("in", dst), f"dev{dst} nvlink in", b, bw)), c.intra_node.latency_s
+
+        def card(d: int) -> int:
+            return d % c.devices_per_node * c.nics_per_node // c.devices_per_node
+
+        bw = c.inter_node.bytes_per_s
+        return (self._link(("nic-out", a, card(src)), f"node{a} nic{card(src)} out", a, bw),
+                self._link(("nic-in", b, card(dst)), f"node{b} nic{card(dst)} in", b, bw)), c.inter_node.latency_s
+
+
+def _pieces(t: StageTransfer, plan: PipelinePlan, method: str, node_of
+            ) -> tuple[list[tuple[int, int, float, float]], list[tuple[tuple[int, ...], float]], bool]:
+    """(copies as (src, dst, wire bytes, data bytes), gathers as (devices, bytes), planned)."""
+    src, dst = plan.stages[t.src_stage], plan.stages[t.dst_stage]
+    itemsize = DTYPE_BYTES.get(t.dtype)
+    if t.src_spec and t.dst_spec and t.shape and itemsize:
+        try:
+            p = cross_mesh_plan(t.shape, itemsize, src.devices, src.logical_mesh, t.src_spec, dst.devices,
+                        dst.logical_mesh, t.dst_spec, method=method, node_of=node_of)
+        except ValueError:
+            pass  # specs the planner cannot place on these meshes: fall back
+        else:
+            copies = [(c.src, c.dst, c.nbytes, float(c.tile.nbytes(itemsize))) for c in p.transfers]
+            return copies, [(g.devices, g.nbytes) for g in p.gathers], True
+    share = t.nbytes / len(dst.devices)
+    wire = SIGNAL_BYTES if method == "signal" else share
+    copies = [(src.devices[j % len(src.devices)], d, wire, share) for j, d in enumerate(dst.devices)]
+    return copies, [], False
+
+
+def route_transfers(program: Program, plan: PipelinePlan, cluster: Cluster | None,
+                    method: str = "local_all_gather") -> tuple[list[Route], LinkTable | None]:
+    """A `Route` per `program.transfers` entry, and the links they use (None without a cluster)."""
+    if method not in CROSS_MESH_METHODS:
+        raise ValueError(f"unknown cross-mesh method {method!r}; choose one of {', '.join(CROSS_MESH_METHODS)}")
+    links = LinkTable(cluster) if cluster is not None else None
+    node_of = cluster.node_of if cluster is not None else None
+    routes = []
+    for t in program.transfers:
+        if t.nbytes == 0:
+            routes.append(Route((), 0.0, 0.0, 0.0, 0.0, True))
+            continue
+        pieces, gathers, planned = _pieces(t, plan, method, node_of)
+        copies, held = [], defaultdict(float)
+        wire = inter = 0.0
+        for s, d, nbytes, data in pieces:
+            held[d] += data
+            if s == d or nbytes <= 0:
+                continue
+            wire += nbytes
+            if links is not None:
+                ids, latency = links.ports(s, d)
+                copies.append(Copy(s, d, nbytes, ids, latency))
+                if node_of(s) != node_of(d):
+                    inter += nbytes
+            else:
+                copies.append(Copy(s, d, nbytes, (), 0.0))
+        gather_s = 0.0
+        for devices, nbytes in gathers:
+            for d in devices:
+                held[d] = nbytes
+            if cluster is not None:
+                gather_s = max(gather_s, all_gather_time_s(nbytes, len(devices), group_link(cluster, devices)))
+        routes.append(Route(tuple(copies), gather_s, wire, inter, max(held.values(), default=0.0), planned))
+    return routes, links

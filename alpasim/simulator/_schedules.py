@@ -1,0 +1,285 @@
+"""Pipeline schedules: a `PipelinePlan` -> a `Program` (one instruction list per mesh).
+
+All three are synchronous (a flush at the end of every iteration), so they differ only
+in the order each mesh runs its forwards and backwards:
+
+- `gpipe` (Huang et al., 2019): every forward, then every backward (last microbatch
+  first). A stage holds all B microbatches' activations at its peak.
+- `one_f_one_b` (PipeDream-flush, Narayanan et al., 2021; the seed's eq. 2): stage i
+  (0-based) first runs w_i = min(S - 1 - i, B) warm-up forwards, then alternates one
+  forward and one backward, then drains the w_i backwards left. It holds at most
+  min(S - i, B) microbatches in flight; with free communication and balanced stages
+  it takes (S + B - 1)(t_f + t_b), eq. 2.
+- `interleaved_1f1b` (Megatron-LM's virtual stages, Narayanan et al., SC'21, sec. 2.2):
+  each mesh keeps its stage but runs it as v model chunks; chunk c of mesh k is virtual
+  stage c*S + k and takes 1/v of the stage's forward, backward and activations. The
+  plan's stages are not regrouped (a mesh keeps its devices and memory); instead the
+  model is imagined cut into S*v chunks dealt round-robin to the meshes, which is
+  Megatron's layout. Microbatches go in groups of S through all chunks (Megatron-core's
+  schedule table; the last group also takes the remainder of B / S, one group if
+  B < S), and mesh k warms up with 2(S - 1 - k) + (v - 1)g forwards, g the first
+  group's size. With balanced stages, free communication and B >= S an iteration
+  takes B(t_f + t_b) + (S - 1)(t_f + t_b)/v, exactly (Megatron-LM's bubble, sec.
+  2.2.2): the bubble shrinks v-fold, at the price of v times as many messages.
+
+Cross-mesh tensors come from `plan.transfers`. Adjacent stages always get a dependency:
+where the plan lists no tensor between them (a synthetic or old plan) a zero-byte
+control message stands in. Under interleaving, the activations between adjacent stages
+and their cotangents move at every chunk; the extra boundary from mesh S-1 back to
+mesh 0 (chunk c to c+1) carries the tensors of the boundary 0 -> 1 (transformer stages
+pass the same hidden state everywhere) in the layouts those meshes already use for it;
+other tensors (skip connections, a tied embedding's gradient) leave the outermost chunk
+of their source and reach the outermost chunk of their destination.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+
+from alpasim.solvers import PipelinePlan, PlanFormatError
+
+from ._program import (
+    WHOLE_ITERATION,
+    Free,
+    GradSync,
+    Instruction,
+    Program,
+    Recv,
+    Run,
+    Send,
+    StageTransfer,
+    Update,
+)
+
+Order = list[tuple[str, int, int]]  # (phase, microbatch, chunk) in the order one mesh runs them
+
+
+# ------------------------------------------------------------------ run orders
+def gpipe_order(num_stages: int, microbatches: int, stage: int) -> Order:
+    """All forwards in microbatch order, then all backwards in reverse order."""
+    del num_stages, stage
+    return ([("forward", m, 0) for m in range(microbatches)]
+            + [("backward", m, 0) for m in reversed(range(microbatches))])
+
+
+def one_f_one_b_order(num_stages: int, microbatches: int, stage: int) -> Order:
+    """PipeDream-flush: min(S-1-i, B) warm-up forwards, then 1F1B pairs, then drain."""
+    warmup = min(num_stages - 1 - stage, microbatches)
+    order: Order = [("forward", m, 0) for m in range(warmup)]
+    for k in range(microbatches - warmup):
+        order += [("forward", warmup + k, 0), ("backward", k, 0)]
+    order += [("backward", m, 0) for m in range(microbatches - warmup, microbatches)]
+    return order
+
+
+def interleaved_order(num_stages: int, microbatches: int, stage: int, chunks: int) -> Order:
+    """Megatron-core's interleaved 1F1B for mesh `stage` with `chunks` model chunks."""
+    if chunks == 1:
+        return one_f_one_b_order(num_stages, microbatches, stage)
+    # The k-th forward a mesh runs is table[k]: microbatches in groups, each group
+    # through chunk 0, then chunk 1, ...; the k-th backward walks the chunks in reverse.
+    # Groups hold S microbatches, the last one also the remainder of B / S: a last group
+    # smaller than S (Megatron-core's choice) deadlocks, e.g. S=4, B=5, v=3.
+    sizes = [num_stages] * (microbatches // num_stages) or [microbatches]
+    sizes[-1] += microbatches - sum(sizes)
+    table, first = [], 0
+    for size in sizes:
+        table += [(m, c) for c in range(chunks) for m in range(first, first + size)]
+        first += size
+    total = len(table)
+    warmup = min(2 * (num_stages - 1 - stage) + (chunks - 1) * sizes[0], total)
+
+    def fwd(k: int) -> tuple[str, int, int]:
+        return "forward", table[k][0], table[k][1]
+
+    def bwd(k: int) -> tuple[str, int, int]:
+        return "backward", table[k][0], chunks - 1 - table[k][1]
+
+    order = [fwd(k) for k in range(warmup)]
+    for k in range(total - warmup):
+        order += [fwd(warmup + k), bwd(k)]
+    order += [bwd(k) for k in range(total - warmup, total)]
+    return order
+
+
+# ------------------------------------------------------------------- transfers
+def _plan_transfer(i: int, t: dict, num_stages: int) -> StageTransfer:
+    """A plan's transfer record as a `StageTransfer`; missing optional fields defaulted."""
+    try:
+        src, dst = int(t["src_stage"]), int(t["dst_stage"])
+        if not (0 <= src < num_stages and 0 <= dst < num_stages) or src == dst:
+            raise ValueError(f"stages {src} -> {dst} are not two of the plan's {num_stages}")
+        return StageTransfer(str(t.get("tensor", f"transfer{i}")), tuple(t.get("shape", ())),
+                             str(t.get("dtype", "")), float(t["nbytes"]), src, dst,
+                             str(t.get("direction", "forward" if dst > src else "backward")),
+                             bool(t.get("per_iteration", False)), t.get("src_spec"), t.get("dst_spec"))
+    except KeyError as e:
+        raise PlanFormatError(f"plan transfers[{i}]: missing field {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        raise PlanFormatError(f"plan transfers[{i}]: {e}") from None
+
+
+def _boundary_tensors(base: Sequence[StageTransfer]) -> list[StageTransfer]:
+    """The tensors that cross a stage boundary at every model chunk under interleaving:
+    activations between adjacent stages and their cotangents (a backward tensor with the
+    shape of one that crossed the same boundary forward). Anything else — an accumulated
+    weight gradient such as a tied embedding's, a skip connection — moves once."""
+    forward_shapes: dict[tuple[int, int], set] = defaultdict(set)
+    for t in base:
+        if t.direction == "forward" and not t.per_iteration:
+            forward_shapes[t.src_stage, t.dst_stage].add(t.shape)
+    return [t for t in base if abs(t.src_stage - t.dst_stage) == 1 and not t.per_iteration
+            and (t.direction == "forward" or t.shape in forward_shapes[t.dst_stage, t.src_stage])]
+
+
+def stage_transfers(plan: PipelinePlan, chunks: int = 1) -> tuple[StageTransfer, ...]:
+    """Every cross-mesh tensor of one iteration, with chunks and control messages (module doc)."""
+    S, v = len(plan.stages), chunks
+    base = [_plan_transfer(i, t, S) for i, t in enumerate(plan.transfers)]
+    boundary = _boundary_tensors(base)
+    out: list[StageTransfer] = []
+    for t in base:
+        if v == 1:
+            out.append(t)
+        elif t in boundary:
+            out += [_with(t, c, c) for c in range(v)]
+        elif t.direction == "forward":
+            out.append(_with(t, 0, v - 1))
+        else:
+            out.append(_with(t, v - 1, 0))
+    if S > 1:
+        for c in range(v - 1):  # mesh S-1 chunk c -> mesh 0 chunk c+1, and the cotangents back
+            out += _wrap_around(boundary, S, "forward", c)
+            out += _wrap_around(boundary, S, "backward", c)
+    # Every boundary between consecutive virtual stages needs a dependency both ways.
+    have = {(t.src_stage, t.src_chunk, t.dst_stage, t.dst_chunk, t.direction) for t in out if not t.per_iteration}
+    for j in range(S * v - 1):
+        (c0, k0), (c1, k1) = divmod(j, S), divmod(j + 1, S)
+        if k0 == k1:
+            continue  # the same mesh: its own program order is the dependency
+        if (k0, c0, k1, c1, "forward") not in have:
+            out.append(StageTransfer("<control>", (), "", 0.0, k0, k1, "forward", src_chunk=c0, dst_chunk=c1))
+        if (k1, c1, k0, c0, "backward") not in have:
+            out.append(StageTransfer("<control>", (), "", 0.0, k1, k0, "backward", src_chunk=c1, dst_chunk=c0))
+    return tuple(out)
+
+
+def _wrap_around(boundary: Sequence[StageTransfer], S: int, direction: str, chunk: int) -> list[StageTransfer]:
+    """The tensors of the extra boundary between mesh S-1 (chunk `chunk`) and mesh 0
+    (chunk + 1): those of boundary 0 -> 1 (cotangents 1 -> 0). Their layouts are taken
+    from where each mesh already holds that tensor: mesh 0 as it sends it to (receives
+    it from) mesh 1, mesh S-1 as it receives it from (sends it to) mesh S-2; unknown
+    when the two boundaries do not carry the same shapes."""
+    def between(src: int, dst: int) -> list[StageTransfer]:
+        return [t for t in boundary if (t.src_stage, t.dst_stage) == (src, dst)]
+
+    if direction == "forward":
+        first, last = between(0, 1), between(S - 2, S - 1)
+        src, dst, src_chunk, dst_chunk = S - 1, 0, chunk, chunk + 1
+    else:
+        first, last = between(1, 0), between(S - 1, S - 2)
+        src, dst, src_chunk, dst_chunk = 0, S - 1, chunk + 1, chunk
+    same = len(first) == len(last) and all(a.shape == b.shape for a, b in zip(first, last))
+    out = []
+    for i, t in enumerate(first):
+        specs = (None, None)
+        if same:
+            specs = (last[i].dst_spec, t.src_spec) if direction == "forward" else (t.dst_spec, last[i].src_spec)
+        out.append(StageTransfer(t.tensor, t.shape, t.dtype, t.nbytes, src, dst, direction, False, *specs,
+                                 src_chunk, dst_chunk))
+    return out
+
+
+def _with(t: StageTransfer, src_chunk: int, dst_chunk: int) -> StageTransfer:
+    return StageTransfer(t.tensor, t.shape, t.dtype, t.nbytes, t.src_stage, t.dst_stage, t.direction,
+                         t.per_iteration, t.src_spec, t.dst_spec, src_chunk, dst_chunk)
+
+
+# ------------------------------------------------------------------- programs
+def program_from_orders(plan: PipelinePlan, schedule: str, orders: Sequence[Order], chunks: int = 1) -> Program:
+    """Wrap each mesh's run order with its receives, sends, frees and the final sync."""
+    transfers = stage_transfers(plan, chunks)
+    sends: dict[tuple, list[int]] = defaultdict(list)   # (mesh, phase, chunk) -> transfers to send after
+    recvs: dict[tuple, list[int]] = defaultdict(list)   # (mesh, phase, chunk) -> transfers to receive before
+    last_sends: dict[int, list[int]] = defaultdict(list)
+    last_recvs: dict[int, list[int]] = defaultdict(list)
+    for i, t in enumerate(transfers):
+        if t.per_iteration:
+            last_sends[t.src_stage].append(i)
+            last_recvs[t.dst_stage].append(i)
+        else:
+            sends[t.src_stage, t.direction, t.src_chunk].append(i)
+            recvs[t.dst_stage, t.direction, t.dst_chunk].append(i)
+    meshes = []
+    for k, order in enumerate(orders):
+        ins: list[Instruction] = []
+        for phase, m, c in order:
+            ins += [Recv(i, m, transfers[i].src_stage, k) for i in recvs.get((k, phase, c), ())]
+            ins.append(Run(k, m, phase, c))
+            ins += [Send(i, m, k, transfers[i].dst_stage) for i in sends.get((k, phase, c), ())]
+            if phase == "backward":
+                ins.append(Free(k, m, c))
+        ins += [Send(i, WHOLE_ITERATION, k, transfers[i].dst_stage) for i in last_sends[k]]
+        ins += [Recv(i, WHOLE_ITERATION, transfers[i].src_stage, k) for i in last_recvs[k]]
+        ins += [GradSync(k), Update(k)]
+        meshes.append(tuple(ins))
+    return Program(schedule, plan.microbatches, chunks, tuple(tuple(s.devices) for s in plan.stages),
+                   tuple(meshes), transfers)
+
+
+def check_plan(plan: PipelinePlan) -> tuple[int, int]:
+    """(S, B) of a plan the simulator can run; else a `PlanFormatError` naming the field."""
+    if not plan.stages:
+        raise PlanFormatError("plan field 'stages' is empty (an infeasible plan cannot be simulated)")
+    if plan.microbatches < 1:
+        raise PlanFormatError(f"plan field 'microbatches' must be >= 1, got {plan.microbatches}")
+    seen: dict[int, int] = {}
+    for i, st in enumerate(plan.stages):
+        if not st.devices:
+            raise PlanFormatError(f"plan stages[{i}]: field 'devices' is empty")
+        if len(st.logical_mesh) != 2 or st.logical_mesh[0] * st.logical_mesh[1] != len(st.devices):
+            raise PlanFormatError(f"plan stages[{i}]: field 'logical_mesh' {list(st.logical_mesh)} does not "
+                                  f"cover its {len(st.devices)} devices")
+        for d in st.devices:
+            if isinstance(d, bool) or not isinstance(d, int) or d < 0:
+                raise PlanFormatError(f"plan stages[{i}]: field 'devices' holds {d!r}, not a device id")
+            if d in seen:
+                raise PlanFormatError(f"plan stages[{i}]: device {d} is also in stages[{seen[d]}]")
+            seen[d] = i
+        for name in ("forward_s", "backward_s", "compute_s", "sync_s", "time_s"):
+            value = getattr(st, name)
+            if not math.isfinite(value) or value < 0:
+                raise PlanFormatError(f"plan stages[{i}]: field {name!r} must be finite and >= 0, got {value!r}")
+    return len(plan.stages), plan.microbatches
+
+
+def gpipe(plan: PipelinePlan) -> Program:
+    S, B = check_plan(plan)
+    return program_from_orders(plan, "gpipe", [gpipe_order(S, B, k) for k in range(S)])
+
+
+def one_f_one_b(plan: PipelinePlan) -> Program:
+    S, B = check_plan(plan)
+    return program_from_orders(plan, "1f1b", [one_f_one_b_order(S, B, k) for k in range(S)])
+
+
+def interleaved_1f1b(plan: PipelinePlan, chunks: int = 2) -> Program:
+    S, B = check_plan(plan)
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"interleaved schedule: chunks must be an integer >= 1, got {chunks!r}")
+    return program_from_orders(plan, "interleaved", [interleaved_order(S, B, k, chunks) for k in range(S)], chunks)
+
+
+SCHEDULES: dict[str, Callable[..., Program]] = {"1f1b": one_f_one_b, "gpipe": gpipe, "interleaved": interleaved_1f1b}
+
+
+def build_program(plan: PipelinePlan, schedule: str = "1f1b", *, chunks: int = 2) -> Program:
+    """The `Program` of `schedule` (a name in `SCHEDULES`) for `plan`; `chunks` is used
+    by "interleaved" only."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    if schedule == "interleaved":
+        return interleaved_1f1b(plan, chunks)
+    return SCHEDULES[schedule](plan)

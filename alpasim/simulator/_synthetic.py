@@ -1,0 +1,53 @@
+"""`synthetic_plan`: a `PipelinePlan` with chosen stage times, for tests, benchmarks and
+what-if questions that do not need the planner."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from alpasim.costmodels import Cluster
+from alpasim.solvers import PipelinePlan, PipelineStage, pipeline_latency_s
+
+
+def synthetic_plan(forward_s: Sequence[float], backward_s: Sequence[float], microbatches: int, *,
+                   devices_per_stage: int = 1, cluster: Cluster | None = None,
+                   params_bytes: float = 0.0, activation_bytes: float = 0.0, sync_s: float = 0.0,
+                   hidden_shape: Sequence[int] = (), dtype: str = "float16",
+                   specs: tuple[str | None, str | None] = (None, None)) -> PipelinePlan:
+    """S = len(forward_s) stages on consecutive devices (stage i on devices
+    i*d .. i*d + d - 1, logical mesh 1 x d). With `hidden_shape`, each boundary carries
+    one activation of that shape forward and its cotangent backward, with `specs`
+    (sender, receiver) for both; without, stages depend on each other through zero-byte
+    control messages only."""
+    if len(forward_s) != len(backward_s) or not forward_s:
+        raise ValueError(f"synthetic plan: need as many forward as backward times (>= 1), got "
+                         f"{len(forward_s)} and {len(backward_s)}")
+    d = devices_per_stage
+    stages = []
+    for i, (f, b) in enumerate(zip(forward_s, backward_s)):
+        compute = f + b
+        stages.append(PipelineStage(
+            (i, i), tuple(range(i * d, (i + 1) * d)), (1, d), (1, d), compute + sync_s / microbatches,
+            params_bytes + min(len(forward_s) - i, microbatches) * activation_bytes,
+            min(len(forward_s) - i, microbatches), compute, sync_s, params_bytes, activation_bytes,
+            forward_s=f, backward_s=b))
+    transfers = []
+    if hidden_shape:
+        from alpasim.graphs import DTYPE_BYTES
+
+        nbytes = float(DTYPE_BYTES[dtype])
+        for n in hidden_shape:
+            nbytes *= n
+        for i in range(len(stages) - 1):
+            for src, dst, direction in ((i, i + 1, "forward"), (i + 1, i, "backward")):
+                transfers.append({"tensor": f"boundary{i}/{direction}", "shape": list(hidden_shape),
+                                  "dtype": dtype, "nbytes": nbytes, "src_stage": src, "dst_stage": dst,
+                                  "direction": direction, "per_iteration": False,
+                                  "src_spec": specs[0], "dst_spec": specs[1]})
+    info = {"name": "synthetic", "nodes": 1, "devices_per_node": d * len(stages)}
+    if cluster is not None:
+        info = {"name": cluster.name, "nodes": cluster.nodes, "devices_per_node": cluster.devices_per_node,
+                "spec": cluster.to_json()}
+    predicted = {"iteration_s": pipeline_latency_s([s.time_s for s in stages], microbatches)}
+    return PipelinePlan({"name": "synthetic"}, info, "synthetic", True, microbatches, tuple(stages), predicted, {},
+                        transfers=tuple(transfers))

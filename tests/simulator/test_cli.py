@@ -1,0 +1,118 @@
+"""`alpasim simulate` and `alpasim plan --simulate` end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from alpasim.costmodels import get_cluster
+from alpasim.simulator import synthetic_plan
+
+
+def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "alpasim.cli", *args], check=False, capture_output=True, text=True,
+                          timeout=300, env=env)
+
+
+@pytest.fixture
+def plan_file(tmp_path):
+    cluster = get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=4)
+    plan = synthetic_plan([0.01] * 4, [0.02] * 4, 8, cluster=cluster, params_bytes=1e9, activation_bytes=1e8)
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    return path
+
+
+def test_simulate_json_contract(plan_file, tmp_path):
+    proc = run("simulate", str(plan_file), "--json", "--trace", str(tmp_path / "t.json"), "--gantt",
+               str(tmp_path / "g.png"), "--memory-png", str(tmp_path / "m.png"))
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(proc.stdout)
+    # Control messages only: eq. 2 exactly, (S + B - 1)(t_f + t_b).
+    assert r["iteration_s"] == pytest.approx((4 + 8 - 1) * 0.03, rel=1e-12)
+    assert r["predicted_iteration_s"] == pytest.approx(r["iteration_s"])
+    assert r["bubble_fraction"] == pytest.approx(3 / 11)
+    assert r["schedule"] == "1f1b" and r["cross_mesh_bytes"] == 0
+    assert r["peak_memory_bytes"] == [pytest.approx(1e9 + min(4 - i, 8) * 1e8) for i in range(4)]
+    assert [m["devices"] for m in r["meshes"]] == [[0], [1], [2], [3]]
+    assert {"busy_s", "comm_s", "idle_s"} <= set(r["meshes"][0])
+    assert json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    assert (tmp_path / "g.png").stat().st_size > 0 and (tmp_path / "m.png").stat().st_size > 0
+
+
+def test_simulate_table_and_other_schedules(plan_file, tmp_path):
+    proc = run("simulate", str(plan_file), "--schedule", "interleaved", "--chunks", "2", "--gantt",
+               str(tmp_path / "g.png"))
+    assert proc.returncode == 0, proc.stderr
+    assert "simulated iteration" in proc.stdout and f"wrote gantt: {tmp_path / 'g.png'}" in proc.stdout
+    r = json.loads(run("simulate", str(plan_file), "--schedule", "gpipe", "--json").stdout)
+    assert r["schedule"] == "gpipe" and max(r["peak_memory_bytes"]) == pytest.approx(1e9 + 8 * 1e8)
+
+
+def _edit(path, tmp_path, edit):
+    data = json.loads(path.read_text())
+    edit(data)
+    out = tmp_path / "bad.json"
+    out.write_text(json.dumps(data))
+    return out
+
+
+@pytest.mark.parametrize("edit, fragment", [
+    (lambda d: d.pop("stages"), "missing field 'stages'"),
+    (lambda d: d.pop("microbatches"), "missing field 'microbatches'"),
+    (lambda d: d["stages"][1].pop("devices"), "stages[1]: missing field 'devices'"),
+    (lambda d: d["stages"][2].update(devices=[]), "stages[2]: field 'devices' is empty"),
+    (lambda d: d.update(schema="alpasim.plan/0"), "'schema'"),
+    (lambda d: d.update(stages=[]), "field 'stages' is empty"),
+])
+def test_bad_plans_are_one_line_naming_the_field(plan_file, tmp_path, edit, fragment):
+    proc = run("simulate", str(_edit(plan_file, tmp_path, edit)), "--json")
+    assert proc.returncode == 2, proc.stdout
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr and fragment in lines[0]
+
+
+def test_plans_without_the_forward_backward_split_still_simulate(plan_file, tmp_path):
+    def strip(d):
+        for s in d["stages"]:
+            s.pop("forward_s")
+            s.pop("backward_s")
+
+    proc = run("simulate", str(_edit(plan_file, tmp_path, strip)), "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["iteration_s"] == pytest.approx(11 * 0.03)
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--schedule", "zigzag"], "1f1b, gpipe, interleaved"),
+    (["--cross-mesh", "pigeon"], "local_all_gather"),
+    (["--chunks", "0"], "--chunks"),
+])
+def test_bad_options_are_one_line(plan_file, args, fragment):
+    proc = run("simulate", str(plan_file), *args)
+    assert proc.returncode == 2 and fragment in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_missing_plan_file_is_one_line(tmp_path):
+    proc = run("simulate", str(tmp_path / "nope.json"))
+    assert proc.returncode == 2 and "nope.json" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_plan_simulate_json_adds_the_simulation(tmp_path):
+    env = {**os.environ, "ALPASIM_CACHE_DIR": str(tmp_path / "cache")}
+    proc = run("plan", "--model", "gpt3-350m", "--cluster", "aws-p3.16xlarge", "--nodes", "1",
+               "--devices-per-node", "1", "--simulate", "--json", env=env)
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(proc.stdout)
+    assert r["schema"] == "alpasim.plan/1" and len(r["stages"]) == 1
+    sim = r["simulation"]
+    # One stage, no communication: B microbatches back to back, then the sync.
+    stage = r["stages"][0]
+    want = r["microbatches"] * (stage["forward_s"] + stage["backward_s"]) + stage["sync_s"]
+    assert sim["iteration_s"] == pytest.approx(want, rel=1e-9)
+    assert sim["iteration_s"] == pytest.approx(r["predicted"]["iteration_s"], rel=1e-6)
+    assert sim["peak_memory_bytes"] == [pytest.approx(stage["memory_bytes"])]

@@ -27,6 +27,8 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_graph_build.py
 	$(BIN)/python benchmarks/bench_intra_ilp.py
+	$(BIN)/python benchmarks/bench_cross_mesh.py
+	$(BIN)/python benchmarks/bench_simulator.py
 	$(BIN)/python benchmarks/plan_time.py
 
 clean:

@@ -264,7 +264,8 @@ def simulate(plan: PipelinePlan, schedule: str | Program = "1f1b", *, chunks: in
     ends = engine.run()
     meshes = tuple(MeshInfo(k, tuple(st.devices),
                             tuple(sorted({cluster.node_of(d) for d in st.devices})) if cluster else (),
-                            st.params_bytes) for k, st in enumerate(plan.stages))
+                            st.params_bytes, tuple(cluster.node_of(d) for d in st.devices) if cluster else ())
+                   for k, st in enumerate(plan.stages))
     used = sorted(engine.used_links)
     notes = ()
     fallback = sum(1 for r, t in zip(routes, program.transfers) if not r.planned and t.nbytes > 0)

@@ -11,14 +11,15 @@ if TYPE_CHECKING:
 
 COLOURS = {"forward": "#4C72B0", "backward": "#55A868", "recv": "#C44E52", "allgather": "#DD8452",
            "sync": "#8172B3", "idle": "#E5E5E5"}
-LINK_TID_BASE = 1000  # link tracks sort after mesh tracks within a node
+LINK_TID_BASE = 1_000_000  # link tracks sort after device tracks (tid = device id) within a node
 
 
 def write_chrome_trace(tl: Timeline, path: Path) -> Path:
-    """Trace Event Format: "X" events, pid per node, one tid per mesh and per link,
+    """Trace Event Format: "X" events, pid per node, one tid per device (a mesh's
+    devices run the same SPMD program, so each shows its mesh's events) and per link,
     plus a memory counter per mesh. Times are in microseconds."""
     trace: list[dict[str, Any]] = []
-    mesh_pids: dict[str, list[int]] = {}
+    mesh_tracks: dict[str, list[tuple[int, int]]] = {}     # mesh -> (pid, tid) of each device
     named: set[int] = set()
 
     def process(pid: int) -> None:
@@ -27,15 +28,14 @@ def write_chrome_trace(tl: Timeline, path: Path) -> Path:
             trace.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": f"node {pid}"}})
 
     for m in tl.meshes:
-        pids = list(m.nodes) or [0]
-        mesh_pids[f"mesh{m.stage}"] = pids
-        devs = f"{m.devices[0]}..{m.devices[-1]}" if len(m.devices) > 1 else str(m.devices[0])
-        for pid in pids:
+        nodes = m.device_nodes or (0,) * len(m.devices)
+        mesh_tracks[f"mesh{m.stage}"] = list(zip(nodes, m.devices))
+        for pid, d in zip(nodes, m.devices):
             process(pid)
-            trace.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": m.stage,
-                          "args": {"name": f"mesh {m.stage} (devices {devs})"}})
-            trace.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": m.stage,
-                          "args": {"sort_index": m.stage}})
+            trace.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": d,
+                          "args": {"name": f"device {d} (mesh {m.stage})"}})
+            trace.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": d,
+                          "args": {"sort_index": d}})
     link_at: dict[str, tuple[int, int]] = {}
     for i, (name, node) in enumerate(tl.links):
         process(node)
@@ -49,9 +49,9 @@ def write_chrome_trace(tl: Timeline, path: Path) -> Path:
         args = {"stage": e.stage, "microbatch": e.microbatch, "bytes": e.nbytes}
         base = {"ph": "X", "name": label, "cat": e.kind, "ts": e.start_s * 1e6, "dur": e.duration_s * 1e6,
                 "args": args}
-        if e.track in mesh_pids:
-            for pid in mesh_pids[e.track]:
-                trace.append({**base, "pid": pid, "tid": int(e.track[4:])})
+        if e.track in mesh_tracks:
+            for pid, tid in mesh_tracks[e.track]:
+                trace.append({**base, "pid": pid, "tid": tid})
         else:
             pid, tid = link_at[e.track]
             trace.append({**base, "pid": pid, "tid": tid})

@@ -51,6 +51,7 @@ class MeshInfo:
     devices: tuple[int, ...]
     nodes: tuple[int, ...]                  # the nodes its devices sit on (empty without a cluster)
     params_bytes: float
+    device_nodes: tuple[int, ...] = ()      # node of each device, in `devices` order (empty without a cluster)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from alpasim.costmodels import get_cluster
 from alpasim.simulator import simulate, synthetic_plan
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -47,7 +48,7 @@ def test_chrome_trace_is_valid_and_complete(timeline, tmp_path):
         if e["ph"] == "X":
             assert e["dur"] >= 0 and e["ts"] >= 0 and {"pid", "tid", "name"} <= set(e)
     names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
-    assert {"mesh 0 (devices 0)", "node0 nic0 out", "node1 nic0 in"} <= names
+    assert {"device 0 (mesh 0)", "node0 nic0 out", "node1 nic0 in"} <= names
     assert {e["pid"] for e in compute} == {0, 1}  # a process per node
     assert any(e["ph"] == "X" and e["cat"] == "send" for e in events)
     assert any(e["ph"] == "C" for e in events)  # memory counters
@@ -65,3 +66,17 @@ def test_interleaved_trace_labels_chunks(tmp_path):
     trace = json.loads(tl.chrome_trace(tmp_path / "t.json").read_text())
     labels = {e["name"] for e in trace["traceEvents"] if e.get("cat") == "compute"}
     assert {"F0.0", "F0.1", "B1.1"} <= labels
+
+
+def test_chrome_trace_has_a_track_per_device(tmp_path):
+    # Two stages of 8 devices each: stage 0 fills node 0, stage 1 node 1.
+    cluster = get_cluster("aws-p3.16xlarge", nodes=2)
+    plan = synthetic_plan([0.01] * 2, [0.02] * 2, 3, devices_per_stage=8, cluster=cluster)
+    trace = json.loads(simulate(plan, "1f1b").chrome_trace(tmp_path / "t.json").read_text())
+    events = trace["traceEvents"]
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    for d in range(16):
+        assert names[(d // 8, d)] == f"device {d} (mesh {d // 8})"
+    compute = [e for e in events if e.get("ph") == "X" and e["cat"] == "compute"]
+    assert len(compute) == 16 * 3 * 2          # every device shows its mesh's S * B runs
+    assert {(e["pid"], e["tid"]) for e in compute} == {(d // 8, d) for d in range(16)}

@@ -268,7 +268,7 @@ def _print_graph(r: dict[str, Any]) -> None:
 
 
 # ----------------------------------------------------------------------- intra
-INTRA_METHODS = ("alpa", "data_parallel", "megatron")
+INTRA_METHODS = ("alpa", *sv.BASELINES)
 
 
 def _parse_layers(text: str | None, num_layers: int) -> tuple[int, int]:
@@ -288,12 +288,9 @@ def _parse_layers(text: str | None, num_layers: int) -> tuple[int, int]:
 def _intra_solve(stage: gr.OpGraph, mesh: sv.LogicalMesh, model: cm.CostModel, method: str, budget: float,
                  solver: str, time_limit: float | None, compute: bool, microbatches: int) -> sv.IntraOpResult:
     kw: dict[str, Any] = {}
-    if method == "data_parallel":
-        kw["restrict"], kw["leaf_specs"] = sv.data_parallel_restriction(stage, mesh, model)
-        kw["rewrite"] = False
-    elif method == "megatron":
-        kw["restrict"], kw["leaf_specs"] = sv.megatron_restriction(stage, mesh, model)
-        kw["rewrite"] = False
+    if method != "alpa":
+        kw["restrict"], kw["leaf_specs"] = sv.BASELINES[method](stage, mesh, model)
+        kw["rewrite"] = sv.REWRITE_ALLOWED.get(method, False)
     return sv.solve_intra_op(stage, mesh, model, memory_budget_bytes=budget, solver=solver,
                              time_limit_s=time_limit, with_compute=compute, microbatches=microbatches, **kw)
 

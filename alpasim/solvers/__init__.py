@@ -1,9 +1,15 @@
 """Solvers: sharding specs, the intra-op ILP, (later) the inter-op DP and baselines."""
 
+from ._intra_baselines import BASELINES as BASELINES
 from ._intra_baselines import MEGATRON_PARAM_DIMS as MEGATRON_PARAM_DIMS
+from ._intra_baselines import REWRITE_ALLOWED as REWRITE_ALLOWED
 from ._intra_baselines import batch_letters as batch_letters
 from ._intra_baselines import data_parallel_restriction as data_parallel_restriction
+from ._intra_baselines import deepspeed_moe_restriction as deepspeed_moe_restriction
+from ._intra_baselines import heuristic_restriction as heuristic_restriction
 from ._intra_baselines import megatron_restriction as megatron_restriction
+from ._intra_baselines import zero2_restriction as zero2_restriction
+from ._intra_baselines import zero3_restriction as zero3_restriction
 from ._intra_ilp import SOLVERS as SOLVERS
 from ._intra_ilp import Formulation as Formulation
 from ._intra_ilp import SolveResult as SolveResult
@@ -72,3 +78,14 @@ from ._cross_mesh import LocalGather as LocalGather
 from ._cross_mesh import Tile as Tile
 from ._cross_mesh import Transfer as Transfer
 from ._cross_mesh import cross_mesh_plan as cross_mesh_plan
+from ._methods import METHODS as METHODS
+from ._methods import MegatronConfig as MegatronConfig
+from ._methods import equal_operator_layers as equal_operator_layers
+from ._methods import infeasible_plan as infeasible_plan
+from ._methods import megatron_configs as megatron_configs
+from ._methods import megatron_grid as megatron_grid
+from ._methods import megatron_plan as megatron_plan
+from ._methods import plan_methods as plan_methods
+from ._methods import plan_with_method as plan_with_method
+from ._methods import throughput_pflops as throughput_pflops
+from ._stage_dp import equal_layer_dp as equal_layer_dp

@@ -30,18 +30,25 @@ def digest(obj: Any) -> str:
 
 
 class DiskCache:
-    """get/put of JSON values by key description; silently off when disabled or unwritable."""
+    """get/put of JSON values by key description; silently off when disabled or unwritable.
+
+    Values also stay in memory for the object's life, so one process (a Megatron grid,
+    a sweep) never solves a layer twice even with the disk off (`--no-cache`)."""
 
     def __init__(self, enabled: bool = True, root: Path | None = None, namespace: str = "stages") -> None:
         self.enabled = enabled
         self.root = (root or cache_dir()) / namespace
         self.hits = 0
         self.misses = 0
+        self._memory: dict[str, Any] = {}
 
     def _path(self, key: str) -> Path:
         return self.root / key[:2] / f"{key}.json"
 
     def get(self, key: str) -> Any | None:
+        if key in self._memory:
+            self.hits += 1
+            return self._memory[key]
         if not self.enabled:
             return None
         path = self._path(key)
@@ -54,6 +61,7 @@ class DiskCache:
         return value
 
     def put(self, key: str, value: Any) -> None:
+        self._memory[key] = value
         if not self.enabled:
             return
         path = self._path(key)

@@ -29,7 +29,7 @@ from alpasim.graphs import (
 from ._cache import DiskCache
 from ._pipeline_plan import PipelinePlan, PipelineStage
 from ._stage_costs import LayerOption, StageCosts, build_stage_costs, canonical_params
-from ._stage_dp import DPResult, bubble_fraction, stage_dp
+from ._stage_dp import DPResult, bubble_fraction, equal_layer_dp, stage_dp
 from ._submesh import place_submeshes
 
 GIB = 2 ** 30
@@ -95,9 +95,18 @@ def plan_pipeline(model: str, cluster: Cluster, *, microbatches: int | str = "au
                   map_fn: Callable[[Callable, Iterable], Iterable] = map, cache: DiskCache | None = None,
                   progress: Callable[[str, int, int], None] | None = None, epsilon: float = DEFAULT_EPSILON,
                   method: str = "alpa", layers: int | None = None,
-                  max_stages: int = DEFAULT_MAX_STAGES) -> PipelinePlan:
+                  max_stages: int = DEFAULT_MAX_STAGES, restriction: str | None = None,
+                  shape_ok: Callable | None = None, views_of: Callable | None = None, equal_layers: bool = False,
+                  num_stages: int | None = None, relabel: Callable[[OpGraph], OpGraph] | None = None,
+                  pareto: bool = True) -> PipelinePlan:
     """Plan `model` on `cluster`; `layers` re-clusters the forward ops into that many
-    layers with the eq. 6 DP instead of the zoo's blocks (planning units)."""
+    layers with the eq. 6 DP instead of the zoo's blocks (planning units).
+
+    The other keywords make the baselines of `_methods` out of the same search:
+    `restriction` solves every layer under an intra-op baseline, `shape_ok`/`views_of`
+    narrow submeshes and logical views, `equal_layers` forces equal stage lengths
+    (`num_stages` of them, if given) and `relabel` replaces the layer assignment of the
+    forward graph; `pareto=False` solves each layer for its fastest plan only."""
     t0 = time.perf_counter()
     name, cfg = resolve_model(model)
     global_batch = cfg.batch
@@ -113,15 +122,25 @@ def plan_pipeline(model: str, cluster: Cluster, *, microbatches: int | str = "au
             return evaluated[b]
         mb_cfg = dataclasses.replace(cfg, batch=global_batch // b)
         fwd = forward_graph(mb_cfg, name=name)
-        fwd = planning_units(fwd) if layers is None else assign_layers(fwd, layers)[0]
+        if relabel is not None:
+            fwd = relabel(fwd)
+        elif layers is None:
+            fwd = planning_units(fwd)
+        else:
+            fwd = assign_layers(fwd, layers)[0]
         graph = build_training_graph(fwd, remat=remat).graph
         report = (lambda done, total: progress(f"B={b}", done, total)) if progress else None
         s_max = min(max_stages, graph.num_layers, cluster.num_devices)
         costs = build_stage_costs(graph, cluster, b, max_stages=s_max, map_fn=map_fn, cache=cache,
-                                  progress=report)
+                                  progress=report, restriction=restriction, shape_ok=shape_ok, views_of=views_of,
+                                  pareto=pareto)
         jobs += costs.ilp_jobs
         hits += costs.cache_hits
-        dp = stage_dp(costs.cost, [sh.size for sh in costs.shapes], cluster.num_devices, b, epsilon=epsilon)
+        sizes = [sh.size for sh in costs.shapes]
+        if equal_layers:
+            dp = equal_layer_dp(costs.cost, sizes, cluster.num_devices, b, epsilon=epsilon, stages=num_stages)
+        else:
+            dp = stage_dp(costs.cost, sizes, cluster.num_devices, b, epsilon=epsilon)
         evaluated[b] = Candidate(b, graph, costs, dp)
         candidates.append(evaluated[b])
         return evaluated[b]

@@ -11,20 +11,39 @@ model, resharding rules and memory accounting as Alpa's plan:
   embedding, expert weights split like the MLP — and every op that reads such a weight
   splits the weight's sharded loop on axis 1 (no weight is ever gathered). What is
   left (attention's head loop, activation layouts) the ILP chooses.
+* **ZeRO-2** (Rajbhandari et al. 2020): data parallel forward and backward with
+  replicated fp16 parameters; every weight gradient is reduce-scattered over all devices
+  (never all-reduced), the Adam op runs on a 1/N slice (so fp32 master, m and v are
+  stored 1/N), and the new fp16 parameter is all-gathered back to its replicated layout
+  by the update's loop-back edge. Cost: reduce-scatter + all-gather = one all-reduce.
+* **ZeRO-3**: ZeRO-2 with the fp16 parameters also stored 1/N; every forward or
+  backward read of a parameter then all-gathers it (the resharding edge charges each read).
+* **Heuristic** (the paper's Figure 8 baseline): every leaf tensor (parameters, stage
+  inputs) sharded on its largest dimension over the whole mesh, then each op in order
+  takes the one strategy with the least resharding + own communication given the specs
+  so far (a greedy, GSPMD-like propagation). One strategy per op: the ILP only prices it.
+* **DeepSpeed-MoE** (Rajbhandari et al. 2022): expert parallelism for the expert
+  weights and the ops local to the experts, ZeRO-2 data parallelism for everything
+  else; the dispatch and combine all-to-alls appear as resharding. Equals ZeRO-2 on a
+  graph without experts.
 
 Batch loops are found by propagating the batch dimension (axis 0 of every stage
-input) through the ops' dimension maps.
+input) through the ops' dimension maps. Every batch loop is split over all live mesh
+axes. `REWRITE_ALLOWED` says which baselines may take the post-ILP weight-update-sharding
+rewrite (Megatron-LM and plain data parallelism have none).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 
 from alpasim.costmodels import CostModel
-from alpasim.graphs import OpGraph, op_dims
+from alpasim.graphs import Op, OpGraph, Tensor, op_dims
 
 from ._mesh import LogicalMesh
-from ._spec import ShardingSpec, spec_fits
+from ._resharding import Collective, resharding_time_s
+from ._spec import ShardingSpec, all_specs, spec_fits
 from ._strategies import Strategy, enumerate_strategies
 
 # Parameter name (last path component) -> dimension Megatron-LM splits on the
@@ -34,6 +53,11 @@ MEGATRON_PARAM_DIMS: dict[str, int] = {
     "w_fc1": 1, "b_fc1": 0, "w_fc2": 0, "wte": 0,
     "w_expert_in": 2, "w_expert_out": 1,
 }
+# Expert weights, (E, M, H) and (E, H, M): the expert dimension is dim 0.
+EXPERT_PARAMS: tuple[str, ...] = ("w_expert_in", "w_expert_out")
+# Relative margin under which two greedy (heuristic) choices tie; the earlier one in
+# `enumerate_strategies` order wins, so the result is deterministic.
+TIE_RTOL = 1e-12
 
 
 def batch_letters(graph: OpGraph) -> dict[str, frozenset[str]]:
@@ -113,4 +137,244 @@ def _megatron_params(graph: OpGraph, mesh: LogicalMesh) -> dict[str, list[Shardi
     return specs
 
 
-BASELINES: Mapping[str, object] = {"data_parallel": data_parallel_restriction, "megatron": megatron_restriction}
+# ------------------------------------------------------------------------- ZeRO
+def zero2_restriction(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel):
+    """(restrict, leaf_specs) for ZeRO stage 2: data parallel, gradients reduce-scattered,
+    optimizer states and the update on a 1/N slice, parameters replicated."""
+    restrict, leaf_specs = data_parallel_restriction(graph, mesh, cost_model)
+    return _shard_weight_update(graph, mesh, cost_model, restrict), leaf_specs
+
+
+def zero3_restriction(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel):
+    """(restrict, leaf_specs) for ZeRO stage 3: ZeRO-2 with the parameters stored 1/N
+    (each forward or backward read all-gathers them)."""
+    restrict, leaf_specs = zero2_restriction(graph, mesh, cost_model)
+    return restrict, {t.name: _sharded_on_all_axes(t, mesh) or leaf_specs[t.name] for t in graph.params}
+
+
+def _live(mesh: LogicalMesh) -> list[int]:
+    return [a for a in (0, 1) if mesh.shape[a] > 1]
+
+
+def _options(op: Op, graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel) -> list[Strategy]:
+    return enumerate_strategies(op, graph.tensors, mesh, cost_model, allow_replicated_heavy=True)
+
+
+def _sharded_on_all_axes(t: Tensor, mesh: LogicalMesh) -> list[ShardingSpec]:
+    """Every spec of `t` that splits it over all live mesh axes (1/N per device)."""
+    live = set(_live(mesh))
+    return [s for s in all_specs(t.shape, mesh) if set(s.axes_used()) == live] if live else []
+
+
+def _shard_weight_update(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel,
+                         restrict: Mapping[str, list[Strategy]]) -> dict[str, list[Strategy]]:
+    """ZeRO's weight update on top of `restrict`: gradient producers reduce-scatter
+    instead of all-reducing, Adam runs on a slice over every live axis.
+
+    A gradient with no evenly divisible free dimension keeps its all-reduce (its update
+    is still sliced; slicing a replicated tensor is free).
+    """
+    live = set(_live(mesh))
+    out = dict(restrict)
+    for op in graph.ops:
+        if op.prim == "adam":
+            sliced = [s for s in _options(op, graph, mesh, cost_model) if set(_axes_of(s)) == live]
+            out[op.name] = sliced or out[op.name]
+        elif any(graph.tensors[t].role == "grad" for t in op.outputs):
+            scattered = [v for s in out[op.name] for v in _scatter_gradients(op, s, graph.tensors, mesh)]
+            out[op.name] = list(dict.fromkeys(scattered)) or out[op.name]
+    return out
+
+
+def _scatter_gradients(op: Op, s: Strategy, tensors: Mapping[str, Tensor], mesh: LogicalMesh) -> list[Strategy]:
+    """`s` with every partial-sum gradient output reduce-scattered onto one of its free
+    dimensions instead of all-reduced, one variant per choice of dimensions; [] if some
+    gradient cannot be scattered evenly.
+
+    `enumerate_strategies` has these forms only for ops with a single partial output,
+    scattered onto a dimension the op could split; ZeRO scatters every gradient (a
+    flat buffer in DeepSpeed), so here layer norm's scale and bias gradients get them
+    too, onto any dimension the op did not split: the reduce-scatter runs after the op
+    has finished, so a dimension it reduces within is as good as any. Priced by the
+    same collective model.
+    """
+    dm = op_dims(op, tensors)
+    loops = dict(s.loops)
+    in_letters = set("".join(dm.inputs))
+    per_output: list[list[tuple[ShardingSpec, Collective | None]]] = []
+    for t, term, spec in zip(op.outputs, dm.outputs, s.out_specs):
+        tensor = tensors[t]
+        partial = tuple(sorted(a for c, axes in loops.items() if c in in_letters and c not in term for a in axes))
+        nbytes = tensor.nbytes / spec.num_shards(mesh)
+        if not partial:
+            per_output.append([(spec, None)])
+        elif tensor.role != "grad":
+            per_output.append([(spec, Collective("all_reduce", nbytes, partial))])
+        else:
+            forms = []
+            for d, c in enumerate(term):
+                if spec.dims[d] or c in loops:
+                    continue
+                dims = list(spec.dims)
+                dims[d] = partial
+                scattered = ShardingSpec(tuple(dims))
+                if spec_fits(scattered, tensor.shape, mesh):
+                    forms.append((scattered, Collective("reduce_scatter", nbytes, partial)))
+            if not forms:
+                return []
+            per_output.append(forms)
+    variants = []
+    for combo in itertools.product(*per_output):
+        collectives, sync = [], []
+        for t, (_, c) in zip(op.outputs, combo):
+            if c is not None:
+                collectives.append(c)
+                sync.append(s.update or tensors[t].role == "grad")
+        comm_s = sum(c.time_s(mesh) for c, x in zip(collectives, sync) if not x)
+        sync_s = sum(c.time_s(mesh) for c, x in zip(collectives, sync) if x)
+        variants.append(Strategy(s.loops, s.in_specs, tuple(spec for spec, _ in combo), tuple(collectives),
+                                 comm_s, s.compute_s, tuple(sync), sync_s, s.update))
+    return variants
+
+
+# -------------------------------------------------------------------- heuristic
+def heuristic_restriction(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel):
+    """(restrict, leaf_specs) for the paper's "Heuristic": shard the largest dimension
+    of every leaf tensor, then propagate greedily, one strategy per op.
+
+    Greedy step: given the specs fixed so far, an op takes the strategy of least
+    resharding of its operands + own collectives (+ for Adam, the trip of the new
+    value back to the parameter's stored layout), all counted once (one microbatch);
+    ties go to the earlier strategy (`TIE_RTOL`). Compute is not weighed: GSPMD's
+    propagation does not look at it, and heavy ops use every axis anyway.
+    """
+    tensors = graph.tensors
+    leaves = [t for t in dict.fromkeys(t for op in graph.ops for t in op.inputs)
+              if t not in graph.producer and tensors[t].role != "optimizer_state"]
+    current = {t: _largest_dim_spec(tensors[t].shape, mesh) for t in leaves}
+    leaf_specs = {t: [spec] for t, spec in current.items()}
+    restrict: dict[str, list[Strategy]] = {}
+    for op in graph.ops:
+        options = (enumerate_strategies(op, tensors, mesh, cost_model)
+                   or enumerate_strategies(op, tensors, mesh, cost_model, allow_replicated_heavy=True))
+        best, best_cost = options[0], float("inf")
+        for s in options:
+            cost = s.comm_s + s.sync_s
+            for t, need in zip(op.inputs, s.in_specs):
+                if t in current:
+                    cost += resharding_time_s(current[t], need, tensors[t].nbytes, mesh)
+            if op.prim == "adam" and op.inputs[0] in current:
+                cost += resharding_time_s(s.out_specs[0], current[op.inputs[0]], tensors[op.outputs[0]].nbytes, mesh)
+            if cost < best_cost * (1 - TIE_RTOL) - 1e-15:
+                best, best_cost = s, cost
+        restrict[op.name] = [best]
+        current.update(zip(op.outputs, best.out_specs))
+    return restrict, leaf_specs
+
+
+def _largest_dim_spec(shape: tuple[int, ...], mesh: LogicalMesh) -> ShardingSpec:
+    """The largest dimension that splits over every live axis, sharded on all of them;
+    else the largest that splits over the bigger axis alone (then the smaller);
+    else replicated. Ties go to the earlier dimension (and axis)."""
+    live = _live(mesh)
+    by_size = sorted(range(len(shape)), key=lambda d: -shape[d])
+    groups = [tuple(live)] if live else []
+    if len(live) > 1:
+        groups += [(a,) for a in sorted(live, key=lambda a: (-mesh.shape[a], a))]
+    for axes in groups:
+        for d in by_size:
+            if shape[d] % mesh.axis_size(axes) == 0:
+                dims = [()] * len(shape)
+                dims[d] = axes
+                return ShardingSpec(tuple(dims))
+    return ShardingSpec.replicated(len(shape))
+
+
+# ---------------------------------------------------------------- DeepSpeed-MoE
+def deepspeed_moe_restriction(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel):
+    """(restrict, leaf_specs) for DeepSpeed-MoE: expert parallelism for the expert
+    weights and the ops local to the experts, ZeRO-2 data parallelism elsewhere.
+
+    The expert loop takes every live axis if the expert count divides by the device
+    count, else the biggest single axis it divides (the rest of the mesh is the
+    expert-data-parallel group: batch split, gradients reduce-scattered over it).
+    """
+    restrict, leaf_specs = zero2_restriction(graph, mesh, cost_model)
+    experts = [t for t in graph.params if t.name.rsplit("/", 1)[-1] in EXPERT_PARAMS]
+    axes = _expert_axes({t.shape[0] for t in experts}, mesh)
+    if not experts or not axes:
+        return restrict, leaf_specs
+    batch = batch_letters(graph)
+    rest = [a for a in _live(mesh) if a not in axes]
+    for op_name, letter in _expert_local_ops(graph, experts).items():
+        op = graph.op_by_name[op_name]
+        options = [s for s in _options(op, graph, mesh, cost_model)
+                   if not any(c.kind == "reduce_scatter" for c in s.collectives)]
+        keep = [s for s in options if _expert_parallel(s, letter, axes, rest, batch[op_name], op.prim == "adam")]
+        if any(graph.tensors[t].role == "grad" for t in op.outputs):
+            keep = [v for s in keep for v in _scatter_gradients(op, s, graph.tensors, mesh)] or keep
+        if keep:
+            restrict[op_name] = list(dict.fromkeys(keep))
+    for t in experts:
+        dims = [()] * t.rank
+        dims[0] = axes
+        leaf_specs[t.name] = [ShardingSpec(tuple(dims))]
+    return restrict, leaf_specs
+
+
+def _expert_parallel(s: Strategy, letter: str, axes: tuple[int, ...], rest: list[int], batch: frozenset[str],
+                     update: bool) -> bool:
+    """Expert loop on `axes`; on the other axes the batch (or, for the update, any
+    loop: ZeRO over the expert-data-parallel group)."""
+    m = _axes_of(s)
+    if any(m.get(a) != letter for a in axes):
+        return False
+    if update:
+        return all(a in m for a in rest)
+    return all(m.get(a) in batch if batch else a not in m for a in rest)
+
+
+def _expert_axes(counts: set[int], mesh: LogicalMesh) -> tuple[int, ...]:
+    """Mesh axes of the expert loop: all live axes, else the biggest single axis that
+    divides every expert count (axis 1, inside a node, on a tie), else none."""
+    live = _live(mesh)
+    if not counts or not live:
+        return ()
+    candidates = [tuple(live)] + sorted(((a,) for a in live), key=lambda a: (-mesh.shape[a[0]], -a[0]))
+    for axes in candidates:
+        if all(n % mesh.axis_size(axes) == 0 for n in counts):
+            return axes
+    return ()
+
+
+def _expert_local_ops(graph: OpGraph, experts: list[Tensor]) -> dict[str, str]:
+    """Op name -> its expert letter, for the ops that can run expert-parallel with no
+    communication of their own: every operand and every output carries the expert
+    dimension (propagated from dim 0 of the expert weights). Dispatch and combine
+    (expert dimension created or contracted) are not: between them and the experts
+    the tokens move by all-to-all."""
+    flagged = {(t.name, 0) for t in experts}
+    out: dict[str, str] = {}
+    for op in graph.ops:
+        dm = op_dims(op, graph.tensors)
+        letters = sorted({term[d] for t, term in zip(op.inputs, dm.inputs) for d in range(len(term))
+                          if (t, d) in flagged})
+        for c in letters:
+            if all(c in term for t, term in zip(op.inputs, dm.inputs) if graph.tensors[t].rank) and \
+                    all(c in term for term in dm.outputs):
+                out[op.name] = c
+                flagged.update((t, d) for t, term in zip(op.outputs, dm.outputs) for d, x in enumerate(term) if x == c)
+                break
+    return out
+
+
+BASELINES: Mapping[str, object] = {
+    "data_parallel": data_parallel_restriction, "megatron": megatron_restriction,
+    "zero2": zero2_restriction, "zero3": zero3_restriction, "heuristic": heuristic_restriction,
+    "deepspeed_moe": deepspeed_moe_restriction,
+}
+# Whether the post-ILP weight-update-sharding rewrite may run: neither plain data
+# parallelism nor Megatron-LM shards the optimizer step, and GSPMD's propagation has no
+# such pass. The ZeRO forms already shard the update (the rewrite finds nothing to do).
+REWRITE_ALLOWED: Mapping[str, bool] = {"data_parallel": False, "megatron": False, "zero2": True, "zero3": True,
+                                       "heuristic": False, "deepspeed_moe": True}

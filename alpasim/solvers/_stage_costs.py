@@ -34,6 +34,7 @@ from alpasim.costmodels import AnalyticCostModel, Cluster
 from alpasim.graphs import OpGraph, is_heavy, op_flops, stage_graph
 
 from ._cache import CACHE_VERSION, DiskCache, digest
+from ._intra_baselines import BASELINES, REWRITE_ALLOWED
 from ._intra_op import IntraOpInfeasible, min_memory_choice, solve_intra_op, solve_problem
 from ._mesh import LogicalMesh
 from ._submesh import SubmeshShape, check_cluster_grid, logical_mesh, logical_shapes, submesh_shapes
@@ -111,8 +112,14 @@ def mesh_key(mesh: LogicalMesh) -> list:
     return [[a.size, a.link.bandwidth_gbps, a.link.latency_s] for a in mesh.axes]
 
 
-def layer_options(layer: OpGraph, mesh: LogicalMesh, cluster: Cluster, microbatches: int) -> list[LayerOption]:
-    """The Pareto set of plans of one layer on one mesh (see the module doc)."""
+def layer_options(layer: OpGraph, mesh: LogicalMesh, cluster: Cluster, microbatches: int,
+                  restriction: str | None = None, pareto: bool = True) -> list[LayerOption]:
+    """The Pareto set of plans of one layer on one mesh (see the module doc).
+
+    With a `restriction` (a baseline of `_intra_baselines.BASELINES`: data parallel,
+    Megatron-LM, ZeRO, ...) the layer gets that baseline's single plan instead: a
+    hand-designed system has one layout per configuration, not a memory trade-off.
+    `pareto=False` keeps only the fastest plan (for graphs with many distinct layers)."""
     model = AnalyticCostModel(cluster)
     params = canonical_params(layer)
     heavy = sorted((i for i, op in enumerate(layer.ops) if is_heavy(op)),
@@ -126,9 +133,12 @@ def layer_options(layer: OpGraph, mesh: LogicalMesh, cluster: Cluster, microbatc
                            status, plan.forward_s, tuple(str(plan.specs[t]) for t in layer.inputs),
                            tuple(str(plan.specs[t]) for t in layer.outputs))
 
+    kw = restricted_solve_kwargs(restriction, layer, mesh, model)
     fast = solve_intra_op(layer, mesh, model, with_compute=True, microbatches=microbatches, mip_gap=PLANNING_MIP_GAP,
-                          time_limit_s=PLANNING_TIME_LIMIT_S)
+                          time_limit_s=PLANNING_TIME_LIMIT_S, **kw)
     options = [summarise(fast.plan, fast.status)]
+    if restriction is not None or not pareto:
+        return options
     least, small = min_memory_choice(fast.problem, activation_multiplier=REFERENCE_INFLIGHT,
                                      mip_gap=PARETO_MIP_GAP, time_limit_s=PLANNING_TIME_LIMIT_S,
                                      presolve=PARETO_PRESOLVE)
@@ -144,18 +154,29 @@ def layer_options(layer: OpGraph, mesh: LogicalMesh, cluster: Cluster, microbatc
             except (IntraOpInfeasible, RuntimeError):
                 pass
     options.sort(key=lambda o: (o.time_s + o.sync_s / microbatches, o.persistent_bytes))
-    pareto: list[LayerOption] = []
+    front: list[LayerOption] = []
     for o in options:  # keep only options that save memory for the time they cost
         mem = o.persistent_bytes + REFERENCE_INFLIGHT * o.activation_bytes
-        if all(mem < p.persistent_bytes + REFERENCE_INFLIGHT * p.activation_bytes for p in pareto):
-            pareto.append(o)
-    return pareto
+        if all(mem < p.persistent_bytes + REFERENCE_INFLIGHT * p.activation_bytes for p in front):
+            front.append(o)
+    return front
+
+
+def restricted_solve_kwargs(restriction: str | None, layer: OpGraph, mesh: LogicalMesh, model) -> dict:
+    """`solve_intra_op` keywords that turn the ILP into the named baseline."""
+    if restriction is None:
+        return {}
+    if restriction not in BASELINES:
+        raise ValueError(f"unknown intra-op restriction {restriction!r}; choose one of {', '.join(BASELINES)}")
+    restrict, leaf_specs = BASELINES[restriction](layer, mesh, model)
+    return {"restrict": restrict, "leaf_specs": leaf_specs, "rewrite": REWRITE_ALLOWED.get(restriction, False),
+            "allow_replicated_heavy": True}
 
 
 def _options_job(job: tuple) -> list[dict]:
     """Top-level (picklable) unit of work for a process pool or a Ray task."""
-    layer, mesh, cluster, microbatches = job
-    return [o.to_json() for o in layer_options(layer, mesh, cluster, microbatches)]
+    layer, mesh, cluster, microbatches, restriction, pareto = job
+    return [o.to_json() for o in layer_options(layer, mesh, cluster, microbatches, restriction, pareto)]
 
 
 @dataclass
@@ -178,16 +199,23 @@ class StageCosts:
 
 def build_stage_costs(graph: OpGraph, cluster: Cluster, microbatches: int, *, max_stages: int | None = None,
                       map_fn: Callable[[Callable, Iterable], Iterable] = map, cache: DiskCache | None = None,
-                      progress: Callable[[int, int], None] | None = None) -> StageCosts:
+                      progress: Callable[[int, int], None] | None = None, restriction: str | None = None,
+                      shape_ok: Callable[[SubmeshShape], bool] | None = None,
+                      views_of: Callable[[SubmeshShape], Sequence[tuple[int, int]]] | None = None,
+                      pareto: bool = True) -> StageCosts:
+    """The table for `graph`; `restriction` names an intra-op baseline every layer is
+    solved under, `shape_ok` narrows the submesh shapes and `views_of` replaces the
+    logical views of a shape (baselines that only pipeline, or fix their mesh layout)."""
     check_cluster_grid(cluster)
     cache = cache or DiskCache(enabled=False)
     num_layers = graph.num_layers
-    shapes = submesh_shapes(cluster.nodes, cluster.devices_per_node)
+    shapes = [sh for sh in submesh_shapes(cluster.nodes, cluster.devices_per_node) if shape_ok is None or shape_ok(sh)]
     meshes = []
     for shape in shapes:
         devices = list(range(shape.size))
-        for view in logical_shapes(shape, cluster.devices_per_node):
-            meshes.append((shape, view, logical_mesh(cluster, devices, view)))
+        views = logical_shapes(shape, cluster.devices_per_node) if views_of is None else views_of(shape)
+        for view in views:
+            meshes.append((shape, tuple(view), logical_mesh(cluster, devices, view)))
     layers = [stage_graph(graph, l, l) for l in range(num_layers)]
     kinds = [canonical_key(g) for g in layers]
     first_of_kind = {k: layers[i] for i, k in reversed(list(enumerate(kinds)))}
@@ -198,12 +226,12 @@ def build_stage_costs(graph: OpGraph, cluster: Cluster, microbatches: int, *, ma
     pending, solved = [], []
     for kind, layer in first_of_kind.items():
         for m, (_, _, mesh) in enumerate(meshes):
-            key = digest([CACHE_VERSION, kind, mesh_key(mesh), microbatches, device_key])
+            key = digest([CACHE_VERSION, kind, mesh_key(mesh), microbatches, device_key, restriction, pareto])
             hit = cache.get(key)
             if hit is not None:
                 options[(kind, m)] = [LayerOption.from_json(d) for d in hit]
                 continue
-            pending.append((layer, mesh, cluster, microbatches))
+            pending.append((layer, mesh, cluster, microbatches, restriction, pareto))
             solved.append((kind, m, key))
     total = len(pending)
     for n, (result, (kind, m, key)) in enumerate(zip(map_fn(_options_job, pending), solved), 1):

@@ -128,3 +128,24 @@ def _solve_fixed(cost: np.ndarray, sizes: np.ndarray, num_devices: int, s_max: i
         stages.append(StageChoice(int(k), int(i), int(h), float(cost[k, i, h, s - 1])))
         k, d = i + 1, d - int(sizes[h])
     return best_total, stages
+
+
+def equal_layer_dp(cost: np.ndarray, sizes: Sequence[int], num_devices: int, microbatches: int,
+                   epsilon: float = 1e-6, max_stages: int | None = None, stages: int | None = None) -> DPResult:
+    """The paper's "equal layer" ablation: every stage holds the same number of layers
+    (L/S, or its floor and ceiling when S does not divide L); the DP still picks the
+    submeshes. The best S wins, or S = `stages` when given."""
+    num_layers = cost.shape[0]
+    k, i = np.indices((num_layers, num_layers))
+    length = i - k + 1
+    best = DPResult(INF, (), INF, 0)
+    evaluated = 0
+    s_top = min(cost.shape[3], num_layers, num_devices, max_stages or num_layers)
+    for s in ([stages] if stages else range(1, s_top + 1)):
+        ok = (length == num_layers // s) | (length == -(-num_layers // s))
+        masked = np.where(ok[:, :, None, None], cost, INF)
+        r = stage_dp(masked, sizes, num_devices, microbatches, epsilon, max_stages=s)
+        evaluated += r.candidates_evaluated
+        if r.latency_s < best.latency_s:
+            best = r
+    return DPResult(best.latency_s, best.stages, best.t_max_s, evaluated)

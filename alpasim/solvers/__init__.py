@@ -89,3 +89,5 @@ from ._methods import plan_methods as plan_methods
 from ._methods import plan_with_method as plan_with_method
 from ._methods import throughput_pflops as throughput_pflops
 from ._stage_dp import equal_layer_dp as equal_layer_dp
+from ._cache import CACHE_VERSION as CACHE_VERSION
+from ._cache import digest as digest

@@ -1,0 +1,142 @@
+"""Experiment points: (model, cluster, method) -> a priced, simulated result, cached.
+
+Every figure and sweep is a list of `Point`s. `run_points` plans each with
+`solvers.plan_with_method`, simulates the plan (the same 1F1B simulator the CLI uses),
+and keeps a small JSON `Result`. Results are cached on disk by the point's full
+description (model, cluster spec, method, options, `RESULT_VERSION`), so an interrupted
+reproduction or sweep resumes where it stopped and a warm rerun takes seconds; the
+layer solves underneath share the planner's own stage cache. Points run in parallel
+through any map function: a local process pool by default, Ray tasks with `--ray`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from alpasim.costmodels import Cluster, get_cluster
+from alpasim.simulator import simulate
+from alpasim.solvers import CACHE_VERSION, DiskCache, MegatronConfig, digest, plan_with_method
+
+RESULT_VERSION = "points/1"
+DEFAULT_CLUSTER = "aws-p3.16xlarge"
+
+
+def paper_cluster(gpus: int, name: str = DEFAULT_CLUSTER, **overrides) -> Cluster:
+    """The paper's testbed cut to `gpus` devices: whole 8-GPU nodes, or part of one."""
+    per_node = get_cluster(name).devices_per_node
+    if gpus <= per_node:
+        return get_cluster(name, nodes=1, devices_per_node=gpus, **overrides)
+    if gpus % per_node:
+        raise ValueError(f"{gpus} GPUs is not a whole number of {per_node}-GPU nodes")
+    return get_cluster(name, nodes=gpus // per_node, **overrides)
+
+
+@dataclass(frozen=True)
+class Point:
+    """One thing to plan: a model on a cluster with a method (and its options)."""
+
+    model: str
+    cluster: Cluster
+    method: str
+    microbatches: int | str = "auto"
+    megatron: MegatronConfig | None = None
+    cross_mesh: str = "local_all_gather"
+    label: str = ""                                  # e.g. the swept value, for tables
+
+    @property
+    def gpus(self) -> int:
+        return self.cluster.num_devices
+
+    def key(self) -> str:
+        return digest([RESULT_VERSION, CACHE_VERSION, self.model, self.cluster.to_json(), self.method,
+                       str(self.microbatches), dataclasses.asdict(self.megatron) if self.megatron else None,
+                       self.cross_mesh])
+
+
+@dataclass(frozen=True)
+class Result:
+    """What a figure needs of a planned point; `plan` is the full plan JSON."""
+
+    model: str
+    gpus: int
+    method: str
+    label: str
+    feasible: bool
+    throughput_pflops: float | None          # from the simulated iteration time
+    predicted_pflops: float | None           # from the planner's eq. 2
+    iteration_s: float | None                # simulated
+    predicted_iteration_s: float | None
+    plan_s: float                            # planning wall time when first computed
+    cached: bool = False
+    notes: tuple[str, ...] = ()
+    plan: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def to_json(self, with_plan: bool = False) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["notes"] = list(self.notes)
+        if not with_plan:
+            d.pop("plan")
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Result:
+        return cls(**{**d, "notes": tuple(d.get("notes", ()))})
+
+
+def run_point(point: Point, cache_enabled: bool = True) -> Result:
+    """Plan and simulate one point (no result cache; see `run_points`)."""
+    t0 = time.perf_counter()
+    plan = plan_with_method(point.method, point.model, point.cluster, microbatches=point.microbatches,
+                            megatron=point.megatron, cache=DiskCache(enabled=cache_enabled))
+    plan_s = time.perf_counter() - t0
+    if not plan.feasible:
+        return Result(point.model, point.gpus, point.method, point.label, False, None, None, None, None, plan_s,
+                      notes=plan.notes, plan=plan.to_json())
+    timeline = simulate(plan, plan.schedule, cluster=point.cluster, cross_mesh=point.cross_mesh)
+    flops = plan.model["flops_per_iteration"]
+    return Result(point.model, point.gpus, point.method, point.label, True, flops / timeline.iteration_s / 1e15,
+                  plan.predicted["throughput_pflops"], timeline.iteration_s, plan.predicted["iteration_s"], plan_s,
+                  notes=plan.notes, plan=plan.to_json())
+
+
+def _job(args: tuple[Point, bool]) -> dict[str, Any]:
+    point, cache_enabled = args
+    return run_point(point, cache_enabled).to_json(with_plan=True)
+
+
+def run_points(points: Sequence[Point], *, cache: bool = True, workers: int | None = None,
+               map_fn: Callable[[Callable, Iterable], Iterable] | None = None,
+               progress: Callable[[int, int, Result], None] | None = None) -> list[Result]:
+    """Results of `points` in order: cached ones first-hand, the rest planned in
+    parallel (`map_fn`, else a pool of `workers` processes, else in this process)."""
+    store = DiskCache(enabled=cache, namespace="points")
+    results: list[Result | None] = [None] * len(points)
+    todo = []
+    for i, p in enumerate(points):
+        hit = store.get(p.key())
+        if hit is not None:
+            results[i] = dataclasses.replace(Result.from_json(hit), cached=True, label=p.label)
+        else:
+            todo.append(i)
+    done = len(points) - len(todo)
+    jobs = [(points[i], cache) for i in todo]
+    pool = None
+    if map_fn is None and workers and workers > 1 and len(jobs) > 1:
+        pool = ProcessPoolExecutor(workers)
+        map_fn = pool.map
+    try:
+        for i, d in zip(todo, (map_fn or map)(_job, jobs)):
+            store.put(points[i].key(), d)
+            results[i] = Result.from_json(d)
+            done += 1
+            if progress is not None:
+                progress(done, len(points), results[i])
+    finally:
+        if pool is not None:
+            pool.shutdown()
+    return [r for r in results if r is not None]

@@ -20,6 +20,7 @@ demo: $(STAMP)
 	$(BIN)/alpasim plan --model gpt3-2.6b --cluster aws-p3.16xlarge --nodes 1 --out out/demo-plan.json
 	$(BIN)/alpasim simulate out/demo-plan.json --trace out/demo-trace.json --gantt out/demo-gantt.png
 	@echo "simulated timeline: out/demo-trace.json (open in https://ui.perfetto.dev), out/demo-gantt.png"
+	$(BIN)/alpasim compare --model gpt3-2.6b --cluster aws-p3.16xlarge --nodes 1 --methods alpa,megatron,intra-only
 
 test: $(STAMP)
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q

@@ -497,15 +497,52 @@ def plan(
     epsilon: Annotated[float, typer.Option("--epsilon", help="Relative gap between bottlenecks tried.")] = 1e-3,
     run_simulation: Annotated[bool, typer.Option("--simulate", help="Also simulate the plan (1F1B) and show "
                                                  "the timeline metrics.")] = False,
+    method: Annotated[str, typer.Option("--method", help="alpa, or a baseline: " + ", ".join(
+        m.replace("_", "-") for m in sv.METHODS if m != "alpa") + ".")] = "alpa",
+    tp: Annotated[Optional[int], typer.Option("--tp", help="Megatron tensor-parallel degree.")] = None,
+    pp: Annotated[Optional[int], typer.Option("--pp", help="Megatron pipeline-parallel degree.")] = None,
+    dp: Annotated[Optional[int], typer.Option("--dp", help="Megatron data-parallel degree.")] = None,
+    microbatch_size: Annotated[Optional[int], typer.Option("--microbatch-size", help="Megatron microbatch "
+                                                           "size per data-parallel replica.")] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Plan pipeline stages, submeshes and intra-op shardings for a model on a cluster."""
+    """Plan pipeline stages, submeshes and intra-op shardings for a model on a cluster.
+
+    `--method` picks Alpa (default) or a baseline; `--method megatron --tp T --pp P --dp D
+    --microbatch-size K` prices one explicit Megatron-LM configuration (without them, the
+    best of Megatron's grid). A baseline that does not fit is a result, not an error:
+    the table output prints why and exits 2, `--json` prints the plan with `feasible`
+    false and exits 0 (Alpa finding no plan stays an error: exit 2 either way)."""
     c = load_cluster(cluster, nodes, devices_per_node, inter_node_gbps, memory_gb)
     if max_stages < 1 or epsilon < 0:
         fail("--max-stages must be at least 1 and --epsilon at least 0")
-    p = make_plan(model, c, microbatches=microbatches, remat=remat, layers=layers, cache=not no_cache,
-                  workers=workers, ray=ray, ray_address=ray_address, quiet=as_json, max_stages=max_stages,
-                  epsilon=epsilon)
+    name = method.strip().lower().replace("-", "_")
+    if name not in sv.METHODS:
+        fail(f"--method {method!r}: choose one of {', '.join(m.replace('_', '-') for m in sv.METHODS)}")
+    degrees = {"--tp": tp, "--pp": pp, "--dp": dp, "--microbatch-size": microbatch_size}
+    given = [k for k, v in degrees.items() if v is not None]
+    if given and name != "megatron":
+        fail(f"{', '.join(given)} only apply to --method megatron")
+    if given and len(given) != len(degrees):
+        fail(f"--method megatron takes all of --tp, --pp, --dp and --microbatch-size together (missing "
+             f"{', '.join(k for k in degrees if k not in given)})")
+    if name == "alpa":
+        p = make_plan(model, c, microbatches=microbatches, remat=remat, layers=layers, cache=not no_cache,
+                      workers=workers, ray=ray, ray_address=ray_address, quiet=as_json, max_stages=max_stages,
+                      epsilon=epsilon)
+    else:
+        config = sv.MegatronConfig(tp, pp, dp, microbatch_size) if given else None
+        p = _baseline_plan(name, model, c, config, microbatches=microbatches, remat=remat, layers=layers,
+                           cache=not no_cache, workers=workers, ray=ray, ray_address=ray_address, quiet=as_json,
+                           max_stages=max_stages, epsilon=epsilon)
+        if not p.feasible:
+            if out_path is not None:
+                p.save(out_path)
+                err.print(f"wrote {out_path}")
+            if as_json:
+                emit_json(p.to_json())
+                return
+            fail(f"{name}: no feasible plan: {'; '.join(p.notes) or 'infeasible'}")
     if out_path is not None:
         p.save(out_path)
         err.print(f"wrote {out_path}")
@@ -514,8 +551,48 @@ def plan(
         emit_json(p.to_json() if report is None else {**p.to_json(), "simulation": report})
         return
     print_plan(p)
+    if name != "alpa":
+        config = p.search.get("megatron")
+        out.print(f"method {name}: {sv.METHODS[name]}" + (
+            f"; tp={config['tp']} pp={config['pp']} dp={config['dp']} microbatch size "
+            f"{config['microbatch_size']}" if config else ""))
     if report is not None:
         print_simulation(report)
+
+
+def _baseline_plan(method: str, model: str, cluster: cm.Cluster, config: sv.MegatronConfig | None, *,
+                   microbatches: str, remat: bool, layers: int | None, cache: bool, workers: int | None, ray: bool,
+                   ray_address: str | None, quiet: bool, max_stages: int, epsilon: float) -> sv.PipelinePlan:
+    """`plan_with_method` for a baseline, with the options its restriction leaves open."""
+    from rich.progress import Progress, TextColumn, TimeElapsedColumn
+
+    mb: int | str = microbatches
+    if microbatches != "auto":
+        try:
+            mb = int(microbatches)
+        except ValueError:
+            fail(f"--microbatches {microbatches!r}: a positive integer or 'auto'")
+    kw: dict[str, Any] = {"remat": remat, "epsilon": epsilon}
+    if layers is not None:
+        if method in ("inter_only", "equal_operator", "megatron"):
+            fail(f"--layers does not apply to --method {method} (it sets the layers itself)")
+        kw["layers"] = layers
+    if method in ("pp_dp", "equal_layer", "equal_operator"):
+        kw["max_stages"] = max_stages
+    map_fn, close = _plan_map(workers, ray, ray_address)
+    progress = Progress(TextColumn("{task.description}"), TimeElapsedColumn(), console=err, transient=True,
+                        disable=quiet)
+    task = progress.add_task(f"planning {method}")
+
+    def report(label: str, done: int, total: int) -> None:
+        progress.update(task, description=f"{method}: {label} ({done}/{total})")
+
+    try:
+        with progress:
+            return sv.plan_with_method(method, model, cluster, microbatches=mb, megatron=config, map_fn=map_fn,
+                                       cache=sv.DiskCache(enabled=cache), progress=report, **kw)
+    finally:
+        close()
 
 
 def print_plan(p: sv.PipelinePlan) -> None:
@@ -619,6 +696,255 @@ def print_simulation(r: dict[str, Any], title: str = "simulation") -> None:
         err.print(f"note: {note}", markup=False)
     for key, path in r["outputs"].items():
         out.print(f"wrote {key.replace('_', ' ')}: {path}")
+
+
+# ------------------------------------------------------------------- reproduce
+@app.command()
+def reproduce(
+    name: Annotated[str, typer.Argument(help="fig7a, fig7b, fig7c, fig8, fig9, fig11 or table5.")],
+    out_dir: Annotated[Path, typer.Option("--out", help="Directory for <name>.csv, .png and .md.")] = Path(
+        "out/reproduce"),
+    workers: Annotated[int, typer.Option("--workers", help="Points planned in parallel (processes).")] = 2,
+    no_cache: Annotated[bool, typer.Option("--no-cache", help="Bypass the on-disk result and stage caches.")] = False,
+    max_gpus: Annotated[Optional[int], typer.Option("--max-gpus", help="Only the points on at most N GPUs.")] = None,
+    ray: Annotated[bool, typer.Option("--ray", help="Plan the points as Ray tasks.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Reproduce one of the paper's figures or tables in simulation (CSV + PNG + markdown)."""
+    from alpasim import experiments as ex
+
+    if name not in ex.FIGURES:
+        fail(f"unknown figure {name!r}; choose one of {', '.join(ex.FIGURES)}")
+    if workers < 1:
+        fail(f"--workers must be at least 1, got {workers}")
+    if max_gpus is not None and max_gpus < 1:
+        fail(f"--max-gpus must be at least 1, got {max_gpus}")
+    points = ex.figure_points(name, max_gpus)
+    if not points:
+        fail(f"{name} has no points on at most {max_gpus} GPUs")
+    t0 = time.perf_counter()
+
+    def progress(done: int, total: int, r: ex.Result) -> None:
+        what = f"{r.throughput_pflops:.3f} PFLOPS" if r.feasible else "out of memory"
+        err.print(f"[{done}/{total} {time.perf_counter() - t0:6.0f} s] {r.model} on {r.gpus} GPUs, "
+                  f"{r.label or r.method}: {what} (planned in {r.plan_s:.1f} s)", markup=False, highlight=False,
+                  soft_wrap=True)
+
+    map_fn, close = _plan_map(workers, True, None) if ray else (None, lambda: None)
+    try:
+        report = ex.reproduce(name, out_dir, workers=workers, cache=not no_cache, map_fn=map_fn,
+                              progress=progress, points=points)
+    except OSError as e:
+        fail(f"cannot write {out_dir}: {e.strerror or e}")
+    finally:
+        close()
+    if as_json:
+        emit_json(report.to_json())
+        return
+    _print_reproduction(report)
+
+
+def _print_reproduction(report) -> None:
+    from alpasim.experiments._report import summary_rows
+
+    plan_time = report.name == "table5"
+    t = Table(title=report.title)
+    for col in ("model", "GPUs", "method", "planning time" if plan_time else "PFLOPS"):
+        t.add_column(col)
+    for p in report.points_json():
+        value = (f"{p['plan_s']:.1f} s" if plan_time else
+                 f"{p['throughput_pflops']:.3f}" if p["feasible"] else "× (out of memory)")
+        t.add_row(p["model"], str(p["gpus"]), p.get("label") or p["method"], value)
+    out.print(t)
+    s = Table(title="summary (ours vs the paper)")
+    for col in ("ratio", "ours", "paper"):
+        s.add_column(col)
+    for row in summary_rows(report):
+        s.add_row(*row)
+    out.print(s)
+    cached = sum(r.cached for r in report.results)
+    out.print(f"{len(report.results)} points ({cached} cached) in {report.wall_s:.1f} s; wrote "
+              + ", ".join(report.files.values()))
+
+
+# ----------------------------------------------------------------------- sweep
+def _number_list(option: str, text: str, kind: type) -> list:
+    """`10,25,50` as numbers of `kind`; a malformed list is a user error."""
+    items = [t.strip() for t in text.split(",")]
+    try:
+        values = [kind(t) for t in items]
+    except ValueError:
+        fail(f"{option} {text!r}: expected comma-separated {'integers' if kind is int else 'numbers'}, "
+             "e.g. 10,25,50")
+    if any(not v > 0 for v in values):
+        fail(f"{option} {text!r}: every value must be positive")
+    return values
+
+
+def _method_list(text: str) -> list[str]:
+    from alpasim import experiments as ex
+
+    try:
+        return list(dict.fromkeys(ex.method_name(m) for m in text.split(",")))
+    except ValueError as e:
+        fail(f"--methods: {e}")
+
+
+def _point_progress(t0: float):
+    def progress(done: int, total: int, r: Any) -> None:
+        what = f"{r.throughput_pflops:.3f} PFLOP/s" if r.feasible else "out of memory"
+        err.print(f"[{done}/{total} {time.perf_counter() - t0:6.0f} s] {r.method} at {r.label}: {what} "
+                  f"(planned in {r.plan_s:.1f} s)", markup=False, highlight=False)
+    return progress
+
+
+@app.command()
+def sweep(
+    model: Annotated[str, typer.Option("--model", help="Zoo name or spec string.")],
+    gpus: Annotated[int, typer.Option("--gpus", help="Devices in all (whole nodes, or part of one).")],
+    cluster: Annotated[str, typer.Option("--cluster", help="Preset the sweep starts from.")] = "aws-p3.16xlarge",
+    inter_node_gbps: Annotated[Optional[str], typer.Option("--inter-node-gbps", help="Sweep the inter-node "
+                                                           "bandwidth per NIC, e.g. 10,25,50,100.")] = None,
+    devices_per_node: Annotated[Optional[str], typer.Option("--devices-per-node", help="Sweep devices per "
+                                                            "node, e.g. 2,4,8.")] = None,
+    memory_gb: Annotated[Optional[str], typer.Option("--memory-gb", help="Sweep device memory (GiB), "
+                                                     "e.g. 16,32,80.")] = None,
+    device_preset: Annotated[Optional[str], typer.Option("--device-preset", help="Sweep the cluster preset, "
+                                                         "e.g. aws-p3.16xlarge,dgx-a100.")] = None,
+    methods: Annotated[str, typer.Option("--methods", help="Comma-separated methods (dashes or underscores).")] = (
+        "alpa,intra-only,inter-only,megatron"),
+    out_dir: Annotated[Path, typer.Option("--out", help="Directory for the CSV, markdown and PNG.")] = Path(
+        "out/sweep"),
+    workers: Annotated[Optional[int], typer.Option("--workers", help="Points planned in parallel "
+                                                   "(processes; default: one per CPU).")] = None,
+    no_cache: Annotated[bool, typer.Option("--no-cache", help="Bypass the on-disk result and stage caches.")] = False,
+    ray: Annotated[bool, typer.Option("--ray", help="Plan the points as Ray tasks.")] = False,
+    ray_address: Annotated[Optional[str], typer.Option("--ray-address", help="Ray cluster address.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """What-if sweep of one cluster parameter x methods: table, CSV, markdown and a plot."""
+    import os
+
+    from alpasim import experiments as ex
+
+    given = {"inter_node_gbps": ("--inter-node-gbps", inter_node_gbps, float),
+             "devices_per_node": ("--devices-per-node", devices_per_node, int),
+             "memory_gb": ("--memory-gb", memory_gb, float), "device": ("--device-preset", device_preset, str)}
+    axes = [a for a, (_, text, _) in given.items() if text is not None]
+    if len(axes) != 1:
+        names = ", ".join(opt for opt, _, _ in given.values())
+        fail(f"sweep exactly one axis: give one of {names}" + (f" (got {len(axes)})" if axes else ""))
+    axis = axes[0]
+    option, text, kind = given[axis]
+    if kind is str:
+        values: list = [v.strip() for v in text.split(",")]
+        for v in values:
+            cm.get_cluster(v)  # unknown preset: one line, exit 2
+    else:
+        values = _number_list(option, text, kind)
+    names = _method_list(methods)
+    if gpus < 1:
+        fail(f"--gpus must be at least 1, got {gpus}")
+    if workers is not None and workers < 1:
+        fail(f"--workers must be at least 1, got {workers}")
+    gr.resolve_model(model)  # an unknown model fails before any point is planned
+    for v in values:
+        ex.sweep_cluster(axis, v, gpus, cluster)  # a GPU count that is no whole number of nodes
+    n = workers if workers is not None else min(os.cpu_count() or 1, len(values) * len(names))
+    map_fn, close = _plan_map(n, True, ray_address) if ray or ray_address else (None, lambda: None)
+    try:
+        report = ex.sweep(model, gpus, axis, values, names, cluster_name=cluster, workers=n, cache=not no_cache,
+                          map_fn=map_fn, progress=_point_progress(time.perf_counter()))
+    finally:
+        close()
+    try:
+        files = report.write(out_dir)
+    except OSError as e:
+        fail(f"cannot write {out_dir}: {e.strerror or e}")
+    if as_json:
+        emit_json({**report.to_json(), "files": files})
+        return
+    _print_sweep(report, files)
+
+
+_SWEEP_HEADERS = {"inter_node_gbps": "Gb/s", "devices_per_node": "GPUs/node", "memory_gb": "GiB",
+                  "device": "preset"}
+
+
+def _print_sweep(report: Any, files: dict[str, str]) -> None:
+    from alpasim import experiments as ex
+
+    gap = "alpa" in report.methods and "intra_only" in report.methods
+    t = Table(title=f"{report.title()}, simulated PFLOP/s")
+    t.add_column(_SWEEP_HEADERS[report.axis], no_wrap=True)
+    for m in report.methods:
+        t.add_column(m, justify="right")
+    if gap:
+        t.add_column("alpa / intra_only", justify="right")
+    for v in report.values:
+        cells = ["OOM" if report.result(v, m).throughput_pflops is None
+                 else f"{report.result(v, m).throughput_pflops:.3f}" for m in report.methods]
+        if gap:
+            g = report.gap(v)
+            cells.append("" if g is None else f"{g:.2f}x")
+        t.add_row(ex.value_label(v), *cells)
+    out.print(t)
+    plans = report.alpa_plans()
+    if plans:
+        pt = Table(title="Alpa's plan at each value (stage layers on submesh as logical mesh)")
+        for col in ("value", "plan", "change"):
+            pt.add_column(col)
+        for p in plans:
+            pt.add_row(ex.value_label(p["value"]), p["summary"], p["change"])
+        out.print(pt)
+    cached = sum(r.cached for r in report.results)
+    out.print(f"{len(report.results)} points ({cached} cached); wrote " + ", ".join(files.values()))
+
+
+# --------------------------------------------------------------------- compare
+@app.command()
+def compare(
+    model: Annotated[str, typer.Option("--model", help="Zoo name or spec string.")],
+    cluster: ClusterOpt = "aws-p3.16xlarge",
+    nodes: NodesOpt = None,
+    devices_per_node: DpnOpt = None,
+    inter_node_gbps: GbpsOpt = None,
+    memory_gb: MemOpt = None,
+    methods: Annotated[str, typer.Option("--methods", help="Comma-separated methods; the first is the "
+                                         "reference.")] = "alpa,megatron,intra-only",
+    workers: Annotated[Optional[int], typer.Option("--workers", help="Methods planned in parallel "
+                                                   "(processes).")] = None,
+    no_cache: Annotated[bool, typer.Option("--no-cache", help="Bypass the on-disk result and stage caches.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Several methods on one model and cluster: simulated throughput, plan, ratio to the first."""
+    from alpasim import experiments as ex
+
+    names = _method_list(methods)
+    c = load_cluster(cluster, nodes, devices_per_node, inter_node_gbps, memory_gb)
+    gr.resolve_model(model)
+    if workers is not None and workers < 1:
+        fail(f"--workers must be at least 1, got {workers}")
+    t0 = time.perf_counter()
+
+    def progress(done: int, total: int, r: Any) -> None:
+        err.print(f"[{done}/{total} {time.perf_counter() - t0:6.0f} s] {r.method} planned in {r.plan_s:.1f} s",
+                  markup=False, highlight=False)
+
+    cmp = ex.compare(model, c, names, cache=not no_cache, workers=workers, progress=progress)
+    if as_json:
+        emit_json(cmp.to_json())
+        return
+    ref = cmp.reference.method
+    out.print(f"{model} on {c.nodes} x {c.devices_per_node} {c.device.name} ({c.name}), simulated:", soft_wrap=True)
+    for row in cmp.rows():
+        ratio = row["ratio_to_" + ref]
+        if row["feasible"]:
+            head = f"{row['throughput_pflops']:.3f} PFLOP/s, {row['iteration_s']:.2f} s / iteration"
+            head += f", {ratio:.2f}x {ref}" if ratio is not None else ""
+        else:
+            head = "out of memory"
+        out.print(f"  {row['method']:<12} {head} — {row['plan']}", markup=False, highlight=False, soft_wrap=True)
 
 
 def main() -> None:

@@ -116,3 +116,25 @@ def test_mesh_that_divides_nothing_replicates_and_says_so(p3, gpt_layer):
     result = solve_intra_op(gpt_layer, mesh, model)
     assert result.problem.notes and "no even split" in result.problem.notes[0]
     assert result.plan.communication_s == 0.0
+
+
+def test_megatron_layer_communicates_the_row_parallel_outputs(p3):
+    """Megatron-LM's closed form: per microbatch the forward finishes exactly two partial
+    sums on the tensor-parallel axis, the outputs of the row-parallel attention
+    projection and second MLP matmul, each a full (b, s, h) fp16 activation; no weight
+    is ever gathered."""
+    cluster, model = p3
+    layer = stage_graph(build_training_graph("gpt3-1.3b:batch=8,layers=3", remat=False).graph, 1, 1)
+    mesh = LogicalMesh.on_cluster(cluster, (1, 4))
+    meg = _solve(layer, mesh, model, megatron_restriction)
+    activation_bytes = 2 * 8 * 1024 * 2048                       # (b, s, h) fp16
+    forward = {op.name for op in layer.ops if op.phase == "forward"}
+    finishing = [c for c in meg.plan.collectives
+                 if c.op in forward and c.tensor is None and not c.per_iteration]
+    assert sorted(c.op for c in finishing) == ["layer1/fc2", "layer1/out_proj"]
+    for c in finishing:
+        assert c.collective.kind in ("all_reduce", "reduce_scatter") and c.collective.axes == (1,)
+        assert c.collective.nbytes == activation_bytes
+    params = {t.name for t in layer.params}
+    assert not any(c.tensor in params for c in meg.plan.collectives)
+    assert str(meg.plan.specs["layer1/w_fc1"]) == "RS1" and str(meg.plan.specs["layer1/w_fc2"]) == "S1R"

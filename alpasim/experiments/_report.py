@@ -1,8 +1,8 @@
 """Writing a reproduced figure: CSV of the points, a markdown table, a PNG in the paper's style.
 
 The PNG follows the paper's figures: aggregate throughput (PFLOPS) against GPUs on a
-log2 axis, one line per system, a point that ran out of memory drawn as a red x on the
-axis; the ablations of Figures 9 and 11 as grouped bars. Matplotlib is driven through
+log2 axis, one line per system, a point that ran out of memory drawn as an x (in its system's colour) on
+the axis; the ablations of Figures 9 and 11 as grouped bars. Matplotlib is driven through
 `Figure` + `FigureCanvasAgg`, never pyplot, so nothing global changes.
 """
 
@@ -115,7 +115,8 @@ def write_png(report: Report, fig: Figure, path: Path) -> None:
                     if r is not None and r.feasible:
                         ax.bar(x, r.throughput_pflops, width, color=f"C{i}", label=s if j == 0 else None)
                     elif r is not None:
-                        ax.plot([x], [0], "x", color="red", markersize=9, markeredgewidth=2)
+                        ax.plot([x], [0], "x", color=f"C{i}", markersize=10, markeredgewidth=2.5,
+                                clip_on=False)
                 if not any(series_of(r) == s and r.feasible for r in rs):
                     ax.bar([], [], color=f"C{i}", label=s)
             ax.set_xticks(range(len(gpus)), [str(g) for g in gpus])
@@ -128,7 +129,8 @@ def write_png(report: Report, fig: Figure, path: Path) -> None:
                         alpha=0.85)
                 oom = [r.gpus for r in pts if not r.feasible and fig.kind != "plan_time"]
                 if oom:
-                    ax.plot(oom, [0] * len(oom), "x", color="red", markersize=9, markeredgewidth=2)
+                    ax.plot(oom, [0] * len(oom), "x", color=f"C{i}", markersize=10, markeredgewidth=2.5,
+                            clip_on=False)
             ax.set_xscale("log", base=2)
             ax.set_xticks(gpus, [str(g) for g in gpus])
             ax.set_ylim(bottom=0)

@@ -145,14 +145,23 @@ def min_memory_choice(problem: IntraOpProblem, solver: str = "highs", activation
 
     One weighted objective (memory + tiny x time) would be the textbook lexicographic
     trick, but proving its optimum takes HiGHS minutes; two small solves take seconds.
+    If the second solve finds nothing in its time limit, the first solve's own plan
+    (least memory, time not optimised) comes back, flagged `time_limit`: a layer must not
+    look out of memory only because the machine was busy.
     """
-    least = _min_memory(problem, solver, activation_multiplier, time_limit_s, mip_gap, presolve)[0]
+    t0 = time.perf_counter()
+    least, choice = _min_memory(problem, solver, activation_multiplier, time_limit_s, mip_gap, presolve)
     try:
         fast = solve_problem(problem, memory_budget_bytes=least * (1 + slack) + 1.0,
                              activation_multiplier=activation_multiplier, solver=solver, mip_gap=mip_gap,
                              time_limit_s=time_limit_s, presolve=presolve)
     except (IntraOpInfeasible, RuntimeError):
-        return least, None
+        if choice is None:
+            return least, None
+        plan = realize(problem, choice)
+        return least, IntraOpResult("time_limit", objective_s(plan, problem.with_compute, problem.microbatches),
+                                    plan, time.perf_counter() - t0, 0.0, solver, len(problem.nodes),
+                                    len(problem.edges), 0, problem)
     return least, fast
 
 

@@ -11,6 +11,7 @@ from alpasim.solvers import (
     LogicalMesh,
     data_parallel_restriction,
     megatron_restriction,
+    min_memory_choice,
     solve_intra_op,
 )
 
@@ -138,3 +139,25 @@ def test_megatron_layer_communicates_the_row_parallel_outputs(p3):
     params = {t.name for t in layer.params}
     assert not any(c.tensor in params for c in meg.plan.collectives)
     assert str(meg.plan.specs["layer1/w_fc1"]) == "RS1" and str(meg.plan.specs["layer1/w_fc2"]) == "S1R"
+
+
+def test_min_memory_choice_falls_back_to_the_least_memory_plan(p3, gpt_layer, monkeypatch):
+    """When the time-optimising second solve finds nothing in its limit, the first
+    (memory-minimising) solve's plan is used, so the layer does not look out of memory."""
+    import alpasim.solvers._intra_op as intra_op
+
+    cluster, model = p3
+    mesh = LogicalMesh.on_cluster(cluster, (2, 4))
+    fast = solve_intra_op(gpt_layer, mesh, model)
+    least, normal = min_memory_choice(fast.problem, activation_multiplier=4)
+    assert normal is not None and normal.status == "optimal"
+
+    def timed_out(*args, **kwargs):
+        raise RuntimeError("no plan within the time limit")
+
+    monkeypatch.setattr(intra_op, "solve_problem", timed_out)
+    least_again, fallback = min_memory_choice(fast.problem, activation_multiplier=4)
+    assert least_again == pytest.approx(least)
+    assert fallback is not None and fallback.status == "time_limit"
+    assert fallback.plan.memory.with_inflight(4) == pytest.approx(least, rel=1e-6)
+    assert fallback.plan.memory.with_inflight(4) < fast.plan.memory.with_inflight(4)

@@ -202,7 +202,7 @@ def _assemble_plan(name: str, cfg, cluster: Cluster, best: Candidate, candidates
         view = int(costs.view[st.first, st.last, st.shape, s - 1])
         j = int(costs.option[st.first, st.last, st.shape, s - 1])
         _, logical, _ = costs.meshes[view]
-        compute = sync = pers = act = forward = 0.0
+        compute = sync = pers = act = forward = stash = 0.0
         param_specs: dict[str, str] = {}
         heavy: list[dict] = []
         kinds_shown: set[str] = set()
@@ -215,6 +215,7 @@ def _assemble_plan(name: str, cfg, cluster: Cluster, best: Candidate, candidates
             sync += o.sync_s
             pers += o.persistent_bytes
             act += o.activation_bytes
+            stash += o.inflight_bytes
             layer_graph = costs.layer_graphs[layer]
             for p, spec in zip(canonical_params(layer_graph), o.param_specs):
                 param_specs[p] = spec
@@ -226,9 +227,9 @@ def _assemble_plan(name: str, cfg, cluster: Cluster, best: Candidate, candidates
                                   "strategy": strategy, "output": out})
         inflight = min(s, b)
         stages.append(PipelineStage((st.first, st.last), tuple(devices), (shapes[idx].n, shapes[idx].m),
-                                    tuple(logical), float(st.cost_s), pers + inflight * act, inflight,
+                                    tuple(logical), float(st.cost_s), pers + act + (inflight - 1) * stash, inflight,
                                     compute, sync, pers, act, j, param_specs, tuple(heavy), forward,
-                                    compute - forward))
+                                    compute - forward, stash))
     flops = flops_by_kind(best.graph)["matmul"] * b
     iteration = dp.latency_s
     predicted = {

@@ -45,6 +45,7 @@ class MemoryUse:
     grads_bytes: float
     optimizer_bytes: float
     activations_peak_bytes: float
+    stash_bytes: float = 0.0            # activations one microbatch keeps from forward to backward
 
     @property
     def total_bytes(self) -> float:
@@ -56,13 +57,20 @@ class MemoryUse:
         return self.params_bytes + self.grads_bytes + self.optimizer_bytes
 
     def with_inflight(self, microbatches: float) -> float:
-        """Bytes when `microbatches` microbatches' activations are alive at once (1F1B)."""
+        """Bytes if `microbatches` microbatches' peak activations were alive at once: the
+        conservative form the memory-bounded ILP constrains (see `pipelined_bytes`)."""
         return self.persistent_bytes + microbatches * self.activations_peak_bytes
+
+    def pipelined_bytes(self, inflight: int) -> float:
+        """Bytes under 1F1B with `inflight` microbatches in flight (seed eq. 5): one
+        microbatch at its peak, the others holding only their stashed activations."""
+        return (self.persistent_bytes + self.activations_peak_bytes
+                + max(inflight - 1, 0) * min(self.stash_bytes, self.activations_peak_bytes))
 
     def to_json(self) -> dict:
         return {"params_bytes": self.params_bytes, "grads_bytes": self.grads_bytes,
                 "optimizer_bytes": self.optimizer_bytes, "activations_peak_bytes": self.activations_peak_bytes,
-                "total_bytes": self.total_bytes}
+                "stash_bytes": self.stash_bytes, "total_bytes": self.total_bytes}
 
 
 @dataclass(frozen=True)
@@ -164,7 +172,8 @@ def memory_use(problem: IntraOpProblem, specs: dict[str, ShardingSpec]) -> Memor
     for t in problem.persistent:
         by_role[graph.tensors[t].role] += per_device(t)
     peak = max((sum(per_device(t) for t in live) for live in problem.live_sets), default=0.0)
-    return MemoryUse(by_role["param"], by_role["grad"], by_role["optimizer_state"], peak)
+    stash = sum(per_device(t) for t in problem.stash)
+    return MemoryUse(by_role["param"], by_role["grad"], by_role["optimizer_state"], peak, stash)
 
 
 def objective_s(plan: IntraOpPlan, with_compute: bool, microbatches: int = 1) -> float:

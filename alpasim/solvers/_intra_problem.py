@@ -90,6 +90,7 @@ class IntraOpProblem:
     loop_backs: list[tuple[str, str]]    # (new value, parameter) pairs
     strategies: dict[str, list[Strategy]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)   # what the builder had to relax, and why
+    stash: list[str] = field(default_factory=list)   # activations kept from forward to backward
 
     def tensor_bytes(self, node: int, tensor: str) -> np.ndarray:
         """Per-device bytes of `tensor` under each strategy of `node`."""
@@ -226,7 +227,23 @@ def build_problem(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel, *, w
                   and (tensor.role != "param" or _is_leaf(graph, t))]
     live_sets = _live_sets(graph, set(persistent) | owned)
     return IntraOpProblem(graph, mesh, with_compute, microbatches, nodes, edges, node_of, persistent, live_sets,
-                          loop_backs, strategies, notes)
+                          loop_backs, strategies, notes, _stash(graph, set(persistent) | owned))
+
+
+def _stash(graph: OpGraph, exclude: set[str]) -> list[str]:
+    """Activations a microbatch keeps from its forward to its backward: the forward's
+    inputs and results that backward ops read (with remat, just the checkpoints). A
+    forward result the graph hands on (to the next layer or stage) is counted where it
+    is read, not here. This, not the transient peak, is what 1F1B holds per microbatch
+    in flight (seed eq. 5)."""
+    read_back = {t for op in graph.ops if op.phase == "backward" for t in op.inputs}
+    read_forward = {t for op in graph.ops if op.phase == "forward" for t in op.inputs}
+    made = ([t for t in graph.inputs if t in read_forward]        # not the cotangents arriving in backward
+            + [t for op in graph.ops if op.phase == "forward" for t in op.outputs])
+    handed_on = set(graph.outputs)
+    return [t for t in dict.fromkeys(made)
+            if t in read_back and t not in exclude and t not in handed_on and t in graph.tensors
+            and graph.tensors[t].role not in ("param", "optimizer_state")]
 
 
 def _follow(op, options: list[Strategy], known: dict[str, ShardingSpec], tensors: Mapping[str, Tensor],

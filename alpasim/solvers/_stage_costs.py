@@ -74,6 +74,12 @@ class LayerOption:
     forward_s: float = 0.0                       # the forward share of time_s
     input_specs: tuple[str, ...] = ()            # layout of each layer-graph input, in `graph.inputs` order
     output_specs: tuple[str, ...] = ()           # layout of each layer-graph output, in `graph.outputs` order
+    stash_bytes: float | None = None             # kept from forward to backward (None: = activation_bytes)
+
+    @property
+    def inflight_bytes(self) -> float:
+        """What each further microbatch in flight adds (seed eq. 5's mem_act)."""
+        return self.activation_bytes if self.stash_bytes is None else min(self.stash_bytes, self.activation_bytes)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -82,7 +88,7 @@ class LayerOption:
     def from_json(cls, d: dict) -> LayerOption:
         return cls(d["time_s"], d["sync_s"], d["persistent_bytes"], d["activation_bytes"], tuple(d["param_specs"]),
                    tuple(tuple(h) for h in d["heavy"]), d.get("ilp_status", "optimal"), d.get("forward_s", 0.0),
-                   tuple(d.get("input_specs", ())), tuple(d.get("output_specs", ())))
+                   tuple(d.get("input_specs", ())), tuple(d.get("output_specs", ())), d.get("stash_bytes"))
 
 
 def canonical_key(graph: OpGraph) -> str:
@@ -131,7 +137,7 @@ def layer_options(layer: OpGraph, mesh: LogicalMesh, cluster: Cluster, microbatc
                            tuple((i, plan.strategies[layer.ops[i].name].name,
                                   "/".join(map(str, plan.strategies[layer.ops[i].name].out_specs))) for i in heavy),
                            status, plan.forward_s, tuple(str(plan.specs[t]) for t in layer.inputs),
-                           tuple(str(plan.specs[t]) for t in layer.outputs))
+                           tuple(str(plan.specs[t]) for t in layer.outputs), plan.memory.stash_bytes)
 
     kw = restricted_solve_kwargs(restriction, layer, mesh, model)
     fast = solve_intra_op(layer, mesh, model, with_compute=True, microbatches=microbatches, mip_gap=PLANNING_MIP_GAP,
@@ -156,8 +162,7 @@ def layer_options(layer: OpGraph, mesh: LogicalMesh, cluster: Cluster, microbatc
     options.sort(key=lambda o: (o.time_s + o.sync_s / microbatches, o.persistent_bytes))
     front: list[LayerOption] = []
     for o in options:  # keep only options that save memory for the time they cost
-        mem = o.persistent_bytes + REFERENCE_INFLIGHT * o.activation_bytes
-        if all(mem < p.persistent_bytes + REFERENCE_INFLIGHT * p.activation_bytes for p in front):
+        if all(_reference_bytes(o) < _reference_bytes(p) for p in front):
             front.append(o)
     return front
 
@@ -171,6 +176,11 @@ def restricted_solve_kwargs(restriction: str | None, layer: OpGraph, mesh: Logic
     restrict, leaf_specs = BASELINES[restriction](layer, mesh, model)
     return {"restrict": restrict, "leaf_specs": leaf_specs, "rewrite": REWRITE_ALLOWED.get(restriction, False),
             "allow_replicated_heavy": True}
+
+
+def _reference_bytes(o: LayerOption) -> float:
+    """An option's memory with `REFERENCE_INFLIGHT` microbatches in flight (eq. 5)."""
+    return o.persistent_bytes + o.activation_bytes + (REFERENCE_INFLIGHT - 1) * o.inflight_bytes
 
 
 def _options_job(job: tuple) -> list[dict]:
@@ -252,6 +262,7 @@ def _assemble(kinds: Sequence[str], options, meshes, shapes, memory: float, micr
     time = np.full((num_layers, n_mesh, n_opt), INF)
     pers = np.full((num_layers, n_mesh, n_opt), INF)
     act = np.full((num_layers, n_mesh, n_opt), INF)
+    stash = np.full((num_layers, n_mesh, n_opt), INF)
     for l, kind in enumerate(kinds):
         for m in range(n_mesh):
             opts = options.get((kind, m), [])
@@ -262,6 +273,7 @@ def _assemble(kinds: Sequence[str], options, meshes, shapes, memory: float, micr
                 time[l, m, j] = o.time_s + o.sync_s / microbatches
                 pers[l, m, j] = o.persistent_bytes
                 act[l, m, j] = o.activation_bytes
+                stash[l, m, j] = o.inflight_bytes
 
     def ranges(x: np.ndarray) -> np.ndarray:  # (L, ...) -> (L, L, ...) sums over k..i
         prefix = np.concatenate([np.zeros((1,) + x.shape[1:]), np.cumsum(x, axis=0)])
@@ -270,7 +282,7 @@ def _assemble(kinds: Sequence[str], options, meshes, shapes, memory: float, micr
         out[k > i] = INF
         return out
 
-    t_range, p_range, a_range = ranges(time), ranges(pers), ranges(act)
+    t_range, p_range, a_range, s_range = ranges(time), ranges(pers), ranges(act), ranges(stash)
     shape_of_mesh = np.array([shapes.index(s) for s, _, _ in meshes])
     cost = np.full((num_layers, num_layers, len(shapes), s_max), INF)
     view = np.zeros(cost.shape, dtype=int)
@@ -278,7 +290,10 @@ def _assemble(kinds: Sequence[str], options, meshes, shapes, memory: float, micr
     mem = np.full(cost.shape, INF)
     for s in range(1, s_max + 1):
         inflight = min(s, microbatches)
-        need = p_range + inflight * a_range                         # (L, L, M, J)
+        # One microbatch at its peak (every layer's, a safe bound), the others stashed.
+        need = p_range + a_range                                    # (L, L, M, J)
+        if inflight > 1:
+            need = need + (inflight - 1) * s_range
         t = np.where(need <= memory, t_range, INF)
         j_best = np.argmin(t, axis=3)                               # (L, L, M)
         t_best = np.take_along_axis(t, j_best[..., None], axis=3)[..., 0]

@@ -161,3 +161,18 @@ def test_min_memory_choice_falls_back_to_the_least_memory_plan(p3, gpt_layer, mo
     assert fallback is not None and fallback.status == "time_limit"
     assert fallback.plan.memory.with_inflight(4) == pytest.approx(least, rel=1e-6)
     assert fallback.plan.memory.with_inflight(4) < fast.plan.memory.with_inflight(4)
+
+
+@pytest.mark.parametrize("remat", [True, False])
+def test_stash_is_what_backward_reads_of_the_forward(p3, remat):
+    """With remat a layer keeps only its input, (b, s, h) fp16, from forward to backward;
+    without it also the intermediates its backward reads, still less than the peak."""
+    cluster, model = p3
+    layer = stage_graph(build_training_graph("gpt3-1.3b:batch=8,layers=3", remat=remat).graph, 1, 1)
+    mem = solve_intra_op(layer, LogicalMesh.on_cluster(cluster, (1, 1)), model).plan.memory
+    checkpoint = 2 * 8 * 1024 * 2048
+    if remat:
+        assert mem.stash_bytes == checkpoint
+    else:
+        assert checkpoint < mem.stash_bytes < mem.activations_peak_bytes
+    assert mem.pipelined_bytes(4) == mem.persistent_bytes + mem.activations_peak_bytes + 3 * mem.stash_bytes

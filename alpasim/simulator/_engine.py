@@ -17,8 +17,11 @@ follow static lists without a driver). Semantics:
   optimizer update, once per iteration; `Update` is a marker, already inside it).
   Tensors that move once per iteration are sent after the sender's last run and
   received before its `GradSync`.
-- Memory per device of a mesh: params_bytes, plus activation_bytes (/ chunks) from
-  the start of each forward to the `Free` after its backward, plus receive buffers
+- Memory per device of a mesh: params_bytes; a microbatch's activations reach their
+  peak (activation_bytes / chunks) while its forward or backward runs and keep only
+  its stash (stash_bytes / chunks: what backward reads of the forward, the planner's
+  eq. 5) in between, until the `Free` after its backward (a plan without stash_bytes
+  keeps the whole peak, the conservative old rule); plus receive buffers
   from arrival until the run (or sync) that consumes them. Devices of one mesh run
   SPMD and share this footprint; a buffer counts at the largest per-device share.
 
@@ -95,6 +98,8 @@ class _Engine:
             f, b = stage_phase_s(st, B)
             self.phase_s.append({"forward": f / v, "backward": b / v})
         self.act_bytes = [st.activation_bytes / v for st in plan.stages]
+        self.stash_bytes = [(min(st.stash_bytes, st.activation_bytes) if st.stash_bytes > 0 else st.activation_bytes)
+                            / v for st in plan.stages]
         self.alpha = [max((c.latency_s for c in r.copies), default=0.0) for r in routes]
         self.net = FluidNetwork(links.capacities) if links is not None and not free and links.names else None
         self.link_names = links.names if links is not None else []
@@ -176,17 +181,19 @@ class _Engine:
 
     def _mesh(self, k: int) -> Iterator[simpy.Event]:
         env, track, held = self.env, f"mesh{k}", self.held[k]
-        phase_s, act = self.phase_s[k], self.act_bytes[k]
+        phase_s, act, stash = self.phase_s[k], self.act_bytes[k], self.stash_bytes[k]
+        transient = act - stash              # on top of the stash while a run is at its peak
         transfers = self.program.transfers
         for pc, ins in enumerate(self.program.meshes[k]):
             self.pc[k] = pc
             kind = type(ins)
             if kind is Run:
-                if ins.phase == "forward":
-                    self._sample(k, act)
+                self._sample(k, act if ins.phase == "forward" else transient)
                 start, d = env.now, phase_s[ins.phase]
                 if d > 0:
                     yield env.timeout(d)
+                if transient:
+                    self._sample(k, -transient)
                 self.events.append(Event(track, "compute", k, ins.microbatch, start, env.now, 0.0, ins.phase,
                                          ins.chunk))
                 buf = held.pop((ins.microbatch, ins.phase, ins.chunk), 0.0)
@@ -215,7 +222,7 @@ class _Engine:
                     held[key] = held.get(key, 0.0) + route.buffer_bytes
                     self._sample(k, route.buffer_bytes)
             elif kind is Free:
-                self._sample(k, -act)
+                self._sample(k, -stash)
             elif kind is GradSync:
                 start, d = env.now, self.plan.stages[k].sync_s
                 if d > 0:

@@ -108,6 +108,21 @@ def test_peak_activations_are_min_s_minus_i_b_for_1f1b_and_b_for_gpipe(S, B):
         assert samples[0] == (0.0, params) and samples[-1][1] == params
 
 
+@pytest.mark.parametrize("S, B", [(4, 8), (4, 2), (1, 3), (6, 6)])
+def test_in_flight_microbatches_hold_only_their_stash(S, B):
+    """Eq. 5 as the planner prices it: one microbatch at its peak, the other
+    min(S - i, B) - 1 in flight holding only what backward reads of the forward."""
+    act, stash, params = 1000.0, 100.0, 5.0
+    plan = synthetic_plan([1.0] * S, [2.0] * S, B, params_bytes=params, activation_bytes=act)
+    plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(st, stash_bytes=stash) for st in plan.stages))
+    one = simulate(plan, "1f1b", free_communication=True)
+    assert one.peak_mesh_memory_bytes() == [params + act + (min(S - i, B) - 1) * stash for i in range(S)]
+    gp = simulate(plan, "gpipe", free_communication=True)
+    assert gp.peak_mesh_memory_bytes() == [params + act + (B - 1) * stash] * S
+    for samples in one.memory:
+        assert samples[-1][1] == params
+
+
 def test_receive_buffers_count_until_their_run(two_nodes):
     plan = synthetic_plan([1.0, 1.0], [1.0, 1.0], 1, devices_per_stage=2, cluster=two_nodes, hidden_shape=(4, 8))
     tl = simulate(plan, "gpipe", free_communication=True)

@@ -166,7 +166,7 @@ def plan_pipeline(model: str, cluster: Cluster, *, microbatches: int | str = "au
               "microbatch_candidates": sorted(c.microbatches for c in candidates),
               "dp_bottlenecks_evaluated": best.dp.candidates_evaluated}
     if not best.dp.stages:
-        need = min(_least_memory(c) for c in candidates)
+        need = min(_least_memory(c, cluster.num_devices) for c in candidates)
         raise PlanInfeasible(
             f"does not fit: no plan of {name} on {cluster.num_devices} x {cluster.device.name} fits in "
             f"{cluster.device.memory_bytes / GIB:.1f} GiB per device; the smallest plan needs at least "
@@ -174,18 +174,23 @@ def plan_pipeline(model: str, cluster: Cluster, *, microbatches: int | str = "au
     return _assemble_plan(name, cfg, cluster, best, candidates, search, remat, method)
 
 
-def _least_memory(c: Candidate) -> float:
-    """Per-device memory of the whole model as one stage on every device, fewest in flight."""
+def _least_memory(c: Candidate, num_devices: int) -> float:
+    """A lower bound on the per-device memory of any plan: the whole model's least
+    persistent bytes on the largest allowed submesh, spread over every device (when
+    stages must be smaller than the cluster, pipelining spreads them at best evenly),
+    plus the largest layer's least activations of one microbatch."""
     full = max(range(len(c.costs.shapes)), key=lambda h: c.costs.shapes[h].size)
+    spread = c.costs.shapes[full].size / num_devices
     best = float("inf")
     for m, (shape, _, _) in enumerate(c.costs.meshes):
         if c.costs.shapes.index(shape) != full:
             continue
-        total = 0.0
+        persistent = activation = 0.0
         for kind in c.costs.layer_kind:
             opts = c.costs.options.get((kind, m), [])
-            total += min((o.persistent_bytes + o.activation_bytes for o in opts), default=float("inf"))
-        best = min(best, total)
+            persistent += min((o.persistent_bytes for o in opts), default=float("inf"))
+            activation = max(activation, min((o.activation_bytes for o in opts), default=float("inf")))
+        best = min(best, persistent * spread + activation)
     return best
 
 

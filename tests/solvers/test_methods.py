@@ -122,3 +122,17 @@ def test_equal_operator_layers_have_equal_operator_counts():
     counts = [sum(1 for op in cut.ops if op.layer == layer) for layer in range(cut.num_layers)]
     assert cut.num_layers == 6                              # embedding + 4 blocks + head
     assert max(counts) - min(counts) <= 1 and sum(counts) == len(fwd.ops)
+
+
+def test_out_of_memory_note_bounds_a_pipelined_method_by_the_spread_model(tmp_path):
+    """Inter-op only keeps every stage on one device, but pipelining spreads the model
+    over all 8: the note's lower bound is about the 16 B/param state divided by 8,
+    not the whole model on one device."""
+    import re
+
+    node = get_cluster("aws-p3.16xlarge", nodes=1)
+    plan = plan_with_method("inter_only", "gpt3-39b", node, microbatches=1024, cache=DiskCache(root=tmp_path))
+    assert not plan.feasible
+    need = float(re.search(r"needs at least ([\d.]+) GiB", plan.notes[0]).group(1))
+    spread = 39.1e9 * 16 / 8 / 2 ** 30
+    assert 0.9 * spread < need < 1.3 * spread

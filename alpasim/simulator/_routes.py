@@ -102,19 +102,26 @@ def _pieces(t: StageTransfer, plan: PipelinePlan, method: str, node_of
     """(copies as (src, dst, wire bytes, data bytes), gathers as (devices, bytes), planned)."""
     src, dst = plan.stages[t.src_stage], plan.stages[t.dst_stage]
     itemsize = DTYPE_BYTES.get(t.dtype)
-    if t.src_spec and t.dst_spec and t.shape and itemsize:
-        try:
-            p = cross_mesh_plan(t.shape, itemsize, src.devices, src.logical_mesh, t.src_spec, dst.devices,
-                        dst.logical_mesh, t.dst_spec, method=method, node_of=node_of)
-        except ValueError:
-            pass  # specs the planner cannot place on these meshes: fall back
-        else:
-            copies = [(c.src, c.dst, c.nbytes, float(c.tile.nbytes(itemsize))) for c in p.transfers]
-            return copies, [(g.devices, g.nbytes) for g in p.gathers], True
+    p = _cross_mesh(t, src, dst, itemsize, method, node_of)
+    if p is not None:
+        copies = [(c.src, c.dst, c.nbytes, float(c.tile.nbytes(itemsize))) for c in p.transfers]
+        return copies, [(g.devices, g.nbytes) for g in p.gathers], True
     share = t.nbytes / len(dst.devices)
     wire = SIGNAL_BYTES if method == "signal" else share
     copies = [(src.devices[j % len(src.devices)], d, wire, share) for j, d in enumerate(dst.devices)]
     return copies, [], False
+
+
+def _cross_mesh(t: StageTransfer, src, dst, itemsize: int | None, method: str, node_of):
+    """The tile-level plan of `t`, or None when it has no specs, or specs that do not
+    fit these meshes (then the caller splits the bytes evenly over the receivers)."""
+    if not (t.src_spec and t.dst_spec and t.shape and itemsize):
+        return None
+    try:
+        return cross_mesh_plan(t.shape, itemsize, src.devices, src.logical_mesh, t.src_spec, dst.devices,
+                               dst.logical_mesh, t.dst_spec, method=method, node_of=node_of)
+    except ValueError:
+        return None
 
 
 def route_transfers(program: Program, plan: PipelinePlan, cluster: Cluster | None,

@@ -85,7 +85,6 @@ from ._methods import infeasible_plan as infeasible_plan
 from ._methods import megatron_configs as megatron_configs
 from ._methods import megatron_grid as megatron_grid
 from ._methods import megatron_plan as megatron_plan
-from ._methods import plan_methods as plan_methods
 from ._methods import plan_with_method as plan_with_method
 from ._methods import throughput_pflops as throughput_pflops
 from ._stage_dp import equal_layer_dp as equal_layer_dp

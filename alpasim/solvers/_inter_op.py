@@ -27,7 +27,7 @@ from alpasim.graphs import (
 )
 
 from ._cache import DiskCache
-from ._pipeline_plan import PipelinePlan, PipelineStage
+from ._pipeline_plan import PipelinePlan, PipelineStage, plan_cluster_info
 from ._stage_costs import LayerOption, StageCosts, build_stage_costs, canonical_params
 from ._stage_dp import DPResult, bubble_fraction, equal_layer_dp, stage_dp
 from ._submesh import place_submeshes
@@ -253,9 +253,7 @@ def _assemble_plan(name: str, cfg, cluster: Cluster, best: Candidate, candidates
     model = {"name": name, "family": cfg.family, "params": best.graph.num_params(),
              "flops_per_iteration": flops, "global_batch": cfg.batch, "microbatch_size": cfg.batch // b,
              "layers": best.graph.num_layers, "remat": remat}
-    cl = {"name": cluster.name, "nodes": cluster.nodes, "devices_per_node": cluster.devices_per_node,
-          "device": cluster.device.name, "inter_node_gbps": cluster.inter_node.bandwidth_gbps,
-          "device_memory_bytes": cluster.device.memory_bytes, "spec": cluster.to_json()}
+    cl = plan_cluster_info(cluster)
     transfers = stage_transfers(best.graph, costs.layer_graphs, chosen, [(s.first, s.last) for s in dp.stages])
     return PipelinePlan(model, cl, method, True, b, tuple(stages), predicted, search, "1f1b", tuple(runner_ups),
                         transfers=transfers)

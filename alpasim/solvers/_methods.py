@@ -31,14 +31,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from alpasim.costmodels import Cluster
 from alpasim.graphs import OpGraph, assign_layers, forward_graph, resolve_model
 
 from ._inter_op import PlanInfeasible, plan_pipeline, planning_units
-from ._pipeline_plan import PipelinePlan
+from ._pipeline_plan import PipelinePlan, plan_cluster_info
 from ._submesh import SubmeshShape
 
 METHODS: dict[str, str] = {
@@ -93,12 +93,12 @@ def plan_with_method(method: str, model: str, cluster: Cluster, *, microbatches:
                 return megatron_plan(model, cluster, megatron, **kw)
             return megatron_grid(model, cluster, **kw)
         return plan_pipeline(model, cluster, microbatches=microbatches, method=method,
-                             **_method_options(method, cfg, cluster), **kw)
+                             **_method_options(method, cluster), **kw)
     except PlanInfeasible as e:
         return infeasible_plan(name, cfg, cluster, method, str(e))
 
 
-def _method_options(method: str, cfg, cluster: Cluster) -> dict:
+def _method_options(method: str, cluster: Cluster) -> dict:
     n = cluster.num_devices
     if method == "alpa":
         return {}
@@ -213,17 +213,10 @@ def infeasible_plan(name: str, cfg, cluster: Cluster, method: str, reason: str,
                     search: dict | None = None) -> PipelinePlan:
     """A plan that records why nothing fits (out of memory, usually)."""
     model = {"name": name, "family": cfg.family, "global_batch": cfg.batch}
-    cl = {"name": cluster.name, "nodes": cluster.nodes, "devices_per_node": cluster.devices_per_node,
-          "device": cluster.device.name, "inter_node_gbps": cluster.inter_node.bandwidth_gbps,
-          "device_memory_bytes": cluster.device.memory_bytes, "spec": cluster.to_json()}
+    cl = plan_cluster_info(cluster)
     predicted = {"iteration_s": None, "tflops_per_device": None, "throughput_pflops": None,
                  "peak_memory_bytes": None}
     return PipelinePlan(model, cl, method, False, 0, (), predicted, dict(search or {}), notes=(reason,))
-
-
-def plan_methods(methods: Iterable[str], model: str, cluster: Cluster, **kw) -> dict[str, PipelinePlan]:
-    """Several methods on one (model, cluster), sharing the layer solves through `cache`."""
-    return {m: plan_with_method(m, model, cluster, **kw) for m in methods}
 
 
 def throughput_pflops(plan: PipelinePlan) -> float | None:

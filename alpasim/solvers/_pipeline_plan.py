@@ -95,6 +95,14 @@ class PipelinePlan:
         Path(path).write_text(json.dumps(self.to_json(), indent=1))
 
 
+def plan_cluster_info(cluster) -> dict[str, Any]:
+    """The plan's `cluster` field: the summary DESIGN.md lists plus the full `spec`, so a
+    plan file can be simulated on its own."""
+    return {"name": cluster.name, "nodes": cluster.nodes, "devices_per_node": cluster.devices_per_node,
+            "device": cluster.device.name, "inter_node_gbps": cluster.inter_node.bandwidth_gbps,
+            "device_memory_bytes": cluster.device.memory_bytes, "spec": cluster.to_json()}
+
+
 def _spec_to_partition(text: str) -> list:
     from ._spec import ShardingSpec
 

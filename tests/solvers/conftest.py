@@ -1,6 +1,6 @@
 import pytest
 
-from alpasim.costmodels import Link
+from alpasim.costmodels import AnalyticCostModel, Link, get_cluster
 
 
 @pytest.fixture
@@ -13,3 +13,10 @@ def slow_link() -> Link:
 def fast_link() -> Link:
     """100 GB/s per direction with 10 us per step (NVLink-like)."""
     return Link("test-fast-100GB/s", 800.0, 1e-5)
+
+
+@pytest.fixture(scope="session")
+def p3():
+    """The paper's node (aws-p3.16xlarge) and its analytic cost model."""
+    cluster = get_cluster("aws-p3.16xlarge")
+    return cluster, AnalyticCostModel(cluster)

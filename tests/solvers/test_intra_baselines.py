@@ -11,7 +11,6 @@ from collections import defaultdict
 
 import pytest
 
-from alpasim.costmodels import AnalyticCostModel, get_cluster
 from alpasim.graphs import build_training_graph, stage_graph
 from alpasim.solvers import BASELINES, REWRITE_ALLOWED, LogicalMesh, enumerate_strategies, solve_intra_op
 
@@ -20,12 +19,6 @@ GPT = "gpt3:hidden=256,layers=3,heads=8,seq=128,vocab=1024,batch=8"
 # no head. 8 x 128 tokens in groups of 128: G = 8, E = 4, C = 2 * 128 / 4 = 64.
 MOE = "moe:hidden=256,layers=4,heads=8,experts=4,seq=128,vocab=1024,batch=8,group_size=128"
 FOUR = (1, 4)
-
-
-@pytest.fixture(scope="module")
-def p3():
-    cluster = get_cluster("aws-p3.16xlarge")
-    return cluster, AnalyticCostModel(cluster)
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from alpasim.costmodels import AnalyticCostModel, get_cluster
 from alpasim.graphs import build_training_graph, stage_graph
 from alpasim.solvers import (
     IntraOpInfeasible,
@@ -16,12 +15,6 @@ from alpasim.solvers import (
 )
 
 GIB = 2 ** 30
-
-
-@pytest.fixture(scope="module")
-def p3():
-    cluster = get_cluster("aws-p3.16xlarge")
-    return cluster, AnalyticCostModel(cluster)
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,7 @@ from alpasim.graphs import (
 from ._cache import DiskCache
 from ._pipeline_plan import PipelinePlan, PipelineStage, plan_cluster_info
 from ._stage_costs import LayerOption, StageCosts, build_stage_costs, canonical_params
+from ._boundary import stage_boundary_s
 from ._stage_dp import DPResult, bubble_fraction, equal_layer_dp, stage_dp
 from ._submesh import place_submeshes
 
@@ -81,6 +82,17 @@ def planning_units(fwd: OpGraph) -> OpGraph:
     return fwd.replace(ops=ops)
 
 
+def planning_graph(model: dict) -> OpGraph:
+    """The forward graph a plan was made from, rebuilt from its `model` field: one
+    microbatch (`microbatch_size`) of the model, labelled in planning units; re-clustered
+    with the eq. 6 DP when the plan's layer count says `--layers` was given. Executors
+    use it so that a stage's layer range names the same ops the planner costed."""
+    name, cfg = resolve_model(model["name"])
+    fwd = planning_units(forward_graph(dataclasses.replace(cfg, batch=int(model["microbatch_size"])), name=name))
+    layers = int(model.get("layers", fwd.num_layers))
+    return fwd if layers == fwd.num_layers else assign_layers(fwd, layers)[0]
+
+
 def microbatch_candidates(global_batch: int, requested: int | str) -> list[int]:
     if requested != "auto":
         b = int(requested)
@@ -98,7 +110,7 @@ def plan_pipeline(model: str, cluster: Cluster, *, microbatches: int | str = "au
                   max_stages: int = DEFAULT_MAX_STAGES, restriction: str | None = None,
                   shape_ok: Callable | None = None, views_of: Callable | None = None, equal_layers: bool = False,
                   num_stages: int | None = None, relabel: Callable[[OpGraph], OpGraph] | None = None,
-                  pareto: bool = True) -> PipelinePlan:
+                  pareto: bool = True, price_boundaries: bool = True) -> PipelinePlan:
     """Plan `model` on `cluster`; `layers` re-clusters the forward ops into that many
     layers with the eq. 6 DP instead of the zoo's blocks (planning units).
 
@@ -106,7 +118,9 @@ def plan_pipeline(model: str, cluster: Cluster, *, microbatches: int | str = "au
     `restriction` solves every layer under an intra-op baseline, `shape_ok`/`views_of`
     narrow submeshes and logical views, `equal_layers` forces equal stage lengths
     (`num_stages` of them, if given) and `relabel` replaces the layer assignment of the
-    forward graph; `pareto=False` solves each layer for its fastest plan only."""
+    forward graph; `pareto=False` solves each layer for its fastest plan only.
+    `price_boundaries=False` drops the stage-boundary transfer term from the DP's
+    objective (`_boundary`), leaving the paper's eq. 2 as written."""
     t0 = time.perf_counter()
     name, cfg = resolve_model(model)
     global_batch = cfg.batch
@@ -137,10 +151,12 @@ def plan_pipeline(model: str, cluster: Cluster, *, microbatches: int | str = "au
         jobs += costs.ilp_jobs
         hits += costs.cache_hits
         sizes = [sh.size for sh in costs.shapes]
+        boundary = stage_boundary_s(graph, cluster) if price_boundaries else None
         if equal_layers:
-            dp = equal_layer_dp(costs.cost, sizes, cluster.num_devices, b, epsilon=epsilon, stages=num_stages)
+            dp = equal_layer_dp(costs.cost, sizes, cluster.num_devices, b, epsilon=epsilon, stages=num_stages,
+                                boundary=boundary)
         else:
-            dp = stage_dp(costs.cost, sizes, cluster.num_devices, b, epsilon=epsilon)
+            dp = stage_dp(costs.cost, sizes, cluster.num_devices, b, epsilon=epsilon, boundary=boundary)
         evaluated[b] = Candidate(b, graph, costs, dp)
         candidates.append(evaluated[b])
         return evaluated[b]
@@ -232,9 +248,10 @@ def _assemble_plan(name: str, cfg, cluster: Cluster, best: Candidate, candidates
                                   "strategy": strategy, "output": out})
         inflight = min(s, b)
         stages.append(PipelineStage((st.first, st.last), tuple(devices), (shapes[idx].n, shapes[idx].m),
-                                    tuple(logical), float(st.cost_s), pers + act + (inflight - 1) * stash, inflight,
-                                    compute, sync, pers, act, j, param_specs, tuple(heavy), forward,
-                                    compute - forward, stash))
+                                    tuple(logical), float(st.cost_s - st.boundary_s),
+                                    pers + act + (inflight - 1) * stash, inflight, compute, sync, pers, act, j,
+                                    param_specs, tuple(heavy), forward, compute - forward, stash,
+                                    float(st.boundary_s)))
     flops = flops_by_kind(best.graph)["matmul"] * b
     iteration = dp.latency_s
     predicted = {
@@ -242,7 +259,7 @@ def _assemble_plan(name: str, cfg, cluster: Cluster, best: Candidate, candidates
         "tflops_per_device": flops / iteration / cluster.num_devices / 1e12,
         "throughput_pflops": flops / iteration / 1e15,
         "peak_memory_bytes": max(s.memory_bytes for s in stages),
-        "bubble_fraction": bubble_fraction([s.time_s for s in stages], b),
+        "bubble_fraction": bubble_fraction([s.time_s + s.boundary_s for s in stages], b),
     }
     runner_ups = []
     for c in candidates:

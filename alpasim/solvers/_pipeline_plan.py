@@ -43,6 +43,7 @@ class PipelineStage:
     forward_s: float = 0.0                  # per microbatch: the forward share of compute_s
     backward_s: float = 0.0                 # per microbatch: backward (with recomputation)
     stash_bytes: float = 0.0                # per device: what each further microbatch in flight holds
+    boundary_s: float = 0.0                 # per microbatch: the DP's estimate of receiving its inputs
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -126,7 +127,7 @@ def plan_from_json(data: Any, source: str = "<plan JSON>") -> PipelinePlan:
                     float(s.get("compute_s", 0.0)), float(s.get("sync_s", 0.0)), float(s.get("params_bytes", 0.0)),
                     float(s.get("activation_bytes", 0.0)), int(s.get("option", 0)), dict(s.get("param_specs", {})),
                     tuple(s.get("heavy_ops", ())), float(s.get("forward_s", 0.0)), float(s.get("backward_s", 0.0)),
-                    float(s.get("stash_bytes", 0.0))))
+                    float(s.get("stash_bytes", 0.0)), float(s.get("boundary_s", 0.0))))
             except KeyError as e:
                 raise PlanFormatError(f"{source}: stages[{i}]: missing field {e.args[0]!r}") from None
             except (TypeError, ValueError) as e:

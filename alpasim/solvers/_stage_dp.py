@@ -14,6 +14,12 @@ unit-free), and the enumeration stops once B * t_max >= T* (no larger bottleneck
 win). `t(k..i, shape, s)` depends on s, the number of stages from this one to the end,
 because 1F1B keeps min(s, B) microbatches of this stage's activations in flight (eq. 5).
 
+Optionally a stage also pays `boundary[k, d]`: the time to receive its input
+activations (and return their gradients) when it starts at layer k with d devices left
+for it and the stages after it. Stages are placed on devices in order, so such a stage
+starts at device D - d, and whether its boundary crosses nodes is known inside the DP;
+eq. 2 alone ignores cross-stage communication, which the simulator charges.
+
 Each (s, shape) step is a (min, +) product of a (k, i) cost matrix with the (i+1, d)
 table of the previous step, done with numpy broadcasting: O(S * shapes * L^2 * D) per
 bottleneck, vectorised.
@@ -34,7 +40,8 @@ class StageChoice:
     first: int      # first layer (inclusive)
     last: int       # last layer (inclusive)
     shape: int      # index into the submesh shapes
-    cost_s: float   # t for this stage
+    cost_s: float   # t for this stage, with its boundary transfer
+    boundary_s: float = 0.0  # the part of cost_s spent receiving its inputs (and returning their gradients)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,15 +66,17 @@ def bubble_fraction(costs: Sequence[float], microbatches: int) -> float:
 
 
 def stage_dp(cost: np.ndarray, sizes: Sequence[int], num_devices: int, microbatches: int,
-             epsilon: float = 1e-6, max_stages: int | None = None) -> DPResult:
+             epsilon: float = 1e-6, max_stages: int | None = None, boundary: np.ndarray | None = None) -> DPResult:
     """Solve eq. 2 over `cost[k, i, shape, s-1]` = t(layers k..i, shape, s stages from here).
 
     `cost` has shape (L, L, num_shapes, S_max); entries with i < k or infeasible are inf.
+    `boundary` (shape (L, D + 1), optional) adds to a stage starting at layer k with d
+    devices remaining (see the module doc).
     """
     num_layers, _, num_shapes, s_max = cost.shape
     s_max = min(s_max, num_layers, num_devices, max_stages or s_max)
     sizes = np.asarray(sizes, dtype=int)
-    finite = np.unique(cost[np.isfinite(cost)])
+    finite = _bottleneck_candidates(cost, boundary)
     best = DPResult(INF, (), INF, 0)
     last_tried = -INF
     evaluated = 0
@@ -78,7 +87,7 @@ def stage_dp(cost: np.ndarray, sizes: Sequence[int], num_devices: int, microbatc
             continue
         last_tried = t_max
         evaluated += 1
-        total, stages = _solve_fixed(cost, sizes, num_devices, s_max, t_max)
+        total, stages = _solve_fixed(cost, sizes, num_devices, s_max, t_max, boundary)
         if stages is None:
             continue
         # Eq. 4 with the bottleneck actually reached (never above t_max).
@@ -88,9 +97,27 @@ def stage_dp(cost: np.ndarray, sizes: Sequence[int], num_devices: int, microbatc
     return DPResult(best.latency_s, best.stages, best.t_max_s, evaluated)
 
 
-def _solve_fixed(cost: np.ndarray, sizes: np.ndarray, num_devices: int, s_max: int, t_max: float):
+def _bottleneck_candidates(cost: np.ndarray, boundary: np.ndarray | None) -> np.ndarray:
+    """Every stage latency the table can produce: its entries, plus each entry with each
+    boundary time its first layer can pay."""
+    finite = cost[np.isfinite(cost)]
+    if boundary is None:
+        return np.unique(finite)
+    extra = [finite]
+    for k in range(cost.shape[0]):
+        row = cost[k][np.isfinite(cost[k])]
+        for b in np.unique(boundary[k]):
+            if b > 0:
+                extra.append(row + b)
+    return np.unique(np.concatenate(extra))
+
+
+def _solve_fixed(cost: np.ndarray, sizes: np.ndarray, num_devices: int, s_max: int, t_max: float,
+                 boundary: np.ndarray | None = None):
     num_layers = cost.shape[0]
     d_count = num_devices + 1
+    if boundary is None:
+        boundary = np.zeros((num_layers, d_count))
     # f[s][k, d]: best sum for layers k..L-1 in s stages on exactly d devices.
     f = [np.full((num_layers + 1, d_count), INF)]
     f[0][num_layers, 0] = 0.0
@@ -106,10 +133,11 @@ def _solve_fixed(cost: np.ndarray, sizes: np.ndarray, num_devices: int, s_max: i
         for h, size in enumerate(sizes):
             if size > num_devices:
                 continue
-            t = masked[:, :, h, s - 1]                      # (k, i)
+            t = masked[:, :, h, s - 1][:, :, None] + boundary[:, None, :]   # (k, i, d)
+            t = np.where(t <= t_max, t, INF)
             shifted = np.full((num_layers, d_count), INF)   # [i, d] = prev[i+1, d - size]
             shifted[:, size:] = prev[1:, :d_count - size]
-            cand = t[:, :, None] + shifted[None, :, :]      # (k, i, d)
+            cand = t + shifted[None, :, :]                  # (k, i, d)
             i_best = np.argmin(cand, axis=1)                # (k, d)
             v = np.take_along_axis(cand, i_best[:, None, :], axis=1)[:, 0, :]
             better = v < fs[:num_layers]
@@ -125,13 +153,15 @@ def _solve_fixed(cost: np.ndarray, sizes: np.ndarray, num_devices: int, s_max: i
     stages, k, d = [], 0, num_devices
     for s in range(best_s, 0, -1):
         i, h = arg[s][k, d]
-        stages.append(StageChoice(int(k), int(i), int(h), float(cost[k, i, h, s - 1])))
+        b = float(boundary[k, d])
+        stages.append(StageChoice(int(k), int(i), int(h), float(cost[k, i, h, s - 1]) + b, b))
         k, d = i + 1, d - int(sizes[h])
     return best_total, stages
 
 
 def equal_layer_dp(cost: np.ndarray, sizes: Sequence[int], num_devices: int, microbatches: int,
-                   epsilon: float = 1e-6, max_stages: int | None = None, stages: int | None = None) -> DPResult:
+                   epsilon: float = 1e-6, max_stages: int | None = None, stages: int | None = None,
+                   boundary: np.ndarray | None = None) -> DPResult:
     """The paper's "equal layer" ablation: every stage holds the same number of layers
     (L/S, or its floor and ceiling when S does not divide L); the DP still picks the
     submeshes. The best S wins, or S = `stages` when given."""
@@ -144,7 +174,7 @@ def equal_layer_dp(cost: np.ndarray, sizes: Sequence[int], num_devices: int, mic
     for s in ([stages] if stages else range(1, s_top + 1)):
         ok = (length == num_layers // s) | (length == -(-num_layers // s))
         masked = np.where(ok[:, :, None, None], cost, INF)
-        r = stage_dp(masked, sizes, num_devices, microbatches, epsilon, max_stages=s)
+        r = stage_dp(masked, sizes, num_devices, microbatches, epsilon, max_stages=s, boundary=boundary)
         evaluated += r.candidates_evaluated
         if r.latency_s < best.latency_s:
             best = r

@@ -71,6 +71,9 @@ def place_submeshes(shapes: Sequence[SubmeshShape], nodes: int, devices_per_node
     for s in shapes:
         if s not in allowed:
             raise ValueError(f"submesh shape {s} is not one of the allowed shapes {sorted(allowed)}")
+    in_order = _contiguous(shapes, devices_per_node)
+    if in_order is not None:
+        return in_order
     placement: list[list[int] | None] = [None] * len(shapes)
     node = 0
     for i, s in enumerate(shapes):
@@ -90,6 +93,20 @@ def place_submeshes(shapes: Sequence[SubmeshShape], nodes: int, devices_per_node
         else:
             raise ValueError(f"cannot place submesh {shapes[i]}: the shapes do not tile the cluster")
     return [p for p in placement if p is not None]
+
+
+def _contiguous(shapes: Sequence[SubmeshShape], devices_per_node: int) -> list[list[int]] | None:
+    """Stage i on the devices right after stage i-1's, if no piece then straddles a node
+    boundary: neighbouring stages share a node whenever they can, and the stage DP can
+    tell which boundaries cross nodes (`stage_boundary_s`)."""
+    out, start = [], 0
+    for s in shapes:
+        offset = start % devices_per_node
+        if (s.n > 1 and offset) or (s.n == 1 and offset + s.m > devices_per_node):
+            return None
+        out.append(list(range(start, start + s.size)))
+        start += s.size
+    return out
 
 
 def covers_exactly(shapes: Sequence[SubmeshShape], nodes: int, devices_per_node: int) -> bool:

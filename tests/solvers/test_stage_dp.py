@@ -13,8 +13,9 @@ from alpasim.solvers._stage_dp import pipeline_latency_s, stage_dp
 from alpasim.solvers._submesh import SubmeshShape, covers_exactly, place_submeshes, submesh_shapes
 
 
-def brute_force(cost, sizes, num_devices, microbatches):
-    """Every slicing into contiguous stages x every shape per stage, exact device cover."""
+def brute_force(cost, sizes, num_devices, microbatches, boundary=None):
+    """Every slicing into contiguous stages x every shape per stage, exact device cover;
+    a stage placed after `start` devices pays `boundary[first layer, D - start]`."""
     num_layers = cost.shape[0]
     best = np.inf
     for n_stages in range(1, num_layers + 1):
@@ -24,6 +25,9 @@ def brute_force(cost, sizes, num_devices, microbatches):
                 if sum(sizes[h] for h in shapes) != num_devices:
                     continue
                 ts = [cost[a, b - 1, h, n_stages - j - 1] for j, ((a, b), h) in enumerate(zip(bounds, shapes))]
+                if boundary is not None:
+                    starts = np.cumsum([0] + [sizes[h] for h in shapes[:-1]])
+                    ts = [t + boundary[a, num_devices - p] for t, (a, _), p in zip(ts, bounds, starts)]
                 if not all(np.isfinite(ts)):
                     continue
                 best = min(best, pipeline_latency_s(ts, microbatches))
@@ -63,6 +67,31 @@ def test_dp_equals_brute_force(table):
         assert b.first == a.last + 1
     assert sum(sizes[s.shape] for s in result.stages) == num_devices
     assert result.latency_s == pytest.approx(pipeline_latency_s([s.cost_s for s in result.stages], microbatches))
+
+
+@given(tables(), st.data())
+@settings(max_examples=200, deadline=None)
+def test_dp_with_boundary_costs_equals_brute_force(table, data):
+    """The boundary term depends on where a stage starts (devices left), which the DP's
+    state knows; brute force places stages in order and adds it per stage."""
+    cost, sizes, num_devices, microbatches = table
+    num_layers = cost.shape[0]
+    boundary = np.zeros((num_layers, num_devices + 1))
+    for k in range(1, num_layers):
+        for d in range(1, num_devices):
+            boundary[k, d] = data.draw(st.integers(0, 10)) / 10
+    result = stage_dp(cost, sizes, num_devices, microbatches, epsilon=0.0, boundary=boundary)
+    expected = brute_force(cost, sizes, num_devices, microbatches, boundary)
+    if np.isinf(expected):
+        assert np.isinf(result.latency_s)
+        return
+    assert result.latency_s == pytest.approx(expected, rel=1e-12)
+    left = num_devices
+    for s in result.stages:  # each stage's cost carries exactly its boundary term
+        assert s.boundary_s == boundary[s.first, left]
+        assert s.cost_s == pytest.approx(cost[s.first, s.last, s.shape, len(result.stages) - result.stages.index(s) - 1]
+                                         + s.boundary_s)
+        left -= sizes[s.shape]
 
 
 def test_epsilon_gap_bounds_the_loss():

@@ -1,0 +1,69 @@
+"""What a pipeline stage pays to receive its inputs: the stage DP's boundary term.
+
+Eq. 2 prices a stage by its intra-op time alone, yet every microbatch's activations
+enter a stage from its predecessor and their gradients go back, and under 1F1B each
+of those messages sits on the critical path of a round trip. The simulator charges
+them; without this term the DP cannot see that a deep pipeline whose boundaries cross
+the 25 Gb/s network loses to a shallower one (the paper's Figure 9 at 32 GPUs).
+
+`cut_bytes` counts, per layer boundary k (between layers k-1 and k), the bytes that
+cross it per microbatch in each direction; `stage_boundary_s` turns them into seconds
+for a stage that starts at layer k on device D - d (stages are placed in order, see
+`_submesh.place_submeshes`): over one node's network cards when D - d starts a node,
+else over the intra-node link.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from alpasim.costmodels import Cluster
+from alpasim.graphs import OpGraph
+
+
+def cut_bytes(graph: OpGraph) -> tuple[np.ndarray, np.ndarray]:
+    """(forward, backward) bytes crossing each layer boundary per microbatch.
+
+    A tensor produced in layer a and read in later layers crosses every boundary up to
+    its last reader; one read in earlier layers (a cotangent) crosses back down to its
+    first reader. Tensors whose cross-layer reads only feed parameter gradients or
+    updates move once per iteration (`stage_transfers`) and are left out."""
+    num_layers = graph.num_layers
+    forward, backward = np.zeros(num_layers), np.zeros(num_layers)
+    producer_layer = {t: op.layer for op in graph.ops for t in op.outputs}
+    reads: dict[str, list[tuple[int, bool]]] = {}
+    for op in graph.ops:
+        to_grad = op.phase == "update" or all(graph.tensors[o].role == "grad" for o in op.outputs)
+        for t in op.inputs:
+            if t in producer_layer and producer_layer[t] != op.layer:
+                reads.setdefault(t, []).append((op.layer, to_grad))
+    for t, rs in reads.items():
+        if graph.tensors[t].role != "activation" or all(g for _, g in rs):
+            continue
+        a, nbytes = producer_layer[t], graph.tensors[t].nbytes
+        later = [r for r, _ in rs if r > a]
+        earlier = [r for r, _ in rs if r < a]
+        if later:
+            forward[a + 1:max(later) + 1] += nbytes
+        if earlier:
+            backward[min(earlier) + 1:a + 1] += nbytes
+    return forward, backward
+
+
+def stage_boundary_s(graph: OpGraph, cluster: Cluster) -> np.ndarray:
+    """`boundary[k, d]`: seconds per microbatch a stage starting at layer k with d devices
+    left (its own and its successors') spends receiving activations and returning their
+    gradients. Zero for the first layer."""
+    forward, backward = cut_bytes(graph)
+    num_devices, per_node = cluster.num_devices, cluster.devices_per_node
+    cards = min(cluster.nics_per_node, per_node)
+    inter = (cluster.inter_node.bytes_per_s * cards, cluster.inter_node.latency_s)
+    intra = (cluster.intra_node.bytes_per_s, cluster.intra_node.latency_s)
+    out = np.zeros((graph.num_layers, num_devices + 1))
+    for d in range(1, num_devices + 1):
+        start = num_devices - d
+        if start == 0:
+            continue  # only the first stage starts at device 0
+        bw, latency = inter if start % per_node == 0 else intra
+        out[1:, d] = [(f + b) / bw + latency * (int(f > 0) + int(b > 0)) for f, b in zip(forward[1:], backward[1:])]
+    return out

@@ -124,6 +124,9 @@ def run_points(points: Sequence[Point], *, cache: bool = True, workers: int | No
         else:
             todo.append(i)
     done = len(points) - len(todo)
+    # Largest clusters first: they plan longest, so the pool ends with the short jobs
+    # filling in rather than one long job running alone at the end.
+    todo.sort(key=lambda i: -points[i].gpus)
     jobs = [(points[i], cache) for i in todo]
     pool = None
     if map_fn is None and workers and workers > 1 and len(jobs) > 1:

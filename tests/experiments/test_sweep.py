@@ -33,10 +33,10 @@ def report(cache_dir) -> SweepReport:
     return sweep(TINY, 2, "inter_node_gbps", GBPS, METHODS, devices_per_node=1)
 
 
-def run_cli(cache_dir, *args: str) -> subprocess.CompletedProcess:
+def run_cli(cache_dir, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = {**os.environ, "ALPASIM_CACHE_DIR": str(cache_dir)}
     return subprocess.run([sys.executable, "-m", "alpasim.cli", *args], capture_output=True, text=True,
-                          timeout=120, env=env)
+                          timeout=timeout, env=env)
 
 
 def test_rows_cover_every_value_and_method(report):
@@ -219,3 +219,20 @@ def test_cli_compare_matches_the_sweep(cache_dir, report):
     assert text.returncode == 0
     lines = [ln for ln in text.stdout.splitlines() if ln.startswith("  ")]
     assert len(lines) == 2 and "intra_only" in lines[1] and "x alpa" in lines[1]
+
+
+def test_cli_sweep_on_ray_matches_the_local_pool(tmp_path, cache_dir):
+    """`--ray` plans the points as Ray tasks on a local one-machine cluster (started and
+    stopped by the command); with a fresh cache every point is really planned there,
+    and the numbers equal an in-process sweep's."""
+    proc = run_cli(tmp_path / "cache", "sweep", "--model", TINY, "--gpus", "2", "--devices-per-node", "1,2",
+                   "--methods", "alpa,intra-only", "--ray", "--workers", "2", "--out", str(tmp_path / "out"),
+                   "--json", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {(row["value"], row["method"]): row for row in json.loads(proc.stdout)["rows"]}
+    local = sweep(TINY, 2, "devices_per_node", [1, 2], ["alpa", "intra-only"])
+    assert len(rows) == 4
+    for (value, method), row in rows.items():
+        assert not row["cached"]
+        assert row["throughput_pflops"] == pytest.approx(local.result(value, method).throughput_pflops,
+                                                         rel=1e-9), (value, method)

@@ -14,11 +14,19 @@ unit-free), and the enumeration stops once B * t_max >= T* (no larger bottleneck
 win). `t(k..i, shape, s)` depends on s, the number of stages from this one to the end,
 because 1F1B keeps min(s, B) microbatches of this stage's activations in flight (eq. 5).
 
-Optionally a stage also pays `boundary[k, d]`: the time to receive its input
-activations (and return their gradients) when it starts at layer k with d devices left
-for it and the stages after it. Stages are placed on devices in order, so such a stage
-starts at device D - d, and whether its boundary crosses nodes is known inside the DP;
-eq. 2 alone ignores cross-stage communication, which the simulator charges.
+Optionally the boundaries between stages are priced too (`boundary[k, d]`: seconds
+per microbatch to move the activations into a stage that starts at layer k with d
+devices left for it and its successors, and their gradients back). A boundary acts as
+a pipeline stage of its own that only communicates: eq. 2 becomes
+
+    T = sum_i (t_i + c_i) + (B - 1) * max(max_i t_i, max_i c_i)
+
+so a transfer lengthens the pipeline's fill and drain, and bounds its rate only when
+it is slower than every stage (it overlaps the next microbatch's compute otherwise).
+Stages are then placed on devices in order (`_submesh.place_submeshes`): a stage
+starting at layer k on d remaining devices starts at device D - d, which fixes whether
+its boundary crosses nodes, and a stage that would straddle a node boundary is not
+allowed (`devices_per_node`).
 
 Each (s, shape) step is a (min, +) product of a (k, i) cost matrix with the (i+1, d)
 table of the previous step, done with numpy broadcasting: O(S * shapes * L^2 * D) per
@@ -40,8 +48,8 @@ class StageChoice:
     first: int      # first layer (inclusive)
     last: int       # last layer (inclusive)
     shape: int      # index into the submesh shapes
-    cost_s: float   # t for this stage, with its boundary transfer
-    boundary_s: float = 0.0  # the part of cost_s spent receiving its inputs (and returning their gradients)
+    cost_s: float   # t for this stage
+    boundary_s: float = 0.0  # c: moving its inputs in and their gradients back, per microbatch
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,9 +60,9 @@ class DPResult:
     candidates_evaluated: int
 
 
-def pipeline_latency_s(costs: Sequence[float], microbatches: int) -> float:
-    """Eq. 2 for given stage latencies."""
-    return float(sum(costs) + (microbatches - 1) * max(costs))
+def pipeline_latency_s(costs: Sequence[float], microbatches: int, boundaries: Sequence[float] = ()) -> float:
+    """Eq. 2 for given stage latencies, with boundary transfers as stages of their own."""
+    return float(sum(costs) + sum(boundaries) + (microbatches - 1) * max(max(costs), max(boundaries, default=0.0)))
 
 
 def bubble_fraction(costs: Sequence[float], microbatches: int) -> float:
@@ -66,12 +74,14 @@ def bubble_fraction(costs: Sequence[float], microbatches: int) -> float:
 
 
 def stage_dp(cost: np.ndarray, sizes: Sequence[int], num_devices: int, microbatches: int,
-             epsilon: float = 1e-6, max_stages: int | None = None, boundary: np.ndarray | None = None) -> DPResult:
+             epsilon: float = 1e-6, max_stages: int | None = None, boundary: np.ndarray | None = None,
+             devices_per_node: int | None = None) -> DPResult:
     """Solve eq. 2 over `cost[k, i, shape, s-1]` = t(layers k..i, shape, s stages from here).
 
     `cost` has shape (L, L, num_shapes, S_max); entries with i < k or infeasible are inf.
-    `boundary` (shape (L, D + 1), optional) adds to a stage starting at layer k with d
-    devices remaining (see the module doc).
+    `boundary` (shape (L, D + 1), optional) prices the transfer into a stage starting
+    at layer k with d devices remaining; `devices_per_node` places stages in order
+    without straddling nodes (see the module doc).
     """
     num_layers, _, num_shapes, s_max = cost.shape
     s_max = min(s_max, num_layers, num_devices, max_stages or s_max)
@@ -87,37 +97,44 @@ def stage_dp(cost: np.ndarray, sizes: Sequence[int], num_devices: int, microbatc
             continue
         last_tried = t_max
         evaluated += 1
-        total, stages = _solve_fixed(cost, sizes, num_devices, s_max, t_max, boundary)
+        total, stages = _solve_fixed(cost, sizes, num_devices, s_max, t_max, boundary, devices_per_node)
         if stages is None:
             continue
         # Eq. 4 with the bottleneck actually reached (never above t_max).
-        latency = pipeline_latency_s([c.cost_s for c in stages], microbatches)
+        latency = pipeline_latency_s([c.cost_s for c in stages], microbatches, [c.boundary_s for c in stages])
         if latency < best.latency_s:
-            best = DPResult(latency, tuple(stages), max(c.cost_s for c in stages), evaluated)
+            reached = max(max(c.cost_s for c in stages), max(c.boundary_s for c in stages))
+            best = DPResult(latency, tuple(stages), reached, evaluated)
     return DPResult(best.latency_s, best.stages, best.t_max_s, evaluated)
 
 
 def _bottleneck_candidates(cost: np.ndarray, boundary: np.ndarray | None) -> np.ndarray:
-    """Every stage latency the table can produce: its entries, plus each entry with each
-    boundary time its first layer can pay."""
+    """Every value the bottleneck can take: a stage latency or a boundary transfer."""
     finite = cost[np.isfinite(cost)]
-    if boundary is None:
-        return np.unique(finite)
-    extra = [finite]
-    for k in range(cost.shape[0]):
-        row = cost[k][np.isfinite(cost[k])]
-        for b in np.unique(boundary[k]):
-            if b > 0:
-                extra.append(row + b)
-    return np.unique(np.concatenate(extra))
+    if boundary is not None:
+        finite = np.concatenate([finite, boundary[boundary > 0]])
+    return np.unique(finite)
+
+
+def _placeable(sizes: np.ndarray, num_devices: int, devices_per_node: int | None) -> np.ndarray:
+    """ok[h, d]: a piece of sizes[h] may start at device D - d without straddling a node
+    (within one node: it ends by the node's end; several nodes: it starts one)."""
+    d = np.arange(num_devices + 1)
+    if devices_per_node is None:
+        return np.ones((len(sizes), num_devices + 1), dtype=bool)
+    offset = ((num_devices - d) % devices_per_node)[None, :]
+    size = sizes[:, None]
+    return np.where(size <= devices_per_node, offset + size <= devices_per_node, offset == 0)
 
 
 def _solve_fixed(cost: np.ndarray, sizes: np.ndarray, num_devices: int, s_max: int, t_max: float,
-                 boundary: np.ndarray | None = None):
+                 boundary: np.ndarray | None = None, devices_per_node: int | None = None):
     num_layers = cost.shape[0]
     d_count = num_devices + 1
     if boundary is None:
         boundary = np.zeros((num_layers, d_count))
+    link = np.where(boundary <= t_max, boundary, INF)              # (k, d): a boundary above t_max is out
+    placeable = _placeable(sizes, num_devices, devices_per_node)   # (h, d)
     # f[s][k, d]: best sum for layers k..L-1 in s stages on exactly d devices.
     f = [np.full((num_layers + 1, d_count), INF)]
     f[0][num_layers, 0] = 0.0
@@ -133,8 +150,8 @@ def _solve_fixed(cost: np.ndarray, sizes: np.ndarray, num_devices: int, s_max: i
         for h, size in enumerate(sizes):
             if size > num_devices:
                 continue
-            t = masked[:, :, h, s - 1][:, :, None] + boundary[:, None, :]   # (k, i, d)
-            t = np.where(t <= t_max, t, INF)
+            entry = link + np.where(placeable[h], 0.0, INF)[None, :]         # (k, d)
+            t = masked[:, :, h, s - 1][:, :, None] + entry[:, None, :]       # (k, i, d)
             shifted = np.full((num_layers, d_count), INF)   # [i, d] = prev[i+1, d - size]
             shifted[:, size:] = prev[1:, :d_count - size]
             cand = t + shifted[None, :, :]                  # (k, i, d)
@@ -153,15 +170,14 @@ def _solve_fixed(cost: np.ndarray, sizes: np.ndarray, num_devices: int, s_max: i
     stages, k, d = [], 0, num_devices
     for s in range(best_s, 0, -1):
         i, h = arg[s][k, d]
-        b = float(boundary[k, d])
-        stages.append(StageChoice(int(k), int(i), int(h), float(cost[k, i, h, s - 1]) + b, b))
+        stages.append(StageChoice(int(k), int(i), int(h), float(cost[k, i, h, s - 1]), float(boundary[k, d])))
         k, d = i + 1, d - int(sizes[h])
     return best_total, stages
 
 
 def equal_layer_dp(cost: np.ndarray, sizes: Sequence[int], num_devices: int, microbatches: int,
                    epsilon: float = 1e-6, max_stages: int | None = None, stages: int | None = None,
-                   boundary: np.ndarray | None = None) -> DPResult:
+                   boundary: np.ndarray | None = None, devices_per_node: int | None = None) -> DPResult:
     """The paper's "equal layer" ablation: every stage holds the same number of layers
     (L/S, or its floor and ceiling when S does not divide L); the DP still picks the
     submeshes. The best S wins, or S = `stages` when given."""
@@ -174,7 +190,8 @@ def equal_layer_dp(cost: np.ndarray, sizes: Sequence[int], num_devices: int, mic
     for s in ([stages] if stages else range(1, s_top + 1)):
         ok = (length == num_layers // s) | (length == -(-num_layers // s))
         masked = np.where(ok[:, :, None, None], cost, INF)
-        r = stage_dp(masked, sizes, num_devices, microbatches, epsilon, max_stages=s, boundary=boundary)
+        r = stage_dp(masked, sizes, num_devices, microbatches, epsilon, max_stages=s, boundary=boundary,
+                     devices_per_node=devices_per_node)
         evaluated += r.candidates_evaluated
         if r.latency_s < best.latency_s:
             best = r

@@ -13,9 +13,11 @@ from alpasim.solvers._stage_dp import pipeline_latency_s, stage_dp
 from alpasim.solvers._submesh import SubmeshShape, covers_exactly, place_submeshes, submesh_shapes
 
 
-def brute_force(cost, sizes, num_devices, microbatches, boundary=None):
-    """Every slicing into contiguous stages x every shape per stage, exact device cover;
-    a stage placed after `start` devices pays `boundary[first layer, D - start]`."""
+def brute_force(cost, sizes, num_devices, microbatches, boundary=None, per_node=None):
+    """Every slicing into contiguous stages x every shape per stage, exact device cover.
+    With `boundary`, stages sit on devices in order, a stage starting at device p is fed
+    by a transfer of `boundary[first layer, D - p]` that counts as a stage of its own, and
+    (with `per_node`) no stage may straddle a node."""
     num_layers = cost.shape[0]
     best = np.inf
     for n_stages in range(1, num_layers + 1):
@@ -27,7 +29,13 @@ def brute_force(cost, sizes, num_devices, microbatches, boundary=None):
                 ts = [cost[a, b - 1, h, n_stages - j - 1] for j, ((a, b), h) in enumerate(zip(bounds, shapes))]
                 if boundary is not None:
                     starts = np.cumsum([0] + [sizes[h] for h in shapes[:-1]])
-                    ts = [t + boundary[a, num_devices - p] for t, (a, _), p in zip(ts, bounds, starts)]
+                    if per_node and any((p % per_node + sizes[h] > per_node) if sizes[h] <= per_node
+                                        else p % per_node for p, h in zip(starts, shapes)):
+                        continue
+                    cs = [boundary[a, num_devices - p] for (a, _), p in zip(bounds, starts)]
+                    if all(np.isfinite(ts)):
+                        best = min(best, sum(ts) + sum(cs) + (microbatches - 1) * max(ts + cs))
+                    continue
                 if not all(np.isfinite(ts)):
                     continue
                 best = min(best, pipeline_latency_s(ts, microbatches))
@@ -71,27 +79,31 @@ def test_dp_equals_brute_force(table):
 
 @given(tables(), st.data())
 @settings(max_examples=200, deadline=None)
-def test_dp_with_boundary_costs_equals_brute_force(table, data):
-    """The boundary term depends on where a stage starts (devices left), which the DP's
-    state knows; brute force places stages in order and adds it per stage."""
+def test_dp_with_boundary_transfers_equals_brute_force(table, data):
+    """Boundary transfers depend on where a stage starts (devices left), which the DP's
+    state knows; brute force places stages in order, prices each boundary as a stage of
+    its own (sum and bottleneck) and skips placements that straddle a node."""
     cost, sizes, num_devices, microbatches = table
     num_layers = cost.shape[0]
+    per_node = data.draw(st.sampled_from([None, 1, 2, 4]))
     boundary = np.zeros((num_layers, num_devices + 1))
     for k in range(1, num_layers):
         for d in range(1, num_devices):
-            boundary[k, d] = data.draw(st.integers(0, 10)) / 10
-    result = stage_dp(cost, sizes, num_devices, microbatches, epsilon=0.0, boundary=boundary)
-    expected = brute_force(cost, sizes, num_devices, microbatches, boundary)
+            boundary[k, d] = data.draw(st.integers(0, 30)) / 10
+    result = stage_dp(cost, sizes, num_devices, microbatches, epsilon=0.0, boundary=boundary,
+                      devices_per_node=per_node)
+    expected = brute_force(cost, sizes, num_devices, microbatches, boundary, per_node)
     if np.isinf(expected):
         assert np.isinf(result.latency_s)
         return
     assert result.latency_s == pytest.approx(expected, rel=1e-12)
     left = num_devices
-    for s in result.stages:  # each stage's cost carries exactly its boundary term
+    for j, s in enumerate(result.stages):  # each stage carries exactly its own boundary term
         assert s.boundary_s == boundary[s.first, left]
-        assert s.cost_s == pytest.approx(cost[s.first, s.last, s.shape, len(result.stages) - result.stages.index(s) - 1]
-                                         + s.boundary_s)
+        assert s.cost_s == cost[s.first, s.last, s.shape, len(result.stages) - j - 1]
         left -= sizes[s.shape]
+    assert result.latency_s == pytest.approx(pipeline_latency_s(
+        [s.cost_s for s in result.stages], microbatches, [s.boundary_s for s in result.stages]))
 
 
 def test_epsilon_gap_bounds_the_loss():

@@ -31,7 +31,7 @@ err = Console(stderr=True)
 
 USER_ERRORS = (gr.UnknownModelError, gr.ModelSpecError, gr.GraphFormatError, gr.GraphError,
                cm.ClusterError, cm.UnknownPresetError, sv.IntraOpInfeasible, sv.ShardingError,
-               sv.PlanInfeasible, sv.PlanFormatError)
+               sv.PlanInfeasible, sv.PlanFormatError, cm.ProfileFormatError)
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
 ClusterOpt = Annotated[str, typer.Option("--cluster", help="Preset name or cluster JSON file.")]
@@ -39,6 +39,8 @@ NodesOpt = Annotated[Optional[int], typer.Option("--nodes", help="Override the n
 DpnOpt = Annotated[Optional[int], typer.Option("--devices-per-node", help="Override devices per node.")]
 GbpsOpt = Annotated[Optional[float], typer.Option("--inter-node-gbps", help="Override inter-node bandwidth.")]
 MemOpt = Annotated[Optional[float], typer.Option("--memory-gb", help="Override device memory (GiB).")]
+CostModelOpt = Annotated[Optional[Path], typer.Option("--cost-model", help="A profiled cost model JSON "
+                                                      "(`alpasim profile`) instead of the analytic model.")]
 
 
 def fail(message: str, code: int = 2) -> NoReturn:
@@ -63,6 +65,11 @@ def load_cluster(spec: str, nodes: int | None = None, devices_per_node: int | No
             raise cm.ClusterError(f"{spec}: {e}") from None
         return cluster.with_overrides(**overrides)
     return cm.get_cluster(spec, **overrides)
+
+
+def load_cost_model(path: Path | None, cluster: cm.Cluster) -> cm.ProfiledCostModel | None:
+    """The profile at `path` bound to `cluster` (its intra-node link becomes the measured one)."""
+    return None if path is None else cm.ProfiledCostModel.load(path, cluster)
 
 
 def model_with_batch(model: str, batch: int | None) -> tuple[str, Any]:
@@ -448,7 +455,8 @@ def _plan_map(workers: int | None, ray: bool, ray_address: str | None):
 
 def make_plan(model: str, cluster: cm.Cluster, *, microbatches: str, remat: bool, layers: int | None,
               cache: bool, workers: int | None, ray: bool, ray_address: str | None, quiet: bool,
-              max_stages: int = 16, epsilon: float = 1e-3) -> sv.PipelinePlan:
+              max_stages: int = 16, epsilon: float = 1e-3,
+              cost_model: cm.CostModel | None = None) -> sv.PipelinePlan:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     mb: int | str = microbatches
@@ -471,7 +479,7 @@ def make_plan(model: str, cluster: cm.Cluster, *, microbatches: str, remat: bool
         with progress:
             return sv.plan_pipeline(model, cluster, microbatches=mb, remat=remat, map_fn=map_fn,
                                     cache=sv.DiskCache(enabled=cache), progress=report, layers=layers,
-                                    max_stages=max_stages, epsilon=epsilon)
+                                    max_stages=max_stages, epsilon=epsilon, cost_model=cost_model)
     finally:
         close()
 
@@ -504,6 +512,7 @@ def plan(
     dp: Annotated[Optional[int], typer.Option("--dp", help="Megatron data-parallel degree.")] = None,
     microbatch_size: Annotated[Optional[int], typer.Option("--microbatch-size", help="Megatron microbatch "
                                                            "size per data-parallel replica.")] = None,
+    cost_model: CostModelOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Plan pipeline stages, submeshes and intra-op shardings for a model on a cluster.
@@ -514,6 +523,7 @@ def plan(
     the table output prints why and exits 2, `--json` prints the plan with `feasible`
     false and exits 0 (Alpa finding no plan stays an error: exit 2 either way)."""
     c = load_cluster(cluster, nodes, devices_per_node, inter_node_gbps, memory_gb)
+    model_costs = load_cost_model(cost_model, c)
     if max_stages < 1 or epsilon < 0:
         fail("--max-stages must be at least 1 and --epsilon at least 0")
     name = method.strip().lower().replace("-", "_")
@@ -529,12 +539,12 @@ def plan(
     if name == "alpa":
         p = make_plan(model, c, microbatches=microbatches, remat=remat, layers=layers, cache=not no_cache,
                       workers=workers, ray=ray, ray_address=ray_address, quiet=as_json, max_stages=max_stages,
-                      epsilon=epsilon)
+                      epsilon=epsilon, cost_model=model_costs)
     else:
         config = sv.MegatronConfig(tp, pp, dp, microbatch_size) if given else None
         p = _baseline_plan(name, model, c, config, microbatches=microbatches, remat=remat, layers=layers,
                            cache=not no_cache, workers=workers, ray=ray, ray_address=ray_address, quiet=as_json,
-                           max_stages=max_stages, epsilon=epsilon)
+                           max_stages=max_stages, epsilon=epsilon, cost_model=model_costs)
         if not p.feasible:
             if out_path is not None:
                 p.save(out_path)
@@ -562,7 +572,8 @@ def plan(
 
 def _baseline_plan(method: str, model: str, cluster: cm.Cluster, config: sv.MegatronConfig | None, *,
                    microbatches: str, remat: bool, layers: int | None, cache: bool, workers: int | None, ray: bool,
-                   ray_address: str | None, quiet: bool, max_stages: int, epsilon: float) -> sv.PipelinePlan:
+                   ray_address: str | None, quiet: bool, max_stages: int, epsilon: float,
+                   cost_model: cm.CostModel | None = None) -> sv.PipelinePlan:
     """`plan_with_method` for a baseline, with the options its restriction leaves open."""
     from rich.progress import Progress, TextColumn, TimeElapsedColumn
 
@@ -573,6 +584,8 @@ def _baseline_plan(method: str, model: str, cluster: cm.Cluster, config: sv.Mega
         except ValueError:
             fail(f"--microbatches {microbatches!r}: a positive integer or 'auto'")
     kw: dict[str, Any] = {"remat": remat, "epsilon": epsilon}
+    if cost_model is not None:
+        kw["cost_model"] = cost_model
     if layers is not None:
         if method in ("inter_only", "equal_operator", "megatron"):
             fail(f"--layers does not apply to --method {method} (it sets the layers itself)")
@@ -630,9 +643,10 @@ def print_plan(p: sv.PipelinePlan) -> None:
 # -------------------------------------------------------------------- simulate
 def simulation_report(p: sv.PipelinePlan, schedule: str, *, chunks: int = 2, cross_mesh: str = "local_all_gather",
                       trace: Path | None = None, gantt: Path | None = None,
-                      memory_png: Path | None = None) -> dict[str, Any]:
-    """Simulate one iteration of a plan; the timeline metrics as one JSON-ready dict."""
-    tl = sim.simulate(p, schedule, chunks=chunks, cross_mesh=cross_mesh)
+                      memory_png: Path | None = None, cluster: cm.Cluster | None = None) -> dict[str, Any]:
+    """Simulate one iteration of a plan (on `cluster`, default the plan's own); the
+    timeline metrics as one JSON-ready dict."""
+    tl = sim.simulate(p, schedule, chunks=chunks, cross_mesh=cross_mesh, cluster=cluster)
     report = tl.to_json()
     written = {}
     for key, path, write in (("trace", trace, tl.chrome_trace), ("gantt", gantt, tl.gantt_png),
@@ -657,9 +671,15 @@ def simulate(
     trace: Annotated[Optional[Path], typer.Option("--trace", help="Write a Chrome trace JSON (Perfetto).")] = None,
     gantt: Annotated[Optional[Path], typer.Option("--gantt", help="Write a Gantt chart PNG.")] = None,
     memory_png: Annotated[Optional[Path], typer.Option("--memory-png", help="Write memory over time PNG.")] = None,
+    cost_model: CostModelOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Simulate one training iteration of a plan: iteration time, bubbles, memory, traffic."""
+    """Simulate one training iteration of a plan: iteration time, bubbles, memory, traffic.
+
+    With `--cost-model`, transfers between meshes use the profile's measured link
+    inside a node; stage compute and sync times stay those the plan was priced with
+    (re-plan with `--cost-model` to re-price them; a note says when the plan's model
+    differs)."""
     if schedule not in sim.SCHEDULES:
         fail(f"--schedule {schedule!r}: choose one of {', '.join(sim.SCHEDULES)}")
     if cross_mesh not in sim.CROSS_MESH_METHODS:
@@ -667,8 +687,21 @@ def simulate(
     if chunks < 1:
         fail(f"--chunks must be at least 1, got {chunks}")
     p = sv.load_plan(plan_file)
+    cluster, model_note = None, None
+    if cost_model is not None:
+        base = sim.plan_cluster(p)
+        if base is None:
+            fail(f"{plan_file}: the plan records no cluster spec to bind --cost-model to")
+        model = load_cost_model(cost_model, base)
+        cluster = model.cluster
+        if p.search.get("cost_model", {}).get("digest") != model.digest:
+            model_note = (f"stage times come from the plan (priced by "
+                          f"{p.search.get('cost_model', {}).get('name', 'the analytic model')}); only cross-mesh "
+                          f"links use {cost_model}")
     report = simulation_report(p, schedule, chunks=chunks, cross_mesh=cross_mesh, trace=trace, gantt=gantt,
-                               memory_png=memory_png)
+                               memory_png=memory_png, cluster=cluster)
+    if model_note is not None:
+        report["notes"] = [*report["notes"], model_note]
     if as_json:
         emit_json(report)
         return
@@ -696,6 +729,53 @@ def print_simulation(r: dict[str, Any], title: str = "simulation") -> None:
         err.print(f"note: {note}", markup=False)
     for key, path in r["outputs"].items():
         out.print(f"wrote {key.replace('_', ' ')}: {path}")
+
+
+# --------------------------------------------------------------------- profile
+@app.command()
+def profile(
+    out_path: Annotated[Path, typer.Option("--out", help="Write the fitted cost model JSON here.")] = Path(
+        "profile.json"),
+    quick: Annotated[bool, typer.Option("--quick", help="A smaller benchmark grid (about 15 s on 2 CPU "
+                                        "cores instead of about 30 s).")] = False,
+    cpu_devices: Annotated[Optional[int], typer.Option("--cpu-devices", help="On the CPU: run as this many "
+                                                       "virtual devices (default: XLA_FLAGS, else 1).")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Microbenchmark ops and collectives on the current JAX backend and fit a cost model.
+
+    The JSON it writes is what `plan --cost-model` and `simulate --cost-model` read.
+    Collectives need at least two devices (on a CPU: `--cpu-devices 8`)."""
+    if cpu_devices is not None:
+        if cpu_devices < 1:
+            fail(f"--cpu-devices must be at least 1, got {cpu_devices}")
+        import jax
+
+        jax.config.update("jax_num_cpu_devices", cpu_devices)
+    from alpasim import backends
+
+    def log(line: str) -> None:
+        if not as_json:
+            err.print(line, markup=False, highlight=False)
+
+    model = backends.profile_backend(quick=quick, log=log)
+    try:
+        model.save(out_path)
+    except OSError as e:
+        fail(f"cannot write {out_path}: {e.strerror or e}")
+    if as_json:
+        emit_json({"out": str(out_path), **model.to_json()})
+        return
+    t = Table(title=f"profile {model.name} ({model.meta['grid']} grid, {model.meta['profile_s']:.1f} s)")
+    for col in ("op class", "launch", "GFLOP/s", "GB/s", "fit error (rms)"):
+        t.add_column(col)
+    errors = model.meta["rms_relative_error"]
+    for c, f in model.ops.items():
+        t.add_row(c, f"{f.launch_s * 1e6:.1f} us", f"{1e-9 / f.seconds_per_flop:.1f}" if f.seconds_per_flop else "-",
+                  f"{1e-9 / f.seconds_per_byte:.1f}" if f.seconds_per_byte else "-", f"{errors[f'op:{c}']:.0%}")
+    out.print(t)
+    out.print(f"fitted link: {model.link.bandwidth_gbps:.1f} Gbit/s, {model.link.latency_s * 1e6:.1f} us latency; "
+              f"jit dispatch {model.meta['dispatch_s'] * 1e6:.0f} us; wrote {out_path}")
 
 
 # ------------------------------------------------------------------- reproduce

@@ -1,4 +1,4 @@
-"""Clusters and devices, collective / compute / memory costs, and the `CostModel` protocol."""
+"""Clusters and devices, collective / compute / memory costs, the `CostModel` protocol and profiled models."""
 
 from ._collectives import COLLECTIVE_KINDS as COLLECTIVE_KINDS
 from ._collectives import MeshAxis as MeshAxis
@@ -31,3 +31,13 @@ from ._presets import PRESETS as PRESETS
 from ._presets import UnknownPresetError as UnknownPresetError
 from ._presets import get_cluster as get_cluster
 from ._presets import list_presets as list_presets
+from ._profile_fit import CollectiveSample as CollectiveSample
+from ._profile_fit import OpSample as OpSample
+from ._profile_fit import fit_profile as fit_profile
+from ._profiled import OP_CLASSES as OP_CLASSES
+from ._profiled import PROFILE_SCHEMA as PROFILE_SCHEMA
+from ._profiled import CollectiveFit as CollectiveFit
+from ._profiled import OpFit as OpFit
+from ._profiled import ProfiledCostModel as ProfiledCostModel
+from ._profiled import ProfileFormatError as ProfileFormatError
+from ._profiled import op_class as op_class

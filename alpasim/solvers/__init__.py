@@ -50,6 +50,7 @@ from ._inter_op import PlanInfeasible as PlanInfeasible
 from ._inter_op import microbatch_candidates as microbatch_candidates
 from ._inter_op import plan_pipeline as plan_pipeline
 from ._inter_op import planning_units as planning_units
+from ._inter_op import planning_graph as planning_graph
 from ._pipeline_plan import PLAN_SCHEMA as PLAN_SCHEMA
 from ._pipeline_plan import PipelinePlan as PipelinePlan
 from ._pipeline_plan import PipelineStage as PipelineStage

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from alpasim.costmodels import Cluster
+from alpasim.costmodels import Cluster, CostModel
 from alpasim.graphs import (
     OpGraph,
     assign_layers,
@@ -28,7 +28,7 @@ from alpasim.graphs import (
 
 from ._cache import DiskCache
 from ._pipeline_plan import PipelinePlan, PipelineStage, plan_cluster_info
-from ._stage_costs import LayerOption, StageCosts, build_stage_costs, canonical_params
+from ._stage_costs import LayerOption, StageCosts, build_stage_costs, canonical_params, cost_model_key
 from ._boundary import stage_boundary_s
 from ._stage_dp import DPResult, bubble_fraction, equal_layer_dp, stage_dp
 from ._submesh import place_submeshes
@@ -110,7 +110,8 @@ def plan_pipeline(model: str, cluster: Cluster, *, microbatches: int | str = "au
                   max_stages: int = DEFAULT_MAX_STAGES, restriction: str | None = None,
                   shape_ok: Callable | None = None, views_of: Callable | None = None, equal_layers: bool = False,
                   num_stages: int | None = None, relabel: Callable[[OpGraph], OpGraph] | None = None,
-                  pareto: bool = True, price_boundaries: bool = True) -> PipelinePlan:
+                  pareto: bool = True, price_boundaries: bool = True,
+                  cost_model: CostModel | None = None) -> PipelinePlan:
     """Plan `model` on `cluster`; `layers` re-clusters the forward ops into that many
     layers with the eq. 6 DP instead of the zoo's blocks (planning units).
 
@@ -120,8 +121,14 @@ def plan_pipeline(model: str, cluster: Cluster, *, microbatches: int | str = "au
     (`num_stages` of them, if given) and `relabel` replaces the layer assignment of the
     forward graph; `pareto=False` solves each layer for its fastest plan only.
     `price_boundaries=False` drops the stage-boundary transfer term from the DP's
-    objective (`_boundary`), leaving the paper's eq. 2 as written."""
+    objective (`_boundary`), leaving the paper's eq. 2 as written.
+
+    `cost_model` (None: analytic) prices every stage; its cluster replaces `cluster`
+    (see `build_stage_costs`), so the plan records the cluster the model priced, and
+    `search["cost_model"]` records the model's name and digest."""
     t0 = time.perf_counter()
+    if cost_model is not None:
+        cluster = cost_model.cluster
     name, cfg = resolve_model(model)
     global_batch = cfg.batch
     cache = cache or DiskCache(enabled=False)
@@ -147,16 +154,18 @@ def plan_pipeline(model: str, cluster: Cluster, *, microbatches: int | str = "au
         s_max = min(max_stages, graph.num_layers, cluster.num_devices)
         costs = build_stage_costs(graph, cluster, b, max_stages=s_max, map_fn=map_fn, cache=cache,
                                   progress=report, restriction=restriction, shape_ok=shape_ok, views_of=views_of,
-                                  pareto=pareto)
+                                  pareto=pareto, cost_model=cost_model)
         jobs += costs.ilp_jobs
         hits += costs.cache_hits
         sizes = [sh.size for sh in costs.shapes]
         boundary = stage_boundary_s(graph, cluster) if price_boundaries else None
+        per_node = cluster.devices_per_node if price_boundaries else None
         if equal_layers:
             dp = equal_layer_dp(costs.cost, sizes, cluster.num_devices, b, epsilon=epsilon, stages=num_stages,
-                                boundary=boundary)
+                                boundary=boundary, devices_per_node=per_node)
         else:
-            dp = stage_dp(costs.cost, sizes, cluster.num_devices, b, epsilon=epsilon, boundary=boundary)
+            dp = stage_dp(costs.cost, sizes, cluster.num_devices, b, epsilon=epsilon, boundary=boundary,
+                          devices_per_node=per_node)
         evaluated[b] = Candidate(b, graph, costs, dp)
         candidates.append(evaluated[b])
         return evaluated[b]
@@ -181,6 +190,9 @@ def plan_pipeline(model: str, cluster: Cluster, *, microbatches: int | str = "au
     search = {"seconds": time.perf_counter() - t0, "ilp_solves": jobs, "cache_hits": hits,
               "microbatch_candidates": sorted(c.microbatches for c in candidates),
               "dp_bottlenecks_evaluated": best.dp.candidates_evaluated}
+    if cost_model is not None:
+        search["cost_model"] = {"name": getattr(cost_model, "name", type(cost_model).__name__),
+                                "digest": cost_model_key(cost_model)}
     if not best.dp.stages:
         need = min(_least_memory(c, cluster.num_devices) for c in candidates)
         raise PlanInfeasible(
@@ -248,7 +260,7 @@ def _assemble_plan(name: str, cfg, cluster: Cluster, best: Candidate, candidates
                                   "strategy": strategy, "output": out})
         inflight = min(s, b)
         stages.append(PipelineStage((st.first, st.last), tuple(devices), (shapes[idx].n, shapes[idx].m),
-                                    tuple(logical), float(st.cost_s - st.boundary_s),
+                                    tuple(logical), float(st.cost_s),
                                     pers + act + (inflight - 1) * stash, inflight, compute, sync, pers, act, j,
                                     param_specs, tuple(heavy), forward, compute - forward, stash,
                                     float(st.boundary_s)))
@@ -259,7 +271,7 @@ def _assemble_plan(name: str, cfg, cluster: Cluster, best: Candidate, candidates
         "tflops_per_device": flops / iteration / cluster.num_devices / 1e12,
         "throughput_pflops": flops / iteration / 1e15,
         "peak_memory_bytes": max(s.memory_bytes for s in stages),
-        "bubble_fraction": bubble_fraction([s.time_s + s.boundary_s for s in stages], b),
+        "bubble_fraction": bubble_fraction([s.time_s for s in stages], b),
     }
     runner_ups = []
     for c in candidates:

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from alpasim.costmodels import AnalyticCostModel, Cluster
+from alpasim.costmodels import AnalyticCostModel, Cluster, CostModel
 from alpasim.graphs import OpGraph, is_heavy, op_flops, stage_graph
 
 from ._cache import CACHE_VERSION, DiskCache, digest
@@ -119,14 +119,16 @@ def mesh_key(mesh: LogicalMesh) -> list:
 
 
 def layer_options(layer: OpGraph, mesh: LogicalMesh, cluster: Cluster, microbatches: int,
-                  restriction: str | None = None, pareto: bool = True) -> list[LayerOption]:
+                  restriction: str | None = None, pareto: bool = True,
+                  cost_model: CostModel | None = None) -> list[LayerOption]:
     """The Pareto set of plans of one layer on one mesh (see the module doc).
 
     With a `restriction` (a baseline of `_intra_baselines.BASELINES`: data parallel,
     Megatron-LM, ZeRO, ...) the layer gets that baseline's single plan instead: a
     hand-designed system has one layout per configuration, not a memory trade-off.
-    `pareto=False` keeps only the fastest plan (for graphs with many distinct layers)."""
-    model = AnalyticCostModel(cluster)
+    `pareto=False` keeps only the fastest plan (for graphs with many distinct layers).
+    `cost_model` prices ops (None: `AnalyticCostModel(cluster)`)."""
+    model = AnalyticCostModel(cluster) if cost_model is None else cost_model
     params = canonical_params(layer)
     heavy = sorted((i for i, op in enumerate(layer.ops) if is_heavy(op)),
                    key=lambda i: -op_flops(layer.ops[i], layer.tensors))[:TOP_HEAVY]
@@ -185,8 +187,19 @@ def _reference_bytes(o: LayerOption) -> float:
 
 def _options_job(job: tuple) -> list[dict]:
     """Top-level (picklable) unit of work for a process pool or a Ray task."""
-    layer, mesh, cluster, microbatches, restriction, pareto = job
-    return [o.to_json() for o in layer_options(layer, mesh, cluster, microbatches, restriction, pareto)]
+    layer, mesh, cluster, microbatches, restriction, pareto, cost_model = job
+    return [o.to_json() for o in layer_options(layer, mesh, cluster, microbatches, restriction, pareto, cost_model)]
+
+
+def cost_model_key(cost_model: CostModel | None) -> str | None:
+    """What a cache key records of the cost model: None for the analytic one (so keys
+    made before profiled models existed stay valid), else the model's `digest`."""
+    if cost_model is None or isinstance(cost_model, AnalyticCostModel):
+        return None
+    key = getattr(cost_model, "digest", None)
+    if not isinstance(key, str):
+        raise TypeError(f"cost model {type(cost_model).__name__} has no `digest` to key the stage-cost cache")
+    return key
 
 
 @dataclass
@@ -212,10 +225,14 @@ def build_stage_costs(graph: OpGraph, cluster: Cluster, microbatches: int, *, ma
                       progress: Callable[[int, int], None] | None = None, restriction: str | None = None,
                       shape_ok: Callable[[SubmeshShape], bool] | None = None,
                       views_of: Callable[[SubmeshShape], Sequence[tuple[int, int]]] | None = None,
-                      pareto: bool = True) -> StageCosts:
+                      pareto: bool = True, cost_model: CostModel | None = None) -> StageCosts:
     """The table for `graph`; `restriction` names an intra-op baseline every layer is
     solved under, `shape_ok` narrows the submesh shapes and `views_of` replaces the
-    logical views of a shape (baselines that only pipeline, or fix their mesh layout)."""
+    logical views of a shape (baselines that only pipeline, or fix their mesh layout).
+    A `cost_model` prices the ops, and its cluster replaces `cluster`: a profiled
+    model's cluster carries the measured link, which the meshes then price with."""
+    if cost_model is not None:
+        cluster = cost_model.cluster
     check_cluster_grid(cluster)
     cache = cache or DiskCache(enabled=False)
     num_layers = graph.num_layers
@@ -231,17 +248,19 @@ def build_stage_costs(graph: OpGraph, cluster: Cluster, microbatches: int, *, ma
     first_of_kind = {k: layers[i] for i, k in reversed(list(enumerate(kinds)))}
     memory = float(cluster.device.memory_bytes)
     device_key = [cluster.device.name, sorted(cluster.device.to_json().items())]
+    model_key = cost_model_key(cost_model)
 
     options: dict[tuple[str, int], list[LayerOption]] = {}
     pending, solved = [], []
     for kind, layer in first_of_kind.items():
         for m, (_, _, mesh) in enumerate(meshes):
-            key = digest([CACHE_VERSION, kind, mesh_key(mesh), microbatches, device_key, restriction, pareto])
+            parts = [CACHE_VERSION, kind, mesh_key(mesh), microbatches, device_key, restriction, pareto]
+            key = digest(parts if model_key is None else parts + [model_key])
             hit = cache.get(key)
             if hit is not None:
                 options[(kind, m)] = [LayerOption.from_json(d) for d in hit]
                 continue
-            pending.append((layer, mesh, cluster, microbatches, restriction, pareto))
+            pending.append((layer, mesh, cluster, microbatches, restriction, pareto, cost_model))
             solved.append((kind, m, key))
     total = len(pending)
     for n, (result, (kind, m, key)) in enumerate(zip(map_fn(_options_job, pending), solved), 1):

@@ -1,0 +1,64 @@
+"""A real profile on 8 virtual CPU devices: it runs, writes a valid model, and predicts sanely.
+
+Run in a subprocess: the device count must be set before JAX starts, and other tests
+in this process have already started it with one device.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from alpasim.costmodels import COLLECTIVE_KINDS, OP_CLASSES, ProfiledCostModel, get_cluster
+from alpasim.graphs import GraphBuilder
+
+
+@pytest.fixture(scope="module")
+def quick_profile(tmp_path_factory):
+    out = tmp_path_factory.mktemp("profile") / "profile.json"
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "alpasim.cli", "profile", "--quick", "--cpu-devices", "8",
+                           "--out", str(out), "--json"], capture_output=True, text=True, timeout=240)
+    wall = time.perf_counter() - t0
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout), out, wall
+
+
+def test_quick_profile_writes_a_loadable_model(quick_profile):
+    printed, path, wall = quick_profile
+    model = ProfiledCostModel.load(path, get_cluster("aws-p3.16xlarge", nodes=1))
+    assert printed["out"] == str(path) and printed["ops"] == model.to_json()["ops"]
+    assert model.meta["num_devices"] == 8 and model.meta["platform"] == "cpu" and model.meta["grid"] == "quick"
+    assert set(model.ops) == set(OP_CLASSES)
+    assert {k for k, _ in model.collectives} == set(COLLECTIVE_KINDS)
+    assert {n for k, n in model.collectives if k == "all_reduce"} == {2, 4, 8}
+    print(f"quick profile: {wall:.1f} s in all, {model.meta['profile_s']:.1f} s measuring")
+
+
+def test_profiled_predictions_are_positive_and_grow_with_size(quick_profile):
+    _, path, _ = quick_profile
+    model = ProfiledCostModel.load(path, get_cluster("aws-p3.16xlarge", nodes=1))
+    for kind in ("matmul", "tanh", "softmax", "layer_norm"):
+        times = []
+        for m in (64, 256, 1024):
+            b = GraphBuilder(kind)
+            x = b.input("x", (m, 256), "float32")
+            if kind == "matmul":
+                y = b.einsum("mk,kn->mn", x, b.param("w", (256, 256), "float32"))
+            elif kind == "tanh":
+                y = b.ew("tanh", x)
+            elif kind == "softmax":
+                y = b.one("softmax", [x], axis=-1)
+            else:
+                y = b.one("layer_norm", [x, b.param("g", (256,), "float32"), b.param("c", (256,), "float32")])
+            g = b.build([y])
+            times.append(model.op_time_s(g.ops[0], g.tensors))
+        assert all(t > 0 for t in times) and times == sorted(times) and times[-1] > times[0], (kind, times)
+    axes = model.mesh_axes((1, 8))
+    for kind in COLLECTIVE_KINDS:
+        times = [model.collective_time_s(kind, s, axes) for s in (1e4, 1e6, 1e8)]
+        assert all(t > 0 for t in times) and times[-1] > times[0], (kind, times)

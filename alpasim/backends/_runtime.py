@@ -1,0 +1,249 @@
+"""The local runtime: one process walks the simulator's `Program` over every mesh.
+
+`run_local(plan)` builds the same `Program` `alpasim simulate` runs
+(`alpasim.simulator.build_program`), lowers each stage on its devices (`lower_stage`)
+and executes the instruction lists: `Run` calls the stage's compiled forward or
+backward, `Send` moves tensors with `jax.device_put` to the receiver's
+`NamedSharding`, `Recv` hands them to the receiver, `Free` drops the stash,
+`GradSync` is empty (JAX reduced each microbatch's gradients inside its backward; see
+`_executable`) and `Update` runs the sharded Adam step.
+
+The meshes are walked round-robin, each as far as its `Recv`s are satisfied, so the
+order within every mesh is the program's and a receive never runs before its send.
+Every instruction is timed around `block_until_ready` into a `Timeline`, the type the
+simulator produces, so traces and Gantt charts work on measured runs too. One process
+runs one instruction at a time: the measured timeline is serial, and the step time is
+the sum of all meshes' work plus transfers (on a CPU the virtual devices share the
+cores anyway).
+
+What the program's transfers carry: forward activations by name; a mesh's cotangents
+for the activations it received ride on its first backward transfer back to the
+sender (the plan names training-graph tensors, the runtime works with the forward
+graph); a replicated parameter's accumulated gradient rides on the per-iteration
+transfer to its owner. After the updates, each replica is refreshed from its owner
+(outside the program: the plan does not list that broadcast).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from alpasim.simulator import Event, GradSync, MeshInfo, Program, Recv, Run, Send, Timeline, Update, build_program
+from alpasim.solvers import PipelinePlan, planning_graph
+
+from ._executable import StageExecutable, lower_stage
+from ._stages import StagePart, microbatch_inputs
+
+Payload = list[tuple[str, str]]  # (kind "act" | "ct" | "grad", tensor or parameter name)
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """Losses per step, step 1's accumulated gradients, measured times, the last step's timeline."""
+
+    losses: list[float]
+    grads: dict[str, np.ndarray]            # graph parameter name -> full-batch (mean) gradient of step 1
+    step_times_s: list[float]
+    timeline: Timeline
+    stages: list[StageExecutable]
+    program: Program
+
+    @property
+    def measured_step_s(self) -> float:
+        """Median step time; the first step is left out when there are more (warm-up)."""
+        times = self.step_times_s[1:] or self.step_times_s
+        return statistics.median(times)
+
+
+def run_local(plan: PipelinePlan, *, steps: int = 1, seed: int = 0, schedule: str | None = None,
+              devices: Sequence[jax.Device] | None = None) -> RunResult:
+    """Train `steps` iterations of `plan` on this process's devices (plan device ids
+    index `devices`, default `jax.devices()`)."""
+    devices = list(devices if devices is not None else jax.devices())
+    need = 1 + max(d for st in plan.stages for d in st.devices)
+    if len(devices) < need:
+        raise ValueError(f"plan uses device ids up to {need - 1}; only {len(devices)} devices are visible "
+                         f"(set XLA_FLAGS=--xla_force_host_platform_device_count={need} on the CPU)")
+    graph = planning_graph(plan.model)
+    program = build_program(plan, schedule or plan.schedule)
+    stages = [lower_stage(plan, graph, k, [devices[d] for d in st.devices], seed=seed)
+              for k, st in enumerate(plan.stages)]
+    payloads = _payloads(program, [s.part for s in stages])
+    losses, times, grads = [], [], {}
+    timeline = None
+    for step in range(steps):
+        walker = _Walker(program, stages, payloads, graph, seed, step)
+        t0 = time.perf_counter()
+        walker.run()
+        _refresh_replicas(stages)
+        times.append(time.perf_counter() - t0)
+        losses.append(float(sum(np.asarray(v) for v in walker.losses) / plan.microbatches))
+        if step == 0:
+            grads = walker.grads
+        timeline = walker.timeline(plan, times[-1])
+    return RunResult(losses, grads, times, timeline, stages, program)
+
+
+def _payloads(program: Program, parts: list[StagePart]) -> dict[int, Payload]:
+    """What each program transfer carries (module doc); every boundary tensor once."""
+    out: dict[int, Payload] = defaultdict(list)
+    first: dict[tuple, int] = {}
+    for i, t in enumerate(program.transfers):
+        first.setdefault((t.src_stage, t.dst_stage, t.direction, t.per_iteration), i)
+    owner = {p: part.index for part in parts for p in part.owned}
+
+    def attach(key: tuple, item: tuple[str, str], what: str) -> None:
+        if key not in first:
+            raise ValueError(f"program has no transfer from mesh {key[0]} to mesh {key[1]} for {what}")
+        out[first[key]].append(item)
+
+    for part in parts:
+        for t, readers in part.acts_out.items():
+            for dst in readers:
+                named = [i for i, x in enumerate(program.transfers) if x.tensor == t and x.direction == "forward"
+                         and (x.src_stage, x.dst_stage) == (part.index, dst)]
+                if named:
+                    out[named[0]].append(("act", t))
+                else:
+                    attach((part.index, dst, "forward", False), ("act", t), f"activation {t!r}")
+                attach((dst, part.index, "backward", False), ("ct", t), f"the cotangent of {t!r}")
+        for p in part.params:
+            if owner[p] != part.index:
+                attach((part.index, owner[p], "backward", True), ("grad", p), f"the gradient of {p!r}")
+    return out
+
+
+def _refresh_replicas(stages: list[StageExecutable]) -> None:
+    owner = {p: s for s in stages for p in s.part.owned}
+    for s in stages:
+        for p in s.part.params:
+            if owner[p] is not s:
+                s.set_param(p, owner[p].params[p])
+
+
+class _Walker:
+    """One iteration of the program over all meshes, with per-instruction timing."""
+
+    def __init__(self, program: Program, stages: list[StageExecutable], payloads: dict[int, Payload], graph,
+                 seed: int, step: int) -> None:
+        self.program, self.stages, self.payloads = program, stages, payloads
+        self.graph, self.seed, self.step = graph, seed, step
+        self.mailbox: dict[tuple[int, int], list] = {}
+        self.acts: dict[tuple[int, int], dict] = defaultdict(dict)     # (mesh, microbatch) -> received activations
+        self.cts: dict[tuple[int, int], dict] = defaultdict(dict)      # (mesh, microbatch) -> received cotangents
+        self.outs: dict[tuple[int, int], dict] = {}                    # (mesh, microbatch) -> forward outputs
+        self.back: dict[tuple[int, int], dict] = {}                    # (mesh, microbatch) -> cotangents to send
+        self.losses: list = []
+        self.grads: dict[str, np.ndarray] = {}
+        self.events: list[Event] = []
+        self.sent_bytes = 0.0
+        self.t0 = time.perf_counter()
+
+    def run(self) -> None:
+        pc = [0] * self.program.num_meshes
+        while any(pc[k] < len(m) for k, m in enumerate(self.program.meshes)):
+            moved = False
+            for k, mesh in enumerate(self.program.meshes):
+                while pc[k] < len(mesh):
+                    ins = mesh[pc[k]]
+                    if isinstance(ins, Recv) and (ins.transfer, ins.microbatch) not in self.mailbox:
+                        break
+                    self.execute(k, ins)
+                    pc[k] += 1
+                    moved = True
+            if not moved:
+                meshes = self.program.meshes
+                stuck = {k: meshes[k][pc[k]] for k in range(len(pc)) if pc[k] < len(meshes[k])}
+                raise RuntimeError(f"program deadlocked: every mesh waits on a receive: {stuck}")
+
+    def execute(self, k: int, ins) -> None:
+        stage = self.stages[k]
+        start = time.perf_counter()
+        if isinstance(ins, Run):
+            m = ins.microbatch
+            if ins.phase == "forward":
+                data = microbatch_inputs(self.graph, self.seed, self.step, m)
+                outs = stage.forward(m, self.acts.pop((k, m), {}), data)
+                jax.block_until_ready(outs)
+                self.outs[k, m] = outs
+                if stage.part.loss is not None:
+                    self.losses.append(outs[stage.part.loss])
+            else:
+                self.back[k, m] = jax.block_until_ready(stage.backward(m, self.cts.pop((k, m), {})))
+                self.outs.pop((k, m), None)  # its sends came right after the forward
+            self.record(f"mesh{k}", "compute", k, ins.microbatch, start, name=ins.phase)
+        elif isinstance(ins, Send):
+            self.send(k, ins, start)
+        elif isinstance(ins, Recv):
+            self.receive(k, ins)
+            self.record(f"mesh{k}", "recv", k, ins.microbatch, start, name=self.program.transfers[ins.transfer].tensor)
+        elif isinstance(ins, GradSync):
+            self.record(f"mesh{k}", "sync", k, -1, start, name="grad_sync")
+        elif isinstance(ins, Update):
+            if self.step == 0:
+                self.grads.update({p: np.asarray(stage.acc[p]) for p in stage.part.owned})
+            stage.update()
+            jax.block_until_ready((stage.params, stage.states))
+            self.record(f"mesh{k}", "sync", k, -1, start, name="update")
+        else:  # Free: the stash, and the cotangents already sent
+            stage.free(ins.microbatch)
+            self.back.pop((k, ins.microbatch), None)
+
+    def send(self, k: int, ins: Send, start: float) -> None:
+        dst = self.stages[ins.dst_stage]
+        m = ins.microbatch
+        moved, nbytes = [], 0.0
+        for kind, name in self.payloads.get(ins.transfer, ()):
+            if kind == "act":
+                value = self.outs[k, m][name]
+                target = dst.shardings[name]
+            elif kind == "ct":
+                value = self.back[k, m][name]
+                target = dst.shardings[name]
+            else:
+                value = self.stages[k].acc[name]
+                target = dst.shardings[f"{name}:grad"]
+            moved.append((kind, name, jax.device_put(value, target)))
+            nbytes += value.nbytes
+        jax.block_until_ready([v for _, _, v in moved])
+        self.mailbox[ins.transfer, m] = moved
+        self.sent_bytes += nbytes
+        self.record(f"mesh{k}->mesh{ins.dst_stage}", "send", k, m, start, nbytes,
+                    self.program.transfers[ins.transfer].tensor)
+
+    def receive(self, k: int, ins: Recv) -> None:
+        m = ins.microbatch
+        for kind, name, value in self.mailbox.pop((ins.transfer, m)):
+            if kind == "act":
+                self.acts[k, m][name] = value
+            elif kind == "ct":
+                have = self.cts[k, m].get(name)
+                self.cts[k, m][name] = value if have is None else have + value
+            else:
+                self.stages[k].add_grad(name, value)
+
+    def record(self, track: str, kind: str, stage: int, microbatch: int, start: float, nbytes: float = 0.0,
+               name: str = "") -> None:
+        self.events.append(Event(track, kind, stage, microbatch, start - self.t0, time.perf_counter() - self.t0,
+                                 nbytes, name))
+
+    def timeline(self, plan: PipelinePlan, step_s: float) -> Timeline:
+        meshes = []
+        memory = []
+        for k, s in enumerate(self.stages):
+            params_bytes = float(sum(v.addressable_shards[0].data.nbytes for v in s.params.values()))
+            devices = tuple(plan.stages[k].devices)
+            meshes.append(MeshInfo(k, devices, (0,), params_bytes, (0,) * len(devices)))
+            memory.append([(0.0, params_bytes)])
+        links = tuple(sorted({(e.track, 0) for e in self.events if e.kind == "send"}))
+        return Timeline(self.program.schedule, self.program.microbatches, self.program.chunks, "device_put",
+                        tuple(meshes), step_s, self.events, memory, links, self.sent_bytes, 0.0,
+                        plan.predicted.get("iteration_s"), notes=("measured: local runtime, serial walk",),
+                        wall_s=step_s)

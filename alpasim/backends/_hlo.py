@@ -107,7 +107,7 @@ def compare_collectives(stages: Sequence[StageExecutable]) -> list[dict]:
                 measured[c.kind] += c.nbytes
         p_total = sum(predicted[k] for k in PLANNED_KINDS)
         m_total = sum(measured[k] for k in PLANNED_KINDS)
-        report.append({"stage": s.index, "mesh": list(s.mesh.devices.shape),
+        report.append({"stage": s.index, "mesh": list(s.mesh.axis_sizes),
                        "predicted": {k: predicted[k] for k in PLANNED_KINDS},
                        "measured": {k: measured[k] for k in (*PLANNED_KINDS, "collective_permute")},
                        "predicted_bytes": p_total, "measured_bytes": m_total,

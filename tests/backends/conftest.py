@@ -1,9 +1,40 @@
 """Eight virtual CPU devices for the backend tests, set before anything imports jax
-(`make test` sets the same flag; this makes `pytest tests/backends` work alone)."""
+(`make test` sets the same flag; this makes `pytest tests/backends` work alone), and
+the small pipelined plans the runtime tests share."""
 
 import os
 import sys
 
+import pytest
+
 if "jax" not in sys.modules and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+MODELS = {
+    "gpt": "gpt3:hidden=64,layers=2,heads=4,seq=16,vocab=128,batch=8,dtype=fp32",
+    "moe": "moe:hidden=64,layers=2,heads=4,seq=16,vocab=128,batch=8,experts=4,group_size=32,dtype=fp32",
+    "wresnet": "wresnet:channels=8,width=1,image=64,classes=16,batch=8",
+}
+VIEWS = {2: [(1, 2)], 4: [(2, 2)]}
+
+
+@pytest.fixture(scope="session")
+def small_plan():
+    """family ("gpt", "moe", "wresnet") -> a plan from the planner itself, narrowed so that
+    it plans in seconds and pipelines: microbatches B = 2, submeshes of 2 or 4 devices
+    viewed as 1x2 and 2x2 meshes (so the stages' meshes differ in shape), at most 3
+    stages on 8 devices. Cached: the runtime tests of both backends share them."""
+    from alpasim.costmodels import get_cluster
+    from alpasim.solvers import plan_pipeline
+
+    plans = {}
+
+    def make(family: str):
+        if family not in plans:
+            plans[family] = plan_pipeline(MODELS[family], get_cluster("aws-p3.16xlarge", nodes=1), microbatches=2,
+                                          pareto=False, shape_ok=lambda sh: sh.size in VIEWS,
+                                          views_of=lambda sh: VIEWS[sh.size], max_stages=3)
+        return plans[family]
+
+    return make

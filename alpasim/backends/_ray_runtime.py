@@ -1,0 +1,274 @@
+"""The Ray runtime: one actor per mesh, each its own JAX process, running its instruction list.
+
+`run_ray(plan)` builds the same `Program` as `run_local` and starts one `MeshWorker`
+actor per mesh (`_ray_worker`); each lowers its own stage on the devices its process
+sees. The driver sends every actor its instruction list once, before the first step
+(Alpa's MPMD design: after that the meshes follow their lists without coordination),
+together with the peers' handles; per step it only calls `step` on all actors at once
+and collects losses, step 1's gradients and per-instruction times. Boundary tensors go
+from actor to actor through Ray, never through the driver.
+
+Times: each actor stamps its instructions with `time.time()` minus the driver's step
+start, so the merged `Timeline` has one time axis. That assumes one clock: true on one
+host, approximate (NTP skew) on a cluster.
+
+Timeouts: `timeout_s` bounds every wait: each `Recv` in an actor, the acceptance of
+its sends, the driver's small calls (loading the program, checkpoints) and, with
+`PING_TIMEOUT_S` of grace so that an actor's own timeout reports first, the driver's
+wait for a whole step (which catches a mesh stuck outside any wait). Only starting an
+actor has its own bound (`STARTUP_TIMEOUT_S`), since it includes importing JAX and
+compiling the stage. A timeout raises one `RayRuntimeError` naming the mesh, the
+instruction and the tensor; nothing hangs.
+
+Fault tolerance (policy): after every completed step the driver fetches each stage's
+`state_dict()` (parameters, gradient accumulators, Adam states) — a checkpoint per
+step, cheap for the small models run here; a large model would checkpoint every few
+steps, to storage. When a step fails and an actor turns out dead, that actor is
+re-created, reloaded with its program and its checkpoint, every other actor rolls back
+to the same checkpoint, and the step is redone (`RESTARTS_PER_STEP` times at most).
+The data of a step is a pure function of (seed, step, microbatch), so the redone step
+computes exactly what the failed one would have. A failure with every actor alive (a
+timeout, an exception in a stage) is not retried: it is a bug, reported as is.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from alpasim.simulator import Program, build_program
+from alpasim.solvers import PipelinePlan, planning_graph
+
+from ._ray_worker import MeshWorker, StepAborted
+from ._runtime import RunResult, _payloads, measured_timeline
+from ._stages import partition
+
+# Importing JAX and lowering a stage (which re-solves its intra-op plan, at most
+# `_stages.RESOLVE_TIME_LIMIT_S`, and compiles three programs).
+STARTUP_TIMEOUT_S = 600.0
+RESTARTS_PER_STEP = 2
+# Liveness pings, `where` queries and aborts: answered by an idle actor thread at once.
+PING_TIMEOUT_S = 10.0
+# Threads per actor: the step, deliveries arriving meanwhile, and the driver's abort or query.
+MAX_CONCURRENCY = 4
+
+
+class RayRuntimeError(RuntimeError):
+    """A Ray run failed: a mesh timed out or raised, or died and could not be restarted."""
+
+
+def run_ray(plan: PipelinePlan, *, steps: int = 1, seed: int = 0, address: str | None = None,
+            timeout_s: float = 120.0, schedule: str | None = None,
+            on_step: Callable[[int, list], None] | None = None, program: Program | None = None) -> RunResult:
+    """Train `steps` iterations of `plan` with one Ray actor per mesh.
+
+    `address=None` uses the Ray cluster this process is connected to, or starts a local
+    one (and stops it at the end); an address connects there (alpasim must be
+    installed on its nodes). `on_step(step, actors)` runs after each completed step
+    (tests kill an actor there). `program` runs a given program instead of the plan's.
+    """
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        local = {} if address else {"include_dashboard": False}
+        ray.init(address=address, log_to_driver=False, **local)
+    graph = planning_graph(plan.model)
+    program = program or build_program(plan, schedule or plan.schedule)
+    meshes = None
+    try:
+        meshes = _Meshes(ray, plan, program, partition(graph, plan), seed, timeout_s)
+        losses, times, grads, timeline = [], [], {}, None
+        for step in range(steps):
+            outs, step_s = meshes.run_step(step)
+            times.append(step_s)
+            losses.append(float(sum(v for o in outs for v in o["losses"]) / plan.microbatches))
+            if step == 0:
+                grads = {p: g for o in outs for p, g in o["grads"].items()}
+            events = sorted((e for o in outs for e in o["events"]), key=lambda e: (e.start_s, e.track))
+            timeline = measured_timeline(plan, program, events, [s.params_bytes for s in meshes.stages],
+                                         sum(o["sent_bytes"] for o in outs), step_s,
+                                         "measured: ray runtime, one actor per mesh")
+            if on_step is not None:
+                on_step(step, list(meshes.actors))
+        return RunResult(losses, grads, times, timeline, list(meshes.stages), program, meshes.restarts)
+    finally:
+        if meshes is not None:
+            meshes.close()
+        if started:
+            ray.shutdown()
+
+
+def _actor_options(mesh_size: int) -> dict[str, Any]:
+    """Ray options of one mesh's actor: a process of its own that sees `mesh_size` devices.
+
+    Here those are virtual CPU devices, so the actor reserves no CPU (the meshes share
+    the host's cores, as in the local runtime) and sets XLA's device count in its
+    environment. On a GPU cluster the same actor would ask for `num_gpus=mesh_size`
+    instead and drop the two variables; nothing else changes.
+    """
+    env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={mesh_size}", "JAX_PLATFORMS": "cpu"}
+    return {"num_cpus": 0, "max_concurrency": MAX_CONCURRENCY, "runtime_env": {"env_vars": env}}
+
+
+def _cause(error: Exception) -> str:
+    """The message of what went wrong inside an actor, without Ray's wrapping."""
+    cause = getattr(error, "cause", None)
+    if cause is not None:
+        return f"{type(cause).__name__}: {cause}"
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+
+
+class _Meshes:
+    """The actors of one run, their last checkpoint, and how to replace one."""
+
+    def __init__(self, ray, plan: PipelinePlan, program: Program, parts: list, seed: int, timeout_s: float) -> None:
+        self.ray, self.plan, self.program, self.seed, self.timeout_s = ray, plan, program, seed, timeout_s
+        self.payloads = _payloads(program, parts)
+        self.owners = {p: part.index for part in parts for p in part.owned}
+        self.readers = {p: tuple(part.index for part in parts if p in part.params) for p in self.owners}
+        self.worker_cls = ray.remote(MeshWorker)
+        self.epoch = -1
+        self.restarts: list[dict] = []
+        self.actors = [self.spawn(k) for k in range(program.num_meshes)]
+        self.stages = [None] * program.num_meshes
+        self.load(range(program.num_meshes))
+        self.set_peers()
+        self.checkpoint = self.fetch_state()
+
+    # ------------------------------------------------------------- actors
+    def spawn(self, k: int):
+        options = _actor_options(len(self.plan.stages[k].devices))
+        return self.worker_cls.options(**options).remote(self.plan, k, self.seed)
+
+    def load(self, ks) -> None:
+        """Wait for the actors `ks` to start, then send each its part of the program."""
+        self.get({k: self.actors[k].ready.remote() for k in ks}, STARTUP_TIMEOUT_S,
+                 "start (import JAX, lower its stage)")
+        calls = {k: self.actors[k].load_program.remote(self.program, self.payloads, self.owners, self.readers,
+                                                       self.timeout_s) for k in ks}
+        for k, summary in self.get(calls, self.timeout_s, "load its program").items():
+            self.stages[k] = summary
+
+    def set_peers(self) -> None:
+        self.get({k: a.set_peers.remote(self.actors) for k, a in enumerate(self.actors)}, self.timeout_s,
+                 "take its peers' handles")
+
+    def fetch_state(self) -> list[dict]:
+        states = self.get({k: a.state_dict.remote() for k, a in enumerate(self.actors)}, self.timeout_s,
+                          "return its checkpoint")
+        return [states[k] for k in range(len(self.actors))]
+
+    def close(self) -> None:
+        for a in self.actors:
+            self.ray.kill(a)
+
+    # --------------------------------------------------------------- steps
+    def run_step(self, step: int) -> tuple[list[dict], float]:
+        """Run one step on every actor, checkpoint, and return (per-mesh outputs, step
+        seconds); a dead actor is restarted and the step redone (module doc)."""
+        for attempt in range(RESTARTS_PER_STEP + 1):
+            self.epoch += 1
+            t0 = time.time()
+            refs = [a.step.remote(step, self.epoch, t0) for a in self.actors]
+            try:
+                outs = self.gather(step, refs)
+                step_s = time.time() - t0
+                self.checkpoint = self.fetch_state()
+                return outs, step_s
+            except RayRuntimeError as failure:
+                dead = self.dead()
+                if not dead:
+                    raise
+                if attempt == RESTARTS_PER_STEP:
+                    raise RayRuntimeError(f"step {step}: meshes {dead} died {attempt + 1} times; giving up "
+                                          f"({failure})") from failure
+                start = time.perf_counter()
+                for k in dead:
+                    self.restart(k, step)
+                self.set_peers()
+                self.get({k: a.load_state_dict.remote(self.checkpoint[k]) for k, a in enumerate(self.actors)},
+                         self.timeout_s, "roll back to the last checkpoint")
+                restart_s = time.perf_counter() - start
+                self.restarts += [{"step": step, "mesh": k, "restart_s": restart_s} for k in dead]
+        raise AssertionError("unreachable")
+
+    def gather(self, step: int, refs: list) -> list[dict]:
+        """Every actor's reply to `step`; on the first failure the others are aborted
+        (so they stop waiting on it) and the root cause is raised."""
+        ray = self.ray
+        deadline = time.monotonic() + self.timeout_s + PING_TIMEOUT_S
+        mesh_of = {ref: k for k, ref in enumerate(refs)}
+        pending, outs, errors = list(refs), [None] * len(refs), {}
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready and not errors:
+                where = self.where([mesh_of[r] for r in pending])
+                self.abort()
+                raise RayRuntimeError(f"step {step}: meshes {sorted(mesh_of[r] for r in pending)} did not finish "
+                                      f"within {self.timeout_s + PING_TIMEOUT_S:g} s ({'; '.join(where)})")
+            if not ready:
+                break  # the root error is known; the stragglers are aborted
+            for ref in ready:
+                try:
+                    outs[mesh_of[ref]] = ray.get(ref)
+                except ray.exceptions.RayError as e:
+                    if not errors:
+                        self.abort()
+                    errors[mesh_of[ref]] = e
+        if errors:
+            roots = [k for k, e in errors.items() if not isinstance(getattr(e, "cause", None), StepAborted)]
+            k = roots[0] if roots else next(iter(errors))
+            raise RayRuntimeError(f"step {step}, mesh {k}: {_cause(errors[k])}")
+        return outs
+
+    def abort(self) -> None:
+        for a in self.actors:
+            a.abort.remote(self.epoch)
+
+    def where(self, ks: list[int]) -> list[str]:
+        out = []
+        for k in ks:
+            try:
+                out.append(self.ray.get(self.actors[k].where.remote(), timeout=PING_TIMEOUT_S))
+            except self.ray.exceptions.RayError as e:
+                out.append(f"mesh {k}: {_cause(e)}")
+        return out
+
+    def dead(self) -> list[int]:
+        """The meshes whose actor no longer answers because it died (not merely busy)."""
+        ray = self.ray
+        pings = [a.ready.remote() for a in self.actors]
+        out = []
+        for k, ref in enumerate(pings):
+            try:
+                ray.get(ref, timeout=PING_TIMEOUT_S)
+            except ray.exceptions.RayActorError:
+                out.append(k)
+            except ray.exceptions.GetTimeoutError:
+                pass
+        return out
+
+    def restart(self, k: int, step: int) -> None:
+        self.ray.kill(self.actors[k])
+        self.actors[k] = self.spawn(k)
+        try:
+            self.load([k])
+        except RayRuntimeError as e:
+            raise RayRuntimeError(f"mesh {k} died in step {step} and could not be restarted: {e}") from e
+
+    def get(self, calls: dict[int, Any], timeout_s: float, what: str) -> dict[int, Any]:
+        """ray.get of one call per mesh under one deadline; a failure names the mesh."""
+        ray = self.ray
+        deadline = time.monotonic() + timeout_s
+        out = {}
+        for k, ref in calls.items():
+            try:
+                out[k] = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+            except ray.exceptions.GetTimeoutError:
+                raise RayRuntimeError(f"mesh {k} did not {what} within {timeout_s:g} s") from None
+            except ray.exceptions.RayError as e:
+                raise RayRuntimeError(f"mesh {k} failed to {what}: {_cause(e)}") from e
+        return out
+

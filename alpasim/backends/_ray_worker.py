@@ -1,0 +1,217 @@
+"""One mesh of a Ray run: an actor that owns a stage and follows its instruction list.
+
+The actor builds its stage from the plan alone (`lower_stage` on the process's own
+`jax.devices()`), receives its instruction list once (`load_program`), then runs one
+iteration per `step` call. It executes instructions exactly as the local runtime
+does (`_runtime._Walker`, subclassed) except at the edges:
+
+- `Send` gathers the payload to host numpy and calls `deliver` on the receiving
+  actor (a Ray call: the object store moves the bytes); the reply is only awaited at
+  the end of the step, so a send does not block the sender, as in the program's model;
+- `Recv` waits on the actor's mailbox, which `deliver` fills from another thread
+  (the actor is threaded), and puts the payload into this mesh's layouts;
+- after the instruction list, the owner of a tied parameter sends its updated value
+  to the meshes that hold replicas, and those wait for it (the local runtime's
+  `_refresh_replicas`).
+
+Every wait is bounded by the run's `timeout_s` and fails naming the mesh, the
+instruction and the tensor. Deliveries carry the driver's attempt number (`epoch`),
+so when a step is redone after a restart, a late payload of the failed attempt is
+dropped instead of being taken for the new one.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from alpasim.simulator import Program, Recv, Send
+from alpasim.solvers import IntraOpPlan, PipelinePlan, planning_graph
+
+from ._executable import lower_stage
+from ._runtime import Payload, _Walker, params_bytes_per_device
+from ._stages import StagePart
+
+
+class StepAborted(Exception):
+    """The driver called off this attempt of the step (another mesh failed)."""
+
+
+@dataclass(frozen=True)
+class HloText:
+    """A compiled program's HLO fetched from an actor; `as_text` as on a jax `Compiled`."""
+
+    text: str
+
+    def as_text(self) -> str:
+        return self.text
+
+
+@dataclass(frozen=True)
+class RemoteStage:
+    """What the driver keeps of a stage that lives in an actor: the attributes of a
+    `StageExecutable` that reports read (index, part, mesh, intra-op plan, compiled HLO
+    for `compare_collectives`), and its parameter bytes per device for the timeline."""
+
+    index: int
+    part: StagePart
+    mesh: jax.sharding.AbstractMesh
+    intra_plan: IntraOpPlan
+    compiled: dict[str, HloText]
+    params_bytes: float
+
+
+class MeshWorker:
+    """The actor class (wrapped with `ray.remote` by the driver; no Ray at import)."""
+
+    def __init__(self, plan: PipelinePlan, k: int, seed: int) -> None:
+        self.k, self.seed = k, seed
+        self.graph = planning_graph(plan.model)
+        self.stage = lower_stage(plan, self.graph, k, jax.devices(), seed=seed)
+        self.cond = threading.Condition()
+        self.mailbox: dict[tuple[int, Any], list] = {}    # (epoch, key) -> [(kind, name, numpy)]
+        self.epoch = -1
+        self.aborted_epoch = -1
+        self.peers: list = []
+        self.at: Any = None                               # the instruction being run, for `where`
+
+    # ------------------------------------------------------------- set-up
+    def ready(self) -> int:
+        return self.k
+
+    def load_program(self, program: Program, payloads: dict[int, Payload], owners: dict[str, int],
+                     readers: dict[str, tuple[int, ...]], timeout_s: float) -> RemoteStage:
+        """This mesh's part of the program, sent once before the first step; answers with
+        the stage summary the driver keeps."""
+        self.program, self.payloads, self.timeout_s = program, payloads, timeout_s
+        self.owners, self.readers = owners, readers
+        s = self.stage
+        return RemoteStage(self.k, s.part, s.mesh.abstract_mesh, s.intra_plan,
+                           {name: HloText(c.as_text()) for name, c in s.compiled.items()},
+                           params_bytes_per_device(s))
+
+    def set_peers(self, peers: list) -> None:
+        """Handles of every mesh's actor (index k is this one); renewed after a restart."""
+        self.peers = list(peers)
+
+    def state_dict(self) -> dict:
+        return self.stage.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Roll back to a checkpoint: the stage's state, and nothing left in the mailbox."""
+        self.stage.load_state_dict(state)
+        with self.cond:
+            self.mailbox.clear()
+
+    # ------------------------------------------------------------ per step
+    def deliver(self, epoch: int, key: Any, items: list) -> None:
+        with self.cond:
+            if epoch >= self.epoch:
+                self.mailbox[epoch, key] = items
+                self.cond.notify_all()
+
+    def abort(self, epoch: int) -> None:
+        with self.cond:
+            self.aborted_epoch = max(self.aborted_epoch, epoch)
+            self.cond.notify_all()
+
+    def where(self) -> str:
+        at = self.at
+        if isinstance(at, Recv):
+            at = f"{at}, tensor {self.program.transfers[at.transfer].tensor!r}"
+        return f"mesh {self.k} at {at}"
+
+    def step(self, step: int, epoch: int, t0: float) -> dict:
+        """One iteration; times are `time.time() - t0` (`t0`: the driver's step start)."""
+        import ray
+
+        with self.cond:
+            self.epoch = epoch
+            for key in [key for key in self.mailbox if key[0] < epoch]:
+                del self.mailbox[key]
+        walker = _ActorWalker(self, step, t0)
+        for ins in self.program.meshes[self.k]:
+            if self.aborted_epoch >= epoch:  # stop before an update the driver will roll back anyway
+                raise StepAborted(f"mesh {self.k}: step aborted by the driver before {ins}")
+            self.at = ins
+            walker.execute(self.k, ins)
+        self.at = "refresh of replicated parameters"
+        walker.refresh_replicas()
+        self.at = "waiting for its deliveries to be accepted"
+        try:
+            ray.get(walker.pending, timeout=self.timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(f"mesh {self.k}: its sends were not accepted within {self.timeout_s:g} s") from None
+        self.at = None
+        return {"losses": [np.asarray(v) for v in walker.losses], "grads": walker.grads,
+                "events": walker.events, "sent_bytes": walker.sent_bytes}
+
+    def wait_for(self, epoch: int, key: Any, what: str) -> list:
+        """Block until `deliver` brings `key` for this attempt; fail after `timeout_s`."""
+        deadline = time.monotonic() + self.timeout_s
+        with self.cond:
+            while (epoch, key) not in self.mailbox:
+                if self.aborted_epoch >= epoch:
+                    raise StepAborted(f"mesh {self.k}: step aborted by the driver while waiting for {what}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"mesh {self.k}: {what}; nothing arrived within {self.timeout_s:g} s")
+                self.cond.wait(left)
+            return self.mailbox.pop((epoch, key))
+
+
+class _ActorWalker(_Walker):
+    """The local runtime's walker on one mesh, with Ray at the edges (module doc)."""
+
+    clock = staticmethod(time.time)
+
+    def __init__(self, worker: MeshWorker, step: int, t0: float) -> None:
+        stages: Mapping[int, Any] = {worker.k: worker.stage}
+        super().__init__(worker.program, stages, worker.payloads, worker.graph, worker.seed, step, t0=t0)
+        self.worker = worker
+        self.epoch = worker.epoch
+        self.pending: list = []      # replies of this step's deliveries
+
+    def send(self, k: int, ins: Send, start: float) -> None:
+        items = [(kind, name, np.asarray(v)) for kind, name, v in self.outgoing(k, ins)]
+        self.post(ins.dst_stage, (ins.transfer, ins.microbatch), items)
+        nbytes = float(sum(v.nbytes for _, _, v in items))
+        self.sent_bytes += nbytes
+        self.record(f"mesh{k}->mesh{ins.dst_stage}", "send", k, ins.microbatch, start, nbytes,
+                    self.program.transfers[ins.transfer].tensor)
+
+    def take(self, k: int, ins: Recv) -> list[tuple[str, str, jax.Array]]:
+        t = self.program.transfers[ins.transfer]
+        what = f"{ins} waits for tensor {t.tensor!r} from mesh {ins.src_stage}"
+        items = self.worker.wait_for(self.epoch, (ins.transfer, ins.microbatch), what)
+        sh = self.stages[k].shardings
+        return [(kind, name, jax.device_put(v, sh[f"{name}:grad" if kind == "grad" else name]))
+                for kind, name, v in items]
+
+    def post(self, dst: int, key: Any, items: list) -> None:
+        self.pending.append(self.worker.peers[dst].deliver.remote(self.epoch, key, items))
+
+    def refresh_replicas(self) -> None:
+        """Owner sends each tied parameter's new value to its replicas; they wait for it."""
+        k, stage = self.worker.k, self.stages[self.worker.k]
+        for p in stage.part.owned:
+            for dst in self.worker.readers[p]:
+                if dst != k:
+                    start = self.clock()
+                    value = np.asarray(stage.params[p])
+                    self.post(dst, ("param", p), [("param", p, value)])
+                    self.sent_bytes += value.nbytes
+                    self.record(f"mesh{k}->mesh{dst}", "send", k, -1, start, float(value.nbytes), f"{p} (refresh)")
+        for p in stage.part.params:
+            if p not in stage.part.owned:
+                start = self.clock()
+                what = f"the refresh of replicated parameter {p!r} waits for its owner mesh {self.worker.owners[p]}"
+                ((_, _, value),) = self.worker.wait_for(self.epoch, ("param", p), what)
+                stage.set_param(p, value)
+                self.record(f"mesh{k}", "recv", k, -1, start, name=f"{p} (refresh)")

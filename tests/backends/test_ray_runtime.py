@@ -1,0 +1,105 @@
+"""The Ray runtime against the local runtime, a single device, a killed actor and a
+program that never sends.
+
+One Ray cluster for the module (2 CPUs; the mesh actors reserve none). Each run
+starts one actor per mesh, a process of its own with as many virtual CPU devices as
+its mesh has; the plans are the `small_plan` fixture's (3 stages, 1x2 and 2x2 meshes).
+
+Agreement with `run_local`: both runtimes execute the same compiled stage programs on
+meshes of the same shape with the same data, and Ray moves tensors losslessly (host
+numpy), so the losses and gradients should be the same floats; we allow 1e-6
+relative (norm-wise for gradients), far below `check_numerics`'s 1e-5 / 1e-4 against
+the single device, in case XLA partitions a reduction differently in a process that
+sees fewer devices. Measured: bitwise equal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import numpy as np
+import pytest
+
+from alpasim.backends import (RayRuntimeError, check_numerics, compare_collectives, reference_step, run_local,
+                              run_ray)
+from alpasim.simulator import Send, build_program
+
+ray = pytest.importorskip("ray")
+
+RTOL = 1e-6
+STEPS = 2
+# Far above a Recv's 2 s timeout plus starting the actors, far below a hang.
+HANG_S = 90
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def gpt_local(small_plan):
+    return run_local(small_plan("gpt"), steps=STEPS)
+
+
+def _rel_err(got: dict, want: dict) -> float:
+    return max(np.linalg.norm(got[p] - w) / max(np.linalg.norm(w), 1e-30) for p, w in want.items())
+
+
+@pytest.mark.parametrize("family", ["gpt", "moe"])
+def test_ray_matches_local_and_single_device(family, cluster, small_plan, gpt_local):
+    plan = small_plan(family)
+    local = gpt_local if family == "gpt" else run_local(plan, steps=STEPS)
+    result = run_ray(plan, steps=STEPS)
+
+    np.testing.assert_allclose(result.losses, local.losses, rtol=RTOL, atol=0)
+    assert set(result.grads) == set(local.grads)
+    assert _rel_err(result.grads, local.grads) <= RTOL
+    check = check_numerics(result.losses[0], result.grads, reference_step(plan))
+    assert check["numerics_ok"], check
+    assert all(math.isfinite(x) for x in result.losses) and result.restarts == []
+
+    # The same stages, so the same collectives in their HLO (fetched from the actors).
+    assert compare_collectives(result.stages) == compare_collectives(local.stages)
+
+    tl, B = result.timeline, plan.microbatches
+    for k in range(len(plan.stages)):
+        mesh = [e for e in tl.events if e.track == f"mesh{k}"]
+        assert sum(e.kind == "compute" for e in mesh) == 2 * B, k
+        assert [e.name for e in mesh if e.kind == "sync"] == ["grad_sync", "update"], k
+    assert all(0 <= e.start_s <= e.end_s <= tl.iteration_s for e in tl.events)
+    assert tl.iteration_s == result.step_times_s[-1] > 0
+
+
+def test_killed_actor_is_restarted_and_the_step_redone(cluster, small_plan, gpt_local):
+    killed = []
+
+    def kill_mesh1(step, actors):
+        if step == 0:
+            ray.kill(actors[1])
+            with pytest.raises(ray.exceptions.RayActorError):  # dead before step 2 starts
+                ray.get(actors[1].ready.remote(), timeout=30)
+            killed.append(actors[1])
+
+    result = run_ray(small_plan("gpt"), steps=STEPS, on_step=kill_mesh1)
+    assert killed and [(r["step"], r["mesh"]) for r in result.restarts] == [(1, 1)]
+    assert result.losses == gpt_local.losses   # step 2 from the reloaded checkpoint
+    assert result.restarts[0]["restart_s"] > 0
+
+
+@pytest.mark.timeout(HANG_S)
+def test_a_receive_whose_send_never_comes_fails_within_the_timeout(cluster, small_plan):
+    plan = small_plan("gpt")
+    program = build_program(plan, plan.schedule)
+    # Mesh 0 forgets to send microbatch 0's activation to mesh 1.
+    mesh0 = tuple(i for i in program.meshes[0] if not (isinstance(i, Send) and i.microbatch == 0))
+    broken = dataclasses.replace(program, meshes=(mesh0, *program.meshes[1:]))
+    start = time.monotonic()
+    with pytest.raises(RayRuntimeError, match=r"step 0, mesh \d: TimeoutError: mesh \d: Recv\(.*\) waits for "
+                                              r"tensor '.+' from mesh \d; nothing arrived within 2 s"):
+        run_ray(plan, steps=1, timeout_s=2.0, program=broken)
+    assert time.monotonic() - start < HANG_S

@@ -778,6 +778,144 @@ def profile(
               f"jit dispatch {model.meta['dispatch_s'] * 1e6:.0f} us; wrote {out_path}")
 
 
+# ------------------------------------------------------------------------- run
+RUNTIMES = ("local", "ray")
+
+
+def _cpu_devices_for(p: sv.PipelinePlan) -> int:
+    """Virtual CPU devices a plan needs (at least 8, what `alpasim profile` measures with)."""
+    return max(8, 1 + max((d for st in p.stages for d in st.devices), default=0))
+
+
+def _ensure_cpu_devices(n: int) -> None:
+    """Ask XLA for `n` virtual CPU devices — possible only before jax is imported; an
+    XLA_FLAGS that already sets a count wins (the device check then says what is short)."""
+    import os
+
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "jax" not in sys.modules and "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+def run_report(p: sv.PipelinePlan, *, runtime: str = "local", steps: int = 5, seed: int = 0,
+               cost_model: cm.CostModel | None = None, ray_address: str | None = None,
+               trace: Path | None = None, gantt: Path | None = None) -> dict[str, Any]:
+    """Execute a plan, check it against one device, and compare it with its prediction."""
+    import jax
+
+    from alpasim import backends
+
+    need = 1 + max(d for st in p.stages for d in st.devices)
+    have = len(jax.devices())
+    if have < need:
+        fail(f"the plan uses {need} devices; JAX sees {have} ({jax.devices()[0].platform}). On the CPU set "
+             f"XLA_FLAGS=--xla_force_host_platform_device_count={need} before starting")
+    t0 = time.perf_counter()
+    if runtime == "ray":
+        run_ray = getattr(backends, "run_ray", None)
+        if run_ray is None:
+            fail("--runtime ray: this installation has no Ray runtime (alpasim.backends.run_ray)")
+        result = run_ray(p, steps=steps, seed=seed, address=ray_address)
+    else:
+        result = backends.run_local(p, steps=steps, seed=seed)
+    run_s = time.perf_counter() - t0
+    check = backends.check_numerics(result.losses[0], result.grads, backends.reference_step(p, seed=seed))
+    intra = [s.intra_plan for s in result.stages] if len(result.stages) == len(p.stages) else None
+    prediction = backends.predict_run(p, cost_model=cost_model, runtime=runtime, intra_plans=intra)
+    collectives = backends.compare_collectives(result.stages) if intra is not None else []
+    measured = result.measured_step_s
+    written = {}
+    timeline = result.timeline
+    for key, path, write in (("trace", trace, timeline.chrome_trace), ("gantt", gantt, timeline.gantt_png)):
+        if path is not None:
+            try:
+                write(path)
+            except OSError as e:
+                fail(f"cannot write {path}: {e.strerror or e}")
+            written[key] = str(path)
+    return {"runtime": runtime, "steps": steps, "seed": seed, "devices": need, "platform": jax.devices()[0].platform,
+            **{k: check[k] for k in ("numerics_ok", "max_abs_loss_err", "max_rel_grad_err", "worst_param",
+                                      "loss_tol", "grad_tol")},
+            "losses": result.losses, "step_times_s": result.step_times_s, "measured_step_s": measured,
+            **prediction,
+            "ratio": prediction["predicted_step_s"] / measured if measured > 0 else None,
+            "ratio_analytic": prediction["predicted_step_s_analytic"] / measured if measured > 0 else None,
+            "collectives": collectives, "run_s": run_s, "outputs": written}
+
+
+@app.command()
+def run(
+    plan_file: Annotated[Path, typer.Argument(help="A plan JSON written by `alpasim plan --out`.")],
+    runtime: Annotated[str, typer.Option("--runtime", help="local (one process) or ray (an actor per mesh).")]
+        = "local",
+    steps: Annotated[int, typer.Option("--steps", help="Training steps; the median step time leaves out the "
+                                       "first (warm-up) when there are more.")] = 5,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of parameters and data.")] = 0,
+    cost_model: CostModelOpt = None,
+    trace: Annotated[Optional[Path], typer.Option("--trace", help="Write the measured Chrome trace JSON.")] = None,
+    gantt: Annotated[Optional[Path], typer.Option("--gantt", help="Write the measured Gantt chart PNG.")] = None,
+    ray_address: Annotated[Optional[str], typer.Option("--ray-address", help="Ray cluster address (default: "
+                                                       "start a local one).")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Execute a plan on JAX and compare it with its prediction and a single-device step.
+
+    Prints the measured step time (median), the predicted one (the plan's analytic
+    model, and with `--cost-model` the profiled model re-pricing each stage for this
+    runtime), their ratio, the numerical check of loss and gradients, and per stage the
+    predicted vs compiled (HLO) collective bytes. On the CPU it asks for 8 virtual
+    devices (or as many as the plan uses) unless XLA_FLAGS already sets a count."""
+    if runtime not in RUNTIMES:
+        fail(f"--runtime {runtime!r}: choose one of {', '.join(RUNTIMES)}")
+    if steps < 1:
+        fail(f"--steps must be at least 1, got {steps}")
+    p = sv.load_plan(plan_file)
+    if not p.feasible or not p.stages:
+        why = "; ".join(p.notes) or ("it has no stages" if not p.stages else "it is marked feasible: false")
+        fail(f"{plan_file}: the plan is infeasible ({why}); nothing to run")
+    model = None
+    if cost_model is not None:
+        base = sim.plan_cluster(p)
+        if base is None:
+            fail(f"{plan_file}: the plan records no cluster spec to bind --cost-model to")
+        model = load_cost_model(cost_model, base)
+    _ensure_cpu_devices(_cpu_devices_for(p))
+    report = run_report(p, runtime=runtime, steps=steps, seed=seed, cost_model=model, ray_address=ray_address,
+                        trace=trace, gantt=gantt)
+    if as_json:
+        emit_json(report)
+        return
+    print_run(report, title=f"{plan_file}: {p.model.get('name', '?')}")
+
+
+def print_run(r: dict[str, Any], title: str = "run") -> None:
+    ms = 1e3
+    out.print(f"{title} — {r['runtime']} runtime, {r['steps']} steps on {r['devices']} {r['platform']} devices")
+    out.print(f"measured step {r['measured_step_s'] * ms:.2f} ms (median; steps "
+              f"{', '.join(f'{t * ms:.1f}' for t in r['step_times_s'])} ms)")
+    out.print(f"predicted (plan, analytic) {r['predicted_step_s_analytic'] * ms:.2f} ms — ratio predicted/measured "
+              f"{r['ratio_analytic']:.2f}")
+    if r["predicted_step_s_profiled"] is not None:
+        out.print(f"predicted (profiled, {r['runtime']} runtime: one executor, {r['dispatch_s'] * 1e6:.0f} us "
+                  f"dispatch per call) {r['predicted_step_s_profiled'] * ms:.2f} ms — ratio predicted/measured "
+                  f"{r['ratio']:.2f}")
+    verdict = "ok" if r["numerics_ok"] else "MISMATCH"
+    out.print(f"numerics vs one device: {verdict} (loss error {r['max_abs_loss_err']:.2e} <= {r['loss_tol']:.1e}, "
+              f"worst gradient rel. error {r['max_rel_grad_err']:.2e} <= {r['grad_tol']:.1e})")
+    if r["collectives"]:
+        t = Table(title="collective bytes per stage: predicted (intra-op plan) / measured (compiled HLO)")
+        for col in ("stage", "mesh", "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "total ratio"):
+            t.add_column(col)
+        for row in r["collectives"]:
+            cells = [f"{_fmt_bytes(row['predicted'][k])} / {_fmt_bytes(row['measured'][k])}"
+                     for k in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")]
+            ratio = f"{row['ratio']:.2f}" if row["ratio"] is not None else "-"
+            t.add_row(str(row["stage"]), "x".join(map(str, row["mesh"])), *cells, ratio)
+        out.print(t)
+    for key, path in r["outputs"].items():
+        out.print(f"wrote {key}: {path}")
+
+
 # ------------------------------------------------------------------- reproduce
 @app.command()
 def reproduce(

@@ -23,6 +23,8 @@ from ._executable import lower_stage as lower_stage
 from ._executable import stage_mesh as stage_mesh
 from ._runtime import RunResult as RunResult
 from ._runtime import run_local as run_local
+from ._predict import core_share as core_share
+from ._predict import predict_run as predict_run
 from ._checks import Reference as Reference
 from ._checks import check_numerics as check_numerics
 from ._checks import reference_step as reference_step
@@ -30,3 +32,5 @@ from ._hlo import HloCollective as HloCollective
 from ._hlo import compare_collectives as compare_collectives
 from ._hlo import hlo_collectives as hlo_collectives
 from ._hlo import stage_collectives as stage_collectives
+from ._ray_runtime import RayRuntimeError as RayRuntimeError
+from ._ray_runtime import run_ray as run_ray

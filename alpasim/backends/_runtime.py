@@ -29,8 +29,8 @@ from __future__ import annotations
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import jax
 import numpy as np
@@ -52,8 +52,9 @@ class RunResult:
     grads: dict[str, np.ndarray]            # graph parameter name -> full-batch (mean) gradient of step 1
     step_times_s: list[float]
     timeline: Timeline
-    stages: list[StageExecutable]
+    stages: list                            # StageExecutable (local) or RemoteStage (ray)
     program: Program
+    restarts: list[dict] = field(default_factory=list)  # ray: {"step", "mesh", "restart_s"} per restarted actor
 
     @property
     def measured_step_s(self) -> float:
@@ -128,11 +129,34 @@ def _refresh_replicas(stages: list[StageExecutable]) -> None:
                 s.set_param(p, owner[p].params[p])
 
 
-class _Walker:
-    """One iteration of the program over all meshes, with per-instruction timing."""
+def measured_timeline(plan: PipelinePlan, program: Program, events: list[Event], params_bytes: list[float],
+                      sent_bytes: float, step_s: float, note: str) -> Timeline:
+    """A measured step as the simulator's `Timeline` (per-device parameter bytes as the
+    only memory sample: the runtimes do not track activations)."""
+    meshes = tuple(MeshInfo(k, tuple(st.devices), (0,), params_bytes[k], (0,) * len(st.devices))
+                   for k, st in enumerate(plan.stages))
+    memory = [[(0.0, b)] for b in params_bytes]
+    links = tuple(sorted({(e.track, 0) for e in events if e.kind == "send"}))
+    return Timeline(program.schedule, program.microbatches, program.chunks, "device_put", meshes, step_s, events,
+                    memory, links, sent_bytes, 0.0, plan.predicted.get("iteration_s"), notes=(note,), wall_s=step_s)
 
-    def __init__(self, program: Program, stages: list[StageExecutable], payloads: dict[int, Payload], graph,
-                 seed: int, step: int) -> None:
+
+def params_bytes_per_device(stage: StageExecutable) -> float:
+    """Parameter bytes one device of the stage's mesh holds (its shard of each)."""
+    return float(sum(v.addressable_shards[0].data.nbytes for v in stage.params.values()))
+
+
+class _Walker:
+    """One iteration of the program over all meshes, with per-instruction timing.
+
+    The Ray worker subclasses it for one mesh: it replaces how payloads leave
+    (`send`) and arrive (`take`) and the clock, and keeps the rest.
+    """
+
+    clock = staticmethod(time.perf_counter)
+
+    def __init__(self, program: Program, stages: Mapping[int, StageExecutable], payloads: dict[int, Payload],
+                 graph, seed: int, step: int, t0: float | None = None) -> None:
         self.program, self.stages, self.payloads = program, stages, payloads
         self.graph, self.seed, self.step = graph, seed, step
         self.mailbox: dict[tuple[int, int], list] = {}
@@ -144,7 +168,7 @@ class _Walker:
         self.grads: dict[str, np.ndarray] = {}
         self.events: list[Event] = []
         self.sent_bytes = 0.0
-        self.t0 = time.perf_counter()
+        self.t0 = self.clock() if t0 is None else t0
 
     def run(self) -> None:
         pc = [0] * self.program.num_meshes
@@ -165,7 +189,7 @@ class _Walker:
 
     def execute(self, k: int, ins) -> None:
         stage = self.stages[k]
-        start = time.perf_counter()
+        start = self.clock()
         if isinstance(ins, Run):
             m = ins.microbatch
             if ins.phase == "forward":
@@ -176,7 +200,8 @@ class _Walker:
                 if stage.part.loss is not None:
                     self.losses.append(outs[stage.part.loss])
             else:
-                self.back[k, m] = jax.block_until_ready(stage.backward(m, self.cts.pop((k, m), {})))
+                self.back[k, m] = stage.backward(m, self.cts.pop((k, m), {}))
+                jax.block_until_ready((self.back[k, m], stage.acc))  # a first stage returns no cotangents
                 self.outs.pop((k, m), None)  # its sends came right after the forward
             self.record(f"mesh{k}", "compute", k, ins.microbatch, start, name=ins.phase)
         elif isinstance(ins, Send):
@@ -196,20 +221,25 @@ class _Walker:
             stage.free(ins.microbatch)
             self.back.pop((k, ins.microbatch), None)
 
+    def outgoing(self, k: int, ins: Send) -> list[tuple[str, str, jax.Array]]:
+        """(kind, name, value) of everything transfer `ins` carries out of mesh k."""
+        m = ins.microbatch
+        out = []
+        for kind, name in self.payloads.get(ins.transfer, ()):
+            if kind == "act":
+                out.append((kind, name, self.outs[k, m][name]))
+            elif kind == "ct":
+                out.append((kind, name, self.back[k, m][name]))
+            else:
+                out.append((kind, name, self.stages[k].acc[name]))
+        return out
+
     def send(self, k: int, ins: Send, start: float) -> None:
         dst = self.stages[ins.dst_stage]
         m = ins.microbatch
         moved, nbytes = [], 0.0
-        for kind, name in self.payloads.get(ins.transfer, ()):
-            if kind == "act":
-                value = self.outs[k, m][name]
-                target = dst.shardings[name]
-            elif kind == "ct":
-                value = self.back[k, m][name]
-                target = dst.shardings[name]
-            else:
-                value = self.stages[k].acc[name]
-                target = dst.shardings[f"{name}:grad"]
+        for kind, name, value in self.outgoing(k, ins):
+            target = dst.shardings[f"{name}:grad" if kind == "grad" else name]
             moved.append((kind, name, jax.device_put(value, target)))
             nbytes += value.nbytes
         jax.block_until_ready([v for _, _, v in moved])
@@ -218,9 +248,13 @@ class _Walker:
         self.record(f"mesh{k}->mesh{ins.dst_stage}", "send", k, m, start, nbytes,
                     self.program.transfers[ins.transfer].tensor)
 
+    def take(self, k: int, ins: Recv) -> list[tuple[str, str, jax.Array]]:
+        """The payload of `ins`, already in mesh k's layouts (`run` only calls it once sent)."""
+        return self.mailbox.pop((ins.transfer, ins.microbatch))
+
     def receive(self, k: int, ins: Recv) -> None:
         m = ins.microbatch
-        for kind, name, value in self.mailbox.pop((ins.transfer, m)):
+        for kind, name, value in self.take(k, ins):
             if kind == "act":
                 self.acts[k, m][name] = value
             elif kind == "ct":
@@ -231,19 +265,9 @@ class _Walker:
 
     def record(self, track: str, kind: str, stage: int, microbatch: int, start: float, nbytes: float = 0.0,
                name: str = "") -> None:
-        self.events.append(Event(track, kind, stage, microbatch, start - self.t0, time.perf_counter() - self.t0,
+        self.events.append(Event(track, kind, stage, microbatch, start - self.t0, self.clock() - self.t0,
                                  nbytes, name))
 
     def timeline(self, plan: PipelinePlan, step_s: float) -> Timeline:
-        meshes = []
-        memory = []
-        for k, s in enumerate(self.stages):
-            params_bytes = float(sum(v.addressable_shards[0].data.nbytes for v in s.params.values()))
-            devices = tuple(plan.stages[k].devices)
-            meshes.append(MeshInfo(k, devices, (0,), params_bytes, (0,) * len(devices)))
-            memory.append([(0.0, params_bytes)])
-        links = tuple(sorted({(e.track, 0) for e in self.events if e.kind == "send"}))
-        return Timeline(self.program.schedule, self.program.microbatches, self.program.chunks, "device_put",
-                        tuple(meshes), step_s, self.events, memory, links, self.sent_bytes, 0.0,
-                        plan.predicted.get("iteration_s"), notes=("measured: local runtime, serial walk",),
-                        wall_s=step_s)
+        return measured_timeline(plan, self.program, self.events, [params_bytes_per_device(s) for s in self.stages],
+                                 self.sent_bytes, step_s, "measured: local runtime, serial walk")

@@ -25,6 +25,16 @@ follow static lists without a driver). Semantics:
   from arrival until the run (or sync) that consumes them. Devices of one mesh run
   SPMD and share this footprint; a buffer counts at the largest per-device share.
 
+Shared executors (`executors=N`, a model of the *runtime*, not of a GPU cluster): every
+mesh's work — each `Run`, each `GradSync`, each `Send` until its tensor has arrived
+and each `Recv`'s local all-gathers — first acquires one of N executors shared by all
+meshes (a SimPy `Resource`, FIFO). `executors=1` is a runtime where one driver walks
+every mesh and blocks on each instruction (`alpasim.backends.run_local`): the
+iteration is then the sum of all instruction times, whatever the schedule. Each such
+call also pays `dispatch_s` (a jitted call's launch and `block_until_ready`, which the
+profiled op times deliberately leave out). Default: no executors, no dispatch — the
+meshes run concurrently, as on a GPU cluster.
+
 Ties are deterministic: SimPy orders events by (time, priority, insertion), and the
 engine creates them in a fixed order. With `free_communication`, messages arrive the
 instant they are sent and gathers cost nothing (the seed's eq. 2 setting).
@@ -78,20 +88,23 @@ def plan_cluster(plan: PipelinePlan) -> Cluster | None:
 class _Channel:
     """One tensor of one microbatch in flight: when it was sent, when it arrived."""
 
-    __slots__ = ("arrived_at", "pending", "sent_at", "waiter")
+    __slots__ = ("arrived_at", "landed", "pending", "sent_at", "waiter")
 
     def __init__(self) -> None:
         self.sent_at: float | None = None
         self.arrived_at: float | None = None
-        self.waiter: simpy.Event | None = None
+        self.waiter: simpy.Event | None = None     # the receiver's
+        self.landed: simpy.Event | None = None     # the sender's, when a shared executor waits for the copy
         self.pending = 0
 
 
 class _Engine:
     def __init__(self, plan: PipelinePlan, program: Program, routes: list[Route], links: LinkTable | None,
-                 free: bool) -> None:
+                 free: bool, executors: int | None = None, dispatch_s: float = 0.0) -> None:
         self.plan, self.program, self.routes, self.free = plan, program, routes, free
         self.env = simpy.Environment()
+        self.executor = simpy.Resource(self.env, capacity=executors) if executors else None
+        self.dispatch_s = dispatch_s
         v, B = program.chunks, program.microbatches
         self.phase_s = []
         for st in plan.stages:
@@ -124,10 +137,11 @@ class _Engine:
 
     def _arrive(self, ch: _Channel) -> None:
         ch.arrived_at = self.env.now
-        if ch.waiter is not None:
-            ch.waiter.succeed()
+        for event in (ch.waiter, ch.landed):
+            if event is not None:
+                event.succeed()
 
-    def _send(self, ins: Send) -> None:
+    def _send(self, ins: Send) -> _Channel:
         ch = self._channel((ins.transfer, ins.microbatch))
         ch.sent_at = self.env.now
         route = self.routes[ins.transfer]
@@ -135,7 +149,7 @@ class _Engine:
         self.inter_bytes += route.inter_node_bytes
         if self.free or not route.copies:
             self._arrive(ch)
-            return
+            return ch
         ch.pending = len(route.copies)
         start = functools.partial(self._start_flows, ch, route, ins)
         alpha = self.alpha[ins.transfer]
@@ -143,6 +157,7 @@ class _Engine:
             self.env.timeout(alpha).callbacks.append(start)
         else:
             start(None)
+        return ch
 
     def _start_flows(self, ch: _Channel, route: Route, ins: Send, _event: object) -> None:
         now = self.env.now
@@ -175,6 +190,18 @@ class _Engine:
         self._schedule(changed)
 
     # -------------------------------------------------------------- meshes
+    def _acquire(self) -> Iterator[simpy.Event]:
+        """Wait for a shared executor (module doc); None when the meshes run free."""
+        if self.executor is None:
+            return None
+        req = self.executor.request()
+        yield req
+        return req
+
+    def _release(self, req) -> None:
+        if req is not None:
+            self.executor.release(req)
+
     def _sample(self, k: int, delta: float) -> None:
         self.mem[k] += delta
         self.memory[k].append((self.env.now, self.mem[k]))
@@ -188,10 +215,12 @@ class _Engine:
             self.pc[k] = pc
             kind = type(ins)
             if kind is Run:
+                req = yield from self._acquire()
                 self._sample(k, act if ins.phase == "forward" else transient)
-                start, d = env.now, phase_s[ins.phase]
+                start, d = env.now, phase_s[ins.phase] + self.dispatch_s
                 if d > 0:
                     yield env.timeout(d)
+                self._release(req)
                 if transient:
                     self._sample(k, -transient)
                 self.events.append(Event(track, "compute", k, ins.microbatch, start, env.now, 0.0, ins.phase,
@@ -200,7 +229,17 @@ class _Engine:
                 if buf:
                     self._sample(k, -buf)
             elif kind is Send:
-                self._send(ins)
+                if self.executor is None:
+                    self._send(ins)
+                else:  # the sender's driver blocks until the copy has landed
+                    req = yield from self._acquire()
+                    if self.dispatch_s > 0:
+                        yield env.timeout(self.dispatch_s)
+                    ch = self._send(ins)
+                    if ch.arrived_at is None:
+                        ch.landed = env.event()
+                        yield ch.landed
+                    self._release(req)
             elif kind is Recv:
                 ch = self._channel((ins.transfer, ins.microbatch))
                 t0 = env.now
@@ -213,8 +252,10 @@ class _Engine:
                     self.events.append(Event(track, "recv", k, ins.microbatch, wire_start, env.now,
                                              route.wire_bytes, t.tensor))
                 if route.gather_s > 0 and not self.free:
+                    req = yield from self._acquire()
                     start = env.now
                     yield env.timeout(route.gather_s)
+                    self._release(req)
                     self.events.append(Event(track, "allgather", k, ins.microbatch, start, env.now,
                                              route.buffer_bytes, t.tensor))
                 if route.buffer_bytes:
@@ -224,9 +265,11 @@ class _Engine:
             elif kind is Free:
                 self._sample(k, -stash)
             elif kind is GradSync:
-                start, d = env.now, self.plan.stages[k].sync_s
+                req = yield from self._acquire()
+                start, d = env.now, self.plan.stages[k].sync_s + self.dispatch_s
                 if d > 0:
                     yield env.timeout(d)
+                self._release(req)
                 self.events.append(Event(track, "sync", k, -1, start, env.now))
                 buf = held.pop(("sync",), 0.0)
                 if buf:
@@ -249,14 +292,20 @@ class _Engine:
 
 def simulate(plan: PipelinePlan, schedule: str | Program = "1f1b", *, chunks: int = 2,
              cluster: Cluster | None = None, cross_mesh: str = "local_all_gather",
-             free_communication: bool = False) -> Timeline:
+             free_communication: bool = False, executors: int | None = None, dispatch_s: float = 0.0) -> Timeline:
     """Simulate one training iteration of `plan` under `schedule` and return its `Timeline`.
 
     `schedule` is a name in `SCHEDULES` ("1f1b", "gpipe", "interleaved" with `chunks`
     model chunks per mesh) or a ready `Program`. `cluster` defaults to the one recorded
     in the plan. `cross_mesh` picks the resharding method ("local_all_gather",
     "send_recv", "signal"). `free_communication` makes every message instant.
+    `executors` (e.g. 1 for a one-process runtime) and `dispatch_s` model how a runtime
+    shares its compute among the meshes (module doc).
     """
+    if executors is not None and executors < 1:
+        raise ValueError(f"executors must be >= 1 (or None for free-running meshes), got {executors!r}")
+    if dispatch_s < 0:
+        raise ValueError(f"dispatch_s must be >= 0, got {dispatch_s!r}")
     t0 = time.perf_counter()
     program = schedule if isinstance(schedule, Program) else build_program(plan, schedule, chunks=chunks)
     if program.num_meshes != len(plan.stages):
@@ -267,7 +316,7 @@ def simulate(plan: PipelinePlan, schedule: str | Program = "1f1b", *, chunks: in
             raise ValueError(f"plan cluster {plan.cluster.get('name')!r} is no preset and the plan records no "
                              "'spec'; pass a cluster or use free communication")
     routes, links = route_transfers(program, plan, cluster, cross_mesh)
-    engine = _Engine(plan, program, routes, links, free_communication)
+    engine = _Engine(plan, program, routes, links, free_communication, executors, dispatch_s)
     ends = engine.run()
     meshes = tuple(MeshInfo(k, tuple(st.devices),
                             tuple(sorted({cluster.node_of(d) for d in st.devices})) if cluster else (),

@@ -28,6 +28,7 @@ from ._intra_plan import MemoryUse as MemoryUse
 from ._intra_plan import PlacedCollective as PlacedCollective
 from ._intra_plan import objective_s as objective_s
 from ._intra_plan import realize as realize
+from ._intra_plan import reprice as reprice
 from ._intra_problem import Edge as Edge
 from ._intra_problem import IntraOpProblem as IntraOpProblem
 from ._intra_problem import Node as Node

@@ -11,7 +11,11 @@ independent sum.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+
+from alpasim.costmodels import CostModel
+from alpasim.graphs import OpGraph
 
 from ._intra_problem import IntraOpProblem
 from ._mesh import LogicalMesh
@@ -160,6 +164,42 @@ def realize(problem: IntraOpProblem, choice: tuple[int, ...]) -> IntraOpPlan:
     specs.update(stored)
     return IntraOpPlan(mesh, strategies, specs, tuple(placed), comm, compute_s,
                        memory_use(problem, stored), tuple(choice), sync_s, update_s, forward_s)
+
+
+def reprice(plan: IntraOpPlan, graph: OpGraph, cost_model: CostModel, mesh: LogicalMesh | None = None) -> IntraOpPlan:
+    """The same shardings and collectives priced by another cost model (on `mesh`, e.g.
+    the same devices with profiled links; default the plan's own).
+
+    Time is accounted as `realize` does (forward ops' compute and per-microbatch
+    collectives make forward_s, update ops' compute update_s, per-iteration collectives
+    sync_s), with each op's shard timed by `cost_model.op_time_s` and each collective by
+    `cost_model.collective_time_s` (so a profiled model's per-kind fits apply, not only
+    its link). What runs is unchanged: strategies, specs, collectives and memory.
+    """
+    mesh = mesh or plan.mesh
+    if mesh.shape != plan.mesh.shape:
+        raise ValueError(f"reprice: a {plan.mesh} plan cannot be priced on a {mesh} mesh")
+    compute_s = update_s = forward_s = 0.0
+    for op in graph.ops:
+        s = plan.strategies[op.name]
+        shards = mesh.axis_size(tuple(a for _, axes in s.loops for a in axes))
+        t = cost_model.op_time_s(op, graph.tensors, num_shards=shards)
+        if op.phase == "update":
+            update_s += t
+        else:
+            compute_s += t
+            forward_s += t if op.phase == "forward" else 0.0
+
+    def time_s(c: Collective) -> float:
+        return cost_model.collective_time_s(c.kind, c.nbytes, [mesh.axes[a] for a in c.axes])
+
+    phase = {op.name: op.phase for op in graph.ops}
+    comm = sum(time_s(p.collective) for p in plan.collectives if not p.per_iteration)
+    sync_s = sum(time_s(p.collective) for p in plan.collectives if p.per_iteration)
+    forward_s += sum(time_s(p.collective) for p in plan.collectives
+                     if not p.per_iteration and phase.get(p.op) == "forward")
+    return dataclasses.replace(plan, mesh=mesh, communication_s=comm, compute_s=compute_s, sync_s=sync_s,
+                               update_s=update_s, forward_s=forward_s)
 
 
 def memory_use(problem: IntraOpProblem, specs: dict[str, ShardingSpec]) -> MemoryUse:

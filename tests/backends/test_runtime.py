@@ -1,9 +1,8 @@
 """The local runtime against a single device, and the compiled HLO against the plan.
 
-Each model family gets a plan from the planner itself, narrowed so that it plans in
-seconds and pipelines: microbatches B = 2, submeshes of 2 or 4 devices viewed as 1x2
-and 2x2 meshes (so the stages' meshes differ in shape), at most 3 stages on the 8
-virtual CPU devices. The run trains two steps through the simulator's 1F1B program.
+Each model family gets a small plan from the planner itself (the `small_plan` fixture:
+B = 2 microbatches, 2 or 3 stages on 1x2 and 2x2 meshes of the 8 virtual CPU
+devices). The run trains two steps through the simulator's 1F1B program.
 
 Numerics: loss and every gradient of step 1 must match the single-device step within
 `check_numerics`'s tolerances (float32 models; see `alpasim.backends._checks` for the
@@ -35,30 +34,17 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from alpasim.backends import check_numerics, compare_collectives, hlo_collectives, reference_step, run_local
-from alpasim.costmodels import get_cluster
-from alpasim.solvers import plan_pipeline
 
-MODELS = {
-    "gpt": "gpt3:hidden=64,layers=2,heads=4,seq=16,vocab=128,batch=8,dtype=fp32",
-    "moe": "moe:hidden=64,layers=2,heads=4,seq=16,vocab=128,batch=8,experts=4,group_size=32,dtype=fp32",
-    "wresnet": "wresnet:channels=8,width=1,image=64,classes=16,batch=8",
-}
-VIEWS = {2: [(1, 2)], 4: [(2, 2)]}
 BAND = (1 / 3, 1.5)
 UNPREDICTED_BYTES = 64  # a scalar loss all-reduce at most
 
 needs_8 = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
 
 
-def small_plan(model: str):
-    return plan_pipeline(model, get_cluster("aws-p3.16xlarge", nodes=1), microbatches=2, pareto=False,
-                         shape_ok=lambda sh: sh.size in VIEWS, views_of=lambda sh: VIEWS[sh.size], max_stages=3)
-
-
 @needs_8
-@pytest.mark.parametrize("family", sorted(MODELS))
-def test_pipelined_step_matches_single_device_and_plan(family, tmp_path):
-    plan = small_plan(MODELS[family])
+@pytest.mark.parametrize("family", ["gpt", "moe", "wresnet"])
+def test_pipelined_step_matches_single_device_and_plan(family, small_plan, tmp_path):
+    plan = small_plan(family)
     assert len(plan.stages) >= 2 and len({s.logical_mesh for s in plan.stages}) >= 2, plan.stages
     result = run_local(plan, steps=2)
 

@@ -1,0 +1,92 @@
+"""Measured vs predicted step time of real (CPU) runs, for GPT, MoE and Wide-ResNet.
+
+    .venv/bin/python benchmarks/bench_run.py [--profile p.json] [--steps 7] [--tiny]
+
+Profiles this machine (`alpasim profile --quick`, unless `--profile` names one), plans
+each model with the profiled model on the profile's host (8 virtual CPU devices,
+submeshes of 2 and 4 devices viewed as 1x2 and 2x2, B = 2, at most 3 stages), runs it
+with the local runtime and prints the median step time next to the plan's own
+prediction and the profiled re-pricing for the one-process runtime
+(`alpasim.backends.predict_run`). The sizes are a little above the tests' tiny ones so
+that compute, not per-call dispatch, dominates a step; `--tiny` uses the tests' ones.
+
+Timings on a shared 2-core machine move with whatever else runs: the script prints
+each step so the spread is visible.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from alpasim.backends import (  # noqa: E402
+    check_numerics,
+    host_cluster,
+    predict_run,
+    profile_backend,
+    reference_step,
+    run_local,
+)
+from alpasim.costmodels import Cluster, Device, Link, ProfiledCostModel  # noqa: E402
+from alpasim.solvers import plan_pipeline  # noqa: E402
+
+SMALL = {
+    "gpt": "gpt3:hidden=256,layers=4,heads=8,seq=64,vocab=512,batch=16,dtype=fp32",
+    "moe": "moe:hidden=128,layers=4,heads=4,seq=64,vocab=512,batch=16,experts=8,group_size=128,dtype=fp32",
+    "wresnet": "wresnet:channels=16,width=1,image=64,classes=16,batch=16",
+}
+TINY = {
+    "gpt": "gpt3:hidden=64,layers=2,heads=4,seq=16,vocab=128,batch=8,dtype=fp32",
+    "moe": "moe:hidden=64,layers=2,heads=4,seq=16,vocab=128,batch=8,experts=4,group_size=32,dtype=fp32",
+    "wresnet": "wresnet:channels=8,width=1,image=64,classes=16,batch=8",
+}
+VIEWS = {2: [(1, 2)], 4: [(2, 2)]}
+
+
+def load_profile(path: str | None) -> ProfiledCostModel:
+    if path is None:
+        t0 = time.perf_counter()
+        model = profile_backend(quick=True)
+        print(f"profiled in {time.perf_counter() - t0:.1f} s: dispatch {model.meta['dispatch_s'] * 1e6:.0f} us",
+              file=sys.stderr)
+        return model
+    stand_in = Cluster("unbound", 1, 8, Device("unbound", {"float32": 1.0}, 1, 1.0), Link("u", 1.0, 0.0),
+                       Link("u", 1.0, 0.0))
+    model = ProfiledCostModel.load(path, stand_in)
+    return model.with_cluster(host_cluster(model, int(model.meta.get("num_devices", 8))))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--profile", help="a profile JSON (default: profile now, quick grid)")
+    ap.add_argument("--steps", type=int, default=7)
+    ap.add_argument("--tiny", action="store_true", help="the tests' tiny configurations")
+    ap.add_argument("--only", help="comma-separated families")
+    args = ap.parse_args()
+    model = load_profile(args.profile)
+    configs = TINY if args.tiny else SMALL
+    families = args.only.split(",") if args.only else list(configs)
+    print(f"{'family':<8} {'stages':<14} {'measured':>10} {'plan':>10} {'profiled':>10} {'ratio':>6}  "
+          f"numerics  steps (ms)")
+    for family in families:
+        plan = plan_pipeline(configs[family], model.cluster, microbatches=2, pareto=False, cost_model=model,
+                             shape_ok=lambda sh: sh.size in VIEWS, views_of=lambda sh: VIEWS[sh.size],
+                             max_stages=3)
+        result = run_local(plan, steps=args.steps)
+        ok = check_numerics(result.losses[0], result.grads, reference_step(plan))["numerics_ok"]
+        pred = predict_run(plan, cost_model=model, intra_plans=[s.intra_plan for s in result.stages])
+        measured = result.measured_step_s
+        meshes = "+".join("x".join(map(str, s.logical_mesh)) for s in plan.stages)
+        steps = " ".join(f"{t * 1e3:.0f}" for t in result.step_times_s)
+        print(f"{family:<8} {meshes:<14} {measured * 1e3:8.1f}ms {pred['predicted_step_s_analytic'] * 1e3:8.1f}ms "
+              f"{pred['predicted_step_s'] * 1e3:8.1f}ms {pred['predicted_step_s'] / measured:6.2f}  "
+              f"{'ok' if ok else 'FAIL':<8}  {steps}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -187,6 +187,10 @@ def plan_pipeline(model: str, cluster: Cluster, *, microbatches: int | str = "au
                 break
         if best.microbatches != options[start]:
             break  # improved going up: no need to look down
+        if not best.dp.stages:
+            # Going up made microbatches only smaller, and nothing fit even at the
+            # smallest: larger microbatches need more memory, so none fits.
+            break
     search = {"seconds": time.perf_counter() - t0, "ilp_solves": jobs, "cache_hits": hits,
               "microbatch_candidates": sorted(c.microbatches for c in candidates),
               "dp_bottlenecks_evaluated": best.dp.candidates_evaluated}

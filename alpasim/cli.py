@@ -812,10 +812,10 @@ def run_report(p: sv.PipelinePlan, *, runtime: str = "local", steps: int = 5, se
              f"XLA_FLAGS=--xla_force_host_platform_device_count={need} before starting")
     t0 = time.perf_counter()
     if runtime == "ray":
-        run_ray = getattr(backends, "run_ray", None)
-        if run_ray is None:
-            fail("--runtime ray: this installation has no Ray runtime (alpasim.backends.run_ray)")
-        result = run_ray(p, steps=steps, seed=seed, address=ray_address)
+        try:
+            result = backends.run_ray(p, steps=steps, seed=seed, address=ray_address)
+        except backends.RayRuntimeError as e:
+            fail(f"--runtime ray: {e}")
     else:
         result = backends.run_local(p, steps=steps, seed=seed)
     run_s = time.perf_counter() - t0

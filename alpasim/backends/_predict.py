@@ -28,10 +28,31 @@ cluster with free-running meshes (what a GPU cluster would do). With a profiled
    bottleneck), and its transfers additionally go through Ray's object store, which
    the model does not price (expect Ray's measurement above the prediction).
 
-Known gap: convolutions. The profile times no conv2d; convs are priced at the matmul
-class's fitted rate (wide einsums), while XLA:CPU runs the narrow convs of a sharded
-small Wide-ResNet (8-16 channels per shard) several times slower per FLOP: predicted
-WResNet steps come out ~3x short. A conv class in the profile grid would close it.
+Convolutions are priced by their own profiled classes (conv, conv_input_grad,
+conv_filter_grad; `alpasim.costmodels.ProfiledCostModel`): XLA:CPU runs the backward's
+transposed convolutions 3-50x slower per FLOP than the forward at a few dozen channels,
+which the matmul rate used before missed. Same-run comparison on the small Wide-ResNet
+(`benchmarks/bench_run.py` sizes, 2x2+2x2, a shared and loaded 2-core host): predicted /
+measured 0.37-0.50 with the conv classes against 0.21-0.33 with convs at the matmul
+rate (two runs). The filter-gradient fit stays rough (RMS relative error ~0.8 over the
+grid: XLA:CPU's rate for it ranges 0.2-9 GFLOP/s with the shape, fastest at 2x2-4x4
+images), so a linear form per class is only a first cut.
+
+Known gaps, measured on this host (all from the same run as the profile):
+- Wide-ResNet stays ~2x short: the plan shards channels, so each conv of a stage runs
+  on 16-128 channels and tiny images (2x2, 4x4) next to an all-gather, and in-stage
+  forward convs take ~0.15-0.3 ms where the fit (C -> C convs, no collective) says
+  0.03-0.07 ms.
+- MoE ~0.4-0.7: the expert einsums whose operands or output are not in XLA's
+  canonical dot order (batch dims leading, e.g. EGCH,EHM->GECM or GECM,EMH->EGCH) run
+  1.7-2.5x slower than the same FLOPs in canonical order (4.2 ms vs 1.7 ms on one
+  device), which a per-class rate cannot see; timed alone on the stage's 2x2 mesh with
+  the plan's shardings the stage's einsums sum to ~3x their prediction (resharding
+  included). The backward's "involuntary full rematerialization" (replicate, then
+  repartition, of a (8, 1, 32, 128) tensor) is work the plan does not list.
+- Everything syncs: on a host loaded by other jobs a stage's devices wait for each
+  other at every collective, while the profile's loops run each device on its own;
+  under load the same GPT plan has measured 0.28-0.97 of the prediction.
 
 Ignored: XLA fusion across ops (the profile times ops one by one; fused elementwise
 chains run faster than predicted), Python work around each call (generating a

@@ -14,6 +14,13 @@ What is timed, and how (the choices matter for predictions of real runs):
   (T(1 + K) - T(1)) / K. The loop carries the op's output into its next input (shape
   preserving ops only; einsum weights are orthogonal so values neither blow up nor
   decay into denormals).
+- Convolutions: conv2d, its input gradient and its filter gradient (each its own op
+  class: on XLA:CPU the transposed convolutions of the backward are other algorithms,
+  3-50x slower per FLOP at a few dozen channels) over shard shapes like a small
+  Wide-ResNet's — (batch, image, image, C), C -> C, kernel 1 or 3, 'same' padding —
+  inside `shard_map` on the same all-device mesh, so a filter gradient's sum over the
+  batch stays local (in a stage its all-reduce is a planned collective). The filter
+  gradient's output is not the carry's shape: 1e-30 x its sum is added to the carry.
 - Collectives (all-reduce, all-gather, reduce-scatter, all-to-all) run the same way
   inside `shard_map` on an (N/n, n) mesh over its axis of size n in {2, 4, 8} — all N
   devices busy, n per group. All-gather and reduce-scatter need a local slice or tile
@@ -75,6 +82,7 @@ class ProfileSizes:
     matmul: tuple[tuple[int, int], ...]     # (m, k): shard x (1, m, k) times w (k, k)
     elements: tuple[int, ...]               # elementwise shard sizes
     rows: tuple[tuple[int, int], ...]       # (rows, hidden) for softmax / layer norm
+    convs: tuple[tuple[int, int, int, int], ...]  # (batch, image, C, k): shard (batch, image, image, C), C -> C
     collective_bytes: tuple[int, ...]       # S per collective (costmodels conventions)
     axis_sizes: tuple[int, ...]
     repeats: int
@@ -83,10 +91,13 @@ class ProfileSizes:
 FULL = ProfileSizes(matmul=((32, 64), (128, 128), (512, 128), (256, 256), (256, 512), (512, 512)),
                     elements=(1 << 12, 1 << 15, 1 << 18, 1 << 20),
                     rows=((32, 128), (256, 256), (1024, 512), (4096, 256)),
+                    convs=((2, 32, 8, 3), (2, 16, 16, 3), (2, 32, 16, 1), (2, 8, 32, 3), (2, 16, 64, 1), (8, 4, 64, 3),
+                           (8, 4, 64, 1), (8, 2, 128, 3), (8, 4, 128, 1), (8, 2, 256, 1)),
                     collective_bytes=(1 << 13, 1 << 16, 1 << 19, 1 << 22), axis_sizes=(2, 4, 8), repeats=7)
 QUICK = ProfileSizes(matmul=((32, 64), (128, 128), (256, 256)), elements=(1 << 12, 1 << 16, 1 << 20),
-                     rows=((32, 128), (256, 256), (2048, 256)), collective_bytes=(1 << 14, 1 << 21),
-                     axis_sizes=(2, 4, 8), repeats=3)
+                     rows=((32, 128), (256, 256), (2048, 256)),
+                     convs=((2, 16, 16, 3), (2, 32, 16, 1), (8, 4, 64, 3), (8, 2, 128, 1)),
+                     collective_bytes=(1 << 14, 1 << 21), axis_sizes=(2, 4, 8), repeats=3)
 
 
 def _median_s(fn: Callable, args: Sequence, repeats: int) -> float:
@@ -145,9 +156,45 @@ def _compute_cases(sizes: ProfileSizes) -> list[tuple[Op, dict[str, Tensor]]]:
     return cases
 
 
+def _conv_cases(sizes: ProfileSizes) -> list[tuple[Op, dict[str, Tensor]]]:
+    """conv2d, its input gradient and its filter gradient, stride 1 and 'same' padding
+    with C -> C channels, so that the first input (x, dy, x) is carried by the loop."""
+    cases = []
+    for batch, image, c, k in sizes.convs:
+        x, w = Tensor("x", (batch, image, image, c), "float32"), Tensor("w", (k, k, c, c), "float32", "param")
+        dy = Tensor("dy", x.shape, "float32")
+        geo = {"strides": (1, 1), "padding": ((k // 2, k // 2), (k // 2, k // 2))}
+        shape = f"{batch}x{image}x{image}x{c} k{k}"
+        for prim, ins, out, extra in (("conv2d", [x, w], x, {}),
+                                      ("conv2d_input_grad", [dy, w], x, {"input_shape": x.shape}),
+                                      ("conv2d_filter_grad", [x, dy], w, {"filter_shape": w.shape})):
+            tensors = {t.name: t for t in ins}
+            tensors["y"] = Tensor("y", out.shape, "float32")
+            cases.append((Op(f"{prim} {shape}", prim, tuple(t.name for t in ins), ("y",), {**geo, **extra}),
+                          tensors))
+    return cases
+
+
+def _conv_step(op: Op, mesh: Mesh) -> Callable:
+    """carry -> carry of one device's shard (`shard_map`: a filter gradient's sum over
+    the batch stays local, as in a stage, where its all-reduce is a planned collective).
+    A filter gradient does not have the carry's shape: 1e-30 x its sum (a pass over the
+    small filter) is added to the carry, which keeps the loop from hoisting it."""
+    specs = tuple(P() if t == "w" else P("d") for t in op.inputs)
+
+    def local(x, *rest):
+        y = eval_op(op, (x, *rest))[0]
+        return x + 1e-30 * jnp.sum(y) if y.shape != x.shape else y
+
+    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P("d"), check_vma=False)
+
+
 def _operand(t: Tensor, mesh: Mesh, rng: np.random.Generator) -> tuple[jax.Array, NamedSharding]:
     """A global array whose dim 0 is sharded over every device (params replicated)."""
-    if t.role == "param":
+    if t.role == "param" and len(t.shape) == 4:  # a conv filter, scaled to keep the carry's variance
+        value = rng.standard_normal(t.shape) / math.sqrt(t.shape[0] * t.shape[1] * t.shape[2])
+        sharding = NamedSharding(mesh, P())
+    elif t.role == "param":
         value = np.linalg.qr(rng.standard_normal(t.shape))[0] if len(t.shape) == 2 else rng.standard_normal(t.shape)
         sharding = NamedSharding(mesh, P())
     else:
@@ -159,15 +206,18 @@ def _operand(t: Tensor, mesh: Mesh, rng: np.random.Generator) -> tuple[jax.Array
 def time_compute(mesh: Mesh, sizes: ProfileSizes, log: Callable[[str], None]) -> list[OpSample]:
     rng = np.random.default_rng(0)
     samples = []
-    for op, tensors in _compute_cases(sizes):
+    for op, tensors in _compute_cases(sizes) + _conv_cases(sizes):
         flops = op_flops(op, tensors)
         nbytes = traffic_bytes(op, tensors)
         args, shardings = zip(*(_operand(tensors[t], mesh, rng) for t in op.inputs))
-        step = lambda x, *rest, op=op: eval_op(op, (x, *rest))[0]  # noqa: E731
+        if op.prim.startswith("conv2d"):
+            step = _conv_step(op, mesh)
+        else:
+            step = lambda x, *rest, op=op: eval_op(op, (x, *rest))[0]  # noqa: E731
         guess = flops / GUESS_FLOPS_PER_S + nbytes / GUESS_BYTES_PER_S
         t = _per_iteration_s(step, args, shardings, guess, sizes.repeats)
         samples.append(OpSample(op_class(op), flops, nbytes, t))
-        log(f"{op.name:<22} {t * 1e6:10.1f} us")
+        log(f"{op.name:<34} {t * 1e6:10.1f} us")
     return samples
 
 

@@ -24,7 +24,7 @@ from scipy.optimize import nnls
 
 from ._collectives import COLLECTIVE_KINDS
 from ._hardware import Cluster, Link
-from ._profiled import OP_CLASSES, CollectiveFit, OpFit, ProfiledCostModel, ProfileFormatError
+from ._profiled import FALLBACK_CLASS, OP_CLASSES, CollectiveFit, OpFit, ProfiledCostModel, ProfileFormatError
 
 # Ring passes per (n - 1) steps: an all-reduce is a reduce-scatter plus an all-gather.
 RING_PASSES = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "all_to_all": 1}
@@ -71,13 +71,17 @@ def _check_times(samples: Sequence[Any], what: str) -> np.ndarray:
 
 
 def fit_ops(samples: Iterable[OpSample]) -> tuple[dict[str, OpFit], dict[str, float]]:
-    """Per class: (launch_s, seconds_per_flop, seconds_per_byte) and the RMS relative error."""
+    """Per class: (launch_s, seconds_per_flop, seconds_per_byte) and the RMS relative error.
+
+    A class of `FALLBACK_CLASS` without samples is left out (its fallback prices it)."""
     by_class: dict[str, list[OpSample]] = {}
     for s in samples:
         by_class.setdefault(s.op_class, []).append(s)
     fits, errors = {}, {}
     for c in OP_CLASSES:
         rows = by_class.get(c, [])
+        if not rows and c in FALLBACK_CLASS:
+            continue
         if len(rows) < 3:
             raise ProfileFormatError(f"fit: op class {c!r} needs at least 3 samples, got {len(rows)}")
         times = _check_times(rows, f"op class {c!r}")

@@ -7,7 +7,8 @@ them, prices ops and collectives with them, and round-trips them through JSON
 `AnalyticCostModel`.
 
 Compute, per primitive class (`OP_CLASSES`: matmul, elementwise, softmax,
-normalization), per shard of an op split `num_shards` ways:
+normalization, conv, conv_input_grad, conv_filter_grad), per shard of an op split
+`num_shards` ways:
 
     time = launch_s + F * seconds_per_flop + M * seconds_per_byte
 
@@ -18,6 +19,15 @@ loads do not fully hide behind its arithmetic, it is also the better form. The
 analytic model's efficiency curve eff(F) = MAX * F / (F + F_half) turns into exactly
 this shape (a fixed cost plus F / (MAX * peak)); small-matmul inefficiency therefore
 lands in `launch_s`. Views (reshape) cost nothing, as in the analytic model.
+
+Convolutions have three classes of their own, one per primitive: conv (conv2d),
+conv_input_grad and conv_filter_grad. On XLA:CPU they are different algorithms: the
+forward conv runs at about the einsum rate, while the gradients (the transposed
+convolutions `jax.vjp` produces, with the batch or the output features as the
+contracted dimension) run 3-50x slower per FLOP at the 8-128 channels of a small
+Wide-ResNet shard; one fit over all three would be off by that much. These classes
+are optional: a profile written before them prices convs at the matmul fit
+(`FALLBACK_CLASS`).
 
 Collectives, per kind and mesh-axis size n measured: alpha_s + S * seconds_per_byte,
 with S in the collective conventions of `_collectives` (gathered tensor for all-gather,
@@ -54,13 +64,18 @@ from ._compute import FREE_PRIMS, traffic_bytes
 from ._hardware import Cluster, Device, Link
 
 PROFILE_SCHEMA = "alpasim.costmodel/1"
-OP_CLASSES = ("matmul", "elementwise", "softmax", "normalization")
+OP_CLASSES = ("matmul", "elementwise", "softmax", "normalization", "conv", "conv_input_grad", "conv_filter_grad")
+# Classes a profile may lack (older profiles), and the class that prices them then.
+FALLBACK_CLASS = {"conv": "matmul", "conv_input_grad": "matmul", "conv_filter_grad": "matmul"}
+# The three convolutions are three algorithms on XLA:CPU (module doc), one class each.
+_CLASS_OF_PRIM = {"conv2d": "conv", "conv2d_input_grad": "conv_input_grad", "conv2d_filter_grad": "conv_filter_grad"}
+REQUIRED_OP_CLASSES = tuple(c for c in OP_CLASSES if c not in FALLBACK_CLASS)
 # Primitive kinds (`alpasim.graphs.op_kind`) priced by each class; every other kind
 # (elementwise, layout, embedding, optimizer, gating) is streaming work priced as
 # "elementwise". Softmax and norms are apart because at equal bytes a softmax (exp and
 # two passes) takes 2-3x a layer norm on the CPU; reductions and pooling are one pass
 # with a reduction, like a norm.
-_CLASS_OF_KIND = {"einsum": "matmul", "conv": "matmul", "softmax": "softmax", "loss": "softmax",
+_CLASS_OF_KIND = {"einsum": "matmul", "conv": "conv", "softmax": "softmax", "loss": "softmax",
                   "normalization": "normalization", "reduction": "normalization", "pooling": "normalization"}
 
 
@@ -70,7 +85,7 @@ class ProfileFormatError(ValueError):
 
 def op_class(op: Op) -> str:
     """The `OP_CLASSES` entry that prices `op`."""
-    return _CLASS_OF_KIND.get(op_kind(op), "elementwise")
+    return _CLASS_OF_PRIM.get(op.prim) or _CLASS_OF_KIND.get(op_kind(op), "elementwise")
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +115,8 @@ class CollectiveFit:
 class ProfiledCostModel:
     """Fitted compute and collective costs (module doc), bound to a `cluster`.
 
-    `ops` maps each of `OP_CLASSES` to its `OpFit`; `collectives` maps (kind, axis
+    `ops` maps each of `OP_CLASSES` to its `OpFit` (those of `FALLBACK_CLASS` may be
+    missing: the fallback class prices them); `collectives` maps (kind, axis
     size) to a `CollectiveFit`; `link` is the effective fitted link. The bound
     `cluster` is the given one with `intra_node` replaced by `link`. `meta` (where and
     how it was measured) is carried along but is no part of the model's `digest`.
@@ -114,7 +130,7 @@ class ProfiledCostModel:
     meta: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
-        missing = [c for c in OP_CLASSES if c not in self.ops]
+        missing = [c for c in REQUIRED_OP_CLASSES if c not in self.ops]
         if missing:
             raise ProfileFormatError(f"profile {self.name!r}: no fit for op class {missing[0]!r}")
         for kind, n in self.collectives:
@@ -144,7 +160,12 @@ class ProfiledCostModel:
             return 0.0
         flops = op_flops(op, tensors) / num_shards
         nbytes = traffic_bytes(op, tensors) / num_shards
-        return self.ops[op_class(op)].time_s(flops, nbytes)
+        return self.fit_of(op_class(op)).time_s(flops, nbytes)
+
+    def fit_of(self, op_class_name: str) -> OpFit:
+        """The fit that prices `op_class_name` (its fallback's when the profile has none)."""
+        fit = self.ops.get(op_class_name)
+        return fit if fit is not None else self.ops[FALLBACK_CLASS[op_class_name]]
 
     def collective_time_s(self, kind: str, nbytes: float, axes: Sequence[MeshAxis]) -> float:
         """Hierarchical sum over axes (see `_collectives`), each axis priced by its fit."""
@@ -208,6 +229,8 @@ class ProfiledCostModel:
         ops_r = r.sub("ops")
         ops = {}
         for c in OP_CLASSES:
+            if c in FALLBACK_CLASS and c not in ops_r.data:
+                continue
             f = ops_r.sub(c)
             ops[c] = OpFit(f.number("launch_s"), f.number("seconds_per_flop"), f.number("seconds_per_byte"))
         collectives = {}

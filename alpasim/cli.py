@@ -453,18 +453,23 @@ def _plan_map(workers: int | None, ray: bool, ray_address: str | None):
     return (lambda fn, items: pool.map(fn, items)), (lambda: pool.shutdown(cancel_futures=True))
 
 
+def _parse_microbatches(text: str) -> int | str:
+    """--microbatches: a number, or 'auto' to search B jointly."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        fail(f"--microbatches {text!r}: a positive integer or 'auto'")
+
+
 def make_plan(model: str, cluster: cm.Cluster, *, microbatches: str, remat: bool, layers: int | None,
               cache: bool, workers: int | None, ray: bool, ray_address: str | None, quiet: bool,
               max_stages: int = 16, epsilon: float = 1e-3,
               cost_model: cm.CostModel | None = None) -> sv.PipelinePlan:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    mb: int | str = microbatches
-    if microbatches != "auto":
-        try:
-            mb = int(microbatches)
-        except ValueError:
-            fail(f"--microbatches {microbatches!r}: a positive integer or 'auto'")
+    mb = _parse_microbatches(microbatches)
     map_fn, close = _plan_map(workers, ray, ray_address)
     progress = Progress(TextColumn("stage costs {task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=err, transient=True, disable=quiet)
@@ -577,12 +582,7 @@ def _baseline_plan(method: str, model: str, cluster: cm.Cluster, config: sv.Mega
     """`plan_with_method` for a baseline, with the options its restriction leaves open."""
     from rich.progress import Progress, TextColumn, TimeElapsedColumn
 
-    mb: int | str = microbatches
-    if microbatches != "auto":
-        try:
-            mb = int(microbatches)
-        except ValueError:
-            fail(f"--microbatches {microbatches!r}: a positive integer or 'auto'")
+    mb = _parse_microbatches(microbatches)
     kw: dict[str, Any] = {"remat": remat, "epsilon": epsilon}
     if cost_model is not None:
         kw["cost_model"] = cost_model

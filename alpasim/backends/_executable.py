@@ -30,6 +30,7 @@ planned gradient layout), so that reduction runs once per microbatch.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -52,14 +53,13 @@ class StageExecutable:
     optimizer states and the stash of microbatches between forward and backward."""
 
     def __init__(self, part: StagePart, mesh: Mesh, intra: IntraOpPlan, shardings: dict[str, NamedSharding],
-                 compiled: dict[str, Any], params: dict, states: dict, microbatches: int) -> None:
+                 compiled: dict[str, Any], params: dict, states: dict) -> None:
         self.part, self.mesh, self.intra_plan = part, mesh, intra
         self.index = part.index
         self.shardings = shardings          # name -> layout: params, grads ("<p>:grad"), states, acts, data
         self.compiled = compiled            # "forward" | "backward" | "update" -> jax Compiled
         self.params, self.states = params, states
         self.acc = self._zeros_acc()
-        self.microbatches = microbatches
         self.stash: dict[int, tuple[dict, dict]] = {}
 
     # ------------------------------------------------------------- execution
@@ -120,21 +120,36 @@ def stage_mesh(plan: PipelinePlan, k: int, devices: Sequence[jax.Device]) -> Mes
     return Mesh(np.array(list(devices), dtype=object).reshape(shape), AXIS_NAMES)
 
 
+@dataclass(frozen=True)
+class StageInputs:
+    """What lowering any stage of a plan starts from: the training graph, every stage's
+    part and the initial leaves (`stage_inputs`)."""
+
+    train: OpGraph
+    parts: list[StagePart]
+    leaves: dict[str, np.ndarray]
+
+
+def stage_inputs(plan: PipelinePlan, graph: OpGraph, seed: int = 0) -> StageInputs:
+    return StageInputs(build_training_graph(graph, remat=bool(plan.model.get("remat", True))).graph,
+                       partition(graph, plan), random_leaves(graph, seed))
+
+
 def lower_stage(plan: PipelinePlan, graph: OpGraph, stage_index: int, devices: Sequence[jax.Device], *,
-                seed: int = 0) -> StageExecutable:
+                seed: int = 0, shared: StageInputs | None = None) -> StageExecutable:
     """Stage `stage_index` of `plan` on `devices`; `graph` is `planning_graph(plan.model)`.
 
     Parameters start as `random_leaves(graph, seed)` gives them, the values a
-    single-device run of the whole graph uses.
+    single-device run of the whole graph uses. `shared` (`stage_inputs`) carries what
+    every stage derives alike, so a process lowering all stages derives it once.
     """
-    train = build_training_graph(graph, remat=bool(plan.model.get("remat", True))).graph
-    part = partition(graph, plan)[stage_index]
+    shared = shared or stage_inputs(plan, graph, seed)
+    train, part, leaves = shared.train, shared.parts[stage_index], shared.leaves
     intra = stage_intra_plan(plan, train, stage_index)
     mesh = stage_mesh(plan, stage_index, devices)
     shardings = _shardings(plan, train, part, intra, mesh)
     adam = {op.inputs[0]: op for op in train.ops if op.prim == "adam" and op.inputs[0] in part.owned}
 
-    leaves = random_leaves(graph, seed)
     params = {p: jax.device_put(leaves[p], shardings[p]) for p in part.params}
     states = {}
     for p, op in adam.items():
@@ -158,7 +173,7 @@ def lower_stage(plan: PipelinePlan, graph: OpGraph, stage_index: int, devices: S
         "backward": fns["backward"].lower(p_spec, acc, a_spec, d_spec, ct_spec).compile(),
         "update": fns["update"].lower(p_spec, acc, s_spec).compile(),
     }
-    return StageExecutable(part, mesh, intra, shardings, compiled, params, states, plan.microbatches)
+    return StageExecutable(part, mesh, intra, shardings, compiled, params, states)
 
 
 def _named(mesh: Mesh, spec: ShardingSpec | str) -> NamedSharding:

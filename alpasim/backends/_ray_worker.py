@@ -201,13 +201,13 @@ class _ActorWalker(_Walker):
         """Owner sends each tied parameter's new value to its replicas; they wait for it."""
         k, stage = self.worker.k, self.stages[self.worker.k]
         for p in stage.part.owned:
-            for dst in self.worker.readers[p]:
-                if dst != k:
-                    start = self.clock()
-                    value = np.asarray(stage.params[p])
-                    self.post(dst, ("param", p), [("param", p, value)])
-                    self.sent_bytes += value.nbytes
-                    self.record(f"mesh{k}->mesh{dst}", "send", k, -1, start, float(value.nbytes), f"{p} (refresh)")
+            replicas = [dst for dst in self.worker.readers[p] if dst != k]
+            value = np.asarray(stage.params[p]) if replicas else None  # one host copy for every replica
+            for dst in replicas:
+                start = self.clock()
+                self.post(dst, ("param", p), [("param", p, value)])
+                self.sent_bytes += value.nbytes
+                self.record(f"mesh{k}->mesh{dst}", "send", k, -1, start, float(value.nbytes), f"{p} (refresh)")
         for p in stage.part.params:
             if p not in stage.part.owned:
                 start = self.clock()

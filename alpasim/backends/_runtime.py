@@ -38,7 +38,7 @@ import numpy as np
 from alpasim.simulator import Event, GradSync, MeshInfo, Program, Recv, Run, Send, Timeline, Update, build_program
 from alpasim.solvers import PipelinePlan, planning_graph
 
-from ._executable import StageExecutable, lower_stage
+from ._executable import StageExecutable, lower_stage, stage_inputs
 from ._stages import StagePart, microbatch_inputs
 
 Payload = list[tuple[str, str]]  # (kind "act" | "ct" | "grad", tensor or parameter name)
@@ -74,7 +74,8 @@ def run_local(plan: PipelinePlan, *, steps: int = 1, seed: int = 0, schedule: st
                          f"(set XLA_FLAGS=--xla_force_host_platform_device_count={need} on the CPU)")
     graph = planning_graph(plan.model)
     program = build_program(plan, schedule or plan.schedule)
-    stages = [lower_stage(plan, graph, k, [devices[d] for d in st.devices], seed=seed)
+    shared = stage_inputs(plan, graph, seed)
+    stages = [lower_stage(plan, graph, k, [devices[d] for d in st.devices], seed=seed, shared=shared)
               for k, st in enumerate(plan.stages)]
     payloads = _payloads(program, [s.part for s in stages])
     losses, times, grads = [], [], {}

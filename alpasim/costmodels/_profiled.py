@@ -59,7 +59,7 @@ from typing import Any
 
 from alpasim.graphs import Op, Tensor, op_flops, op_kind
 
-from ._collectives import COLLECTIVE_KINDS, MeshAxis, collective_time_s, mesh_axes
+from ._collectives import COLLECTIVE_KINDS, MeshAxis, _check_bytes, collective_time_s, mesh_axes
 from ._compute import FREE_PRIMS, traffic_bytes
 from ._hardware import Cluster, Device, Link
 
@@ -171,8 +171,7 @@ class ProfiledCostModel:
         """Hierarchical sum over axes (see `_collectives`), each axis priced by its fit."""
         if kind not in COLLECTIVE_KINDS:
             raise ValueError(f"unknown collective {kind!r}; expected one of {COLLECTIVE_KINDS}")
-        if isinstance(nbytes, bool) or not isinstance(nbytes, (int, float)) or not math.isfinite(nbytes) or nbytes < 0:
-            raise ValueError(f"collective: nbytes must be a finite number >= 0, got {nbytes!r}")
+        nbytes = _check_bytes(nbytes)
         group = [a for a in axes if a.size > 1]
         if not group or nbytes == 0:
             return 0.0

@@ -190,14 +190,16 @@ def reprice(plan: IntraOpPlan, graph: OpGraph, cost_model: CostModel, mesh: Logi
             compute_s += t
             forward_s += t if op.phase == "forward" else 0.0
 
-    def time_s(c: Collective) -> float:
-        return cost_model.collective_time_s(c.kind, c.nbytes, [mesh.axes[a] for a in c.axes])
-
     phase = {op.name: op.phase for op in graph.ops}
-    comm = sum(time_s(p.collective) for p in plan.collectives if not p.per_iteration)
-    sync_s = sum(time_s(p.collective) for p in plan.collectives if p.per_iteration)
-    forward_s += sum(time_s(p.collective) for p in plan.collectives
-                     if not p.per_iteration and phase.get(p.op) == "forward")
+    comm = sync_s = 0.0
+    for p in plan.collectives:  # each collective priced once, then booked where realize books it
+        c = p.collective
+        t = cost_model.collective_time_s(c.kind, c.nbytes, [mesh.axes[a] for a in c.axes])
+        if p.per_iteration:
+            sync_s += t
+        else:
+            comm += t
+            forward_s += t if phase.get(p.op) == "forward" else 0.0
     return dataclasses.replace(plan, mesh=mesh, communication_s=comm, compute_s=compute_s, sync_s=sync_s,
                                update_s=update_s, forward_s=forward_s)
 

@@ -40,6 +40,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ._submesh import starts_cleanly
+
 INF = np.inf
 
 
@@ -117,14 +119,11 @@ def _bottleneck_candidates(cost: np.ndarray, boundary: np.ndarray | None) -> np.
 
 
 def _placeable(sizes: np.ndarray, num_devices: int, devices_per_node: int | None) -> np.ndarray:
-    """ok[h, d]: a piece of sizes[h] may start at device D - d without straddling a node
-    (within one node: it ends by the node's end; several nodes: it starts one)."""
-    d = np.arange(num_devices + 1)
+    """ok[h, d]: a piece of sizes[h] may start at device D - d (`starts_cleanly`)."""
     if devices_per_node is None:
         return np.ones((len(sizes), num_devices + 1), dtype=bool)
-    offset = ((num_devices - d) % devices_per_node)[None, :]
-    size = sizes[:, None]
-    return np.where(size <= devices_per_node, offset + size <= devices_per_node, offset == 0)
+    return np.array([[starts_cleanly(int(size), num_devices - d, devices_per_node) for d in range(num_devices + 1)]
+                     for size in sizes])
 
 
 def _solve_fixed(cost: np.ndarray, sizes: np.ndarray, num_devices: int, s_max: int, t_max: float,

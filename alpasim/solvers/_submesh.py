@@ -95,14 +95,20 @@ def place_submeshes(shapes: Sequence[SubmeshShape], nodes: int, devices_per_node
     return [p for p in placement if p is not None]
 
 
+def starts_cleanly(size: int, start: int, devices_per_node: int) -> bool:
+    """Whether a piece of `size` devices may sit on devices start.. without straddling a
+    node: a one-node piece ends by its node's end, a several-node piece starts a node."""
+    offset = start % devices_per_node
+    return offset + size <= devices_per_node if size <= devices_per_node else offset == 0
+
+
 def _contiguous(shapes: Sequence[SubmeshShape], devices_per_node: int) -> list[list[int]] | None:
     """Stage i on the devices right after stage i-1's, if no piece then straddles a node
     boundary: neighbouring stages share a node whenever they can, and the stage DP can
     tell which boundaries cross nodes (`stage_boundary_s`)."""
     out, start = [], 0
     for s in shapes:
-        offset = start % devices_per_node
-        if (s.n > 1 and offset) or (s.n == 1 and offset + s.m > devices_per_node):
+        if not starts_cleanly(s.size, start, devices_per_node):
             return None
         out.append(list(range(start, start + s.size)))
         start += s.size

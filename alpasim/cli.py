@@ -802,8 +802,9 @@ def _ensure_cpu_devices(n: int) -> None:
 
 def run_report(p: sv.PipelinePlan, *, runtime: str = "local", steps: int = 5, seed: int = 0,
                cost_model: cm.CostModel | None = None, ray_address: str | None = None,
-               trace: Path | None = None, gantt: Path | None = None) -> dict[str, Any]:
-    """Execute a plan, check it against one device, and compare it with its prediction."""
+               trace: Path | None = None, gantt: Path | None = None, profile_iters: int = 5) -> dict[str, Any]:
+    """Execute a plan, check it against one device, and compare it with its predictions
+    (analytic; op-profiled with `cost_model`; stage-profiled with `profile_iters`)."""
     import jax
 
     from alpasim import backends
@@ -816,15 +817,16 @@ def run_report(p: sv.PipelinePlan, *, runtime: str = "local", steps: int = 5, se
     t0 = time.perf_counter()
     if runtime == "ray":
         try:
-            result = backends.run_ray(p, steps=steps, seed=seed, address=ray_address)
+            result = backends.run_ray(p, steps=steps, seed=seed, address=ray_address, profile_iters=profile_iters)
         except backends.RayRuntimeError as e:
             fail(f"--runtime ray: {e}")
     else:
-        result = backends.run_local(p, steps=steps, seed=seed)
+        result = backends.run_local(p, steps=steps, seed=seed, profile_iters=profile_iters)
     run_s = time.perf_counter() - t0
     check = backends.check_numerics(result.losses[0], result.grads, backends.reference_step(p, seed=seed))
     intra = [s.intra_plan for s in result.stages] if len(result.stages) == len(p.stages) else None
-    prediction = backends.predict_run(p, cost_model=cost_model, runtime=runtime, intra_plans=intra)
+    prediction = backends.predict_run(p, cost_model=cost_model, runtime=runtime, intra_plans=intra,
+                                      stage_times=result.stage_profile or None)
     collectives = backends.compare_collectives(result.stages) if intra is not None else []
     measured = result.measured_step_s
     written = {}
@@ -841,9 +843,15 @@ def run_report(p: sv.PipelinePlan, *, runtime: str = "local", steps: int = 5, se
                                       "loss_tol", "grad_tol")},
             "losses": result.losses, "step_times_s": result.step_times_s, "measured_step_s": measured,
             **prediction,
-            "ratio": prediction["predicted_step_s"] / measured if measured > 0 else None,
-            "ratio_analytic": prediction["predicted_step_s_analytic"] / measured if measured > 0 else None,
+            "ratio": _ratio(prediction["predicted_step_s"], measured),
+            "ratio_analytic": _ratio(prediction["predicted_step_s_analytic"], measured),
+            "ratio_profiled": _ratio(prediction["predicted_step_s_profiled"], measured),
+            "ratio_stage_profiled": _ratio(prediction["predicted_step_s_stage_profiled"], measured),
             "collectives": collectives, "run_s": run_s, "outputs": written}
+
+
+def _ratio(predicted: float | None, measured: float) -> float | None:
+    return predicted / measured if predicted is not None and measured > 0 else None
 
 
 @app.command()
@@ -859,19 +867,25 @@ def run(
     gantt: Annotated[Optional[Path], typer.Option("--gantt", help="Write the measured Gantt chart PNG.")] = None,
     ray_address: Annotated[Optional[str], typer.Option("--ray-address", help="Ray cluster address (default: "
                                                        "start a local one).")] = None,
+    profile_iters: Annotated[int, typer.Option("--profile-iters", help="Time each compiled stage alone this many "
+                                               "times before the run (Alpa's stage profiling); 0 skips it.")] = 5,
     as_json: JsonOpt = False,
 ) -> None:
     """Execute a plan on JAX and compare it with its prediction and a single-device step.
 
-    Prints the measured step time (median), the predicted one (the plan's analytic
-    model, and with `--cost-model` the profiled model re-pricing each stage for this
-    runtime), their ratio, the numerical check of loss and gradients, and per stage the
-    predicted vs compiled (HLO) collective bytes. On the CPU it asks for 8 virtual
-    devices (or as many as the plan uses) unless XLA_FLAGS already sets a count."""
+    Prints the measured step time (median), the predicted ones — the plan's analytic
+    model; with `--cost-model` the op-level profile re-pricing each stage for this
+    runtime; and the stages' own compiled programs timed alone (Alpa's stage
+    profiling, `--profile-iters`), composed by the simulator — their ratios, the
+    numerical check of loss and gradients, and per stage the predicted vs compiled
+    (HLO) collective bytes. On the CPU it asks for 8 virtual devices (or as many as
+    the plan uses) unless XLA_FLAGS already sets a count."""
     if runtime not in RUNTIMES:
         fail(f"--runtime {runtime!r}: choose one of {', '.join(RUNTIMES)}")
     if steps < 1:
         fail(f"--steps must be at least 1, got {steps}")
+    if profile_iters < 0:
+        fail(f"--profile-iters must be 0 or more, got {profile_iters}")
     p = sv.load_plan(plan_file)
     if not p.feasible or not p.stages:
         why = "; ".join(p.notes) or ("it has no stages" if not p.stages else "it is marked feasible: false")
@@ -884,7 +898,7 @@ def run(
         model = load_cost_model(cost_model, base)
     _ensure_cpu_devices(_cpu_devices_for(p))
     report = run_report(p, runtime=runtime, steps=steps, seed=seed, cost_model=model, ray_address=ray_address,
-                        trace=trace, gantt=gantt)
+                        trace=trace, gantt=gantt, profile_iters=profile_iters)
     if as_json:
         emit_json(report)
         return
@@ -901,7 +915,11 @@ def print_run(r: dict[str, Any], title: str = "run") -> None:
     if r["predicted_step_s_profiled"] is not None:
         out.print(f"predicted (profiled, {r['runtime']} runtime: one executor, {r['dispatch_s'] * 1e6:.0f} us "
                   f"dispatch per call) {r['predicted_step_s_profiled'] * ms:.2f} ms — ratio predicted/measured "
-                  f"{r['ratio']:.2f}")
+                  f"{r['ratio_profiled']:.2f}")
+    if r["predicted_step_s_stage_profiled"] is not None:
+        out.print(f"predicted (stages profiled alone, {r['runtime']} runtime's schedule simulated) "
+                  f"{r['predicted_step_s_stage_profiled'] * ms:.2f} ms — ratio predicted/measured "
+                  f"{r['ratio_stage_profiled']:.2f}")
     verdict = "ok" if r["numerics_ok"] else "MISMATCH"
     out.print(f"numerics vs one device: {verdict} (loss error {r['max_abs_loss_err']:.2e} <= {r['loss_tol']:.1e}, "
               f"worst gradient rel. error {r['max_rel_grad_err']:.2e} <= {r['grad_tol']:.1e})")

@@ -1,13 +1,15 @@
 """Measured vs predicted step time of real (CPU) runs, for GPT, MoE and Wide-ResNet.
 
-    .venv/bin/python benchmarks/bench_run.py [--profile p.json] [--steps 7] [--tiny]
+    .venv/bin/python benchmarks/bench_run.py [--profile p.json] [--steps 7] [--tiny] [--runtime ray]
 
 Profiles this machine (`alpasim profile --quick`, unless `--profile` names one), plans
 each model with the profiled model on the profile's host (8 virtual CPU devices,
 submeshes of 2 and 4 devices viewed as 1x2 and 2x2, B = 2, at most 3 stages), runs it
-with the local runtime and prints the median step time next to the plan's own
-prediction and the profiled re-pricing for the one-process runtime
-(`alpasim.backends.predict_run`). The sizes are a little above the tests' tiny ones so
+(local runtime by default) and prints the median step time next to three predictions
+(`alpasim.backends.predict_run`): the plan's own, the op-level profile re-pricing
+each stage for the one-process runtime, and the stages' compiled programs timed alone
+before the run (`profile_iters=5`, Alpa's stage profiling) composed by the simulator
+with one executor. The sizes are a little above the tests' tiny ones so
 that compute, not per-call dispatch, dominates a step; `--tiny` uses the tests' ones.
 
 Timings on a shared 2-core machine move with whatever else runs: the script prints
@@ -31,6 +33,7 @@ from alpasim.backends import (  # noqa: E402
     profile_backend,
     reference_step,
     run_local,
+    run_ray,
 )
 from alpasim.costmodels import Cluster, Device, Link, ProfiledCostModel  # noqa: E402
 from alpasim.solvers import plan_pipeline  # noqa: E402
@@ -67,24 +70,31 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=7)
     ap.add_argument("--tiny", action="store_true", help="the tests' tiny configurations")
     ap.add_argument("--only", help="comma-separated families")
+    ap.add_argument("--runtime", choices=("local", "ray"), default="local")
     args = ap.parse_args()
     model = load_profile(args.profile)
     configs = TINY if args.tiny else SMALL
     families = args.only.split(",") if args.only else list(configs)
-    print(f"{'family':<8} {'stages':<14} {'measured':>10} {'plan':>10} {'profiled':>10} {'ratio':>6}  "
-          f"numerics  steps (ms)")
+    print(f"{'family':<8} {'stages':<14} {'measured':>10} {'plan':>10} {'op-prof':>10} {'ratio':>6} "
+          f"{'stage-prof':>10} {'ratio':>6}  numerics  steps (ms)")
     for family in families:
         plan = plan_pipeline(configs[family], model.cluster, microbatches=2, pareto=False, cost_model=model,
                              shape_ok=lambda sh: sh.size in VIEWS, views_of=lambda sh: VIEWS[sh.size],
                              max_stages=3)
-        result = run_local(plan, steps=args.steps)
+        if args.runtime == "ray":
+            result = run_ray(plan, steps=args.steps, profile_iters=5)
+        else:
+            result = run_local(plan, steps=args.steps, profile_iters=5)
         ok = check_numerics(result.losses[0], result.grads, reference_step(plan))["numerics_ok"]
-        pred = predict_run(plan, cost_model=model, intra_plans=[s.intra_plan for s in result.stages])
+        pred = predict_run(plan, cost_model=model, runtime=args.runtime,
+                           intra_plans=[s.intra_plan for s in result.stages], stage_times=result.stage_profile)
         measured = result.measured_step_s
         meshes = "+".join("x".join(map(str, s.logical_mesh)) for s in plan.stages)
         steps = " ".join(f"{t * 1e3:.0f}" for t in result.step_times_s)
         print(f"{family:<8} {meshes:<14} {measured * 1e3:8.1f}ms {pred['predicted_step_s_analytic'] * 1e3:8.1f}ms "
-              f"{pred['predicted_step_s'] * 1e3:8.1f}ms {pred['predicted_step_s'] / measured:6.2f}  "
+              f"{pred['predicted_step_s_profiled'] * 1e3:8.1f}ms {pred['predicted_step_s_profiled'] / measured:6.2f} "
+              f"{pred['predicted_step_s_stage_profiled'] * 1e3:8.1f}ms "
+              f"{pred['predicted_step_s_stage_profiled'] / measured:6.2f}  "
               f"{'ok' if ok else 'FAIL':<8}  {steps}", flush=True)
 
 

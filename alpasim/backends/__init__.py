@@ -21,6 +21,9 @@ from ._stages import stage_intra_plan as stage_intra_plan
 from ._executable import StageExecutable as StageExecutable
 from ._executable import lower_stage as lower_stage
 from ._executable import stage_mesh as stage_mesh
+from ._stage_profile import StageTimes as StageTimes
+from ._stage_profile import profile_stage as profile_stage
+from ._stage_profile import profile_stages as profile_stages
 from ._runtime import RunResult as RunResult
 from ._runtime import run_local as run_local
 from ._predict import core_share as core_share

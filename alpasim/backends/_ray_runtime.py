@@ -60,13 +60,16 @@ class RayRuntimeError(RuntimeError):
 
 def run_ray(plan: PipelinePlan, *, steps: int = 1, seed: int = 0, address: str | None = None,
             timeout_s: float = 120.0, schedule: str | None = None,
-            on_step: Callable[[int, list], None] | None = None, program: Program | None = None) -> RunResult:
+            on_step: Callable[[int, list], None] | None = None, program: Program | None = None,
+            profile_iters: int = 0) -> RunResult:
     """Train `steps` iterations of `plan` with one Ray actor per mesh.
 
     `address=None` uses the Ray cluster this process is connected to, or starts a local
     one (and stops it at the end); an address connects there (alpasim must be
     installed on its nodes). `on_step(step, actors)` runs after each completed step
     (tests kill an actor there). `program` runs a given program instead of the plan's.
+    With `profile_iters`, each actor first times its stage alone (`profile_stage`), one
+    actor after another, into `stage_profile`.
     """
     import ray
 
@@ -79,6 +82,7 @@ def run_ray(plan: PipelinePlan, *, steps: int = 1, seed: int = 0, address: str |
     meshes = None
     try:
         meshes = _Meshes(ray, plan, program, partition(graph, plan), seed, timeout_s)
+        profile = meshes.profile(profile_iters) if profile_iters else []
         losses, times, grads, timeline = [], [], {}, None
         for step in range(steps):
             outs, step_s = meshes.run_step(step)
@@ -92,7 +96,7 @@ def run_ray(plan: PipelinePlan, *, steps: int = 1, seed: int = 0, address: str |
                                          "measured: ray runtime, one actor per mesh")
             if on_step is not None:
                 on_step(step, list(meshes.actors))
-        return RunResult(losses, grads, times, timeline, list(meshes.stages), program, meshes.restarts)
+        return RunResult(losses, grads, times, timeline, list(meshes.stages), program, meshes.restarts, profile)
     finally:
         if meshes is not None:
             meshes.close()
@@ -150,6 +154,11 @@ class _Meshes:
                                                        self.timeout_s) for k in ks}
         for k, summary in self.get(calls, self.timeout_s, "load its program").items():
             self.stages[k] = summary
+
+    def profile(self, iters: int) -> list:
+        """Each actor's stage timed alone, one actor at a time so they do not share the cores."""
+        return [self.get({k: a.profile.remote(iters)}, self.timeout_s, "profile its stage")[k]
+                for k, a in enumerate(self.actors)]
 
     def set_peers(self) -> None:
         self.get({k: a.set_peers.remote(self.actors) for k, a in enumerate(self.actors)}, self.timeout_s,

@@ -36,6 +36,7 @@ from alpasim.solvers import IntraOpPlan, PipelinePlan, planning_graph
 
 from ._executable import lower_stage
 from ._runtime import Payload, _Walker, params_bytes_per_device
+from ._stage_profile import StageTimes, profile_stage
 from ._stages import StagePart
 
 
@@ -95,6 +96,10 @@ class MeshWorker:
         return RemoteStage(self.k, s.part, s.mesh.abstract_mesh, s.intra_plan,
                            {name: HloText(c.as_text()) for name, c in s.compiled.items()},
                            params_bytes_per_device(s))
+
+    def profile(self, iters: int) -> StageTimes:
+        """This stage's compiled programs timed alone (`profile_stage`)."""
+        return profile_stage(self.stage, self.graph, iters=iters, seed=self.seed)
 
     def set_peers(self, peers: list) -> None:
         """Handles of every mesh's actor (index k is this one); renewed after a restart."""

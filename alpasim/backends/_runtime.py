@@ -39,6 +39,7 @@ from alpasim.simulator import Event, GradSync, MeshInfo, Program, Recv, Run, Sen
 from alpasim.solvers import PipelinePlan, planning_graph
 
 from ._executable import StageExecutable, lower_stage, stage_inputs
+from ._stage_profile import StageTimes, profile_stages
 from ._stages import StagePart, microbatch_inputs
 
 Payload = list[tuple[str, str]]  # (kind "act" | "ct" | "grad", tensor or parameter name)
@@ -55,6 +56,7 @@ class RunResult:
     stages: list                            # StageExecutable (local) or RemoteStage (ray)
     program: Program
     restarts: list[dict] = field(default_factory=list)  # ray: {"step", "mesh", "restart_s"} per restarted actor
+    stage_profile: list[StageTimes] = field(default_factory=list)  # each stage timed alone, before step 1
 
     @property
     def measured_step_s(self) -> float:
@@ -64,9 +66,10 @@ class RunResult:
 
 
 def run_local(plan: PipelinePlan, *, steps: int = 1, seed: int = 0, schedule: str | None = None,
-              devices: Sequence[jax.Device] | None = None) -> RunResult:
+              devices: Sequence[jax.Device] | None = None, profile_iters: int = 0) -> RunResult:
     """Train `steps` iterations of `plan` on this process's devices (plan device ids
-    index `devices`, default `jax.devices()`)."""
+    index `devices`, default `jax.devices()`). With `profile_iters`, each compiled stage
+    is first timed alone (`profile_stage`, Alpa's stage profiling) into `stage_profile`."""
     devices = list(devices if devices is not None else jax.devices())
     need = 1 + max(d for st in plan.stages for d in st.devices)
     if len(devices) < need:
@@ -78,6 +81,7 @@ def run_local(plan: PipelinePlan, *, steps: int = 1, seed: int = 0, schedule: st
     stages = [lower_stage(plan, graph, k, [devices[d] for d in st.devices], seed=seed, shared=shared)
               for k, st in enumerate(plan.stages)]
     payloads = _payloads(program, [s.part for s in stages])
+    profile = profile_stages(stages, graph, iters=profile_iters, seed=seed) if profile_iters else []
     losses, times, grads = [], [], {}
     timeline = None
     for step in range(steps):
@@ -90,7 +94,7 @@ def run_local(plan: PipelinePlan, *, steps: int = 1, seed: int = 0, schedule: st
         if step == 0:
             grads = walker.grads
         timeline = walker.timeline(plan, times[-1])
-    return RunResult(losses, grads, times, timeline, stages, program)
+    return RunResult(losses, grads, times, timeline, stages, program, stage_profile=profile)
 
 
 def _payloads(program: Program, parts: list[StagePart]) -> dict[int, Payload]:

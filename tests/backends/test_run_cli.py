@@ -1,6 +1,12 @@
-"""`alpasim run` end to end, the serial-runtime simulation, and the profiled prediction.
+"""`alpasim run` end to end, the serial-runtime simulation, and the profiled predictions.
 
-The profiled prediction is held to a band around the measured median step time:
+The stage-profiled prediction (each compiled stage timed alone, composed by the
+simulator: Alpa's own profiling) is held within STAGE_BAND of the measured median;
+`benchmarks/bench_run.py` on the idle machine measured 1.02-1.05 for GPT, MoE and
+Wide-ResNet. Profiling and run share the machine's load, so the band can be narrow;
+a composition that drops a microbatch (0.5x) or the backward (~0.3x) fails it.
+
+The op-level profiled prediction is held to a wider band around the measured median:
 predicted / measured in [0.25, 1.5] for a small GPT on 8 virtual CPU devices. On a
 quiet 2-core machine the benchmark (`benchmarks/bench_run.py`) measured 0.97 for GPT;
 with the machine shared at load average 7-10 the same benchmark gave 0.28-0.85. The
@@ -27,6 +33,7 @@ TINY_GPT = "gpt3:hidden=64,layers=2,heads=4,seq=16,vocab=128,batch=8,dtype=fp32"
 SMALL_GPT = "gpt3:hidden=256,layers=4,heads=8,seq=64,vocab=512,batch=16,dtype=fp32"
 VIEWS = {2: [(1, 2)], 4: [(2, 2)]}
 PROFILED_BAND = (0.25, 1.5)
+STAGE_BAND = (0.7, 1.4)
 
 needs_8 = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
 
@@ -51,8 +58,12 @@ def test_run_json_reports_numerics_timing_and_collectives(tmp_path):
     assert got["numerics_ok"] is True
     assert got["max_abs_loss_err"] <= got["loss_tol"] and got["max_rel_grad_err"] <= got["grad_tol"]
     assert got["runtime"] == "local" and got["steps"] == 2 and len(got["step_times_s"]) == 2
-    assert got["measured_step_s"] > 0 and got["predicted_step_s"] == got["predicted_step_s_analytic"] > 0
-    assert got["predicted_step_s_profiled"] is None
+    assert got["measured_step_s"] > 0 and got["predicted_step_s_analytic"] > 0
+    assert got["predicted_step_s_profiled"] is None and got["ratio_profiled"] is None
+    # Stage profiling is on by default: it is the prediction reported.
+    assert got["predicted_step_s"] == got["predicted_step_s_stage_profiled"] > 0
+    assert got["ratio"] == got["ratio_stage_profiled"] == pytest.approx(got["predicted_step_s"] / got["measured_step_s"])
+    assert [row["stage"] for row in got["stage_profile"]] == list(range(len(got["collectives"])))
     assert len(got["collectives"]) == len(json.loads(path.read_text())["stages"]) >= 2
     for row in got["collectives"]:
         assert set(row["predicted"]) >= {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"}
@@ -70,6 +81,18 @@ def test_run_bad_plan_file_is_one_line_and_exit_2(tmp_path, content):
     assert r.returncode == 2
     assert r.stderr.strip().count("\n") == 0 and "plan.json" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_run_without_stage_profiling_and_a_bad_iteration_count(tmp_path):
+    path = tmp_path / "plan.json"
+    small_plan(TINY_GPT).save(path)
+    bad = cli("run", str(path), "--profile-iters", "-1")
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "--profile-iters" in bad.stderr
+    r = cli("run", str(path), "--steps", "1", "--profile-iters", "0", "--json")
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert got["predicted_step_s_stage_profiled"] is None and "stage_profile" not in got
+    assert got["predicted_step_s"] == got["predicted_step_s_analytic"]
 
 
 def test_serial_executor_takes_the_sum_of_all_instruction_times():
@@ -95,11 +118,25 @@ def test_profiled_prediction_is_near_the_measured_step(tmp_path):
     model = profile_backend(quick=True)
     plan = small_plan(SMALL_GPT, model.cluster, model)
     assert len(plan.stages) >= 2
-    result = run_local(plan, steps=5)
-    pred = predict_run(plan, cost_model=model, intra_plans=[s.intra_plan for s in result.stages])
-    ratio = pred["predicted_step_s"] / result.measured_step_s
+    result = run_local(plan, steps=5, profile_iters=3)
+    pred = predict_run(plan, cost_model=model, intra_plans=[s.intra_plan for s in result.stages],
+                       stage_times=result.stage_profile)
+    ratio = pred["predicted_step_s_profiled"] / result.measured_step_s
     assert PROFILED_BAND[0] <= ratio <= PROFILED_BAND[1], (ratio, pred, result.step_times_s)
+    stage_ratio = pred["predicted_step_s_stage_profiled"] / result.measured_step_s
+    assert STAGE_BAND[0] <= stage_ratio <= STAGE_BAND[1], (stage_ratio, pred, result.step_times_s)
+    assert pred["predicted_step_s"] == pred["predicted_step_s_stage_profiled"]
+
+    # The composition in closed form: one executor runs every profiled call (B forwards
+    # and B backwards per stage, one update each), then each send pays a dispatch and
+    # its copy on the profile's link — these boundary tensors take well under 5 ms.
+    B, d = plan.microbatches, pred["dispatch_s"]
+    calls = sum(B * (t.forward_s + t.backward_s) + t.update_s for t in result.stage_profile)
+    sends = result.program.count(Send)
+    assert sends >= 2 * B
+    assert calls + sends * d < pred["predicted_step_s_stage_profiled"] <= calls + sends * (d + 5e-3)
+
     # The re-solve path (no intra plans given) prices the same shardings.
     again = predict_run(plan, cost_model=model)
-    assert again["predicted_step_s"] == pytest.approx(pred["predicted_step_s"], rel=1e-6)
+    assert again["predicted_step_s"] == pytest.approx(pred["predicted_step_s_profiled"], rel=1e-6)
     assert host_cluster(model, 8).num_devices == 8

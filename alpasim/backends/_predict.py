@@ -12,7 +12,8 @@ predictions of the run on this machine can come with it:
   this host it lands within 5 % of the measured median for the pipelined GPT, MoE and
   Wide-ResNet plans of `benchmarks/bench_run.py` (1.02-1.05 on the idle machine).
 - op-profiled (`cost_model`, `alpasim profile`), no compilation needed, built as
-  follows; it reads 0.3-0.7 of the measured time on those plans (gaps below):
+  follows; on those plans it reads 0.80 of the measured time for GPT but only 0.52
+  for MoE and 0.36 for Wide-ResNet (gaps below):
 
 1. Each stage's intra-op plan — the one the runtime lowers (`stage_intra_plan`, or
    the run's own `StageExecutable.intra_plan`) — is re-priced op by op and collective
@@ -20,12 +21,17 @@ predictions of the run on this machine can come with it:
    (`alpasim.solvers.reprice`): forward_s, backward_s per microbatch, and the gradient
    sync plus Adam update once per iteration.
 2. CPU sharing. The profile times each op shard with *all* `concurrency` virtual
-   devices busy at once; on a host with C cores those devices are threads sharing the
-   cores, so a shard's time there is (shard work) x max(concurrency, C) / C. A runtime
-   that runs one mesh of n devices at a time gives the same shard max(n, C) / C of
-   the cores' time: its ops take max(n, C) / max(concurrency, C) of the profiled
-   time (`core_share`). On 2 cores and 8 devices a 2x2 mesh runs its ops in half the
-   profiled time, a 1x2 mesh in a quarter.
+   devices busy at once, and a runtime that runs one mesh of n devices at a time
+   leaves the others idle. How much faster a shard runs then is measured, not
+   assumed: the profile re-times the largest case of each op class (and an
+   all-reduce) with only n devices busy (`meta.concurrency_scale`, n = 1, 2, 4, ...)
+   and each stage is re-priced with its mesh size's factors (`ProfiledCostModel.scaled`).
+   They are far from the n / N a fair share of the cores would give: on this 2-core
+   host with 8 devices, 4 busy devices ran matmuls at 0.7-1.0x their all-busy time,
+   not 0.5x, and that alone moved the GPT prediction below from 0.50 to 0.80 of the
+   measured step. Profiles without the table fall back to the fair-share formula:
+   ops take max(n, C) / max(concurrency, C) of the profiled time on C cores
+   (`core_share`).
 3. The runtime. `run_local` is one driver process that walks every mesh and blocks on
    each instruction, so nothing overlaps: the simulator runs the program with one
    shared executor (`simulate(..., executors=1)`), which makes the iteration the sum
@@ -49,7 +55,7 @@ grid: XLA:CPU's rate for it ranges 0.2-9 GFLOP/s with the shape, fastest at 2x2-
 images), so a linear form per class is only a first cut.
 
 Known gaps, measured on this host (all from the same run as the profile):
-- Wide-ResNet stays ~2x short: the plan shards channels, so each conv of a stage runs
+- Wide-ResNet stays ~3x short: the plan shards channels, so each conv of a stage runs
   on 16-128 channels and tiny images (2x2, 4x4) next to an all-gather, and in-stage
   forward convs take ~0.15-0.3 ms where the fit (C -> C convs, no collective) says
   0.03-0.07 ms.
@@ -123,11 +129,13 @@ def predict_run(plan: PipelinePlan, *, cost_model: CostModel | None = None, runt
         for k, st in enumerate(plan.stages):
             intra = intra_plans[k] if intra_plans is not None else stage_intra_plan(plan, train, k)
             mesh = logical_mesh(cluster, list(st.devices), tuple(st.logical_mesh))
-            priced = reprice(intra, stage_graph(train, *st.layers), cost_model, mesh)
-            share = core_share(len(st.devices), concurrency, cores)
+            factors = _measured_scale(cost_model, len(st.devices), concurrency)
+            model = cost_model.scaled(factors) if factors is not None else cost_model
+            priced = reprice(intra, stage_graph(train, *st.layers), model, mesh)
+            share = 1.0 if factors is not None else core_share(len(st.devices), concurrency, cores)
             times.append((priced.forward_s * share, priced.backward_s * share, (priced.sync_s + priced.update_s) * share))
-            rows.append({"stage": k, "mesh": list(st.logical_mesh), "core_share": share, "forward_s": times[-1][0],
-                         "backward_s": times[-1][1], "update_s": times[-1][2]})
+            rows.append({"stage": k, "mesh": list(st.logical_mesh), "core_share": share, "scale": factors,
+                         "forward_s": times[-1][0], "backward_s": times[-1][1], "update_s": times[-1][2]})
         profiled = _serial_step_s(plan, times, cluster, dispatch_s)
         out.update(predicted_step_s=profiled, predicted_step_s_profiled=profiled, dispatch_s=dispatch_s, cores=cores,
                    concurrency=concurrency, stages=rows)
@@ -139,6 +147,24 @@ def predict_run(plan: PipelinePlan, *, cost_model: CostModel | None = None, runt
         out.update(predicted_step_s=measured, predicted_step_s_stage_profiled=measured,
                    stage_profile=[s.to_json() for s in stage_times])
     return out
+
+
+def _measured_scale(model: CostModel, mesh_devices: int, concurrency: int) -> dict[str, float] | None:
+    """The profile's measured per-class factors for a mesh of `mesh_devices` running
+    alone (`meta.concurrency_scale`, module doc step 2); {} for a mesh of all the
+    profiled devices; None when the profile has no measurement for that size (the
+    `core_share` formula prices it then)."""
+    if mesh_devices >= concurrency:
+        return {}
+    table = dict(getattr(model, "meta", {}) or {}).get("concurrency_scale")
+    if table is None:
+        return None
+    if not isinstance(table, dict):
+        raise ValueError(f"profile meta 'concurrency_scale' must be an object, got {table!r}")
+    entry = table.get(str(mesh_devices))
+    if entry is not None and not isinstance(entry, dict):
+        raise ValueError(f"profile meta 'concurrency_scale.{mesh_devices}' must be an object, got {entry!r}")
+    return dict(entry) if entry is not None else None
 
 
 def _serial_step_s(plan: PipelinePlan, times: Sequence[tuple[float, float, float]], cluster,

@@ -34,6 +34,7 @@ The fit (weighted non-negative least squares) is `alpasim.costmodels.fit_profile
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import platform
@@ -203,10 +204,11 @@ def _operand(t: Tensor, mesh: Mesh, rng: np.random.Generator) -> tuple[jax.Array
     return jax.device_put(jnp.asarray(value, jnp.float32), sharding), sharding
 
 
-def time_compute(mesh: Mesh, sizes: ProfileSizes, log: Callable[[str], None]) -> list[OpSample]:
+def time_compute(mesh: Mesh, sizes: ProfileSizes, log: Callable[[str], None],
+                 cases: Sequence[tuple[Op, dict[str, Tensor]]] | None = None) -> list[OpSample]:
     rng = np.random.default_rng(0)
     samples = []
-    for op, tensors in _compute_cases(sizes) + _conv_cases(sizes):
+    for op, tensors in cases if cases is not None else _compute_cases(sizes) + _conv_cases(sizes):
         flops = op_flops(op, tensors)
         nbytes = traffic_bytes(op, tensors)
         args, shardings = zip(*(_operand(tensors[t], mesh, rng) for t in op.inputs))
@@ -233,7 +235,9 @@ def _collective_step(kind: str, n: int) -> Callable:
     return lambda x: lax.all_to_all(x.reshape(n, -1), "c", 0, 0).reshape(x.shape)
 
 
-def time_collectives(devices: Sequence, sizes: ProfileSizes, log: Callable[[str], None]) -> list[CollectiveSample]:
+def time_collectives(devices: Sequence, sizes: ProfileSizes, log: Callable[[str], None],
+                      kinds: Sequence[str] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"),
+                      ) -> list[CollectiveSample]:
     samples = []
     total = len(devices)
     for n in sizes.axis_sizes:
@@ -242,7 +246,7 @@ def time_collectives(devices: Sequence, sizes: ProfileSizes, log: Callable[[str]
         mesh = Mesh(np.array(devices).reshape(total // n, n), ("r", "c"))
         spec = P(("r", "c"))
         sharding = NamedSharding(mesh, spec)
-        for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
+        for kind in kinds:
             step = jax.shard_map(_collective_step(kind, n), mesh=mesh, in_specs=spec, out_specs=spec)
             for nbytes in sizes.collective_bytes:
                 # all-gather's S is the gathered tensor: each device starts with S / n.
@@ -266,6 +270,47 @@ def time_send_recv(devices: Sequence, sizes: ProfileSizes, log: Callable[[str], 
         samples.append(CollectiveSample("send_recv", 2, nbytes // 4 * 4, t))
         log(f"{'send_recv':<15} n=2 {nbytes:>9} B {t * 1e6:10.1f} us")
     return samples
+
+
+def time_concurrency_scale(devices: Sequence, sizes: ProfileSizes, full: Sequence[OpSample],
+                           full_collectives: Sequence[CollectiveSample],
+                           log: Callable[[str], None]) -> dict[str, dict[str, float]]:
+    """How an op's shard time changes when only the first n devices are busy.
+
+    The grid is timed with every device busy. A pipeline stage on this host runs on a
+    mesh of n devices while the others idle (the local runtime runs one mesh at a
+    time), and on a CPU whose cores the virtual devices share, that is not simply
+    n / N of the contention: XLA:CPU's matmuls measured here ran no faster on 4 of 8
+    devices than on all 8, elementwise ops twice as fast. So per op class, the largest
+    case of the grid is timed again on the first n devices (n = 1, 2, 4, ... < N) and
+    the ratio to its all-devices time is kept; "collective" is an all-reduce over
+    pairs of devices, the largest size. Returns {str(n): {class: ratio}}.
+    """
+    total = len(devices)
+    cases = _compute_cases(sizes) + _conv_cases(sizes)
+    largest: dict[str, int] = {}
+    for i, ((op, _), sample) in enumerate(zip(cases, full, strict=True)):
+        j = largest.get(sample.op_class)
+        if j is None or sample.flops + sample.nbytes > full[j].flops + full[j].nbytes:
+            largest[sample.op_class] = i
+    pair = {s.nbytes: s.time_s for s in full_collectives if (s.kind, s.axis_size) == ("all_reduce", 2)}
+    out: dict[str, dict[str, float]] = {}
+    n = 1
+    while n < total:
+        if total % n == 0:
+            picked = sorted(largest.values())
+            mesh = Mesh(np.array(devices[:n]), ("d",))
+            again = time_compute(mesh, sizes, lambda _: None, [cases[i] for i in picked])
+            scale = {full[i].op_class: a.time_s / full[i].time_s for i, a in zip(picked, again, strict=True)}
+            if n >= 2 and pair:
+                top = max(pair)
+                sub = dataclasses.replace(sizes, collective_bytes=(top,), axis_sizes=(2,))
+                (one,) = time_collectives(list(devices[:n]), sub, lambda _: None, kinds=("all_reduce",))
+                scale["collective"] = one.time_s / pair[one.nbytes] if one.nbytes in pair else 1.0
+            out[str(n)] = scale
+            log(f"busy {n} of {total} devices: " + ", ".join(f"{c} x{f:.2f}" for c, f in sorted(scale.items())))
+        n *= 2
+    return out
 
 
 def dispatch_s(mesh: Mesh, repeats: int) -> float:
@@ -307,11 +352,13 @@ def profile_backend(*, quick: bool = False, devices: Sequence | None = None,
     mesh = Mesh(np.array(devices), ("d",))
     ops = time_compute(mesh, sizes, log)
     collectives = time_collectives(devices, sizes, log) + time_send_recv(devices, sizes, log)
+    scale = time_concurrency_scale(devices, sizes, ops, collectives, log)
     platform_name = devices[0].platform
     name = f"{platform_name} x{len(devices)}"
     meta = {"platform": platform_name, "device_kind": devices[0].device_kind, "num_devices": len(devices),
             "concurrency": len(devices), "host": platform.node(), "jax_version": jax.__version__,
-            "grid": "quick" if quick else "full", "dispatch_s": dispatch_s(mesh, sizes.repeats)}
+            "grid": "quick" if quick else "full", "dispatch_s": dispatch_s(mesh, sizes.repeats),
+            "concurrency_scale": scale}
     # The host cluster is made of the fitted rates, so the fit binds to a stand-in first.
     placeholder = Cluster("unbound", 1, len(devices), Device("unbound", {"float32": 1.0}, 1, 1.0),
                           Link("unbound", 1.0, 0.0), Link("unbound", 1.0, 0.0))

@@ -152,6 +152,18 @@ class ProfiledCostModel:
         """The same fit bound to another cluster (its intra-node link becomes `link`)."""
         return dataclasses.replace(self, cluster=cluster)
 
+    def scaled(self, factors: Mapping[str, float]) -> ProfiledCostModel:
+        """Every op class's fit times `factors[class]` and every collective's times
+        `factors["collective"]` (missing: 1) — e.g. a profile's `concurrency_scale` for
+        a mesh of n devices running alone."""
+        for key, f in factors.items():
+            if isinstance(f, bool) or not isinstance(f, (int, float)) or not f > 0:
+                raise ProfileFormatError(f"profile {self.name!r}: scale of {key!r} must be a positive number, got {f!r}")
+        ops = {c: OpFit(*(x * factors.get(c, 1.0) for x in dataclasses.astuple(f))) for c, f in self.ops.items()}
+        c = factors.get("collective", 1.0)
+        collectives = {k: CollectiveFit(f.alpha_s * c, f.seconds_per_byte * c) for k, f in self.collectives.items()}
+        return dataclasses.replace(self, ops=ops, collectives=collectives)
+
     # ------------------------------------------------------------ costs
     def op_time_s(self, op: Op, tensors: Mapping[str, Tensor], num_shards: int = 1) -> float:
         if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:

@@ -36,6 +36,14 @@ def test_quick_profile_writes_a_loadable_model(quick_profile):
     assert set(model.ops) == set(OP_CLASSES)
     assert {k for k, _ in model.collectives} == set(COLLECTIVE_KINDS)
     assert {n for k, n in model.collectives if k == "all_reduce"} == {2, 4, 8}
+    # Every class re-timed with only 1, 2 or 4 of the 8 devices busy (collectives from 2).
+    scale = model.meta["concurrency_scale"]
+    assert set(scale) == {"1", "2", "4"}
+    for n, factors in scale.items():
+        want = set(OP_CLASSES) | ({"collective"} if n != "1" else set())
+        assert set(factors) == want and all(f > 0 for f in factors.values()), (n, factors)
+    # One busy device gets at least the cores that eight share: no class is slower alone.
+    assert max(scale["1"].values()) < 1.0, scale["1"]
     print(f"quick profile: {wall:.1f} s in all, {model.meta['profile_s']:.1f} s measuring")
 
 

@@ -17,6 +17,7 @@ that is off by 4x, e.g. one that forgets the serial executor or the dispatch cos
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -135,6 +136,17 @@ def test_profiled_prediction_is_near_the_measured_step(tmp_path):
     sends = result.program.count(Send)
     assert sends >= 2 * B
     assert calls + sends * d < pred["predicted_step_s_stage_profiled"] <= calls + sends * (d + 5e-3)
+
+    # Each 2x2 stage is priced with the profile's measured factors for 4 busy devices:
+    # doubling every factor doubles every stage time.
+    table = model.meta["concurrency_scale"]
+    assert all(row["scale"] == table["4"] and row["core_share"] == 1.0 for row in pred["stages"])
+    doubled = dataclasses.replace(model, meta={**model.meta, "concurrency_scale": {
+        "4": {c: 2 * f for c, f in table["4"].items()}}})
+    twice = predict_run(plan, cost_model=doubled, intra_plans=[s.intra_plan for s in result.stages])
+    for a, b in zip(pred["stages"], twice["stages"], strict=True):
+        for key in ("forward_s", "backward_s", "update_s"):
+            assert b[key] == pytest.approx(2 * a[key], rel=1e-9), key
 
     # The re-solve path (no intra plans given) prices the same shardings.
     again = predict_run(plan, cost_model=model)

@@ -71,6 +71,21 @@ def test_profiled_model_prices_ops_with_its_fits(model):
     assert model.op_time_s(mm, g.tensors) != pytest.approx(analytic.op_time_s(mm, g.tensors))
 
 
+def test_scaled_multiplies_each_class_and_the_collectives(model):
+    g = matmul_graph(1024)
+    mm, tanh = g.ops[0], g.ops[1]
+    axes = model.mesh_axes((1, 4))
+    half = model.scaled({"matmul": 0.5, "collective": 3.0})
+    assert half.op_time_s(mm, g.tensors) == pytest.approx(0.5 * model.op_time_s(mm, g.tensors), rel=1e-12)
+    assert half.op_time_s(tanh, g.tensors) == model.op_time_s(tanh, g.tensors)  # not named: unchanged
+    assert half.collective_time_s("all_reduce", 1 << 20, axes) == pytest.approx(
+        3.0 * model.collective_time_s("all_reduce", 1 << 20, axes), rel=1e-12)
+    assert half.digest != model.digest and model.scaled({}).digest == model.digest
+    for bad in (0.0, -1.0, "2", True):
+        with pytest.raises(ProfileFormatError, match="positive"):
+            model.scaled({"matmul": bad})
+
+
 def test_binding_puts_the_measured_link_inside_nodes(model, cluster):
     assert model.cluster.intra_node == model.link and model.cluster.inter_node == cluster.inter_node
     assert model.device == cluster.device

@@ -87,8 +87,17 @@ def test_killed_actor_is_restarted_and_the_step_redone(cluster, small_plan, gpt_
     def kill_mesh1(step, actors):
         if step == 0:
             ray.kill(actors[1])
-            with pytest.raises(ray.exceptions.RayActorError):  # dead before step 2 starts
-                ray.get(actors[1].ready.remote(), timeout=30)
+            # ray.kill is asynchronous: a call submitted at once can still be answered
+            # (the actor is threaded), so wait until the actor refuses calls — dead
+            # before step 2 starts — and fail if it never does.
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    ray.get(actors[1].ready.remote(), timeout=30)
+                except ray.exceptions.RayActorError:
+                    break
+                assert time.monotonic() < deadline, "the killed actor still answers after 30 s"
+                time.sleep(0.1)
             killed.append(actors[1])
 
     result = run_ray(small_plan("gpt"), steps=STEPS, on_step=kill_mesh1)

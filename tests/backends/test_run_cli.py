@@ -2,14 +2,16 @@
 
 The stage-profiled prediction (each compiled stage timed alone, composed by the
 simulator: Alpa's own profiling) is held within STAGE_BAND of the measured median;
-`benchmarks/bench_run.py` on the idle machine measured 1.02-1.05 for GPT, MoE and
-Wide-ResNet. Profiling and run share the machine's load, so the band can be narrow;
-a composition that drops a microbatch (0.5x) or the backward (~0.3x) fails it.
+`benchmarks/bench_run.py` on the idle machine measured 0.97-1.13 for GPT, MoE and
+Wide-ResNet over four runs. Profiling and run share the machine's load, so the band
+can be narrow; a composition that drops a microbatch (0.5x) or the backward (~0.3x)
+fails it.
 
 The op-level profiled prediction is held to a wider band around the measured median:
 predicted / measured in [0.25, 1.5] for a small GPT on 8 virtual CPU devices. On a
-quiet 2-core machine the benchmark (`benchmarks/bench_run.py`) measured 0.97 for GPT;
-with the machine shared at load average 7-10 the same benchmark gave 0.28-0.85. The
+quiet 2-core machine the benchmark (`benchmarks/bench_run.py`) measured 0.80-0.81 for
+GPT with the profile's measured concurrency factors (0.50 with the fair-share formula
+before them); with the machine shared at load average 7-10 it gave 0.28-0.85. The
 band is wide and lopsided because other processes only ever *add* time to the
 measurement (they take the same cores), never remove it; it still fails a prediction
 that is off by 4x, e.g. one that forgets the serial executor or the dispatch cost.

@@ -37,11 +37,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from alpasim.simulator import Program, build_program
+from alpasim.simulator import Program
 from alpasim.solvers import PipelinePlan, planning_graph
 
 from ._ray_worker import MeshWorker, StepAborted
-from ._runtime import RunResult, _payloads, measured_timeline
+from ._runtime import RunResult, _payloads, measured_timeline, runnable_program
 from ._stages import partition
 
 # Importing JAX and lowering a stage (which re-solves its intra-op plan, at most
@@ -73,12 +73,12 @@ def run_ray(plan: PipelinePlan, *, steps: int = 1, seed: int = 0, address: str |
     """
     import ray
 
+    program = runnable_program(plan, schedule, program)
     started = not ray.is_initialized()
     if started:
         local = {} if address else {"include_dashboard": False}
         ray.init(address=address, log_to_driver=False, **local)
     graph = planning_graph(plan.model)
-    program = program or build_program(plan, schedule or plan.schedule)
     meshes = None
     try:
         meshes = _Meshes(ray, plan, program, partition(graph, plan), seed, timeout_s)

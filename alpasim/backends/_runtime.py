@@ -76,7 +76,7 @@ def run_local(plan: PipelinePlan, *, steps: int = 1, seed: int = 0, schedule: st
         raise ValueError(f"plan uses device ids up to {need - 1}; only {len(devices)} devices are visible "
                          f"(set XLA_FLAGS=--xla_force_host_platform_device_count={need} on the CPU)")
     graph = planning_graph(plan.model)
-    program = build_program(plan, schedule or plan.schedule)
+    program = runnable_program(plan, schedule)
     shared = stage_inputs(plan, graph, seed)
     stages = [lower_stage(plan, graph, k, [devices[d] for d in st.devices], seed=seed, shared=shared)
               for k, st in enumerate(plan.stages)]
@@ -95,6 +95,20 @@ def run_local(plan: PipelinePlan, *, steps: int = 1, seed: int = 0, schedule: st
             grads = walker.grads
         timeline = walker.timeline(plan, times[-1])
     return RunResult(losses, grads, times, timeline, stages, program, stage_profile=profile)
+
+
+def runnable_program(plan: PipelinePlan, schedule: str | None = None, program: Program | None = None) -> Program:
+    """The program a runtime executes: `program`, else the plan's under `schedule`.
+
+    Interleaved programs are refused: the simulator models them by running each mesh's
+    stage as v chunks of 1/v of its time, but a plan holds one stage per mesh, so
+    there is nothing to lower per chunk (that needs the model cut into S x v pieces).
+    """
+    program = program or build_program(plan, schedule or plan.schedule)
+    if program.chunks > 1:
+        raise ValueError(f"the runtimes execute one stage per mesh (1f1b, gpipe); the {program.schedule!r} "
+                         f"program runs {program.chunks} model chunks per mesh, which this plan does not have")
+    return program
 
 
 def _payloads(program: Program, parts: list[StagePart]) -> dict[int, Payload]:

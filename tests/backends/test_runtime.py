@@ -114,3 +114,21 @@ def test_hlo_collectives_of_a_contraction_sharded_on_its_summed_dim():
     rep = NamedSharding(mesh, PartitionSpec())
     x, w = (jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep) for a in (x, w))
     assert hlo_collectives(jax.jit(jnp.matmul, out_shardings=out).lower(x, w).compile().as_text()) == []
+
+
+@needs_8
+def test_gpipe_runs_the_same_step_and_interleaved_is_refused(small_plan):
+    """GPipe's program (all forwards, then all backwards) trains the same step as 1F1B;
+    an interleaved program has chunks the plan's one stage per mesh cannot run, and both
+    runtimes say so before starting anything."""
+    from alpasim.backends import run_ray
+
+    plan = small_plan("gpt")
+    one_f_one_b = run_local(plan, steps=1)
+    gpipe = run_local(plan, steps=1, schedule="gpipe")
+    assert gpipe.program.schedule == "gpipe" and gpipe.losses == one_f_one_b.losses
+    for p, g in one_f_one_b.grads.items():
+        np.testing.assert_allclose(gpipe.grads[p], g, rtol=1e-6, atol=1e-7)
+    for run in (run_local, run_ray):
+        with pytest.raises(ValueError, match="model chunks per mesh"):
+            run(plan, steps=1, schedule="interleaved")

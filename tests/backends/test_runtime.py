@@ -132,3 +132,25 @@ def test_gpipe_runs_the_same_step_and_interleaved_is_refused(small_plan):
     for run in (run_local, run_ray):
         with pytest.raises(ValueError, match="model chunks per mesh"):
             run(plan, steps=1, schedule="interleaved")
+
+
+@needs_8
+def test_half_precision_step_is_checked_against_its_own_rounding_noise():
+    """A float16 GPT (the models' default dtype) passes against one device, with the
+    tolerance set by a float16-ulp probe; the probe sees noise where a float32-ulp one
+    rounded away; summed instead of averaged microbatch gradients still fail."""
+    from alpasim.costmodels import get_cluster
+    from alpasim.solvers import plan_pipeline
+
+    views = {2: [(1, 2)], 4: [(2, 2)]}
+    plan = plan_pipeline("gpt3:hidden=64,layers=2,heads=4,seq=16,vocab=128,batch=8", get_cluster("aws-p3.16xlarge",
+                         nodes=1), microbatches=2, pareto=False, shape_ok=lambda sh: sh.size in views,
+                         views_of=lambda sh: views[sh.size], max_stages=3)
+    assert plan.model.get("dtype", "fp16") == "fp16" and len(plan.stages) >= 2
+    result = run_local(plan, steps=1)
+    ref = reference_step(plan)
+    assert ref.half_precision and ref.noise_grad_err > 1e-4, ref.noise_grad_err
+    check = check_numerics(result.losses[0], result.grads, ref)
+    assert check["numerics_ok"], check
+    summed = {p: g * plan.microbatches for p, g in result.grads.items()}
+    assert not check_numerics(result.losses[0], summed, ref)["numerics_ok"]

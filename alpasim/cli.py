@@ -917,7 +917,8 @@ def print_run(r: dict[str, Any], title: str = "run") -> None:
                   f"dispatch per call) {r['predicted_step_s_profiled'] * ms:.2f} ms — ratio predicted/measured "
                   f"{r['ratio_profiled']:.2f}")
     if r["predicted_step_s_stage_profiled"] is not None:
-        out.print(f"predicted (stages profiled alone, {r['runtime']} runtime's schedule simulated) "
+        out.print(f"predicted (stages profiled alone, {r['runtime']} runtime's schedule simulated, "
+                  f"{r['stage_dispatch_s'] * 1e6:.0f} us dispatch per call) "
                   f"{r['predicted_step_s_stage_profiled'] * ms:.2f} ms — ratio predicted/measured "
                   f"{r['ratio_stage_profiled']:.2f}")
     verdict = "ok" if r["numerics_ok"] else "MISMATCH"

@@ -13,8 +13,8 @@ predictions of the run on this machine can come with it:
   Wide-ResNet plans of `benchmarks/bench_run.py` (0.97-1.13 over runs on the idle
   machine; 0.76-1.10 under the Ray runtime, whose object store it does not price).
 - op-profiled (`cost_model`, `alpasim profile`), no compilation needed, built as
-  follows; on those plans it reads 0.80 of the measured time for GPT but only 0.52
-  for MoE and 0.36 for Wide-ResNet (gaps below):
+  follows; on those plans it reads 0.80-0.81 of the measured time for GPT but only
+  0.52-0.59 for MoE and 0.31-0.36 for Wide-ResNet over two runs (gaps below):
 
 1. Each stage's intra-op plan — the one the runtime lowers (`stage_intra_plan`, or
    the run's own `StageExecutable.intra_plan`) — is re-priced op by op and collective
@@ -118,7 +118,7 @@ def predict_run(plan: PipelinePlan, *, cost_model: CostModel | None = None, runt
         raise ValueError(f"{len(stage_times)} stage profiles for a plan of {len(plan.stages)} stages")
     analytic = simulate(plan, plan.schedule).iteration_s
     out = {"runtime": runtime, "predicted_step_s_analytic": analytic, "predicted_step_s": analytic,
-           "predicted_step_s_profiled": None, "predicted_step_s_stage_profiled": None}
+           "predicted_step_s_profiled": None, "predicted_step_s_stage_profiled": None, "stage_profile": None}
     meta = dict(getattr(cost_model, "meta", {}) or {})
     dispatch_s = float(meta.get("dispatch_s", 0.0))
     cluster = cost_model.cluster if cost_model is not None else None
@@ -131,7 +131,7 @@ def predict_run(plan: PipelinePlan, *, cost_model: CostModel | None = None, runt
             intra = intra_plans[k] if intra_plans is not None else stage_intra_plan(plan, train, k)
             mesh = logical_mesh(cluster, list(st.devices), tuple(st.logical_mesh))
             factors = _measured_scale(cost_model, len(st.devices), concurrency)
-            model = cost_model.scaled(factors) if factors is not None else cost_model
+            model = cost_model.scaled(factors) if factors else cost_model
             priced = reprice(intra, stage_graph(train, *st.layers), model, mesh)
             share = 1.0 if factors is not None else core_share(len(st.devices), concurrency, cores)
             times.append((priced.forward_s * share, priced.backward_s * share, (priced.sync_s + priced.update_s) * share))
@@ -141,21 +141,29 @@ def predict_run(plan: PipelinePlan, *, cost_model: CostModel | None = None, runt
         out.update(predicted_step_s=profiled, predicted_step_s_profiled=profiled, dispatch_s=dispatch_s, cores=cores,
                    concurrency=concurrency, stages=rows)
     if stage_times is not None:
-        # A profiled call already paid its dispatch; the serial simulation adds it back per call.
+        for k, st in enumerate(stage_times):
+            if st.stage != k:
+                raise ValueError(f"stage profile {k} is of stage {st.stage}; pass them in stage order")
+        # A profiled call already paid its dispatch; the serial simulation adds it back
+        # per call (and per send). Without an op profile, the stages' own measured
+        # dispatch is used, and transfers are priced on the plan's cluster.
+        if cost_model is None:
+            dispatch_s = max(st.dispatch_s for st in stage_times)
         times = [tuple(max(0.0, t - dispatch_s) for t in (s.forward_s, s.backward_s, s.update_s))
                  for s in stage_times]
         measured = _serial_step_s(plan, times, cluster, dispatch_s)
         out.update(predicted_step_s=measured, predicted_step_s_stage_profiled=measured,
-                   stage_profile=[s.to_json() for s in stage_times])
+                   stage_profile=[s.to_json() for s in stage_times], stage_dispatch_s=dispatch_s)
     return out
 
 
 def _measured_scale(model: CostModel, mesh_devices: int, concurrency: int) -> dict[str, float] | None:
     """The profile's measured per-class factors for a mesh of `mesh_devices` running
-    alone (`meta.concurrency_scale`, module doc step 2); {} for a mesh of all the
-    profiled devices; None when the profile has no measurement for that size (the
-    `core_share` formula prices it then)."""
-    if mesh_devices >= concurrency:
+    alone (`meta.concurrency_scale`, module doc step 2); {} for a mesh of exactly the
+    profiled devices; None when the profile has no measurement for that size, e.g. a
+    mesh larger than the profile's (the `core_share` formula prices it then, and the
+    stage's row reports that share; with measured factors its `core_share` is 1)."""
+    if mesh_devices == concurrency:
         return {}
     table = dict(getattr(model, "meta", {}) or {}).get("concurrency_scale")
     if table is None:

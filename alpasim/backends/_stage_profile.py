@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from alpasim.graphs import OpGraph
 
@@ -44,6 +45,7 @@ class StageTimes:
     backward_s: float       # one microbatch, recomputed forward included
     update_s: float         # once per iteration
     iters: int
+    dispatch_s: float = 0.0  # a trivial jitted call on the stage's mesh, for pricing the calls' launch
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -55,7 +57,7 @@ def _random_like(graph: OpGraph, names, shardings: dict, rng: np.random.Generato
     for t in names:
         spec = graph.tensors[t]
         dtype = jax.dtypes.canonicalize_dtype(spec.dtype)
-        if np.issubdtype(dtype, np.floating):
+        if spec.is_float:
             value = rng.standard_normal(spec.shape).astype(dtype)
         else:
             value = np.zeros(spec.shape, dtype)
@@ -91,7 +93,11 @@ def profile_stage(stage: StageExecutable, graph: OpGraph, *, iters: int = 5, see
     forward_s = _median_s(forward, iters)
     backward_s = _median_s(lambda: compiled["backward"](stage.params, stage.acc, acts, placed, cts), iters)
     update_s = _median_s(lambda: compiled["update"](stage.params, stage.acc, stage.states), iters)
-    return StageTimes(stage.index, forward_s, backward_s, update_s, iters)
+    sharding = NamedSharding(stage.mesh, PartitionSpec())
+    one = jax.device_put(np.ones((), np.float32), sharding)
+    trivial = jax.jit(lambda a: a + 1.0, out_shardings=sharding)
+    dispatch_s = _median_s(lambda: trivial(one), iters)
+    return StageTimes(stage.index, forward_s, backward_s, update_s, iters, dispatch_s)
 
 
 def profile_stages(stages, graph: OpGraph, *, iters: int = 5, seed: int = 0) -> list[StageTimes]:

@@ -3,9 +3,9 @@
 The stage-profiled prediction (each compiled stage timed alone, composed by the
 simulator: Alpa's own profiling) is held within STAGE_BAND of the measured median;
 `benchmarks/bench_run.py` on the idle machine measured 0.97-1.13 for GPT, MoE and
-Wide-ResNet over four runs. Profiling and run share the machine's load, so the band
-can be narrow; a composition that drops a microbatch (0.5x) or the backward (~0.3x)
-fails it.
+Wide-ResNet over four runs. Profiling and run follow each other closely and share the
+machine's load, so the band can be narrower than the op-level one; a composition that
+drops a microbatch (0.5x) or the backward (~0.3x) fails it.
 
 The op-level profiled prediction is held to a wider band around the measured median:
 predicted / measured in [0.25, 1.5] for a small GPT on 8 virtual CPU devices. On a
@@ -36,7 +36,7 @@ TINY_GPT = "gpt3:hidden=64,layers=2,heads=4,seq=16,vocab=128,batch=8,dtype=fp32"
 SMALL_GPT = "gpt3:hidden=256,layers=4,heads=8,seq=64,vocab=512,batch=16,dtype=fp32"
 VIEWS = {2: [(1, 2)], 4: [(2, 2)]}
 PROFILED_BAND = (0.25, 1.5)
-STAGE_BAND = (0.7, 1.4)
+STAGE_BAND = (0.6, 1.5)
 
 needs_8 = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
 
@@ -94,7 +94,7 @@ def test_run_without_stage_profiling_and_a_bad_iteration_count(tmp_path):
     r = cli("run", str(path), "--steps", "1", "--profile-iters", "0", "--json")
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout)
-    assert got["predicted_step_s_stage_profiled"] is None and "stage_profile" not in got
+    assert got["predicted_step_s_stage_profiled"] is None and got["stage_profile"] is None
     assert got["predicted_step_s"] == got["predicted_step_s_analytic"]
 
 
@@ -139,12 +139,13 @@ def test_profiled_prediction_is_near_the_measured_step(tmp_path):
     assert sends >= 2 * B
     assert calls + sends * d < pred["predicted_step_s_stage_profiled"] <= calls + sends * (d + 5e-3)
 
-    # Each 2x2 stage is priced with the profile's measured factors for 4 busy devices:
-    # doubling every factor doubles every stage time.
+    # Each stage is priced with the profile's measured factors for its mesh size (4
+    # busy devices for a 2x2 mesh): doubling every factor doubles every stage time.
     table = model.meta["concurrency_scale"]
-    assert all(row["scale"] == table["4"] and row["core_share"] == 1.0 for row in pred["stages"])
+    for row, st in zip(pred["stages"], plan.stages, strict=True):
+        assert row["scale"] == table[str(len(st.devices))] and row["core_share"] == 1.0, row
     doubled = dataclasses.replace(model, meta={**model.meta, "concurrency_scale": {
-        "4": {c: 2 * f for c, f in table["4"].items()}}})
+        n: {c: 2 * f for c, f in factors.items()} for n, factors in table.items()}})
     twice = predict_run(plan, cost_model=doubled, intra_plans=[s.intra_plan for s in result.stages])
     for a, b in zip(pred["stages"], twice["stages"], strict=True):
         for key in ("forward_s", "backward_s", "update_s"):

@@ -783,6 +783,9 @@ def profile(
 
 # ------------------------------------------------------------------------- run
 RUNTIMES = ("local", "ray")
+# Of the host's RAM, what a run on virtual CPU devices may plan to use (the single-device
+# reference step and the Python process need the rest).
+HOST_MEMORY_SHARE = 0.6
 
 
 def _cpu_devices_for(p: sv.PipelinePlan) -> int:
@@ -814,6 +817,7 @@ def run_report(p: sv.PipelinePlan, *, runtime: str = "local", steps: int = 5, se
     if have < need:
         fail(f"the plan uses {need} devices; JAX sees {have} ({jax.devices()[0].platform}). On the CPU set "
              f"XLA_FLAGS=--xla_force_host_platform_device_count={need} before starting")
+    _check_host_memory(p, jax.devices()[0].platform)
     t0 = time.perf_counter()
     if runtime == "ray":
         try:
@@ -848,6 +852,25 @@ def run_report(p: sv.PipelinePlan, *, runtime: str = "local", steps: int = 5, se
             "ratio_profiled": _ratio(prediction["predicted_step_s_profiled"], measured),
             "ratio_stage_profiled": _ratio(prediction["predicted_step_s_stage_profiled"], measured),
             "collectives": collectives, "run_s": run_s, "outputs": written}
+
+
+def _check_host_memory(p: sv.PipelinePlan, platform: str) -> None:
+    """Virtual CPU devices share the host's RAM: refuse a plan whose per-device memory,
+    summed over its devices, exceeds it (a GPU plan of billions of parameters would
+    otherwise be killed by the OS mid-run, or swap for hours)."""
+    import os
+
+    if platform != "cpu" or not hasattr(os, "sysconf"):
+        return
+    need = sum(st.memory_bytes * len(st.devices) for st in p.stages)
+    try:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return
+    if need > HOST_MEMORY_SHARE * have:
+        fail(f"the plan needs about {need / 2**30:.1f} GiB on its {sum(len(st.devices) for st in p.stages)} "
+             f"devices (memory per device, summed: virtual CPU devices share the host's RAM); this host has "
+             f"{have / 2**30:.1f} GiB. Plan a smaller configuration to run here")
 
 
 def _ratio(predicted: float | None, measured: float) -> float | None:

@@ -98,6 +98,18 @@ def test_run_without_stage_profiling_and_a_bad_iteration_count(tmp_path):
     assert got["predicted_step_s"] == got["predicted_step_s_analytic"]
 
 
+def test_a_plan_larger_than_the_host_is_refused_in_one_line(tmp_path):
+    path = tmp_path / "plan.json"
+    small_plan(TINY_GPT).save(path)
+    data = json.loads(path.read_text())
+    for st in data["stages"]:
+        st["memory_bytes"] = 1e13  # 10 TB per device: no host has that
+    path.write_text(json.dumps(data))
+    r = cli("run", str(path), "--steps", "1")
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0, r.stderr
+    assert "GiB" in r.stderr and "host" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_serial_executor_takes_the_sum_of_all_instruction_times():
     """One executor: every Run, GradSync and Send (until its tensor lands) runs alone,
     so the iteration is their sum whatever the schedule; each pays `dispatch_s`, and a

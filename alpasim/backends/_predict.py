@@ -67,6 +67,11 @@ Known gaps, measured on this host (all from the same run as the profile):
   the plan's shardings the stage's einsums sum to ~3x their prediction (resharding
   included). The backward's "involuntary full rematerialization" (replicate, then
   repartition, of a (8, 1, 32, 128) tensor) is work the plan does not list.
+  Timed one by one on one device at a microbatch's full shapes (bench sizes), the
+  fit is within 20 % for the projections and MLP einsums, but attention's batched
+  einsums take 1.6-2.5x the fit, EGCH,EHM->GECM 2.1x and the gating einsum 6.6x;
+  summed, MoE's einsums take 1.37x their fit. The rest of MoE's gap, about 1.5x, is
+  in the sharded program.
 - Everything syncs: on a host loaded by other jobs a stage's devices wait for each
   other at every collective, while the profile's loops run each device on its own;
   under load the same GPT plan has measured 0.28-0.97 of the prediction.

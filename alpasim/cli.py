@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -443,7 +444,6 @@ def _plan_map(workers: int | None, ray: bool, ray_address: str | None):
         from alpasim import backends
 
         return backends.ray_map_fn(ray_address, workers), backends.ray_shutdown
-    import os
     from concurrent.futures import ProcessPoolExecutor
 
     n = workers if workers is not None else (os.cpu_count() or 1)
@@ -648,17 +648,23 @@ def simulation_report(p: sv.PipelinePlan, schedule: str, *, chunks: int = 2, cro
     timeline metrics as one JSON-ready dict."""
     tl = sim.simulate(p, schedule, chunks=chunks, cross_mesh=cross_mesh, cluster=cluster)
     report = tl.to_json()
+    report["outputs"] = _write_outputs((("trace", trace, tl.chrome_trace), ("gantt", gantt, tl.gantt_png),
+                                        ("memory_png", memory_png, tl.memory_png)))
+    return report
+
+
+def _write_outputs(outputs) -> dict[str, str]:
+    """Write each (key, path, writer) whose path is given; {key: path} of those written.
+    A path that cannot be written is one line and exit 2."""
     written = {}
-    for key, path, write in (("trace", trace, tl.chrome_trace), ("gantt", gantt, tl.gantt_png),
-                             ("memory_png", memory_png, tl.memory_png)):
+    for key, path, write in outputs:
         if path is not None:
             try:
                 write(path)
             except OSError as e:
                 fail(f"cannot write {path}: {e.strerror or e}")
             written[key] = str(path)
-    report["outputs"] = written
-    return report
+    return written
 
 
 @app.command()
@@ -796,8 +802,6 @@ def _cpu_devices_for(p: sv.PipelinePlan) -> int:
 def _ensure_cpu_devices(n: int) -> None:
     """Ask XLA for `n` virtual CPU devices — possible only before jax is imported; an
     XLA_FLAGS that already sets a count wins (the device check then says what is short)."""
-    import os
-
     flags = os.environ.get("XLA_FLAGS", "")
     if "jax" not in sys.modules and "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
@@ -813,11 +817,11 @@ def run_report(p: sv.PipelinePlan, *, runtime: str = "local", steps: int = 5, se
     from alpasim import backends
 
     need = 1 + max(d for st in p.stages for d in st.devices)
-    have = len(jax.devices())
+    have, platform = len(jax.devices()), jax.devices()[0].platform
     if have < need:
-        fail(f"the plan uses {need} devices; JAX sees {have} ({jax.devices()[0].platform}). On the CPU set "
+        fail(f"the plan uses {need} devices; JAX sees {have} ({platform}). On the CPU set "
              f"XLA_FLAGS=--xla_force_host_platform_device_count={need} before starting")
-    _check_host_memory(p, jax.devices()[0].platform)
+    _check_host_memory(p, platform)
     t0 = time.perf_counter()
     if runtime == "ray":
         try:
@@ -833,24 +837,15 @@ def run_report(p: sv.PipelinePlan, *, runtime: str = "local", steps: int = 5, se
                                       stage_times=result.stage_profile or None)
     collectives = backends.compare_collectives(result.stages) if intra is not None else []
     measured = result.measured_step_s
-    written = {}
     timeline = result.timeline
-    for key, path, write in (("trace", trace, timeline.chrome_trace), ("gantt", gantt, timeline.gantt_png)):
-        if path is not None:
-            try:
-                write(path)
-            except OSError as e:
-                fail(f"cannot write {path}: {e.strerror or e}")
-            written[key] = str(path)
-    return {"runtime": runtime, "steps": steps, "seed": seed, "devices": need, "platform": jax.devices()[0].platform,
+    written = _write_outputs((("trace", trace, timeline.chrome_trace), ("gantt", gantt, timeline.gantt_png)))
+    return {"runtime": runtime, "steps": steps, "seed": seed, "devices": need, "platform": platform,
             **{k: check[k] for k in ("numerics_ok", "max_abs_loss_err", "max_rel_grad_err", "worst_param",
                                       "loss_tol", "grad_tol")},
             "losses": result.losses, "step_times_s": result.step_times_s, "measured_step_s": measured,
             **prediction,
-            "ratio": _ratio(prediction["predicted_step_s"], measured),
-            "ratio_analytic": _ratio(prediction["predicted_step_s_analytic"], measured),
-            "ratio_profiled": _ratio(prediction["predicted_step_s_profiled"], measured),
-            "ratio_stage_profiled": _ratio(prediction["predicted_step_s_stage_profiled"], measured),
+            **{f"ratio{which}": _ratio(prediction[f"predicted_step_s{which}"], measured)
+               for which in ("", "_analytic", "_profiled", "_stage_profiled")},
             "collectives": collectives, "run_s": run_s, "outputs": written}
 
 
@@ -858,15 +853,10 @@ def _check_host_memory(p: sv.PipelinePlan, platform: str) -> None:
     """Virtual CPU devices share the host's RAM: refuse a plan whose per-device memory,
     summed over its devices, exceeds it (a GPU plan of billions of parameters would
     otherwise be killed by the OS mid-run, or swap for hours)."""
-    import os
-
-    if platform != "cpu" or not hasattr(os, "sysconf"):
+    have = cm.host_memory_bytes()
+    if platform != "cpu" or have is None:
         return
     need = sum(st.memory_bytes * len(st.devices) for st in p.stages)
-    try:
-        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        return
     if need > HOST_MEMORY_SHARE * have:
         fail(f"the plan needs about {need / 2**30:.1f} GiB on its {sum(len(st.devices) for st in p.stages)} "
              f"devices (memory per device, summed: virtual CPU devices share the host's RAM); this host has "
@@ -1086,8 +1076,6 @@ def sweep(
     as_json: JsonOpt = False,
 ) -> None:
     """What-if sweep of one cluster parameter x methods: table, CSV, markdown and a plot."""
-    import os
-
     from alpasim import experiments as ex
 
     given = {"inter_node_gbps": ("--inter-node-gbps", inter_node_gbps, float),

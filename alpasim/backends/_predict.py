@@ -135,7 +135,7 @@ def predict_run(plan: PipelinePlan, *, cost_model: CostModel | None = None, runt
         for k, st in enumerate(plan.stages):
             intra = intra_plans[k] if intra_plans is not None else stage_intra_plan(plan, train, k)
             mesh = logical_mesh(cluster, list(st.devices), tuple(st.logical_mesh))
-            factors = _measured_scale(cost_model, len(st.devices), concurrency)
+            factors = _measured_scale(meta.get("concurrency_scale"), len(st.devices), concurrency)
             model = cost_model.scaled(factors) if factors else cost_model
             priced = reprice(intra, stage_graph(train, *st.layers), model, mesh)
             share = 1.0 if factors is not None else core_share(len(st.devices), concurrency, cores)
@@ -162,7 +162,7 @@ def predict_run(plan: PipelinePlan, *, cost_model: CostModel | None = None, runt
     return out
 
 
-def _measured_scale(model: CostModel, mesh_devices: int, concurrency: int) -> dict[str, float] | None:
+def _measured_scale(table, mesh_devices: int, concurrency: int) -> dict[str, float] | None:
     """The profile's measured per-class factors for a mesh of `mesh_devices` running
     alone (`meta.concurrency_scale`, module doc step 2); {} for a mesh of exactly the
     profiled devices; None when the profile has no measurement for that size, e.g. a
@@ -170,7 +170,6 @@ def _measured_scale(model: CostModel, mesh_devices: int, concurrency: int) -> di
     stage's row reports that share; with measured factors its `core_share` is 1)."""
     if mesh_devices == concurrency:
         return {}
-    table = dict(getattr(model, "meta", {}) or {}).get("concurrency_scale")
     if table is None:
         return None
     if not isinstance(table, dict):

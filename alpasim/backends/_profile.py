@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import platform
 import time
 from collections.abc import Callable, Sequence
@@ -57,6 +56,7 @@ from alpasim.costmodels import (
     OpSample,
     ProfiledCostModel,
     fit_profile,
+    host_memory_bytes,
     op_class,
     traffic_bytes,
 )
@@ -176,6 +176,11 @@ def _conv_cases(sizes: ProfileSizes) -> list[tuple[Op, dict[str, Tensor]]]:
     return cases
 
 
+def _grid_cases(sizes: ProfileSizes) -> list[tuple[Op, dict[str, Tensor]]]:
+    """Every compute case of the grid, in the order `time_compute` samples them."""
+    return _compute_cases(sizes) + _conv_cases(sizes)
+
+
 def _conv_step(op: Op, mesh: Mesh) -> Callable:
     """carry -> carry of one device's shard (`shard_map`: a filter gradient's sum over
     the batch stays local, as in a stage, where its all-reduce is a planned collective).
@@ -208,7 +213,7 @@ def time_compute(mesh: Mesh, sizes: ProfileSizes, log: Callable[[str], None],
                  cases: Sequence[tuple[Op, dict[str, Tensor]]] | None = None) -> list[OpSample]:
     rng = np.random.default_rng(0)
     samples = []
-    for op, tensors in cases if cases is not None else _compute_cases(sizes) + _conv_cases(sizes):
+    for op, tensors in cases if cases is not None else _grid_cases(sizes):
         flops = op_flops(op, tensors)
         nbytes = traffic_bytes(op, tensors)
         args, shardings = zip(*(_operand(tensors[t], mesh, rng) for t in op.inputs))
@@ -287,9 +292,9 @@ def time_concurrency_scale(devices: Sequence, sizes: ProfileSizes, full: Sequenc
     pairs of devices, the largest size. Returns {str(n): {class: ratio}}.
     """
     total = len(devices)
-    cases = _compute_cases(sizes) + _conv_cases(sizes)
+    cases = _grid_cases(sizes)
     largest: dict[str, int] = {}
-    for i, ((op, _), sample) in enumerate(zip(cases, full, strict=True)):
+    for i, sample in enumerate(full):
         j = largest.get(sample.op_class)
         if j is None or sample.flops + sample.nbytes > full[j].flops + full[j].nbytes:
             largest[sample.op_class] = i
@@ -306,7 +311,7 @@ def time_concurrency_scale(devices: Sequence, sizes: ProfileSizes, full: Sequenc
                 top = max(pair)
                 sub = dataclasses.replace(sizes, collective_bytes=(top,), axis_sizes=(2,))
                 (one,) = time_collectives(list(devices[:n]), sub, lambda _: None, kinds=("all_reduce",))
-                scale["collective"] = one.time_s / pair[one.nbytes] if one.nbytes in pair else 1.0
+                scale["collective"] = one.time_s / pair[one.nbytes]
             out[str(n)] = scale
             log(f"busy {n} of {total} devices: " + ", ".join(f"{c} x{f:.2f}" for c, f in sorted(scale.items())))
         n *= 2
@@ -314,8 +319,8 @@ def time_concurrency_scale(devices: Sequence, sizes: ProfileSizes, full: Sequenc
 
 
 def dispatch_s(mesh: Mesh, repeats: int) -> float:
-    """Seconds of one jitted call of a trivial op on every device of `mesh`."""
-    sharding = NamedSharding(mesh, P("d"))
+    """Seconds of one jitted call of a trivial op on every device of `mesh` (any axes)."""
+    sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
     x = jax.device_put(jnp.ones((mesh.size,), jnp.float32), sharding)
     return _median_s(jax.jit(lambda a: a + 1.0, out_shardings=sharding), (x,), repeats)
 
@@ -330,7 +335,7 @@ def host_cluster(model: ProfiledCostModel, num_devices: int) -> Cluster:
     mm, ew = model.ops["matmul"], model.ops["elementwise"]
     peak = 1.0 / mm.seconds_per_flop if mm.seconds_per_flop > 0 else 1e12
     bandwidth = 1.0 / ew.seconds_per_byte if ew.seconds_per_byte > 0 else 1e12
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 2 ** 34
+    ram = host_memory_bytes() or 2 ** 34
     device = Device(model.name, {"float32": peak}, max(int(ram // num_devices), 1), bandwidth)
     return Cluster(f"{model.name} host", 1, num_devices, device, model.link,
                    Link("none (one host)", model.link.bandwidth_gbps, model.link.latency_s))

@@ -6,8 +6,8 @@ latency: for every stage-mesh pair it solves the ILP, compiles the sharded execu
 profiles, returns latency"). `profile_stage` is that step for a lowered stage: it
 calls the stage's three compiled programs — forward, backward (forward recomputed,
 then the vjp) and the Adam update — on inputs of the right shapes and layouts, times
-each around `block_until_ready`, and keeps the median of `iters` calls after one
-warm-up.
+each around `block_until_ready`, and keeps the median of `iters` calls after
+warming up, as `alpasim profile` times its samples (`_profile._median_s`).
 
 What a profiled stage time contains is what one `Run` / `Update` instruction of the
 runtimes costs: the forward includes generating and placing the microbatch's data
@@ -22,17 +22,15 @@ replaced, so profiling a stage before a run does not change the run's numerics.
 
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import asdict, dataclass
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
 from alpasim.graphs import OpGraph
 
 from ._executable import StageExecutable
+from ._profile import _median_s, dispatch_s
 from ._stages import microbatch_inputs
 
 
@@ -65,16 +63,6 @@ def _random_like(graph: OpGraph, names, shardings: dict, rng: np.random.Generato
     return out
 
 
-def _median_s(call, iters: int) -> float:
-    jax.block_until_ready(call())  # warm-up: first-call caches, allocations
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(call())
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def profile_stage(stage: StageExecutable, graph: OpGraph, *, iters: int = 5, seed: int = 0) -> StageTimes:
     """Time `stage`'s forward, backward and update (`graph`: `planning_graph(plan.model)`)."""
     if iters < 1:
@@ -90,14 +78,10 @@ def profile_stage(stage: StageExecutable, graph: OpGraph, *, iters: int = 5, see
         data = {t: jax.device_put(data[t], sh[t]) for t in part.data}
         return compiled["forward"](stage.params, acts, data)
 
-    forward_s = _median_s(forward, iters)
-    backward_s = _median_s(lambda: compiled["backward"](stage.params, stage.acc, acts, placed, cts), iters)
-    update_s = _median_s(lambda: compiled["update"](stage.params, stage.acc, stage.states), iters)
-    sharding = NamedSharding(stage.mesh, PartitionSpec())
-    one = jax.device_put(np.ones((), np.float32), sharding)
-    trivial = jax.jit(lambda a: a + 1.0, out_shardings=sharding)
-    dispatch_s = _median_s(lambda: trivial(one), iters)
-    return StageTimes(stage.index, forward_s, backward_s, update_s, iters, dispatch_s)
+    forward_s = _median_s(forward, (), iters)
+    backward_s = _median_s(compiled["backward"], (stage.params, stage.acc, acts, placed, cts), iters)
+    update_s = _median_s(compiled["update"], (stage.params, stage.acc, stage.states), iters)
+    return StageTimes(stage.index, forward_s, backward_s, update_s, iters, dispatch_s(stage.mesh, iters))
 
 
 def profile_stages(stages, graph: OpGraph, *, iters: int = 5, seed: int = 0) -> list[StageTimes]:

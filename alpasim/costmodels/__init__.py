@@ -22,6 +22,7 @@ from ._hardware import Cluster as Cluster
 from ._hardware import ClusterError as ClusterError
 from ._hardware import Device as Device
 from ._hardware import Link as Link
+from ._hardware import host_memory_bytes as host_memory_bytes
 from ._memory import MemoryBreakdown as MemoryBreakdown
 from ._memory import activation_peak_bytes as activation_peak_bytes
 from ._memory import training_memory as training_memory

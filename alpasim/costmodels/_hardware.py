@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,15 @@ GIB = 2**30
 
 class ClusterError(ValueError):
     """A device, link or cluster with an impossible value, or a malformed cluster JSON."""
+
+
+def host_memory_bytes() -> int | None:
+    """This host's physical RAM, or None where the OS does not say (what virtual CPU
+    devices share)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 def _is_number(value: Any) -> bool:

@@ -161,7 +161,7 @@ class ProfiledCostModel:
                 raise ProfileFormatError(f"profile {self.name!r}: scale of {key!r} must be a positive number, got {f!r}")
         ops = {c: OpFit(*(x * factors.get(c, 1.0) for x in dataclasses.astuple(f))) for c, f in self.ops.items()}
         c = factors.get("collective", 1.0)
-        collectives = {k: CollectiveFit(f.alpha_s * c, f.seconds_per_byte * c) for k, f in self.collectives.items()}
+        collectives = {k: CollectiveFit(*(x * c for x in dataclasses.astuple(f))) for k, f in self.collectives.items()}
         return dataclasses.replace(self, ops=ops, collectives=collectives)
 
     # ------------------------------------------------------------ costs

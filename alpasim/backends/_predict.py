@@ -9,12 +9,13 @@ predictions of the run on this machine can come with it:
   run (`profile_stage`), as Alpa's intra-op pass profiles every compiled stage-mesh
   pair. The simulator composes them: the runtime's instruction lists with one shared
   executor, a dispatch per call and the transfers on the profile's link (step 3). On
-  this host it lands within 15 % of the measured median for the pipelined GPT, MoE and
-  Wide-ResNet plans of `benchmarks/bench_run.py` (0.97-1.13 over runs on the idle
+  this host it lands within 20 % of the measured median for the pipelined GPT, MoE and
+  Wide-ResNet plans of `benchmarks/bench_run.py` (0.83-1.16 over the runs made on the idle
   machine; 0.76-1.10 under the Ray runtime, whose object store it does not price).
 - op-profiled (`cost_model`, `alpasim profile`), no compilation needed, built as
-  follows; on those plans it reads 0.80-0.81 of the measured time for GPT but only
-  0.52-0.59 for MoE and 0.31-0.36 for Wide-ResNet over two runs (gaps below):
+  follows; on those plans it read 0.80-1.27 of the measured time for GPT, 0.37-0.96
+  for MoE and 0.26-0.36 for Wide-ResNet over three to five runs, each with a fresh
+  profile (gaps below):
 
 1. Each stage's intra-op plan — the one the runtime lowers (`stage_intra_plan`, or
    the run's own `StageExecutable.intra_plan`) — is re-priced op by op and collective

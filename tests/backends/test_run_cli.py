@@ -2,8 +2,8 @@
 
 The stage-profiled prediction (each compiled stage timed alone, composed by the
 simulator: Alpa's own profiling) is held within STAGE_BAND of the measured median;
-`benchmarks/bench_run.py` on the idle machine measured 0.97-1.13 for GPT, MoE and
-Wide-ResNet over four runs. Profiling and run follow each other closely and share the
+`benchmarks/bench_run.py` on the idle machine measured 0.83-1.16 for GPT, MoE and
+Wide-ResNet over four to six runs each. Profiling and run follow each other closely and share the
 machine's load, so the band can be narrower than the op-level one; a composition that
 drops a microbatch (0.5x) or the backward (~0.3x) fails it.
 

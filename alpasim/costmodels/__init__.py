@@ -26,6 +26,16 @@ from ._hardware import host_memory_bytes as host_memory_bytes
 from ._memory import MemoryBreakdown as MemoryBreakdown
 from ._memory import activation_peak_bytes as activation_peak_bytes
 from ._memory import training_memory as training_memory
+from ._stage_memory import LayerMemory as LayerMemory
+from ._stage_memory import Liveness as Liveness
+from ._stage_memory import StageMemory as StageMemory
+from ._stage_memory import carry_peak as carry_peak
+from ._stage_memory import layer_memory as layer_memory
+from ._stage_memory import liveness as liveness
+from ._stage_memory import one_microbatch_peak as one_microbatch_peak
+from ._stage_memory import range_max as range_max
+from ._stage_memory import range_peak as range_peak
+from ._stage_memory import stage_memory as stage_memory
 from ._model import AnalyticCostModel as AnalyticCostModel
 from ._model import CostModel as CostModel
 from ._presets import PRESETS as PRESETS

@@ -22,6 +22,11 @@ from ._jax_import import from_jax as from_jax
 from ._jsonfile import read_json_file as read_json_file
 from ._jax_import import training_graph_from_jax as training_graph_from_jax
 from ._jax_values import JaxImportError as JaxImportError
+from ._precision import DEFAULT_RECIPE as DEFAULT_RECIPE
+from ._precision import RECIPES as RECIPES
+from ._precision import PrecisionRecipe as PrecisionRecipe
+from ._precision import UnknownRecipeError as UnknownRecipeError
+from ._precision import get_recipe as get_recipe
 from ._primitives import ELEMENTWISE as ELEMENTWISE
 from ._primitives import MATMUL_KINDS as MATMUL_KINDS
 from ._primitives import PRIMITIVES as PRIMITIVES

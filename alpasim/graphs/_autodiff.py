@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ._builder import GraphBuilder
+from ._precision import PrecisionRecipe, get_recipe
 from ._primitives import parse_einsum
 from ._types import Op, OpGraph, Tensor
 
@@ -393,8 +394,20 @@ def _needs_grad(fwd: OpGraph) -> set[str]:
 
 
 def training_graph(forward: OpGraph, *, remat: bool = False, optimizer: AdamConfig | None = None,
-                   name: str | None = None) -> OpGraph:
-    """Forward graph with a scalar loss -> forward + backward + Adam update graph."""
+                   name: str | None = None, precision: str | PrecisionRecipe | None = None) -> OpGraph:
+    """Forward graph with a scalar loss -> forward + backward + Adam update graph.
+
+    `precision` names the recipe (`_precision`, default mixed-fp32grad): under it a
+    half-precision parameter's gradient is cast to fp32 as the backward produces it,
+    and that fp32 tensor is the gradient the microbatches accumulate into and Adam
+    reads."""
+    recipe = get_recipe(precision)
+    if recipe.weights == "float32":
+        half = [t.name for t in forward.params if t.dtype in HALF]
+        if half:
+            raise ValueError(f"graph {forward.name!r}: precision {recipe.name!r} trains float32 weights, but "
+                             f"parameter {half[0]!r} is {forward.tensors[half[0]].dtype}; build the model with "
+                             f"dtype=float32")
     if len(forward.outputs) != 1 or forward.tensors[forward.outputs[0]].rank != 0:
         raise ValueError(f"graph {forward.name!r}: a training graph needs exactly one scalar output (the loss), "
                          f"got outputs {list(forward.outputs)}")
@@ -414,6 +427,8 @@ def training_graph(forward: OpGraph, *, remat: bool = False, optimizer: AdamConf
     remap: dict[str, str] = {}
     ctx = _Ctx(b, forward, remap)
     ct: dict[str, str | None] = {}
+    carried: list[str] = []
+    ct_layer: dict[str, int] = {}
     recomputed_layers: set[int] = set()
 
     loss_op = forward.producer[loss]
@@ -441,9 +456,20 @@ def training_graph(forward: OpGraph, *, remat: bool = False, optimizer: AdamConf
                 if g is None or not need:
                     continue
                 prev = ct.get(t)
+                if prev is not None and forward.tensors[t].role == "param" and ct_layer[t] != op.layer:
+                    carried.append(prev)    # a tied copy's contribution, handed across layers
                 ct[t] = g if prev is None else b.ew("add", prev, g, name="grad_acc")
+                ct_layer[t] = op.layer
+            for t in dict.fromkeys(op.inputs):
+                # The parameter's last contribution (its first use): cast its gradient to
+                # the accumulator's dtype now, as frameworks add each microbatch's
+                # gradient into it as soon as it is complete.
+                if t in ct and forward.tensors[t].role == "param" and forward.consumers[t][0] is op:
+                    want = recipe.grad_dtype(forward.tensors[t].dtype)
+                    if b.tensors[ct[t]].dtype != want:
+                        ct[t] = b.one("convert", [ct[t]], name=f"{t}:grad_cast", dtype=want)
 
-    return _append_updates(b, forward, ct, optimizer, loss)
+    return _append_updates(b, forward, ct, optimizer, loss, recipe, carried)
 
 
 def _recompute_layer(b: GraphBuilder, fwd: OpGraph, layer: int, remap: dict[str, str]) -> None:
@@ -459,7 +485,7 @@ def _recompute_layer(b: GraphBuilder, fwd: OpGraph, layer: int, remap: dict[str,
 
 
 def _append_updates(b: GraphBuilder, fwd: OpGraph, ct: dict[str, str | None], opt: AdamConfig,
-                    loss: str) -> OpGraph:
+                    loss: str, recipe: PrecisionRecipe, carried: list[str]) -> OpGraph:
     outputs = [loss]
     hyper = {"lr": opt.lr, "b1": opt.b1, "b2": opt.b2, "eps": opt.eps, "weight_decay": opt.weight_decay}
     for p in fwd.params:
@@ -487,4 +513,9 @@ def _append_updates(b: GraphBuilder, fwd: OpGraph, ct: dict[str, str | None], op
             outputs += outs
     meta = dict(fwd.meta)
     meta["training"] = True
+    meta["precision"] = recipe.name
+    # Gradient contributions of a parameter used in two layers (tied embeddings), made in
+    # one layer's backward and summed in the other's: the stage-memory model carries them.
+    meta["tied_grads"] = sorted(carried)
+    meta["grad_dtype"] = recipe.grad_accum if recipe.grad_accum == "float32" else "weights"
     return b.build(outputs, meta)

@@ -48,15 +48,17 @@ class BuiltGraph:
 
 
 def build_training_graph(model: str | OpGraph, *, layers: int | None = None, remat: bool = False,
-                         delta: float = 0.25, optimizer: AdamConfig | None = None) -> BuiltGraph:
-    """Forward graph -> (clustered) -> forward + backward + update graph."""
+                         delta: float = 0.25, optimizer: AdamConfig | None = None,
+                         precision: str | None = None) -> BuiltGraph:
+    """Forward graph -> (clustered) -> forward + backward + update graph, under the
+    precision recipe `precision` (`_precision`; default mixed-fp32grad)."""
     fwd = model if isinstance(model, OpGraph) else load_forward(model)
     clustering = None
     if layers is not None:
         fwd, clustering = assign_layers(fwd, layers, delta)
     elif any(op.layer < 0 for op in fwd.ops):
         fwd = fwd.replace(ops=[op.replace(layer=0) if op.layer < 0 else op for op in fwd.ops])
-    graph = training_graph(fwd, remat=remat, optimizer=optimizer)
+    graph = training_graph(fwd, remat=remat, optimizer=optimizer, precision=precision)
     graph.meta["remat"] = remat
     return BuiltGraph(graph, fwd, clustering)
 

@@ -65,6 +65,10 @@ class Tensor:
         return math.prod(self.shape)
 
     @property
+    def itemsize(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
     def nbytes(self) -> int:
         return self.size * DTYPE_BYTES[self.dtype]
 

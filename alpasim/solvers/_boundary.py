@@ -37,8 +37,9 @@ def cut_bytes(graph: OpGraph) -> tuple[np.ndarray, np.ndarray]:
         for t in op.inputs:
             if t in producer_layer and producer_layer[t] != op.layer:
                 reads.setdefault(t, []).append((op.layer, to_grad))
+    tied = set(graph.meta.get("tied_grads", ()))       # summed into a gradient: once per iteration
     for t, rs in reads.items():
-        if graph.tensors[t].role != "activation" or all(g for _, g in rs):
+        if graph.tensors[t].role != "activation" or all(g for _, g in rs) or t in tied:
             continue
         a, nbytes = producer_layer[t], graph.tensors[t].nbytes
         later = [r for r, _ in rs if r > a]

@@ -23,12 +23,21 @@ from alpasim.graphs import (
     build_training_graph,
     flops_by_kind,
     forward_graph,
+    get_recipe,
     resolve_model,
 )
 
 from ._cache import DiskCache
 from ._pipeline_plan import PipelinePlan, PipelineStage, plan_cluster_info
-from ._stage_costs import LayerOption, StageCosts, build_stage_costs, canonical_params, cost_model_key
+from ._stage_costs import (
+    LayerOption,
+    StageCosts,
+    build_stage_costs,
+    canonical_params,
+    carry_bytes,
+    compose_stage,
+    cost_model_key,
+)
 from ._boundary import stage_boundary_s
 from ._stage_dp import DPResult, bubble_fraction, equal_layer_dp, stage_dp
 from ._submesh import place_submeshes
@@ -88,6 +97,7 @@ def planning_graph(model: dict) -> OpGraph:
     with the eq. 6 DP when the plan's layer count says `--layers` was given. Executors
     use it so that a stage's layer range names the same ops the planner costed."""
     name, cfg = resolve_model(model["name"])
+    cfg = _with_recipe_dtype(cfg, get_recipe(model.get("precision")))
     fwd = planning_units(forward_graph(dataclasses.replace(cfg, batch=int(model["microbatch_size"])), name=name))
     layers = int(model.get("layers", fwd.num_layers))
     return fwd if layers == fwd.num_layers else assign_layers(fwd, layers)[0]
@@ -111,7 +121,7 @@ def plan_pipeline(model: str, cluster: Cluster, *, microbatches: int | str = "au
                   shape_ok: Callable | None = None, views_of: Callable | None = None, equal_layers: bool = False,
                   num_stages: int | None = None, relabel: Callable[[OpGraph], OpGraph] | None = None,
                   pareto: bool = True, price_boundaries: bool = True,
-                  cost_model: CostModel | None = None) -> PipelinePlan:
+                  cost_model: CostModel | None = None, precision: str | None = None) -> PipelinePlan:
     """Plan `model` on `cluster`; `layers` re-clusters the forward ops into that many
     layers with the eq. 6 DP instead of the zoo's blocks (planning units).
 
@@ -125,11 +135,17 @@ def plan_pipeline(model: str, cluster: Cluster, *, microbatches: int | str = "au
 
     `cost_model` (None: analytic) prices every stage; its cluster replaces `cluster`
     (see `build_stage_costs`), so the plan records the cluster the model priced, and
-    `search["cost_model"]` records the model's name and digest."""
+    `search["cost_model"]` records the model's name and digest.
+
+    `precision` names the mixed-precision recipe (`graphs.RECIPES`, default
+    mixed-fp32grad), recorded as `model["precision"]`; `fp32` builds the model in
+    float32."""
     t0 = time.perf_counter()
     if cost_model is not None:
         cluster = cost_model.cluster
+    recipe = get_recipe(precision)
     name, cfg = resolve_model(model)
+    cfg = _with_recipe_dtype(cfg, recipe)
     global_batch = cfg.batch
     cache = cache or DiskCache(enabled=False)
     candidates: list[Candidate] = []
@@ -149,7 +165,7 @@ def plan_pipeline(model: str, cluster: Cluster, *, microbatches: int | str = "au
             fwd = planning_units(fwd)
         else:
             fwd = assign_layers(fwd, layers)[0]
-        graph = build_training_graph(fwd, remat=remat).graph
+        graph = build_training_graph(fwd, remat=remat, precision=recipe.name).graph
         report = (lambda done, total: progress(f"B={b}", done, total)) if progress else None
         s_max = min(max_stages, graph.num_layers, cluster.num_devices)
         costs = build_stage_costs(graph, cluster, b, max_stages=s_max, map_fn=map_fn, cache=cache,
@@ -203,7 +219,13 @@ def plan_pipeline(model: str, cluster: Cluster, *, microbatches: int | str = "au
             f"does not fit: no plan of {name} on {cluster.num_devices} x {cluster.device.name} fits in "
             f"{cluster.device.memory_bytes / GIB:.1f} GiB per device; the smallest plan needs at least "
             f"{need / GIB:.1f} GiB per device", need)
-    return _assemble_plan(name, cfg, cluster, best, candidates, search, remat, method)
+    return _assemble_plan(name, cfg, cluster, best, candidates, search, remat, method, recipe)
+
+
+def _with_recipe_dtype(cfg, recipe):
+    """The model config in the recipe's weight dtype (fp32 trains a float32 model)."""
+    dtype = recipe.weight_dtype(cfg.dtype)
+    return cfg if dtype == cfg.dtype else dataclasses.replace(cfg, dtype=dtype)
 
 
 def _least_memory(c: Candidate, num_devices: int) -> float:
@@ -227,7 +249,7 @@ def _least_memory(c: Candidate, num_devices: int) -> float:
 
 
 def _assemble_plan(name: str, cfg, cluster: Cluster, best: Candidate, candidates: Sequence[Candidate],
-                   search: dict, remat: bool, method: str) -> PipelinePlan:
+                   search: dict, remat: bool, method: str, recipe) -> PipelinePlan:
     costs, dp, b = best.costs, best.dp, best.microbatches
     shapes = [costs.shapes[st.shape] for st in dp.stages]
     placed = place_submeshes(shapes, cluster.nodes, cluster.devices_per_node)
@@ -239,20 +261,19 @@ def _assemble_plan(name: str, cfg, cluster: Cluster, best: Candidate, candidates
         view = int(costs.view[st.first, st.last, st.shape, s - 1])
         j = int(costs.option[st.first, st.last, st.shape, s - 1])
         _, logical, _ = costs.meshes[view]
-        compute = sync = pers = act = forward = stash = 0.0
+        compute = sync = forward = 0.0
         param_specs: dict[str, str] = {}
         heavy: list[dict] = []
         kinds_shown: set[str] = set()
+        stage_opts: list[LayerOption] = []
         for layer in range(st.first, st.last + 1):
             kind = costs.layer_kind[layer]
             opts = costs.options[(kind, view)]
             o = chosen[layer] = opts[min(j, len(opts) - 1)]
+            stage_opts.append(o)
             compute += o.time_s
             forward += o.forward_s
             sync += o.sync_s
-            pers += o.persistent_bytes
-            act += o.activation_bytes
-            stash += o.inflight_bytes
             layer_graph = costs.layer_graphs[layer]
             for p, spec in zip(canonical_params(layer_graph), o.param_specs):
                 param_specs[p] = spec
@@ -263,11 +284,12 @@ def _assemble_plan(name: str, cfg, cluster: Cluster, best: Candidate, candidates
                     heavy.append({"op": op.name, "equation": op.param("equation") or op.prim,
                                   "strategy": strategy, "output": out})
         inflight = min(s, b)
+        mem = stage_memory_of(costs, st.first, st.last, view, stage_opts, inflight)
         stages.append(PipelineStage((st.first, st.last), tuple(devices), (shapes[idx].n, shapes[idx].m),
-                                    tuple(logical), float(st.cost_s),
-                                    pers + act + (inflight - 1) * stash, inflight, compute, sync, pers, act, j,
-                                    param_specs, tuple(heavy), forward, compute - forward, stash,
-                                    float(st.boundary_s)))
+                                    tuple(logical), float(st.cost_s), mem.total_bytes, inflight, compute, sync,
+                                    mem.persistent_bytes + mem.buffer_bytes, mem.activation_bytes, j,
+                                    param_specs, tuple(heavy), forward, compute - forward, mem.stash_bytes,
+                                    float(st.boundary_s), mem.to_json()))
     flops = flops_by_kind(best.graph)["matmul"] * b
     iteration = dp.latency_s
     predicted = {
@@ -285,11 +307,28 @@ def _assemble_plan(name: str, cfg, cluster: Cluster, best: Candidate, candidates
                            "stages": [[s.first, s.last, str(c.costs.shapes[s.shape])] for s in c.dp.stages]})
     model = {"name": name, "family": cfg.family, "params": best.graph.num_params(),
              "flops_per_iteration": flops, "global_batch": cfg.batch, "microbatch_size": cfg.batch // b,
-             "layers": best.graph.num_layers, "remat": remat}
+             "layers": best.graph.num_layers, "remat": remat, "precision": recipe.name,
+             "dtype": cfg.dtype, "bytes_per_param": recipe.bytes_per_param(cfg.dtype)}
     cl = plan_cluster_info(cluster)
     transfers = stage_transfers(best.graph, costs.layer_graphs, chosen, [(s.first, s.last) for s in dp.stages])
     return PipelinePlan(model, cl, method, True, b, tuple(stages), predicted, search, "1f1b", tuple(runner_ups),
                         transfers=transfers)
+
+
+def stage_memory_of(costs: StageCosts, first: int, last: int, view: int, opts: Sequence[LayerOption],
+                    inflight: int):
+    """`compose_stage` of layers first..last running `opts` on mesh `view`, with the tied
+    copies whose owner the stage also holds counted once and their carried gradients."""
+    drop, carries = False, []
+    for l in range(first, last + 1):
+        copy = costs.tied_owner[l]
+        if copy is None or not first <= copy.owner <= last:
+            continue
+        drop = True
+        if copy.owner < l:
+            carries.append((l - first, copy.owner - first,
+                            carry_bytes(costs.layer_graphs[l], opts[l - first], copy, costs.meshes[view][2])))
+    return compose_stage(opts, inflight, drop_tied=drop, carries=carries)
 
 
 def stage_transfers(graph: OpGraph, layer_graphs: Sequence[OpGraph], chosen: dict[int, LayerOption],
@@ -307,6 +346,7 @@ def stage_transfers(graph: OpGraph, layer_graphs: Sequence[OpGraph], chosen: dic
         to_grad = op.phase == "update" or all(graph.tensors[o].role == "grad" for o in op.outputs)
         for t in op.inputs:
             readers.setdefault(t, {}).setdefault(stage_of[op.layer], []).append((op.layer, to_grad))
+    tied = set(graph.meta.get("tied_grads", ()))
     out = []
     for layer, lg in enumerate(layer_graphs):
         src = stage_of[layer]
@@ -322,7 +362,7 @@ def stage_transfers(graph: OpGraph, layer_graphs: Sequence[OpGraph], chosen: dic
                 out.append({
                     "tensor": t, "shape": list(tensor.shape), "dtype": tensor.dtype, "nbytes": tensor.nbytes,
                     "src_stage": src, "dst_stage": dst, "direction": "forward" if dst > src else "backward",
-                    "per_iteration": all(to_grad for _, to_grad in reads),
+                    "per_iteration": all(to_grad for _, to_grad in reads) or t in tied,
                     "src_spec": chosen[layer].output_specs[k] if chosen[layer].output_specs else None,
                     "dst_spec": (chosen[first].input_specs[dst_graph.inputs.index(t)]
                                  if chosen[first].input_specs else None)})

@@ -98,6 +98,7 @@ def megatron_restriction(graph: OpGraph, mesh: LogicalMesh, cost_model: CostMode
     batch = batch_letters(graph)
     leaf_specs = _megatron_params(graph, mesh)
     restrict: dict[str, list[Strategy]] = {}
+    param_of_grad = {op.inputs[1]: op.inputs[0] for op in graph.ops if op.prim == "adam"}
     for op in graph.ops:
         dm = op_dims(op, graph.tensors)
         must: dict[int, set[str]] = {}
@@ -109,11 +110,24 @@ def megatron_restriction(graph: OpGraph, mesh: LogicalMesh, cost_model: CostMode
                 for d, axes in enumerate(spec[0].dims):
                     if 1 in axes:
                         must[1] = {term[d]}
+        # Megatron-LM without sequence parallelism reduces tensor-parallel partial sums
+        # with all-reduce only (a reduce-scatter would leave the sequence split).
         options = [s for s in enumerate_strategies(op, graph.tensors, mesh, cost_model, allow_replicated_heavy=True)
-                   if not any(c.kind == "reduce_scatter" and 0 in c.axes for c in s.collectives)]
+                   if not any(c.kind == "reduce_scatter" for c in s.collectives)]
         keep = [s for s in options if all(_axes_of(s).get(a) in letters for a, letters in must.items())]
         if 0 not in must and mesh.shape[0] > 1:
             keep = [s for s in keep if 0 not in _axes_of(s)]
+        if op.prim in ("softmax_cross_entropy", "softmax_cross_entropy_grad") and mesh.shape[1] > 1:
+            # Megatron-LM splits the loss over the vocabulary; our loss primitive cannot
+            # split its class axis, so it runs replicated over the tensor-parallel axis
+            # (never on a sequence split Megatron does not have).
+            keep = [s for s in keep if 1 not in _axes_of(s)] or keep
+        owner = op.inputs[0] if op.prim == "adam" else param_of_grad.get(op.outputs[0])
+        if owner in leaf_specs:
+            # No distributed optimizer: gradients, master weights and Adam moments are
+            # laid out as the parameter is.
+            same = [s for s in options if all(o == leaf_specs[owner][0] for o in s.out_specs)]
+            keep = same or keep
         restrict[op.name] = keep or options
     return restrict, leaf_specs
 

@@ -12,7 +12,8 @@ one-hot a, b, so e can be continuous. Costs enter in microseconds so the solver'
 tolerances see numbers near one.
 
 Memory (optional): M_t = sum_i s_owner(t)^i * bytes_t / shards_i(t) for every tensor;
-persistent tensors plus the activations live at each candidate peak must fit. Memory
+persistent tensors, the stash of the other microbatches in flight and the activations
+live at each candidate peak must fit. Memory
 enters in units of the budget (the right-hand side is 1): the solver's absolute
 feasibility tolerance (~1e-7) is then a relative one, whether the stage holds 40 GiB
 or, in a test, 40 bytes (in GiB units a 100-byte overshoot would count as fitting).
@@ -113,8 +114,13 @@ def _memory_terms(problem: IntraOpProblem, s, tensor: str, unit_bytes: float):
 
 
 def _add_memory(model: pulp.LpProblem, problem: IntraOpProblem, s, budget: float, multiplier: float = 1.0) -> None:
+    """persistent + live(p) + (multiplier - 1) x stash <= budget at every candidate peak p:
+    one microbatch at its peak, the others in flight holding their stash (the stage-memory
+    rule of `costmodels.stage_memory`), so the stash's layout is priced."""
     unit = budget if budget > 0 else GIB
     persistent = [term for t in problem.persistent for term in _memory_terms(problem, s, t, unit)]
+    persistent += [(x, c * max(multiplier - 1.0, 0.0)) for t in problem.stash
+                   for x, c in _memory_terms(problem, s, t, unit)]
     acts = {t for live in problem.live_sets for t in live}
     m = {}
     for t in acts:
@@ -124,7 +130,7 @@ def _add_memory(model: pulp.LpProblem, problem: IntraOpProblem, s, budget: float
     if not problem.live_sets:
         model += _expr(persistent) <= budget / unit, "memory"
     for i, live in enumerate(problem.live_sets):
-        model += _expr(persistent + [(m[t], multiplier) for t in live]) <= budget / unit, f"memory_{i}"
+        model += _expr(persistent + [(m[t], 1.0) for t in live]) <= budget / unit, f"memory_{i}"
 
 
 def solve_ilp(form: Formulation, solver: str = "highs", time_limit_s: float | None = None,

@@ -92,13 +92,57 @@ def solve_problem(problem: IntraOpProblem, *, memory_budget_bytes: float | None 
     if result.choice is None:
         raise RuntimeError(f"intra-op solve on {graph.name} ({mesh}) returned no plan: {result.solver} "
                            f"{result.status} after {result.wall_s:.1f} s")
-    choice = result.choice
+    choice = shard_stash(problem, result.choice)
     rewritten = 0
     if rewrite:
         choice, rewritten = weight_update_sharding(problem, choice)
     plan = realize(problem, choice)
     return IntraOpResult(result.status, result.objective_s, plan, result.wall_s, build_s, result.solver,
                          len(problem.nodes), len(problem.edges), rewritten, problem)
+
+
+def shard_stash(problem: IntraOpProblem, choice: tuple[int, ...]) -> tuple[int, ...]:
+    """Store each stashed activation and each received activation or cotangent in its
+    smallest layout among those that cost nothing more. The time objective is
+    indifferent to how a tensor that only waits (for the backward, or for its first
+    reader) is laid out, since slicing is free, so the solver may leave a layer input
+    replicated over the data-parallel axis, where each microbatch in flight would hold
+    it dp times. Node by node, with the rest of the plan fixed: the objective never
+    rises."""
+    graph = problem.graph
+    waiting = set(problem.stash) | {t for t in graph.inputs if graph.tensors[t].role in ("activation", "input")}
+    if not waiting:
+        return choice
+    incident: dict[int, list] = {}
+    for e in problem.edges:
+        incident.setdefault(e.src, []).append(e)
+        incident.setdefault(e.dst, []).append(e)
+    owners = sorted({problem.node_of_tensor[t] for t in waiting if t in problem.node_of_tensor})
+    choice = list(choice)
+
+    def local_cost(v: int, i: int) -> float:
+        cost = float(problem.nodes[v].cost[i])
+        for e in incident.get(v, ()):
+            a = e.src_spec[i if e.src == v else choice[e.src]]
+            b = e.dst_spec[i if e.dst == v else choice[e.dst]]
+            cost += float(e.cost[a, b])
+        return cost
+
+    for v in owners:
+        node = problem.nodes[v]
+        mine = [t for t in node.specs[0] if t in waiting]
+
+        def held_bytes(i: int) -> float:
+            return sum(graph.tensors[t].nbytes / node.specs[i][t].num_shards(problem.mesh) for t in mine)
+
+        base, held = local_cost(v, choice[v]), held_bytes(choice[v])
+        best = choice[v]
+        for i in range(node.k):
+            b = held_bytes(i)
+            if b < held and local_cost(v, i) <= base * (1 + REWRITE_RTOL) + 1e-15:
+                best, held = i, b
+        choice[v] = best
+    return tuple(choice)
 
 
 def weight_update_sharding(problem: IntraOpProblem, choice: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
@@ -177,14 +221,15 @@ def _min_memory(problem: IntraOpProblem, solver: str, multiplier: float, time_li
     # Measured in units of the fully replicated footprint, so the peak is near one
     # whatever the stage's size (see `_intra_ilp`'s note on memory units).
     tensors = problem.graph.tensors
-    unit = (sum(tensors[t].nbytes for t in problem.persistent)
-            + multiplier * max((sum(tensors[t].nbytes for t in live) for live in problem.live_sets),
-                               default=0)) or GIB
+    extra = max(multiplier - 1.0, 0.0)        # further microbatches in flight, each holding its stash
+    unit = (sum(tensors[t].nbytes for t in problem.persistent) + extra * sum(tensors[t].nbytes for t in problem.stash)
+            + max((sum(tensors[t].nbytes for t in live) for live in problem.live_sets), default=0)) or GIB
     peak = pulp.LpVariable("peak", lowBound=0)
     model.setObjective(peak)
-    persistent = pulp.lpSum(memory_expression(problem, form.s, t, unit) for t in problem.persistent)
+    persistent = (pulp.lpSum(memory_expression(problem, form.s, t, unit) for t in problem.persistent)
+                  + extra * pulp.lpSum(memory_expression(problem, form.s, t, unit) for t in problem.stash))
     for i, live in enumerate(problem.live_sets or [[]]):
         acts = pulp.lpSum(memory_expression(problem, form.s, t, unit) for t in live)
-        model += persistent + multiplier * acts <= peak, f"peak_{i}"
+        model += persistent + acts <= peak, f"peak_{i}"
     result = solve_ilp(Formulation(model, form.s, None), solver, time_limit_s, mip_gap, presolve)
     return float(peak.value() or 0.0) * unit, result.choice

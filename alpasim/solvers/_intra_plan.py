@@ -61,15 +61,14 @@ class MemoryUse:
         return self.params_bytes + self.grads_bytes + self.optimizer_bytes
 
     def with_inflight(self, microbatches: float) -> float:
-        """Bytes if `microbatches` microbatches' peak activations were alive at once: the
-        conservative form the memory-bounded ILP constrains (see `pipelined_bytes`)."""
-        return self.persistent_bytes + microbatches * self.activations_peak_bytes
+        """Bytes with `microbatches` microbatches in flight on the stage (seed eq. 5 by
+        liveness, `costmodels.stage_memory`): one at its peak, the others holding only
+        their stash. What the memory-bounded ILP constrains."""
+        return self.persistent_bytes + self.activations_peak_bytes + max(microbatches - 1, 0) * self.stash_bytes
 
     def pipelined_bytes(self, inflight: int) -> float:
-        """Bytes under 1F1B with `inflight` microbatches in flight (seed eq. 5): one
-        microbatch at its peak, the others holding only their stashed activations."""
-        return (self.persistent_bytes + self.activations_peak_bytes
-                + max(inflight - 1, 0) * min(self.stash_bytes, self.activations_peak_bytes))
+        """`with_inflight` for an integer number of microbatches in flight."""
+        return self.with_inflight(inflight)
 
     def to_json(self) -> dict:
         return {"params_bytes": self.params_bytes, "grads_bytes": self.grads_bytes,

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from alpasim.costmodels import CostModel
+from alpasim.costmodels import CostModel, liveness
 from alpasim.graphs import OpGraph, Tensor, is_heavy
 
 from ._mesh import LogicalMesh
@@ -225,25 +225,12 @@ def build_problem(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel, *, w
     persistent = [t for t, tensor in tensors.items()
                   if tensor.role in PERSISTENT_ROLES and t in node_of and not t.endswith(":new")
                   and (tensor.role != "param" or _is_leaf(graph, t))]
-    live_sets = _live_sets(graph, set(persistent) | owned)
-    return IntraOpProblem(graph, mesh, with_compute, microbatches, nodes, edges, node_of, persistent, live_sets,
-                          loop_backs, strategies, notes, _stash(graph, set(persistent) | owned))
-
-
-def _stash(graph: OpGraph, exclude: set[str]) -> list[str]:
-    """Activations a microbatch keeps from its forward to its backward: the forward's
-    inputs and results that backward ops read (with remat, just the checkpoints). A
-    forward result the graph hands on (to the next layer or stage) is counted where it
-    is read, not here. This, not the transient peak, is what 1F1B holds per microbatch
-    in flight (seed eq. 5)."""
-    read_back = {t for op in graph.ops if op.phase == "backward" for t in op.inputs}
-    read_forward = {t for op in graph.ops if op.phase == "forward" for t in op.inputs}
-    made = ([t for t in graph.inputs if t in read_forward]        # not the cotangents arriving in backward
-            + [t for op in graph.ops if op.phase == "forward" for t in op.outputs])
-    handed_on = set(graph.outputs)
-    return [t for t in dict.fromkeys(made)
-            if t in read_back and t not in exclude and t not in handed_on and t in graph.tensors
-            and graph.tensors[t].role not in ("param", "optimizer_state")]
+    # Activation lifetimes by the stage-memory rules (`costmodels.liveness`): the live
+    # sets are the ILP's candidate peaks, the stash what each further microbatch in
+    # flight holds.
+    live = liveness(graph)
+    return IntraOpProblem(graph, mesh, with_compute, microbatches, nodes, edges, node_of, persistent,
+                          live.live_sets(), loop_backs, strategies, notes, live.stash())
 
 
 def _follow(op, options: list[Strategy], known: dict[str, ShardingSpec], tensors: Mapping[str, Tensor],
@@ -274,27 +261,3 @@ def _edge(nodes: list[Node], src: int, dst: int, tensor: str, consumer: str, dst
             cost[index[a], index[b]] = resharding_time_s(a, b, nbytes, mesh) * scale
     return Edge(src, dst, tensor, consumer, distinct, np.array([index[s] for s in src_specs]),
                 np.array([index[s] for s in dst_specs]), cost)
-
-
-def _live_sets(graph: OpGraph, exclude: set[str]) -> list[list[str]]:
-    """Activations live at each point where one dies (the candidates for the peak)."""
-    first: dict[str, int] = {}
-    last: dict[str, int] = {}
-    end = len(graph.ops)
-    for t in graph.inputs:
-        if t not in exclude:
-            first[t] = 0
-    for i, op in enumerate(graph.ops):
-        for t in op.outputs:
-            if t not in exclude and not t.endswith(":new"):
-                first.setdefault(t, i)
-        for t in op.inputs:
-            if t in first:
-                last[t] = i
-    for t in graph.outputs:
-        if t in first:
-            last[t] = end
-    for t in first:
-        last.setdefault(t, first[t])
-    points = sorted(set(last.values()))
-    return [[t for t in first if first[t] <= p <= last[t]] for p in points]

@@ -44,6 +44,10 @@ class PipelineStage:
     backward_s: float = 0.0                 # per microbatch: backward (with recomputation)
     stash_bytes: float = 0.0                # per device: what each further microbatch in flight holds
     boundary_s: float = 0.0                 # per microbatch: the DP's estimate of receiving its inputs
+    # Per device, by term (`costmodels.StageMemory.to_json`): params_bytes, grads_bytes,
+    # optimizer_bytes, stash_bytes (per microbatch), inflight, transient_bytes,
+    # buffer_bytes, total_bytes (= memory_bytes). Empty for plans from before it existed.
+    memory: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -127,7 +131,7 @@ def plan_from_json(data: Any, source: str = "<plan JSON>") -> PipelinePlan:
                     float(s.get("compute_s", 0.0)), float(s.get("sync_s", 0.0)), float(s.get("params_bytes", 0.0)),
                     float(s.get("activation_bytes", 0.0)), int(s.get("option", 0)), dict(s.get("param_specs", {})),
                     tuple(s.get("heavy_ops", ())), float(s.get("forward_s", 0.0)), float(s.get("backward_s", 0.0)),
-                    float(s.get("stash_bytes", 0.0)), float(s.get("boundary_s", 0.0))))
+                    float(s.get("stash_bytes", 0.0)), float(s.get("boundary_s", 0.0)), dict(s.get("memory", {}))))
             except KeyError as e:
                 raise PlanFormatError(f"{source}: stages[{i}]: missing field {e.args[0]!r}") from None
             except (TypeError, ValueError) as e:

@@ -9,17 +9,19 @@ Alpa's compilation take 40 minutes. We solve per *layer kind* instead and compos
 2. For each (kind, logical mesh) the ILP gives a small Pareto set of plans: the fastest,
    the smallest (memory first, time as tie-break) and one in between. Each option
    records time per microbatch, once-per-iteration sync/update time, persistent bytes
-   (params, grads, optimizer states) and activation bytes of one microbatch.
+   (params, grads, optimizer states) and, by liveness, what one microbatch stashes for
+   its backward and its peak (`costmodels.layer_memory`).
 3. A stage k..i on a view sums its layers' options (prefix sums; one option index for
-   the whole stage), its memory is persistent + min(s, B) x activations (seed eq. 5,
-   s = stages from this one to the end) and it takes the fastest option that fits the
-   device; a submesh takes its fastest logical view. Infeasible = inf.
+   the whole stage); its memory is `costmodels.stage_memory` with min(s, B)
+   microbatches in flight (seed eq. 5, s = stages from this one to the end): persistent
+   + in-flight stashes + the one running layer's working set + buffers, never a sum of
+   per-layer peaks. It takes the fastest option that fits the device; a submesh takes
+   its fastest logical view. Infeasible = inf.
 
 What the composition ignores, and why it is acceptable: resharding between two layers
 of a stage whose plans disagree on the boundary layout (layers of one kind share a
 plan, and the boundary is the residual stream, batch-sharded in practice) and mixing
 options inside a stage (a finer knapsack could fit a little more in memory).
-`exact_stage_plan` re-solves a chosen stage as one ILP when that matters.
 """
 
 from __future__ import annotations
@@ -30,13 +32,24 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from alpasim.costmodels import AnalyticCostModel, Cluster, CostModel
+from alpasim.costmodels import (
+    AnalyticCostModel,
+    Cluster,
+    CostModel,
+    LayerMemory,
+    StageMemory,
+    carry_peak,
+    range_max,
+    range_peak,
+    stage_memory,
+)
 from alpasim.graphs import OpGraph, is_heavy, op_flops, stage_graph
 
 from ._cache import CACHE_VERSION, DiskCache, digest
 from ._intra_baselines import BASELINES, REWRITE_ALLOWED
 from ._intra_op import IntraOpInfeasible, min_memory_choice, solve_intra_op, solve_problem
 from ._mesh import LogicalMesh
+from ._spec import ShardingSpec
 from ._submesh import SubmeshShape, check_cluster_grid, logical_mesh, logical_shapes, submesh_shapes
 
 INF = math.inf
@@ -75,6 +88,16 @@ class LayerOption:
     input_specs: tuple[str, ...] = ()            # layout of each layer-graph input, in `graph.inputs` order
     output_specs: tuple[str, ...] = ()           # layout of each layer-graph output, in `graph.outputs` order
     stash_bytes: float | None = None             # kept from forward to backward (None: = activation_bytes)
+    # The split of persistent_bytes, and what the stage composition needs beyond it:
+    params_bytes: float = 0.0
+    grads_bytes: float = 0.0
+    optimizer_bytes: float = 0.0
+    tied: tuple[float, float, float] = (0.0, 0.0, 0.0)   # a tied copy's (param, grad, state) bytes, in the above
+    gather_bytes: float = 0.0                    # parameters gathered before use (ZeRO-3's buffer)
+
+    @property
+    def tied_bytes(self) -> float:
+        return sum(self.tied)
 
     @property
     def inflight_bytes(self) -> float:
@@ -88,7 +111,9 @@ class LayerOption:
     def from_json(cls, d: dict) -> LayerOption:
         return cls(d["time_s"], d["sync_s"], d["persistent_bytes"], d["activation_bytes"], tuple(d["param_specs"]),
                    tuple(tuple(h) for h in d["heavy"]), d.get("ilp_status", "optimal"), d.get("forward_s", 0.0),
-                   tuple(d.get("input_specs", ())), tuple(d.get("output_specs", ())), d.get("stash_bytes"))
+                   tuple(d.get("input_specs", ())), tuple(d.get("output_specs", ())), d.get("stash_bytes"),
+                   d.get("params_bytes", 0.0), d.get("grads_bytes", 0.0), d.get("optimizer_bytes", 0.0),
+                   tuple(d.get("tied", (0.0, 0.0, 0.0))), d.get("gather_bytes", 0.0))
 
 
 def canonical_key(graph: OpGraph) -> str:
@@ -134,12 +159,16 @@ def layer_options(layer: OpGraph, mesh: LogicalMesh, cluster: Cluster, microbatc
                    key=lambda i: -op_flops(layer.ops[i], layer.tensors))[:TOP_HEAVY]
 
     def summarise(plan, status: str) -> LayerOption:
-        return LayerOption(plan.time_s, plan.sync_s + plan.update_s, plan.memory.persistent_bytes,
-                           plan.memory.activations_peak_bytes, tuple(str(plan.specs[p]) for p in params),
+        mem = plan.memory
+        t_param, t_grad, t_opt = tied_copy_bytes(layer, plan.specs, mesh)
+        return LayerOption(plan.time_s, plan.sync_s + plan.update_s, mem.persistent_bytes + t_grad + t_opt,
+                           mem.activations_peak_bytes, tuple(str(plan.specs[p]) for p in params),
                            tuple((i, plan.strategies[layer.ops[i].name].name,
                                   "/".join(map(str, plan.strategies[layer.ops[i].name].out_specs))) for i in heavy),
                            status, plan.forward_s, tuple(str(plan.specs[t]) for t in layer.inputs),
-                           tuple(str(plan.specs[t]) for t in layer.outputs), plan.memory.stash_bytes)
+                           tuple(str(plan.specs[t]) for t in layer.outputs), mem.stash_bytes,
+                           mem.params_bytes, mem.grads_bytes + t_grad, mem.optimizer_bytes + t_opt,
+                           (t_param, t_grad, t_opt), gathered_param_bytes(layer, plan))
 
     kw = restricted_solve_kwargs(restriction, layer, mesh, model)
     fast = solve_intra_op(layer, mesh, model, with_compute=True, microbatches=microbatches, mip_gap=PLANNING_MIP_GAP,
@@ -167,6 +196,63 @@ def layer_options(layer: OpGraph, mesh: LogicalMesh, cluster: Cluster, microbatc
         if all(_reference_bytes(o) < _reference_bytes(p) for p in front):
             front.append(o)
     return front
+
+
+# Bytes per element Adam keeps per parameter element beyond the parameter itself, by
+# recipe: (gradient, optimizer states). A half-precision parameter has an fp32 master.
+def _state_bytes_per_element(layer: OpGraph, param: str) -> tuple[float, float]:
+    t = layer.tensors[param]
+    half = t.dtype in ("float16", "bfloat16")
+    grad = t.itemsize if layer.meta.get("grad_dtype", "float32") != "float32" or not half else 4
+    return float(grad), (12.0 if half else 8.0)
+
+
+def tied_copy_bytes(layer: OpGraph, specs, mesh: LogicalMesh) -> tuple[float, float, float]:
+    """(param, grad, optimizer) bytes per device of the tied parameters `layer` reads but
+    whose update lives in another layer (the LM head's copy of the word embedding).
+    Megatron-LM gives such a copy its own gradient and optimizer state on the last stage
+    and all-reduces the two copies' gradients once per iteration (priced as the
+    per-iteration gradient transfer, `stage_transfers`); a stage holding both counts
+    the table once (`_assemble` subtracts the copy)."""
+    updated = {op.inputs[0] for op in layer.ops if op.prim == "adam"}
+    param = grad = opt = 0.0
+    for p in layer.params:
+        if p.name in updated or p.name not in specs:
+            continue
+        per_device = p.nbytes / specs[p.name].num_shards(mesh)
+        g, o = _state_bytes_per_element(layer, p.name)
+        param += per_device
+        grad += per_device * g / p.itemsize
+        opt += per_device * o / p.itemsize
+    return param, grad, opt
+
+
+# DeepSpeed's ZeRO-3 prefetches the next layer's parameters while one layer runs, so
+# two layers' gathered parameters can be held at once.
+GATHER_BUFFERS = 2
+
+
+def gathered_param_bytes(layer: OpGraph, plan) -> float:
+    """Bytes per device of the layer's parameters as their readers need them, for those
+    stored more finely sharded than that (ZeRO-3 stores 1/N and gathers before each
+    use), times `GATHER_BUFFERS`; 0 for a plan that stores what it reads."""
+    total = 0.0
+    for p in layer.params:
+        stored = plan.specs.get(p.name)
+        if stored is None:
+            continue
+        held = stored.num_shards(plan.mesh)
+        need = held
+        for op in layer.consumers.get(p.name, ()):
+            s = plan.strategies.get(op.name)
+            if s is None or op.phase == "update":
+                continue
+            for t, spec in zip(op.inputs, s.in_specs):
+                if t == p.name:
+                    need = min(need, spec.num_shards(plan.mesh))
+        if need < held:
+            total += p.nbytes / need
+    return GATHER_BUFFERS * total
 
 
 def restricted_solve_kwargs(restriction: str | None, layer: OpGraph, mesh: LogicalMesh, model) -> dict:
@@ -218,6 +304,7 @@ class StageCosts:
     ilp_jobs: int
     cache_hits: int
     min_memory_bytes: float             # least per-device memory any stage of one layer needs
+    tied_owner: list[TiedCopy | None] = None  # per layer: a tied copy of another layer's parameter
 
 
 def build_stage_costs(graph: OpGraph, cluster: Cluster, microbatches: int, *, max_stages: int | None = None,
@@ -268,20 +355,78 @@ def build_stage_costs(graph: OpGraph, cluster: Cluster, microbatches: int, *, ma
         cache.put(key, result)
         if progress is not None:
             progress(n, total)
+    owners = tied_owners(graph, layers)
     costs = _assemble(kinds, options, meshes, shapes, memory, microbatches, num_layers,
-                      max_stages or min(num_layers, cluster.num_devices))
+                      max_stages or min(num_layers, cluster.num_devices), owners, layers)
     least = min((o.persistent_bytes + o.activation_bytes for opts in options.values() for o in opts), default=INF)
-    return StageCosts(*costs, shapes, meshes, kinds, layers, options, total, cache.hits, least)
+    return StageCosts(*costs, shapes, meshes, kinds, layers, options, total, cache.hits, least, owners)
+
+
+@dataclass(frozen=True, slots=True)
+class TiedCopy:
+    """A layer that reads a parameter another layer (`owner`) updates; `outputs` index
+    the layer graph's outputs its backward hands to the owner (gradient contributions)."""
+
+    owner: int
+    outputs: tuple[int, ...]
+
+
+def tied_owners(graph: OpGraph, layers: Sequence[OpGraph]) -> list[TiedCopy | None]:
+    """For each layer, its `TiedCopy` (the LM head reading the word embedding), or None."""
+    owner = {op.inputs[0]: op.layer for op in graph.ops if op.prim == "adam"}
+    readers: dict[str, set[int]] = {}
+    for op in graph.ops:
+        for t in op.inputs:
+            readers.setdefault(t, set()).add(op.layer)
+    out: list[TiedCopy | None] = []
+    for l, lg in enumerate(layers):
+        updated = {op.inputs[0] for op in lg.ops if op.prim == "adam"}
+        others = [owner[p.name] for p in lg.params if p.name not in updated and owner.get(p.name, l) != l]
+        if not others:
+            out.append(None)
+            continue
+        backward = {t for op in lg.ops if op.phase == "backward" for t in op.outputs}
+        outs = tuple(k for k, t in enumerate(lg.outputs) if t in backward and others[0] in readers.get(t, ()))
+        out.append(TiedCopy(others[0], outs))
+    return out
+
+
+def carry_bytes(layer: OpGraph, o: LayerOption, copy: TiedCopy, mesh: LogicalMesh) -> float:
+    """Per-device bytes of what the copy's backward hands its owner, in the option's layouts."""
+    total = 0.0
+    for k in copy.outputs:
+        t = layer.tensors[layer.outputs[k]]
+        shards = ShardingSpec.parse(o.output_specs[k]).num_shards(mesh) if o.output_specs else 1
+        total += t.nbytes / shards
+    return total
+
+
+def compose_stage(opts: Sequence[LayerOption], inflight: int, drop_tied: bool = False,
+                  carries: Sequence[tuple[int, int, float]] = ()) -> StageMemory:
+    """`costmodels.stage_memory` of a stage running `opts` (one option per layer, in
+    order). `drop_tied`: the stage also holds the owner of the tied copies among them,
+    which are then counted once, and `carries` (from, to, bytes), indices into `opts`,
+    are their gradient contributions held from the copy's backward to the owner's."""
+    layers = [LayerMemory(o.inflight_bytes, o.activation_bytes) for o in opts]
+    tied = [sum(o.tied[i] for o in opts) if drop_tied else 0.0 for i in range(3)]
+    return stage_memory(layers, params_bytes=sum(o.params_bytes for o in opts) - tied[0],
+                        grads_bytes=sum(o.grads_bytes for o in opts) - tied[1],
+                        optimizer_bytes=sum(o.optimizer_bytes for o in opts) - tied[2],
+                        inflight=inflight, buffer_bytes=max((o.gather_bytes for o in opts), default=0.0),
+                        carries=carries)
 
 
 def _assemble(kinds: Sequence[str], options, meshes, shapes, memory: float, microbatches: int, num_layers: int,
-              s_max: int):
+              s_max: int, owners: Sequence[TiedCopy | None] = (), layers: Sequence[OpGraph] = ()):
+    """Compose the layer options into t(k..i, shape, s) and its memory, vectorised.
+
+    Memory is `compose_stage` for every range at once: persistent sums, the one-
+    microbatch peak by `range_peak`, the gathered-parameter buffer by `range_max`, a
+    tied copy dropped from ranges that also hold its owner."""
     n_mesh = len(meshes)
     n_opt = max((len(v) for v in options.values()), default=1)
-    time = np.full((num_layers, n_mesh, n_opt), INF)
-    pers = np.full((num_layers, n_mesh, n_opt), INF)
-    act = np.full((num_layers, n_mesh, n_opt), INF)
-    stash = np.full((num_layers, n_mesh, n_opt), INF)
+    shape = (num_layers, n_mesh, n_opt)
+    time, pers, peak, stash, tied, gather = (np.full(shape, INF) for _ in range(6))
     for l, kind in enumerate(kinds):
         for m in range(n_mesh):
             opts = options.get((kind, m), [])
@@ -291,28 +436,50 @@ def _assemble(kinds: Sequence[str], options, meshes, shapes, memory: float, micr
                 o = opts[min(j, len(opts) - 1)]
                 time[l, m, j] = o.time_s + o.sync_s / microbatches
                 pers[l, m, j] = o.persistent_bytes
-                act[l, m, j] = o.activation_bytes
+                peak[l, m, j] = o.activation_bytes
                 stash[l, m, j] = o.inflight_bytes
+                tied[l, m, j] = o.tied_bytes
+                gather[l, m, j] = o.gather_bytes
+
+    k_idx, i_idx = np.indices((num_layers, num_layers))
+    empty = (k_idx > i_idx)[..., None, None]
 
     def ranges(x: np.ndarray) -> np.ndarray:  # (L, ...) -> (L, L, ...) sums over k..i
         prefix = np.concatenate([np.zeros((1,) + x.shape[1:]), np.cumsum(x, axis=0)])
         out = prefix[None, 1:] - prefix[:-1, None]
-        k, i = np.indices((num_layers, num_layers))
-        out[k > i] = INF
+        out[k_idx > i_idx] = INF
         return out
 
-    t_range, p_range, a_range, s_range = ranges(time), ranges(pers), ranges(act), ranges(stash)
+    t_range, p_range, s_range = ranges(time), ranges(pers), ranges(np.nan_to_num(stash, posinf=0.0))
+    peak_range = range_peak(np.nan_to_num(stash, posinf=0.0), np.where(np.isinf(peak), 0.0, peak))
+    buffers = np.maximum(range_max(np.where(np.isinf(gather), 0.0, gather)), 0.0)
+    for l, copy in enumerate(owners):
+        if copy is None:
+            continue
+        lo, hi = min(l, copy.owner), max(l, copy.owner)
+        both = (k_idx <= lo) & (i_idx >= hi)                             # ranges holding copy and owner
+        p_range = p_range - np.where(both[..., None, None], np.nan_to_num(tied[l], posinf=0.0)[None, None], 0.0)
+        if copy.owner < l and copy.outputs:
+            carry = np.zeros((n_mesh, n_opt))
+            for m in range(n_mesh):
+                opts = options.get((kinds[l], m), [])
+                for j in range(n_opt):
+                    if opts:
+                        carry[m, j] = carry_bytes(layers[l], opts[min(j, len(opts) - 1)], copy, meshes[m][2])
+            carried = carry_peak(np.nan_to_num(stash, posinf=0.0), np.where(np.isinf(peak), 0.0, peak),
+                                 l, copy.owner, carry)
+            peak_range = np.maximum(peak_range, carried)
+    with np.errstate(invalid="ignore"):                                  # inf - inf on empty ranges
+        transient = np.where(np.isfinite(s_range), np.maximum(peak_range - s_range, 0.0), INF)
+    base = p_range + transient + buffers                                 # (L, L, M, J), without the stashes
     shape_of_mesh = np.array([shapes.index(s) for s, _, _ in meshes])
     cost = np.full((num_layers, num_layers, len(shapes), s_max), INF)
     view = np.zeros(cost.shape, dtype=int)
     opt = np.zeros(cost.shape, dtype=int)
     mem = np.full(cost.shape, INF)
     for s in range(1, s_max + 1):
-        inflight = min(s, microbatches)
-        # One microbatch at its peak (every layer's, a safe bound), the others stashed.
-        need = p_range + a_range                                    # (L, L, M, J)
-        if inflight > 1:
-            need = need + (inflight - 1) * s_range
+        need = base + min(s, microbatches) * s_range                    # w microbatches stashed
+        need = np.where(empty, INF, need)
         t = np.where(need <= memory, t_range, INF)
         j_best = np.argmin(t, axis=3)                               # (L, L, M)
         t_best = np.take_along_axis(t, j_best[..., None], axis=3)[..., 0]

@@ -7,6 +7,7 @@ import math
 import pytest
 
 from alpasim.graphs import (
+    get_recipe,
     ZOO,
     GPTConfig,
     MoEConfig,
@@ -223,17 +224,35 @@ def test_every_training_op_has_a_layer_and_a_phase():
                 assert origin.phase == "forward" and origin.layer == op.layer, op
 
 
-def test_mixed_precision_keeps_fp32_master_weights_and_states():
-    g = build_training_graph("gpt3:hidden=64,layers=2,heads=4,seq=16,vocab=128,batch=2").graph
+@pytest.mark.parametrize("precision, per_param, grad_bytes", [
+    ("mixed-fp32grad", 18, 4),   # Megatron-LM's default: fp16 weight, fp32 main_grad, master, m, v
+    ("mixed", 16, 2),            # ZeRO's accounting: fp16 weight and grad, fp32 master, m, v
+    ("fp32", 16, 4),             # single precision: weight, grad, m, v
+])
+def test_precision_recipes_keep_their_bytes_per_parameter(precision, per_param, grad_bytes):
+    dtype = ",dtype=float32" if precision == "fp32" else ""
+    g = build_training_graph(f"gpt3:hidden=64,layers=2,heads=4,seq=16,vocab=128,batch=2{dtype}",
+                             precision=precision).graph
     params = g.params
     states = [t for t in g.tensors_with_role("optimizer_state") if t.name not in g.producer]
-    assert all(t.dtype == "float16" for t in params)
-    assert len(states) == 3 * len(params) and all(t.dtype == "float32" for t in states)
+    assert all(t.dtype == ("float32" if precision == "fp32" else "float16") for t in params)
+    assert len(states) == (2 if precision == "fp32" else 3) * len(params)
+    assert all(t.dtype == "float32" for t in states)
     n = g.num_params()
-    # Megatron's 16 bytes per parameter: fp16 weight + fp16 grad + fp32 master, m and v.
     grads = [t for t in g.tensors.values() if t.role == "grad"]
-    assert sum(t.nbytes for t in params + states + grads) == 16 * n
-    assert math.isclose(sum(t.nbytes for t in grads), 2 * n)
+    assert len(grads) == len(params)
+    assert sum(t.nbytes for t in params + states + grads) == per_param * n
+    assert math.isclose(sum(t.nbytes for t in grads), grad_bytes * n)
+    assert get_recipe(precision).bytes_per_param("float32" if precision == "fp32" else "float16") == per_param
+    # Adam reads the accumulator's dtype: the gradient it updates from is the recipe's.
+    for op in g.ops:
+        if op.prim == "adam":
+            assert g.tensors[op.inputs[1]].dtype == ("float16" if precision == "mixed" else "float32")
+
+
+def test_fp32_recipe_on_a_half_precision_model_is_a_clear_error():
+    with pytest.raises(ValueError, match="build the model with dtype=float32"):
+        build_training_graph("gpt3:hidden=64,layers=2,heads=4,seq=16,vocab=128,batch=2", precision="fp32")
 
 
 def test_gradient_primitive_in_a_forward_graph_is_a_clear_error():

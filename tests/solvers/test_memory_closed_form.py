@@ -1,0 +1,139 @@
+"""Stage memory of Megatron-LM GPT plans against a closed form written from the paper.
+
+The closed form is Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+Transformer Models"), section 4 and Table 2, adapted to our op set, plus the precision
+recipe's bytes per parameter. Per transformer layer, with s = sequence, b = microbatch
+per data-parallel replica, h = hidden, a = heads, t = tensor-parallel degree (bytes,
+fp16 activations):
+
+* Without recomputation a layer keeps sbh(34 + 5as/h) bytes of activations (their
+  Table 2 with t = 1). Our graphs have no dropout, so its masks (sbh for attention's
+  output, sbh for the MLP's and as^2b on the attention probabilities) go, and the
+  attention applies its probabilities directly (no dropped copy, 2as^2b): what is
+  left is 32 sbh + 2 as^2b. Under tensor parallelism the two layer-norm inputs, the
+  input of the QKV projection and of the first MLP matmul (8 sbh) stay replicated and
+  the rest is split: sbh(8 + 24/t) + 2as^2b/t.
+* With full recomputation a layer keeps its input, 2sbh (replicated over t).
+* The microbatch that runs holds one layer's working set on top of the stashes. The
+  paper stops at "one layer's activations"; we write out the three points of a GPT
+  layer's backward where it peaks: the first backward op (the recomputed stash, the
+  incoming cotangent 2sbh, fc2's input gradient 8sbh/t, fc2's weight gradient 8h^2/t),
+  the softmax backward (layer input, its norm, Q and K, the probabilities, the residual
+  cotangent, dProbs, dV and dScores: sbh(6 + 6/t) + 6as^2b/t) and, with recomputation,
+  the end of the recomputed forward (+ the cotangent and fc2's replicated output, 4sbh).
+* The zoo's first layer also holds the embedding: its token ids (4sb), and at the end
+  of its backward the dense fp16 table gradient 2Vh/t next to the incoming cotangent;
+  under recomputation the embedding is recomputed with the layer, so the layer stashes
+  only the ids. The last layer also holds the head: the final norm's input and output,
+  the vocab-split logits 2sbV/t and the labels; its peak is at the loss backward
+  (+ dLogits, replicated over t since our loss op cannot split the vocabulary) or at
+  the logits' weight gradient (+ dLogits, the input gradient and the table's 2Vh/t).
+* The stage: persistent states + w stashes (w = min(stages from this one, B), 1F1B) +
+  the running layer's working set over the stashes of the layers before it, and with
+  one stage holding both ends of the tied embedding, the head's table gradient held
+  until the embedding's backward adds it.
+
+Model states: embedding Vh/t (vocab-parallel) + sh; per layer 12h^2/t + 7h/t + 6h
+(column- and row-parallel weights and the biases that follow them, replicated norms
+and output biases); the last stage holds its own copy of the table (Megatron-LM
+splits tied embeddings that way) and the final norm; x 18 (mixed-fp32grad) or 16
+(mixed) bytes.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from alpasim.costmodels import get_cluster
+from alpasim.graphs import get_recipe, resolve_model
+from alpasim.solvers import DiskCache, MegatronConfig, plan_with_method
+
+MODEL = "gpt3:hidden=512,layers=8,heads=8,seq=256,vocab=4096,batch=256"
+TOLERANCE = 0.03
+
+
+def _block(h, a, s, b, t, remat):
+    sbh, as2b = s * b * h, a * s * s * b
+    s_nr = sbh * (8 + 24 / t) + 2 * as2b / t
+    first_backward = s_nr + sbh * (2 + 8 / t) + 8 * h * h / t
+    softmax_backward = sbh * (6 + 6 / t) + 6 * as2b / t
+    end_of_recompute = s_nr + 4 * sbh if remat else 0.0
+    return s_nr, (2 * sbh if remat else s_nr), max(first_backward, softmax_backward, end_of_recompute)
+
+
+def closed_form(cfg, tp, pp, mbs, remat, bytes_per_param, microbatches, stage):
+    """Per-device bytes of Megatron stage `stage` (the module docstring's derivation)."""
+    h, a, s, V = cfg.hidden, cfg.heads, cfg.seq, cfg.vocab
+    b, t = mbs, tp
+    sbh, ids = s * b * h, 4 * s * b
+    L = cfg.layers // pp
+    first, last = stage == 0, stage == pp - 1
+    s_nr, stash, peak = _block(h, a, s, b, t, remat)
+    layers = [(stash, peak)] * L
+    if first:
+        layers[0] = (ids + (0 if remat else s_nr), ids + max(peak, 2 * sbh + 2 * V * h / t))
+    if last:
+        head_stash = 2 * s * b * V / t + ids + (2 * sbh if remat else s_nr + 4 * sbh)
+        head_peak = max(s_nr + 4 * sbh + 2 * s * b * V / t + ids + 2 * s * b * V,
+                        s_nr + 6 * sbh + 2 * s * b * V + 2 * V * h / t)
+        layers[-1] = (head_stash, head_peak)
+    carry = 2 * V * h / t if first and last else 0.0
+    before = one_microbatch = 0.0
+    for j, (s_j, p_j) in enumerate(layers):
+        one_microbatch = max(one_microbatch, before + p_j + (carry if j < len(layers) - 1 else 0.0))
+        before += s_j
+    params = L * (12 * h * h / t + 7 * h / t + 6 * h)
+    if first:
+        params += V * h / t + s * h
+    if last:
+        params += 2 * h + (0 if first else V * h / t)
+    inflight = min(pp - stage, microbatches)
+    return params * bytes_per_param + inflight * before + (one_microbatch - before)
+
+
+# Every (tp, pp, dp) of the grid, each with a microbatch size, recomputation and recipe
+# drawn in turn so that all values of each occur against every degree.
+GRID = [(tp, pp, dp) for tp in (1, 2, 4, 8) for pp in (1, 2, 4) for dp in (1, 2, 8)]
+CASES = [(tp, pp, dp, (1, 2, 4, 8, 16)[i % 5], remat, ("mixed-fp32grad", "mixed")[(i // 2) % 2])
+         for i, (tp, pp, dp) in enumerate(GRID) for remat in (True, False)]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return DiskCache(root=tmp_path_factory.mktemp("closed-form-cache"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp, pp, dp, mbs, remat, precision", CASES)
+def test_megatron_stage_memory_matches_korthikanti(cache, tp, pp, dp, mbs, remat, precision):
+    n = tp * pp * dp
+    cluster = get_cluster("dgx-a100", nodes=max(1, n // 8), devices_per_node=min(8, n), memory_gb=1e5)
+    _, cfg = resolve_model(MODEL)
+    plan = plan_with_method("megatron", MODEL, cluster, megatron=MegatronConfig(tp, pp, dp, mbs), remat=remat,
+                            precision=precision, cache=cache)
+    assert plan.feasible, plan.notes
+    per_param = get_recipe(precision).bytes_per_param(cfg.dtype)
+    for stage in sorted({0, pp - 1}):
+        got = plan.stages[stage].memory_bytes
+        want = closed_form(cfg, tp, pp, mbs, remat, per_param, plan.microbatches, stage)
+        assert got == pytest.approx(want, rel=TOLERANCE), (stage, plan.stages[stage].memory)
+        assert plan.stages[stage].memory["total_bytes"] == pytest.approx(got)
+
+
+def test_tied_embedding_copy_is_counted_once_per_stage_and_has_its_own_states(cache):
+    """Megatron-LM's split: the last stage holds the table with its own gradient and Adam
+    states; a single stage holding both ends counts it once."""
+    _, cfg = resolve_model(MODEL)
+    table = cfg.vocab * cfg.hidden
+    per_param = get_recipe(None).bytes_per_param(cfg.dtype)
+
+    def states(st):
+        return sum(st.memory[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes"))
+
+    two = plan_with_method("megatron", MODEL, get_cluster("dgx-a100", nodes=1, devices_per_node=2, memory_gb=1e5),
+                           megatron=MegatronConfig(1, 2, 1, 4), cache=cache)
+    one = plan_with_method("megatron", MODEL, get_cluster("dgx-a100", nodes=1, devices_per_node=1, memory_gb=1e5),
+                           megatron=MegatronConfig(1, 1, 1, 4), cache=cache)
+    assert one.stages[0].memory["params_bytes"] == pytest.approx(2 * one.model["params"])
+    assert states(one.stages[0]) == pytest.approx(per_param * one.model["params"])
+    assert sum(states(st) for st in two.stages) == pytest.approx(per_param * (one.model["params"] + table))

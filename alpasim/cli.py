@@ -42,6 +42,14 @@ GbpsOpt = Annotated[Optional[float], typer.Option("--inter-node-gbps", help="Ove
 MemOpt = Annotated[Optional[float], typer.Option("--memory-gb", help="Override device memory (GiB).")]
 CostModelOpt = Annotated[Optional[Path], typer.Option("--cost-model", help="A profiled cost model JSON "
                                                       "(`alpasim profile`) instead of the analytic model.")]
+PrecisionOpt = Annotated[str, typer.Option("--precision", help="Mixed-precision recipe: mixed-fp32grad (fp16 "
+                                           "weights, fp32 gradients, master and Adam: 18 B/param, Megatron-LM's "
+                                           "default), mixed (fp16 gradients: 16 B/param) or fp32.")]
+
+
+def _check_precision(name: str) -> None:
+    if name not in gr.RECIPES:
+        fail(f"--precision {name!r}: choose one of {', '.join(gr.RECIPES)}")
 
 
 def fail(message: str, code: int = 2) -> NoReturn:
@@ -466,7 +474,7 @@ def _parse_microbatches(text: str) -> int | str:
 def make_plan(model: str, cluster: cm.Cluster, *, microbatches: str, remat: bool, layers: int | None,
               cache: bool, workers: int | None, ray: bool, ray_address: str | None, quiet: bool,
               max_stages: int = 16, epsilon: float = 1e-3,
-              cost_model: cm.CostModel | None = None) -> sv.PipelinePlan:
+              cost_model: cm.CostModel | None = None, precision: str | None = None) -> sv.PipelinePlan:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     mb = _parse_microbatches(microbatches)
@@ -484,7 +492,8 @@ def make_plan(model: str, cluster: cm.Cluster, *, microbatches: str, remat: bool
         with progress:
             return sv.plan_pipeline(model, cluster, microbatches=mb, remat=remat, map_fn=map_fn,
                                     cache=sv.DiskCache(enabled=cache), progress=report, layers=layers,
-                                    max_stages=max_stages, epsilon=epsilon, cost_model=cost_model)
+                                    max_stages=max_stages, epsilon=epsilon, cost_model=cost_model,
+                                    precision=precision)
     finally:
         close()
 
@@ -518,6 +527,7 @@ def plan(
     microbatch_size: Annotated[Optional[int], typer.Option("--microbatch-size", help="Megatron microbatch "
                                                            "size per data-parallel replica.")] = None,
     cost_model: CostModelOpt = None,
+    precision: PrecisionOpt = gr.DEFAULT_RECIPE,
     as_json: JsonOpt = False,
 ) -> None:
     """Plan pipeline stages, submeshes and intra-op shardings for a model on a cluster.
@@ -529,6 +539,7 @@ def plan(
     false and exits 0 (Alpa finding no plan stays an error: exit 2 either way)."""
     c = load_cluster(cluster, nodes, devices_per_node, inter_node_gbps, memory_gb)
     model_costs = load_cost_model(cost_model, c)
+    _check_precision(precision)
     if max_stages < 1 or epsilon < 0:
         fail("--max-stages must be at least 1 and --epsilon at least 0")
     name = method.strip().lower().replace("-", "_")
@@ -544,12 +555,12 @@ def plan(
     if name == "alpa":
         p = make_plan(model, c, microbatches=microbatches, remat=remat, layers=layers, cache=not no_cache,
                       workers=workers, ray=ray, ray_address=ray_address, quiet=as_json, max_stages=max_stages,
-                      epsilon=epsilon, cost_model=model_costs)
+                      epsilon=epsilon, cost_model=model_costs, precision=precision)
     else:
         config = sv.MegatronConfig(tp, pp, dp, microbatch_size) if given else None
         p = _baseline_plan(name, model, c, config, microbatches=microbatches, remat=remat, layers=layers,
                            cache=not no_cache, workers=workers, ray=ray, ray_address=ray_address, quiet=as_json,
-                           max_stages=max_stages, epsilon=epsilon, cost_model=model_costs)
+                           max_stages=max_stages, epsilon=epsilon, cost_model=model_costs, precision=precision)
         if not p.feasible:
             if out_path is not None:
                 p.save(out_path)
@@ -578,12 +589,12 @@ def plan(
 def _baseline_plan(method: str, model: str, cluster: cm.Cluster, config: sv.MegatronConfig | None, *,
                    microbatches: str, remat: bool, layers: int | None, cache: bool, workers: int | None, ray: bool,
                    ray_address: str | None, quiet: bool, max_stages: int, epsilon: float,
-                   cost_model: cm.CostModel | None = None) -> sv.PipelinePlan:
+                   cost_model: cm.CostModel | None = None, precision: str | None = None) -> sv.PipelinePlan:
     """`plan_with_method` for a baseline, with the options its restriction leaves open."""
     from rich.progress import Progress, TextColumn, TimeElapsedColumn
 
     mb = _parse_microbatches(microbatches)
-    kw: dict[str, Any] = {"remat": remat, "epsilon": epsilon}
+    kw: dict[str, Any] = {"remat": remat, "epsilon": epsilon, "precision": precision}
     if cost_model is not None:
         kw["cost_model"] = cost_model
     if layers is not None:
@@ -831,6 +842,8 @@ def run_report(p: sv.PipelinePlan, *, runtime: str = "local", steps: int = 5, se
     else:
         result = backends.run_local(p, steps=steps, seed=seed, profile_iters=profile_iters)
     run_s = time.perf_counter() - t0
+    # Read before the reference step runs on device 0 (a GPU's peak counter would count it).
+    memory = [backends.stage_memory(s, st.inflight_microbatches) for s, st in zip(result.stages, p.stages)]
     check = backends.check_numerics(result.losses[0], result.grads, backends.reference_step(p, seed=seed))
     intra = [s.intra_plan for s in result.stages] if len(result.stages) == len(p.stages) else None
     prediction = backends.predict_run(p, cost_model=cost_model, runtime=runtime, intra_plans=intra,
@@ -839,6 +852,7 @@ def run_report(p: sv.PipelinePlan, *, runtime: str = "local", steps: int = 5, se
     measured = result.measured_step_s
     timeline = result.timeline
     written = _write_outputs((("trace", trace, timeline.chrome_trace), ("gantt", gantt, timeline.gantt_png)))
+    stages = _stage_rows(p, memory, prediction.get("stages"))
     return {"runtime": runtime, "steps": steps, "seed": seed, "devices": need, "platform": platform,
             **{k: check[k] for k in ("numerics_ok", "max_abs_loss_err", "max_rel_grad_err", "worst_param",
                                       "loss_tol", "grad_tol")},
@@ -846,7 +860,25 @@ def run_report(p: sv.PipelinePlan, *, runtime: str = "local", steps: int = 5, se
             **prediction,
             **{f"ratio{which}": _ratio(prediction[f"predicted_step_s{which}"], measured)
                for which in ("", "_analytic", "_profiled", "_stage_profiled")},
-            "collectives": collectives, "run_s": run_s, "outputs": written}
+            "collectives": collectives, "stages": stages, "run_s": run_s, "outputs": written}
+
+
+def _stage_rows(p: sv.PipelinePlan, memory: list, priced: list[dict] | None) -> list[dict[str, Any]]:
+    """Per stage: the predicted memory (the plan's, with its breakdown when the plan has
+    one) beside the measured (compiled programs, `backends.stage_memory`), merged into
+    the profiled prediction's rows when there are any."""
+    rows = [dict(r) for r in priced] if priced else [{"stage": k, "mesh": list(st.logical_mesh)}
+                                                      for k, st in enumerate(p.stages)]
+    for row, st, m in zip(rows, p.stages, memory, strict=True):
+        breakdown = getattr(st, "memory", None)
+        if breakdown is not None and not isinstance(breakdown, dict):
+            breakdown = breakdown.to_json() if hasattr(breakdown, "to_json") else dict(vars(breakdown))
+        measured = m.to_json() if m is not None else None
+        total = measured["total_bytes"] if measured else None
+        row["memory"] = {"predicted_bytes": st.memory_bytes, "measured_bytes": total,
+                         "ratio": _ratio(st.memory_bytes, total) if total else None,
+                         "predicted": breakdown or None, "measured": measured}
+    return rows
 
 
 def _check_host_memory(p: sv.PipelinePlan, platform: str) -> None:
@@ -891,8 +923,11 @@ def run(
     runtime; and the stages' own compiled programs timed alone (Alpa's stage
     profiling, `--profile-iters`), composed by the simulator — their ratios, the
     numerical check of loss and gradients, and per stage the predicted vs compiled
-    (HLO) collective bytes. On the CPU it asks for 8 virtual devices (or as many as
-    the plan uses) unless XLA_FLAGS already sets a count."""
+    (HLO) collective bytes and predicted vs measured memory per device (XLA's memory
+    analysis of the compiled stage programs, composed as the stage runs under 1F1B:
+    `alpasim.backends.stage_memory`). A numerics mismatch exits 1 after the report.
+    On the CPU it asks for 8 virtual devices (or as many as the plan uses) unless
+    XLA_FLAGS already sets a count."""
     if runtime not in RUNTIMES:
         fail(f"--runtime {runtime!r}: choose one of {', '.join(RUNTIMES)}")
     if steps < 1:
@@ -914,8 +949,12 @@ def run(
                         trace=trace, gantt=gantt, profile_iters=profile_iters)
     if as_json:
         emit_json(report)
-        return
-    print_run(report, title=f"{plan_file}: {p.model.get('name', '?')}")
+    else:
+        print_run(report, title=f"{plan_file}: {p.model.get('name', '?')}")
+    if not report["numerics_ok"]:
+        fail(f"numerics mismatch against one device: worst gradient rel. error {report['max_rel_grad_err']:.2e} "
+             f"({report['worst_param']}) > {report['grad_tol']:.1e} or loss error {report['max_abs_loss_err']:.2e} "
+             f"> {report['loss_tol']:.1e}", code=1)
 
 
 def print_run(r: dict[str, Any], title: str = "run") -> None:
@@ -947,8 +986,37 @@ def print_run(r: dict[str, Any], title: str = "run") -> None:
             ratio = f"{row['ratio']:.2f}" if row["ratio"] is not None else "-"
             t.add_row(str(row["stage"]), "x".join(map(str, row["mesh"])), *cells, ratio)
         out.print(t)
+    _print_run_memory(r["stages"])
     for key, path in r["outputs"].items():
         out.print(f"wrote {key}: {path}", soft_wrap=True)
+
+
+def _print_run_memory(rows: list[dict[str, Any]]) -> None:
+    """Per stage, predicted (plan) against measured (compiled programs) memory per device,
+    term by term: state, stash x in flight, transient (temporaries + boundary buffers)."""
+    t = Table(title="memory per device: predicted (plan) / measured (compiled stage, XLA memory analysis)")
+    for col in ("stage", "mesh", "state", "stash x inflight", "transient", "total", "ratio", "device peak"):
+        t.add_column(col)
+    for row in rows:
+        mem, m = row["memory"], row["memory"]["measured"]
+        if m is None:
+            continue
+        pred = mem["predicted"] or {}
+
+        def pair(predicted: float | None, measured: float) -> str:
+            return f"{_fmt_bytes(predicted) if predicted is not None else '-'} / {_fmt_bytes(measured)}"
+
+        p_state = (sum(pred.get(k, 0.0) for k in ("params_bytes", "grads_bytes", "optimizer_bytes"))
+                   if pred else None)
+        p_stash = pred["stash_bytes"] * pred.get("inflight", m["inflight"]) if "stash_bytes" in pred else None
+        p_trans = pred.get("transient_bytes", 0.0) + pred.get("buffer_bytes", 0.0) if pred else None
+        ratio = f"{mem['ratio']:.2f}" if mem["ratio"] is not None else "-"
+        peak = _fmt_bytes(m["device_peak_bytes"]) if m["device_peak_bytes"] is not None else "-"
+        t.add_row(str(row["stage"]), "x".join(map(str, row["mesh"])), pair(p_state, m["state_bytes"]),
+                  f"{pair(p_stash, m['stash_bytes'] * m['inflight'])} ({m['inflight']})",
+                  pair(p_trans, m["temp_bytes"] + m["buffer_bytes"]), pair(mem["predicted_bytes"], m["total_bytes"]),
+                  ratio, peak)
+    out.print(t)
 
 
 # ------------------------------------------------------------------- reproduce

@@ -24,6 +24,10 @@ from ._executable import stage_mesh as stage_mesh
 from ._stage_profile import StageTimes as StageTimes
 from ._stage_profile import profile_stage as profile_stage
 from ._stage_profile import profile_stages as profile_stages
+from ._memory import ProgramMemory as ProgramMemory
+from ._memory import StageMemory as StageMemory
+from ._memory import per_device_bytes as per_device_bytes
+from ._memory import stage_memory as stage_memory
 from ._runtime import RunResult as RunResult
 from ._runtime import run_local as run_local
 from ._predict import core_share as core_share

@@ -37,6 +37,7 @@ from alpasim.solvers import IntraOpPlan, PipelinePlan, planning_graph
 from ._executable import lower_stage
 from ._runtime import Payload, _Walker, params_bytes_per_device
 from ._stage_profile import StageTimes, profile_stage
+from ._memory import StageMemory, stage_memory
 from ._stages import StagePart
 
 
@@ -66,6 +67,7 @@ class RemoteStage:
     intra_plan: IntraOpPlan
     compiled: dict[str, HloText]
     params_bytes: float
+    memory: StageMemory | None = None       # `stage_memory` of the actor's compiled stage
 
 
 class MeshWorker:
@@ -75,6 +77,7 @@ class MeshWorker:
         self.k, self.seed = k, seed
         self.graph = planning_graph(plan.model)
         self.stage = lower_stage(plan, self.graph, k, jax.devices(), seed=seed)
+        self.inflight = plan.stages[k].inflight_microbatches
         self.cond = threading.Condition()
         self.mailbox: dict[tuple[int, Any], list] = {}    # (epoch, key) -> [(kind, name, numpy)]
         self.epoch = -1
@@ -95,7 +98,7 @@ class MeshWorker:
         s = self.stage
         return RemoteStage(self.k, s.part, s.mesh.abstract_mesh, s.intra_plan,
                            {name: HloText(c.as_text()) for name, c in s.compiled.items()},
-                           params_bytes_per_device(s))
+                           params_bytes_per_device(s), stage_memory(s, self.inflight))
 
     def profile(self, iters: int) -> StageTimes:
         """This stage's compiled programs timed alone (`profile_stage`)."""

@@ -4,8 +4,8 @@ The paper's intra-op pass does not trust an operator-level model for a stage's
 latency: for every stage-mesh pair it solves the ILP, compiles the sharded executable,
 *runs* it and reports the measured latency to the inter-op pass (§5, "compiles,
 profiles, returns latency"). `profile_stage` is that step for a lowered stage: it
-calls the stage's three compiled programs — forward, backward (forward recomputed,
-then the vjp) and the Adam update — on inputs of the right shapes and layouts, times
+calls the stage's three compiled programs — forward, backward (the forward recomputed
+first under remat, the forward's residuals applied without) and the Adam update — on inputs of the right shapes and layouts, times
 each around `block_until_ready`, and keeps the median of `iters` calls after
 warming up, as `alpasim profile` times its samples (`_profile._median_s`).
 
@@ -79,7 +79,8 @@ def profile_stage(stage: StageExecutable, graph: OpGraph, *, iters: int = 5, see
         return compiled["forward"](stage.params, acts, data)
 
     forward_s = _median_s(forward, (), iters)
-    backward_s = _median_s(compiled["backward"], (stage.params, stage.acc, acts, placed, cts), iters)
+    kept_acts, kept_data, res = stage.stash_entry(acts, placed, compiled["forward"](stage.params, acts, placed)[1])
+    backward_s = _median_s(compiled["backward"], (stage.params, stage.acc, kept_acts, kept_data, res, cts), iters)
     update_s = _median_s(compiled["update"], (stage.params, stage.acc, stage.states), iters)
     return StageTimes(stage.index, forward_s, backward_s, update_s, iters, dispatch_s(stage.mesh, iters))
 

@@ -71,6 +71,15 @@ def test_run_json_reports_numerics_timing_and_collectives(tmp_path):
     for row in got["collectives"]:
         assert set(row["predicted"]) >= {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"}
         assert set(row["measured"]) >= set(row["predicted"])
+    # Memory per stage: the plan's prediction beside the compiled programs' measurement.
+    plan_stages = json.loads(path.read_text())["stages"]
+    assert len(got["stages"]) == len(plan_stages)
+    for row, st in zip(got["stages"], plan_stages, strict=True):
+        mem = row["memory"]
+        assert mem["predicted_bytes"] == st["memory_bytes"] and mem["measured_bytes"] > 0
+        assert mem["ratio"] == pytest.approx(mem["predicted_bytes"] / mem["measured_bytes"])
+        assert set(mem["measured"]["programs"]) == {"forward", "backward", "update"}
+        assert mem["measured"]["inflight"] == st["inflight_microbatches"]
     events = json.loads(trace.read_text())["traceEvents"]
     assert sum(e.get("cat") == "compute" for e in events) > 0, events[:5]
 

@@ -1,0 +1,90 @@
+"""Predicted vs measured per-device stage memory, for GPT, MoE and Wide-ResNet, with and without remat.
+
+    .venv/bin/python benchmarks/bench_memory.py [--models gpt,moe,wresnet] [--microbatches 2]
+
+Plans each tiny model (the backend tests' sizes, so each plan and run takes seconds)
+on 8 virtual CPU devices (submeshes of 2 and 4 devices viewed as 1x2 and 2x2, at most
+3 stages), with remat and without, runs one step on the local runtime
+(`alpasim.backends.run_local`) and prints one line per stage: the plan's predicted
+`memory_bytes`, the measured figure (`alpasim.backends.stage_memory`: XLA's memory
+analysis of the compiled stage programs, composed as the stage runs under 1F1B),
+their ratio, and both breakdowns — state (params + grads + optimizer), stash per
+microbatch x in flight, transient (temporaries + boundary buffers). The predicted
+breakdown is the plan's `stages[i].memory` where the planner writes one, else the
+older fields (`params_bytes` = persistent, `stash_bytes`, `activation_bytes`).
+Memory figures do not move with the machine's load: one run each is enough.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from alpasim.backends import check_numerics, reference_step, run_local, stage_memory  # noqa: E402
+from alpasim.costmodels import get_cluster  # noqa: E402
+from alpasim.solvers import plan_pipeline  # noqa: E402
+
+MODELS = {
+    "gpt": "gpt3:hidden=64,layers=2,heads=4,seq=16,vocab=128,batch=8,dtype=fp32",
+    "moe": "moe:hidden=64,layers=2,heads=4,seq=16,vocab=128,batch=8,experts=4,group_size=32,dtype=fp32",
+    "wresnet": "wresnet:channels=8,width=1,image=64,classes=16,batch=8",
+}
+VIEWS = {2: [(1, 2)], 4: [(2, 2)]}
+KIB = 2 ** 10
+
+
+def predicted_breakdown(st) -> tuple[float | None, float | None, int, float | None]:
+    """(state, stash per microbatch, inflight, transient) bytes of the plan's stage."""
+    mem = getattr(st, "memory", None)
+    if mem is not None and not isinstance(mem, dict):
+        mem = mem.to_json() if hasattr(mem, "to_json") else dict(vars(mem))
+    if mem:
+        state = sum(mem.get(k, 0.0) for k in ("params_bytes", "grads_bytes", "optimizer_bytes"))
+        return state, mem.get("stash_bytes"), int(mem.get("inflight", st.inflight_microbatches)), \
+            mem.get("transient_bytes", 0.0) + mem.get("buffer_bytes", 0.0)
+    return st.params_bytes, st.stash_bytes, st.inflight_microbatches, st.activation_bytes
+
+
+def kib(x: float | None) -> str:
+    return "-" if x is None else f"{x / KIB:.1f}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--microbatches", type=int, default=2)
+    args = ap.parse_args()
+    cluster = get_cluster("aws-p3.16xlarge", nodes=1)
+    print("KiB per device; state = params+grads+optimizer; stash per microbatch x inflight; "
+          "transient = temporaries + boundary buffers; ratio = predicted / measured")
+    print(f"{'model':8} {'remat':5} {'stage':5} {'mesh':4} {'predicted':>10} {'measured':>10} {'ratio':>6}  "
+          f"{'state p/m':>17} {'stash p/m x n':>20} {'transient p/m':>17}  measured peak program")
+    for family in args.models.split(","):
+        for remat in (True, False):
+            t0 = time.perf_counter()
+            plan = plan_pipeline(MODELS[family], cluster, microbatches=args.microbatches, remat=remat, pareto=False,
+                                 shape_ok=lambda sh: sh.size in VIEWS, views_of=lambda sh: VIEWS[sh.size],
+                                 max_stages=3)
+            result = run_local(plan, steps=1)
+            ok = check_numerics(result.losses[0], result.grads, reference_step(plan))["numerics_ok"]
+            for k, (st, stage) in enumerate(zip(plan.stages, result.stages, strict=True)):
+                m = stage_memory(stage, st.inflight_microbatches)
+                p_state, p_stash, p_n, p_trans = predicted_breakdown(st)
+                ratio = st.memory_bytes / m.total_bytes
+                print(f"{family:8} {str(remat):5} {k:5} {'x'.join(map(str, st.logical_mesh)):4} "
+                      f"{kib(st.memory_bytes):>10} {kib(m.total_bytes):>10} {ratio:6.2f}  "
+                      f"{kib(p_state):>8}/{kib(m.state_bytes):<8} "
+                      f"{kib(p_stash):>7}/{kib(m.stash_bytes):<7}x{p_n}/{m.inflight:<2} "
+                      f"{kib(p_trans):>8}/{kib(m.temp_bytes + m.buffer_bytes):<8}  "
+                      f"{m.peak_program} (temp {kib(m.temp_bytes)}, buffers {kib(m.buffer_bytes)}; "
+                      f"params {kib(m.params_bytes)} grads {kib(m.grads_bytes)} opt {kib(m.optimizer_bytes)})")
+            print(f"# {family} remat={remat}: {len(plan.stages)} stages, numerics {'ok' if ok else 'MISMATCH'}, "
+                  f"{time.perf_counter() - t0:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

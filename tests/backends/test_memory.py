@@ -1,0 +1,120 @@
+"""Measured stage memory (`stage_memory`) against independent figures, the no-remat
+stash, the gradient-accumulation dtype, and `alpasim run`'s exit on a numerics mismatch.
+
+The independent figures: XLA's memory analysis of a hand-sharded program against the
+shard sizes that `Array.addressable_shards` holds (are the figures per device?); a
+one-stage plan's measured state against the bytes of its parameter, accumulator and
+optimizer-state arrays on one device; its stash under remat against the placed
+microbatch inputs, without remat against the residual arrays its forward returned.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from alpasim.backends import (ProgramMemory, check_numerics, microbatch_inputs, per_device_bytes, reference_step,
+                              run_local, stage_memory)
+from alpasim.costmodels import get_cluster
+from alpasim.solvers import plan_pipeline, planning_graph
+
+TINY_GPT = "gpt3:hidden=64,layers=2,heads=4,seq=16,vocab=128,batch=8,dtype=fp32"
+
+needs_8 = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
+
+
+def one_stage_plan(model: str, remat: bool, microbatches: int = 2):
+    """The whole model as one stage on all 8 devices as a 4x2 mesh."""
+    return plan_pipeline(model, get_cluster("aws-p3.16xlarge", nodes=1), microbatches=microbatches, remat=remat,
+                         pareto=False, shape_ok=lambda sh: sh.size == 8, views_of=lambda sh: [(4, 2)],
+                         num_stages=1, max_stages=1)
+
+
+def shard_bytes(arrays) -> int:
+    return sum(a.addressable_shards[0].data.nbytes for a in arrays)
+
+
+@needs_8
+def test_memory_analysis_figures_are_per_device():
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("x", "y"))
+    w = jax.device_put(jnp.ones((256, 512), jnp.float32), NamedSharding(mesh, PartitionSpec(None, "y")))
+    x = jax.device_put(jnp.ones((64, 256), jnp.float32), NamedSharding(mesh, PartitionSpec("x", None)))
+    out_sh = NamedSharding(mesh, PartitionSpec("x", "y"))
+    compiled = jax.jit(lambda w, x: jnp.tanh(x @ w), out_shardings=out_sh).lower(w, x).compile()
+    m = ProgramMemory.of(compiled)
+    assert m.argument_bytes == shard_bytes([w, x]) == (256 * 256 + 16 * 256) * 4
+    assert m.output_bytes == shard_bytes([compiled(w, x)]) == per_device_bytes((64, 512), "float32", out_sh)
+
+
+@needs_8
+@pytest.mark.parametrize("remat", [True, False])
+def test_one_stage_measured_state_and_stash_equal_the_arrays(remat):
+    plan = one_stage_plan(TINY_GPT, remat)
+    assert len(plan.stages) == 1 and plan.model["remat"] == remat
+    result = run_local(plan, steps=1)
+    (stage,) = result.stages
+    m = stage_memory(stage, plan.stages[0].inflight_microbatches)
+    assert m.params_bytes == shard_bytes(stage.params.values())
+    assert m.grads_bytes == shard_bytes(stage.acc.values())
+    assert m.optimizer_bytes == shard_bytes(stage.states.values())
+    assert m.state_bytes == m.programs["update"].argument_bytes
+
+    graph = planning_graph(plan.model)
+    data = {t: jax.device_put(v, stage.shardings[t]) for t, v in microbatch_inputs(graph, 0, 0, 0).items()}
+    stage.forward(0, {}, data)
+    acts, kept, res = stage.stash[0]
+    assert not acts  # one stage: no activations arrive
+    if remat:
+        assert res == [] and m.stash_bytes == shard_bytes(data.values())
+    else:
+        # The residuals, no copy of any parameter among them, plus the inputs they read.
+        assert res and m.stash_bytes == shard_bytes(res) + shard_bytes(kept.values())
+        assert not {id(v) for v in res} & {id(v) for v in stage.params.values()}
+    stage.free(0)
+    assert m.total_bytes == (m.state_bytes + m.inflight * m.stash_bytes + m.temp_bytes + m.buffer_bytes)
+    assert m.peak_program in ("forward", "backward", "update") and m.temp_bytes > 0
+
+
+@needs_8
+def test_no_remat_stage_backward_does_not_recompute_and_matches_one_device():
+    plan = one_stage_plan(TINY_GPT, remat=False)
+    result = run_local(plan, steps=1)
+    (stage,) = result.stages
+    assert not stage.remat and stage.residuals.treedef is not None
+    assert check_numerics(result.losses[0], result.grads, reference_step(plan))["numerics_ok"]
+    # The backward reads the residuals instead of the stage inputs' recomputation: it
+    # runs fewer contractions than the remat stage's backward does.
+    remat = run_local(one_stage_plan(TINY_GPT, remat=True), steps=1).stages[0]
+    dots = {k: s.compiled["backward"].as_text().count(" dot(") for k, s in (("stash", stage), ("remat", remat))}
+    assert dots["stash"] < dots["remat"], dots
+
+
+@needs_8
+def test_half_precision_gradients_accumulate_in_float32():
+    plan = one_stage_plan(TINY_GPT.replace(",dtype=fp32", ""), remat=True, microbatches=4)
+    result = run_local(plan, steps=1)
+    (stage,) = result.stages
+    half = [p for p, v in stage.params.items() if v.dtype == jnp.float16]
+    assert half and all(stage.acc[p].dtype == jnp.float32 for p in half)
+    check = check_numerics(result.losses[0], result.grads, reference_step(plan))
+    assert check["numerics_ok"], check
+
+
+@needs_8
+def test_run_exits_1_after_its_report_on_a_numerics_mismatch(tmp_path, monkeypatch, capsys):
+    import alpasim.backends as backends
+    from alpasim import cli
+
+    path = tmp_path / "plan.json"
+    one_stage_plan(TINY_GPT, remat=True).save(path)
+    real = backends.check_numerics
+    monkeypatch.setattr(backends, "check_numerics", lambda *a: {**real(*a), "numerics_ok": False})
+    with pytest.raises(SystemExit) as e:
+        cli.run(path, steps=1, profile_iters=0, as_json=True, runtime="local", seed=0, cost_model=None, trace=None,
+                gantt=None, ray_address=None)
+    assert e.value.code == 1
+    got = capsys.readouterr()
+    assert '"numerics_ok": false' in got.out and got.err.strip().count("\n") == 0 and "numerics" in got.err

@@ -633,6 +633,17 @@ def print_plan(p: sv.PipelinePlan) -> None:
                   f"{s.logical_mesh[0]}x{s.logical_mesh[1]}", f"{s.time_s * 1e3:.1f} ms", _fmt_bytes(s.memory_bytes),
                   str(s.inflight_microbatches))
     out.print(t)
+    if all(s.memory for s in p.stages):
+        mt = Table(title=f"memory per device by term ({m.get('precision', gr.DEFAULT_RECIPE)}: "
+                         f"{m.get('bytes_per_param', '?')} B/param; stash x microbatches in flight)")
+        for col in ("stage", "params", "grads", "optimizer", "stash", "working set", "buffers", "total"):
+            mt.add_column(col)
+        for i, s in enumerate(p.stages):
+            mem = s.memory
+            mt.add_row(str(i), *(_fmt_bytes(mem[k]) for k in ("params_bytes", "grads_bytes", "optimizer_bytes")),
+                       f"{_fmt_bytes(mem['stash_bytes'])} x {mem['inflight']}", _fmt_bytes(mem["transient_bytes"]),
+                       _fmt_bytes(mem["buffer_bytes"]), _fmt_bytes(mem["total_bytes"]))
+        out.print(mt)
     ht = Table(title="heaviest ops of each distinct layer kind in a stage")
     for col in ("stage", "op", "equation", "loops", "output spec"):
         ht.add_column(col)

@@ -20,6 +20,10 @@ from ._stages import partition as partition
 from ._stages import stage_intra_plan as stage_intra_plan
 from ._executable import StageExecutable as StageExecutable
 from ._executable import lower_stage as lower_stage
+from ._executable import stage_inputs as stage_inputs
+from ._stage_ops import StageOps as StageOps
+from ._stage_ops import layer_stash_sum as layer_stash_sum
+from ._stage_ops import stage_ops as stage_ops
 from ._executable import stage_mesh as stage_mesh
 from ._stage_profile import StageTimes as StageTimes
 from ._stage_profile import profile_stage as profile_stage

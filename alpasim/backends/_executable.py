@@ -1,50 +1,57 @@
 """One pipeline stage as three compiled SPMD programs on its own `jax.sharding.Mesh`.
 
 `lower_stage(plan, graph, k, devices)` builds, from the plan and a device list only (so
-a worker process can build its stage alone):
+a worker process can build its stage alone), programs that execute the training
+graph's own ops of the stage's layers (`_stage_ops.stage_ops`), the ops the planner
+priced (its time and, by liveness, its memory):
 
 - forward(params, acts, data) -> (boundary outputs (and the loss on the last stage),
-  residuals);
-- backward(params, acc, acts, data, residuals, cts) -> (acc + grads / B, cotangents of
-  acts). What a microbatch stashes from its forward for its backward follows the plan:
-  with remat=True the stage inputs only (acts, data; no residuals), and the backward is
-  the `jax.vjp` of the stage function, recomputing the forward inside (full
-  rematerialisation); with remat=False the forward itself is the `jax.vjp` and returns
-  its residuals (the leaves of the `jax.tree_util.Partial` it gives back), the
-  backward applies them without recomputing. A residual that *is* one of the stage's
-  inputs is not returned: a parameter is read from the stage's own, a stage input is
-  stashed as it came (`ResidualLayout`), so no microbatch holds a copy of the weights;
+  stash): the forward ops. The stash is what the backward ops read of the forward's
+  values; a stashed stage input or boundary output is not returned twice, the stage
+  keeps the array it already has. Under remat it is each layer's input (plus what
+  `keep` ops, the LM head, made); without it, every forward value the derived backward
+  reads — never a copy of a parameter, which the backward reads from the stage.
+- backward(params, acc, stash, cts) -> (acc + grads / B, cotangents for earlier
+  stages): the backward ops, recomputation included; each parameter's gradient is
+  added into its accumulator as the op that completes it runs. The accumulators, the
+  stash and the cotangents are donated: the runtime never reads them again, so XLA
+  writes the new accumulators in place and may reuse the stash for outputs.
 - update(params, acc, states) -> (params, states, zeroed acc): Adam exactly as the
   training graph's `adam` ops (their hyperparameters, `_lowering._adam`), run in the
   layouts the stage's intra-op plan stores gradients and optimizer states in — with
   weight-update sharding that is a sharded update followed by an all-gather of the
-  new parameters.
+  new parameters. Everything it takes is donated (replaced by its outputs).
 
-Shardings: parameters in the plan's `param_specs`; every einsum and conv output and
-every boundary tensor constrained with `with_sharding_constraint` to the stage's
-intra-op plan (`_stages.stage_intra_plan`); boundary activations leave in the sender's
-`transfers` src_spec and arrive in the receiver's dst_spec where the plan gives them;
-a cotangent leaves and arrives in the layout of the activation it belongs to. What the
-plan leaves free, XLA's SPMD partitioner chooses.
+A tied parameter (GPT's word embedding on the first and the head's stage) is split as
+Megatron-LM does: each stage keeps a copy with its own accumulator and Adam states;
+the two accumulators are summed once per iteration (`_runtime`) and both stages apply
+the same update, so the copies stay equal without a refresh.
+
+Shardings: parameters in the plan's `param_specs`; every einsum and conv output
+(forward, recomputed and gradient ops alike) and every stashed or boundary tensor
+constrained to the stage's intra-op plan (`_stages.stage_intra_plan`); boundary tensors
+leave in the sender's `transfers` src_spec and arrive in the receiver's dst_spec where
+the plan gives them. What the plan leaves free, XLA's SPMD partitioner chooses.
 
 One systematic difference from the plan: the plan synchronises weight gradients once
 per iteration, after accumulation; in JAX the gradient of a replicated parameter is
 reduced over the data-parallel axis inside each backward (the accumulator lives in the
 planned gradient layout), so that reduction runs once per microbatch.
 
-Gradient accumulation: each microbatch's gradient is computed in the compute dtype
-(the parameter's) from an unscaled loss cotangent, cast to the accumulation dtype and
-added with weight 1/B (B microbatches), so a half-precision gradient is never scaled
-down into float16's subnormals. The accumulation dtype is the training graph's gradient
-tensor's (the `adam` op's second input); a half-precision parameter accumulates in
+Gradient accumulation: each microbatch's loss cotangent is the graph's seed (1), the
+gradient is cast to the accumulation dtype and added with weight 1/B (B microbatches),
+so a half-precision gradient is never scaled down into float16's subnormals. The
+accumulation dtype is the training graph's gradient tensor's (the `adam` op's second
+input, the `<param>:grad_cast` output); a half-precision parameter accumulates in
 float32 under every recipe but "mixed" (half gradients, 16 B/param), whatever a graph
 built before the recipes existed says (`accumulation_dtype`).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -56,77 +63,57 @@ from alpasim.graphs import OpGraph, build_training_graph
 from alpasim.solvers import IntraOpPlan, PipelinePlan, ShardingSpec
 
 from ._lowering import eval_op, random_leaves
+from ._stage_ops import StageOps, stage_ops
 from ._stages import StagePart, partition, stage_intra_plan
 
 AXIS_NAMES = ("x", "y")
-CONSTRAINED_PRIMS = ("einsum", "conv2d")
+CONSTRAINED_PRIMS = ("einsum", "conv2d", "conv2d_input_grad", "conv2d_filter_grad")
 HALF_DTYPES = ("float16", "bfloat16")
 # The precision recipe a plan records (`plan.model["precision"]`); plans from before the
 # recipes existed ran what "mixed-fp32grad" now names.
 DEFAULT_PRECISION = "mixed-fp32grad"
 
 
-@dataclass
-class ResidualLayout:
-    """Where each leaf of a no-remat forward's vjp comes from, found when the forward is
-    traced: ("param" | "act" | "data", name) for a stage input used as a residual,
-    ("res", i) for the forward's i-th returned residual. Filled once by that trace and
-    read by the backward's; a remat stage has none (`treedef` None)."""
-
-    treedef: Any = None
-    sources: list[tuple[str, Any]] = field(default_factory=list)
-    out_dtypes: dict[str, Any] = field(default_factory=dict)    # the forward's outputs, to seed the vjp
-
-    @property
-    def kept_acts(self) -> tuple[str, ...]:
-        return tuple(n for kind, n in self.sources if kind == "act")
-
-    @property
-    def kept_data(self) -> tuple[str, ...]:
-        return tuple(n for kind, n in self.sources if kind == "data")
-
-
 class StageExecutable:
     """A stage's compiled programs and its state: parameters, gradient accumulators,
     optimizer states and the stash of microbatches between forward and backward."""
 
-    def __init__(self, part: StagePart, mesh: Mesh, intra: IntraOpPlan, shardings: dict[str, NamedSharding],
-                 compiled: dict[str, Any], params: dict, states: dict, *, remat: bool = True,
-                 acc_dtypes: dict[str, Any] | None = None, residuals: ResidualLayout | None = None) -> None:
-        self.part, self.mesh, self.intra_plan = part, mesh, intra
+    def __init__(self, part: StagePart, ops: StageOps, mesh: Mesh, intra: IntraOpPlan,
+                 shardings: dict[str, NamedSharding], compiled: dict[str, Any], params: dict, states: dict, *,
+                 remat: bool = True, acc_dtypes: dict[str, Any] | None = None,
+                 stash_spec: dict[str, jax.ShapeDtypeStruct] | None = None) -> None:
+        self.part, self.ops, self.mesh, self.intra_plan = part, ops, mesh, intra
         self.index = part.index
-        self.shardings = shardings          # name -> layout: params, grads ("<p>:grad"), states, acts, data
+        self.shardings = shardings          # name -> layout: params, grads ("<p>:grad"), states, acts, cts, data
         self.compiled = compiled            # "forward" | "backward" | "update" -> jax Compiled
         self.params, self.states = params, states
         self.remat = remat
         self.acc_dtypes = acc_dtypes or {p: v.dtype for p, v in params.items()}
-        self.residuals = residuals or ResidualLayout()
-        # The stage inputs one microbatch keeps for its backward: all of them under remat.
-        self.kept_acts = tuple(part.acts_in) if remat else self.residuals.kept_acts
-        self.kept_data = tuple(part.data) if remat else self.residuals.kept_data
+        self.stash_spec = stash_spec or {}  # what one microbatch keeps, in its layouts
         self.acc = self._zeros_acc()
-        self.stash: dict[int, tuple[dict, dict, list]] = {}
+        self.stash: dict[int, dict[str, jax.Array]] = {}
 
     # ------------------------------------------------------------- execution
     def forward(self, microbatch: int, acts: dict, data: dict) -> dict[str, jax.Array]:
         """Run the forward of one microbatch; stash what its backward reads."""
-        acts = {t: acts[t] for t in self.part.acts_in}
-        data = {t: jax.device_put(data[t], self.shardings[t]) for t in self.part.data}
-        outs, res = self.compiled["forward"](self.params, acts, data)
-        self.stash[microbatch] = self.stash_entry(acts, data, res)
+        acts = {t: acts[t] for t in self.ops.acts_in}
+        data = {t: jax.device_put(data[t], self.shardings[t]) for t in self.ops.data}
+        outs, made = self.compiled["forward"](self.params, acts, data)
+        self.stash[microbatch] = self.stash_entry(acts, data, outs, made)
         return outs
 
-    def stash_entry(self, acts: dict, data: dict, res: list) -> tuple[dict, dict, list]:
-        """What one microbatch keeps from its forward to its backward."""
-        return {t: acts[t] for t in self.kept_acts}, {t: data[t] for t in self.kept_data}, res
+    def stash_entry(self, acts: dict, data: dict, outs: dict, made: dict) -> dict[str, jax.Array]:
+        """What one microbatch keeps from its forward to its backward, by tensor."""
+        have = {**acts, **data, **outs, **made}
+        return {t: have[t] for t in self.ops.stash}
 
     def backward(self, microbatch: int, cts: dict) -> dict[str, jax.Array]:
         """Backward of one microbatch: accumulate parameter gradients, return the
-        cotangents of the stage's input activations."""
-        acts, data, res = self.stash[microbatch]
-        cts = {t: cts[t] for t in self.part.acts_out}
-        self.acc, act_cts = self.compiled["backward"](self.params, self.acc, acts, data, res, cts)
-        return act_cts
+        cotangents earlier stages read. Consumes (donates) the microbatch's stash."""
+        stash = self.stash.pop(microbatch)
+        cts = {t: cts[t] for t in self.ops.cts_in}
+        self.acc, cts_out = self.compiled["backward"](self.params, self.acc, stash, cts)
+        return cts_out
 
     def free(self, microbatch: int) -> None:
         self.stash.pop(microbatch, None)
@@ -135,13 +122,13 @@ class StageExecutable:
         self.params, self.states, self.acc = self.compiled["update"](self.params, self.acc, self.states)
 
     def add_grad(self, param: str, value: jax.Array) -> None:
-        """Add another stage's accumulated gradient of a parameter this stage owns."""
+        """Add another stage's accumulated gradient of a tied parameter into this one's."""
         value = jax.device_put(value, self.shardings[f"{param}:grad"]).astype(self.acc[param].dtype)
         self.acc[param] = self.acc[param] + value
 
-    def set_param(self, param: str, value: jax.Array) -> None:
-        """Refresh a replicated parameter from its owner's new value."""
-        self.params[param] = jax.device_put(value, self.shardings[param])
+    def set_grad(self, param: str, value: jax.Array) -> None:
+        """Replace a tied copy's accumulator by the iteration's summed gradient."""
+        self.acc[param] = jax.device_put(value, self.shardings[f"{param}:grad"]).astype(self.acc_dtypes[param])
 
     # ----------------------------------------------------------------- state
     def state_dict(self) -> dict[str, dict[str, np.ndarray]]:
@@ -155,8 +142,8 @@ class StageExecutable:
         self.stash.clear()
 
     def _zeros_acc(self) -> dict[str, jax.Array]:
-        return {p: jax.device_put(jnp.zeros(v.shape, self.acc_dtypes[p]), self.shardings[f"{p}:grad"])
-                for p, v in self.params.items()}
+        return {p: jax.device_put(jnp.zeros(self.params[p].shape, self.acc_dtypes[p]), self.shardings[f"{p}:grad"])
+                for p in self.ops.grads}
 
 
 def accumulation_dtype(param_dtype: str, grad_dtype: str, precision: str) -> np.dtype:
@@ -202,19 +189,20 @@ def lower_stage(plan: PipelinePlan, graph: OpGraph, stage_index: int, devices: S
     """Stage `stage_index` of `plan` on `devices`; `graph` is `planning_graph(plan.model)`.
 
     Parameters start as `random_leaves(graph, seed)` gives them, the values a
-    single-device run of the whole graph uses. `shared` (`stage_inputs`) carries what
-    every stage derives alike, so a process lowering all stages derives it once.
+    single-device run of the whole graph uses (a tied copy too, and its fp32 master, so
+    the copies stay equal). `shared` (`stage_inputs`) carries what every stage derives
+    alike, so a process lowering all stages derives it once.
     """
     shared = shared or stage_inputs(plan, graph, seed)
     train, part, leaves = shared.train, shared.parts[stage_index], shared.leaves
+    ops = stage_ops(train, *plan.stages[stage_index].layers)
     intra = stage_intra_plan(plan, train, stage_index)
     mesh = stage_mesh(plan, stage_index, devices)
-    shardings = _shardings(plan, train, part, intra, mesh)
-    adam = {op.inputs[0]: op for op in train.ops if op.prim == "adam" and op.inputs[0] in part.owned}
+    shardings = _shardings(plan, train, ops, stage_index, intra, mesh)
 
-    params = {p: jax.device_put(leaves[p], shardings[p]) for p in part.params}
+    params = {p: jax.device_put(leaves[p], shardings[p]) for p in ops.params}
     states = {}
-    for p, op in adam.items():
+    for p, op in ops.adam.items():
         for t in op.inputs[2:]:  # (master,) m, v
             init = leaves[p].astype(np.float32) if t.endswith(":master") else np.zeros(train.tensors[t].shape,
                                                                                         np.float32)
@@ -222,34 +210,31 @@ def lower_stage(plan: PipelinePlan, graph: OpGraph, stage_index: int, devices: S
 
     remat = bool(plan.model.get("remat", True))
     precision = str(plan.model.get("precision", DEFAULT_PRECISION))
-    grad_of = {op.inputs[0]: op.inputs[1] for op in train.ops if op.prim == "adam"}
-    acc_dtypes = {p: accumulation_dtype(train.tensors[p].dtype, train.tensors[grad_of[p]].dtype
-                                        if p in grad_of else train.tensors[p].dtype, precision) for p in part.params}
-    residuals = ResidualLayout()
-    fns = _stage_functions(part, adam, shardings, mesh, plan.microbatches, remat, residuals)
+    acc_dtypes = {p: accumulation_dtype(train.tensors[p].dtype, train.tensors[ops.adam[p].inputs[1]].dtype,
+                                        precision) for p in ops.grads}
+    fns = _stage_functions(ops, train, shardings, mesh, plan.microbatches, acc_dtypes)
 
-    def abstract(names) -> dict[str, jax.ShapeDtypeStruct]:
-        return {t: jax.ShapeDtypeStruct(graph.tensors[t].shape, jax.dtypes.canonicalize_dtype(graph.tensors[t].dtype),
-                                        sharding=shardings[t]) for t in names}
+    def abstract(names, dtype=None) -> dict[str, jax.ShapeDtypeStruct]:
+        return {t: jax.ShapeDtypeStruct(train.tensors[t].shape, dtype or jax.dtypes.canonicalize_dtype(
+            train.tensors[t].dtype), sharding=shardings[t]) for t in names}
 
-    p_spec, a_spec, d_spec, ct_spec = (abstract(n) for n in (part.params, part.acts_in, part.data, part.acts_out))
-    acc = {p: jax.ShapeDtypeStruct(v.shape, acc_dtypes[p], sharding=shardings[f"{p}:grad"]) for p, v in params.items()}
+    p_spec, a_spec, d_spec, ct_spec, st_spec = (abstract(n) for n in (ops.params, ops.acts_in, ops.data,
+                                                                       ops.cts_in, ops.stash))
+    acc = {p: jax.ShapeDtypeStruct(params[p].shape, acc_dtypes[p], sharding=shardings[f"{p}:grad"])
+           for p in ops.grads}
     s_spec = {t: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for t, v in states.items()}
     # Compiled ahead of time: step times then exclude compilation, and the HLO is at hand.
-    # The forward first: its trace fills `residuals`, which the backward's reads.
-    forward = fns["forward"].lower(p_spec, a_spec, d_spec).compile()
-    _, res_sh = forward.output_shardings
-    res_spec = [jax.ShapeDtypeStruct(r.shape, r.dtype, sharding=sh)
-                for r, sh in zip(forward.out_info[1], res_sh, strict=True)]
-    kept_a, kept_d = (a_spec, d_spec) if remat else \
-        ({t: a_spec[t] for t in residuals.kept_acts}, {t: d_spec[t] for t in residuals.kept_data})
-    compiled = {
-        "forward": forward,
-        "backward": fns["backward"].lower(p_spec, acc, kept_a, kept_d, res_spec, ct_spec).compile(),
-        "update": fns["update"].lower(p_spec, acc, s_spec).compile(),
-    }
-    return StageExecutable(part, mesh, intra, shardings, compiled, params, states, remat=remat,
-                           acc_dtypes=acc_dtypes, residuals=residuals)
+    # A donated stash or cotangent buffer that no output can reuse is simply freed after
+    # the call, which is what the runtime does with it anyway: JAX's warning says no more.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+        compiled = {
+            "forward": fns["forward"].lower(p_spec, a_spec, d_spec).compile(),
+            "backward": fns["backward"].lower(p_spec, acc, st_spec, ct_spec).compile(),
+            "update": fns["update"].lower(p_spec, acc, s_spec).compile(),
+        }
+    return StageExecutable(part, ops, mesh, intra, shardings, compiled, params, states, remat=remat,
+                           acc_dtypes=acc_dtypes, stash_spec=st_spec)
 
 
 def _named(mesh: Mesh, spec: ShardingSpec | str) -> NamedSharding:
@@ -257,111 +242,118 @@ def _named(mesh: Mesh, spec: ShardingSpec | str) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(*spec.partition_spec(AXIS_NAMES)))
 
 
-def _shardings(plan: PipelinePlan, train: OpGraph, part: StagePart, intra: IntraOpPlan,
+def _shardings(plan: PipelinePlan, train: OpGraph, ops: StageOps, k: int, intra: IntraOpPlan,
                mesh: Mesh) -> dict[str, NamedSharding]:
     """Every layout the stage's programs take or produce (see the module doc)."""
-    k = part.index
     st = plan.stages[k]
     out: dict[str, NamedSharding] = {}
     for t, spec in intra.specs.items():
         out[t] = _named(mesh, spec)
-    for p in part.params:
+    for p in ops.params:
         out[p] = _named(mesh, st.param_specs.get(p, intra.specs[p]))
-    grad_of = {op.inputs[0]: op.inputs[1] for op in train.ops if op.prim == "adam"}
-    for p in part.params:
-        g = grad_of.get(p)
-        own = p in part.owned and g in intra.specs
+    for p in ops.params:
+        g = ops.grads.get(p)
+        own = p in ops.owned and g in intra.specs
         out[f"{p}:grad"] = _named(mesh, intra.specs[g]) if own else out[p]
-    for op in train.ops:  # optimizer states the plan stores nowhere else: with their parameter
-        if op.prim == "adam" and op.inputs[0] in part.owned:
-            for t in op.inputs[2:]:
-                out.setdefault(t, out[op.inputs[0]])
+    for op in ops.adam.values():  # optimizer states the plan stores nowhere else: with their parameter
+        for t in op.inputs[2:]:
+            out.setdefault(t, out[op.inputs[0]])
+    sent = {*ops.acts_out, *ops.cts_out, *ops.grads.values()}
+    received = {*ops.acts_in, *ops.cts_in}
     for t in plan.transfers:  # boundary layouts named by the plan win
-        if t["src_stage"] == k and t["direction"] == "forward" and t.get("src_spec") and t["tensor"] in part.acts_out:
+        if t["src_stage"] == k and t.get("src_spec") and t["tensor"] in sent:
             out[t["tensor"]] = _named(mesh, t["src_spec"])
-        if t["dst_stage"] == k and t["direction"] == "forward" and t.get("dst_spec") and t["tensor"] in part.acts_in:
+        if t["dst_stage"] == k and t.get("dst_spec") and t["tensor"] in received:
             out[t["tensor"]] = _named(mesh, t["dst_spec"])
-    for t in (*part.acts_in, *part.acts_out, *part.data):
+    for t in (*ops.acts_in, *ops.acts_out, *ops.data, *ops.cts_in, *ops.cts_out, *ops.stash):
         if t not in out:
-            raise ValueError(f"stage {k}: no layout for boundary tensor {t!r}")
+            raise ValueError(f"stage {k}: no layout for boundary or stashed tensor {t!r}")
     return out
 
 
-def _stage_functions(part: StagePart, adam: dict, shardings: dict[str, NamedSharding], mesh: Mesh,
-                     microbatches: int, remat: bool, residuals: ResidualLayout) -> dict[str, Any]:
-    constrained = {t for op in part.ops if op.prim in CONSTRAINED_PRIMS for t in op.outputs}
-    constrained |= set(part.acts_out)
+def _stage_functions(ops: StageOps, train: OpGraph, shardings: dict[str, NamedSharding], mesh: Mesh,
+                     microbatches: int, acc_dtypes: dict[str, Any]) -> dict[str, Any]:
+    constrained = {t for op in (*ops.forward, *ops.backward) if op.prim in CONSTRAINED_PRIMS for t in op.outputs}
+    constrained |= {*ops.acts_out, *ops.cts_out, *ops.stash}
+    dtypes = {t: jax.dtypes.canonicalize_dtype(x.dtype) for t, x in train.tensors.items()}
+    grad_of = {g: p for p, g in ops.grads.items()}
+    scale = 1.0 / microbatches
 
-    def body(params: dict, acts: dict, data: dict) -> dict:
-        values = {**params, **acts, **data}
-        for op in part.ops:
-            for t, v in zip(op.outputs, eval_op(op, [values[x] for x in op.inputs]), strict=True):
+    def run(op_list, values: dict, on_value=None) -> dict:
+        for op in op_list:
+            if op.outputs[0] in ops.carried:  # the tied contribution arrives once per iteration (module doc)
+                outs = [values[ops.carried[op.outputs[0]]]]
+            else:
+                outs = eval_op(op, [values[x] for x in op.inputs])
+            for t, v in zip(op.outputs, outs, strict=True):
+                if v.dtype != dtypes[t]:
+                    v = v.astype(dtypes[t])
                 if t in constrained and t in shardings:
                     v = jax.lax.with_sharding_constraint(v, shardings[t])
                 values[t] = v
-        outs = {t: values[t] for t in part.acts_out}
-        if part.loss is not None:
-            outs[part.loss] = values[part.loss]
-        return outs
+                if on_value is not None:
+                    on_value(t, v)
+        return values
 
-    def forward_remat(params, acts, data):
-        return body(params, acts, data), []
+    given = {*ops.acts_in, *ops.data}
 
-    def forward_stash(params, acts, data):
-        outs, vjp = jax.vjp(lambda p, a: body(p, a, data), params, acts)
-        residuals.out_dtypes = {t: v.dtype for t, v in outs.items()}
-        leaves, residuals.treedef = jax.tree_util.tree_flatten(vjp)
-        inputs = {id(v): (kind, n) for kind, tree in (("param", params), ("act", acts), ("data", data))
-                  for n, v in tree.items()}
-        residuals.sources, res = [], []
-        for v in leaves:
-            residuals.sources.append(inputs.get(id(v)) or ("res", len(res)))
-            if id(v) not in inputs:
-                res.append(v)
-        return outs, res
+    def forward(params, acts, data):
+        values = run(ops.forward, {**params, **acts, **data})
+        outs = {t: values[t] for t in ops.acts_out}
+        if ops.loss is not None:
+            outs[ops.loss] = values[ops.loss]
+        made = {t: values[t] for t in ops.stash if t not in outs and t not in given}
+        return outs, made
 
-    def pullback(params, acts, data, res):
-        if remat:
-            outs, vjp = jax.vjp(lambda p, a: body(p, a, data), params, acts)
-            return {t: v.dtype for t, v in outs.items()}, vjp
-        given = {"param": params, "act": acts, "data": data, "res": res}
-        vjp = jax.tree_util.tree_unflatten(residuals.treedef, [given[kind][n] for kind, n in residuals.sources])
-        return residuals.out_dtypes, vjp
+    def backward(params, acc, stash, cts):
+        new_acc = dict(acc)
 
-    def backward(params, acc, acts, data, res, cts):
-        # Each microbatch's loss is seeded with 1 and its gradients weighted 1/B in the
-        # accumulation dtype (module doc): the loss is the mean over microbatches.
-        seed = {**cts, **({part.loss: jnp.asarray(1.0, jnp.float32)} if part.loss else {})}
-        dtypes, vjp = pullback(params, acts, data, res)
-        g_params, g_acts = vjp({t: seed[t].astype(dtypes[t]) for t in dtypes})
-        scale = 1.0 / microbatches
-        return {p: acc[p] + g_params[p].astype(acc[p].dtype) * jnp.asarray(scale, acc[p].dtype) for p in acc}, g_acts
+        def accumulate(t, v):  # as soon as a parameter's gradient is complete
+            p = grad_of.get(t)
+            if p is not None:
+                new_acc[p] = acc[p] + v.astype(acc_dtypes[p]) * jnp.asarray(scale, acc_dtypes[p])
+
+        values = run(ops.backward, {**params, **stash, **cts}, accumulate)
+        return new_acc, {t: values[t] for t in ops.cts_out}
 
     def update(params, acc, states):
+        # One parameter after another, as frameworks step their optimizers: each
+        # parameter's inputs pass an optimization barrier together with the previous
+        # parameter's results (in their stored layouts), so XLA cannot run every
+        # parameter's update — and its weight-update-sharding all-gather — at once.
         params, states = dict(params), dict(states)
-        for p, op in adam.items():
-            new = eval_op(op, [params[p], acc[p], *(states[t] for t in op.inputs[2:])])
-            params[p] = new[0]
+        done: list[str] = []
+        for p, op in ops.adam.items():
+            ins = [params[p], acc[p], *(states[t] for t in op.inputs[2:])]
+            if done:
+                prev, ins = jax.lax.optimization_barrier(([params[q] for q in done[-1:]], ins))
+                params[done[-1]] = prev[0]
+            new = eval_op(op, ins)
+            params[p] = jax.lax.with_sharding_constraint(new[0], shardings[p])
             states.update(zip(op.inputs[2:], new[1:]))
+            done.append(p)
         return params, states, {p: jnp.zeros_like(v) for p, v in acc.items()}
 
-    p_sh = {p: shardings[p] for p in part.params}
-    g_sh = {p: shardings[f"{p}:grad"] for p in part.params}
-    a_sh = {t: shardings[t] for t in part.acts_in}
-    d_sh = {t: shardings[t] for t in part.data}
-    ct_sh = {t: shardings[t] for t in part.acts_out}
-    o_sh = dict(ct_sh)
-    if part.loss is not None:
-        o_sh[part.loss] = NamedSharding(mesh, PartitionSpec())
-    s_sh = {t: shardings[t] for op in adam.values() for t in op.inputs[2:]}
-    # Residual layouts are XLA's choice (None: propagated, no mesh context is active); the
-    # backward takes them as the compiled forward gives them (`lower_stage`). Unused
-    # arguments are kept: the stage holds them anyway, and each program's memory
-    # analysis then counts every buffer it is handed (`_memory`).
+    p_sh = {p: shardings[p] for p in ops.params}
+    g_sh = {p: shardings[f"{p}:grad"] for p in ops.grads}
+    a_sh = {t: shardings[t] for t in ops.acts_in}
+    d_sh = {t: shardings[t] for t in ops.data}
+    st_sh = {t: shardings[t] for t in ops.stash}
+    ci_sh = {t: shardings[t] for t in ops.cts_in}
+    co_sh = {t: shardings[t] for t in ops.cts_out}
+    o_sh = {t: shardings[t] for t in ops.acts_out}
+    if ops.loss is not None:
+        o_sh[ops.loss] = NamedSharding(mesh, PartitionSpec())
+    made_sh = {t: shardings[t] for t in ops.stash if t not in o_sh and t not in given}
+    s_sh = {t: shardings[t] for op in ops.adam.values() for t in op.inputs[2:]}
+    # Unused arguments are kept: the stage holds them anyway, and each program's memory
+    # analysis then counts every buffer it is handed (`_memory`). Donated: what the
+    # runtime replaces by the outputs or never reads again (module doc).
     return {
-        "forward": jax.jit(forward_remat if remat else forward_stash, in_shardings=(p_sh, a_sh, d_sh),
-                           out_shardings=(o_sh, None), keep_unused=True),
-        "backward": jax.jit(backward, out_shardings=(g_sh, a_sh), keep_unused=True),
+        "forward": jax.jit(forward, in_shardings=(p_sh, a_sh, d_sh), out_shardings=(o_sh, made_sh),
+                           keep_unused=True),
+        "backward": jax.jit(backward, in_shardings=(p_sh, g_sh, st_sh, ci_sh), out_shardings=(g_sh, co_sh),
+                            donate_argnums=(1, 2, 3), keep_unused=True),
         "update": jax.jit(update, in_shardings=(p_sh, g_sh, s_sh), out_shardings=(p_sh, s_sh, g_sh),
-                          keep_unused=True),
+                          donate_argnums=(0, 1, 2), keep_unused=True),
     }

@@ -14,23 +14,24 @@ prediction alike):
 - state: parameters + gradient accumulators + optimizer states (fp32 master, Adam
   moments), all resident for the whole iteration: the update program's arguments,
   which are exactly those (split into the three by the arrays' per-device shard sizes).
-- stash: what one microbatch keeps from its forward to its backward. Under remat the
-  stage inputs (received activations and the data), i.e. the forward's arguments less
-  the parameters; without remat the forward's residual outputs (sized from the
-  compiled outputs' shapes and layouts: XLA's output figure also counts the output
-  tuple's 8-byte index entries) plus the stage inputs the residuals refer to.
-  `inflight` is the plan's `stages[i].inflight_microbatches` (1F1B: S - i, at most B).
+- stash: what one microbatch keeps from its forward to its backward: the tensors the
+  stage's backward ops read of its forward (`StageExecutable.stash_spec`, in their
+  layouts; under remat each layer's input, without it every forward value the
+  backward reads). `inflight` is the plan's `stages[i].inflight_microbatches`
+  (1F1B: S - i, at most B).
 - temp_p: XLA's temporaries of program p (the running layer's working set; under remat
   the backward's includes the recomputed forward).
 - boundary_p: the per-microbatch buffers p reads or writes that are neither state nor
-  stash — the forward's outgoing activations and loss (and, without remat, the inputs
-  it does not stash), the backward's incoming cotangents and outgoing input cotangents.
+  stash — the forward's incoming activations and data it does not stash and its
+  outgoing activations and loss it does not stash; the backward's incoming
+  cotangents and those of its outputs that XLA does not write into a donated
+  argument (the cotangents it hands back); the update's outputs beyond its aliases.
 
-What it ignores: an output that replaces state (the backward's new accumulators, the
-update's new parameters and states) is counted in place, as a run that donates those
-buffers holds them; this runtime does not donate, so for the moment of a call it holds
-both (the raw `programs` figures show the outputs). Also the executable code, a
-microbatch's data before it is placed, and fragmentation. On a GPU the device's own
+The backward donates the accumulators, the stash and the cotangents, the update
+everything it takes (`_executable`): XLA writes the new accumulators, parameters and
+states into the old buffers (`alias_bytes`), so an output that replaces state is
+counted once, as the run holds it. Ignored: the executable code, a microbatch's data
+before it is placed, and fragmentation. On a GPU the device's own
 `peak_bytes_in_use` (`device_peak_bytes`, max over the stage's devices) is the figure
 that includes all of it; the CPU reports none.
 """
@@ -114,38 +115,38 @@ def stage_memory(stage, inflight: int) -> StageMemory:
     grads = _sum_bytes(stage.acc.values())
     # The update's arguments are the state; its optimizer part is what is left of them.
     optimizer = upd.argument_bytes - params - grads
-    # Output sizes from the compiled outputs' shapes and layouts: XLA's output figure also
-    # counts the output tuple's index table (8 bytes per output buffer).
-    outs, res = _outputs(stage.compiled["forward"])
-    _, act_cts = _outputs(stage.compiled["backward"])
-    kept_in = sum(per_device_bytes(a.shape, a.dtype, stage.shardings[t])
-                  for t, a in ((t, _arg_info(stage, t)) for t in (*stage.kept_acts, *stage.kept_data)))
-    inputs_in = fwd.argument_bytes - params          # every act and data input of one microbatch
-    stash = inputs_in if stage.remat else res + kept_in
-    forward_boundary = outs + inputs_in - (inputs_in if stage.remat else kept_in)
-    # The backward reads state, the stash and the cotangents, writes the accumulators
-    # (in place, module doc) and the input cotangents.
-    backward_boundary = (bwd.argument_bytes - params - grads - stash) + act_cts
+    stash_names = set(stage.stash_spec)
+    stash = _sum_bytes(stage.stash_spec.values())
+    # Sizes from the compiled signatures: XLA's output figure also counts the output
+    # tuple's index table (8 bytes per output buffer).
+    (_, acts, data), _ = stage.compiled["forward"].args_info
+    outs, made = _named_outputs(stage.compiled["forward"])
+    sh = stage.shardings
+    forward_boundary = sum(per_device_bytes(a.shape, a.dtype, sh[t]) for t, a in (*acts.items(), *data.items())
+                           if t not in stash_names) + sum(_bytes(a) for t, a in outs.items() if t not in stash_names)
+    (_, _, _, cts), _ = stage.compiled["backward"].args_info
+    acc_out, cts_out = _named_outputs(stage.compiled["backward"])
+    backward_out = sum(_bytes(a) for a in (*acc_out.values(), *cts_out.values()))
+    backward_boundary = sum(per_device_bytes(a.shape, a.dtype, sh[t]) for t, a in cts.items()) \
+        + max(backward_out - bwd.alias_bytes, 0)
+    update_out = sum(_bytes(a) for tree in stage.compiled["update"].out_info for a in jax.tree.leaves(tree))
     candidates = {"forward": (fwd.temp_bytes, forward_boundary), "backward": (bwd.temp_bytes, backward_boundary),
-                  "update": (upd.temp_bytes, 0)}
+                  "update": (upd.temp_bytes, max(update_out - upd.alias_bytes, 0))}
     peak = max(candidates, key=lambda k: sum(candidates[k]))
     temp, boundary = candidates[peak]
     return StageMemory(stage.index, programs, params, grads, optimizer, stash, inflight, temp, boundary, peak,
                        device_peak_bytes(stage.mesh))
 
 
-def _outputs(compiled) -> tuple[int, int]:
-    """Per-device bytes of a stage program's two outputs (forward: boundary outputs,
-    residuals; backward: accumulators, input cotangents)."""
-    return tuple(sum(per_device_bytes(i.shape, i.dtype, sh) for i, sh in zip(
-        jax.tree.leaves(info), jax.tree.leaves(shardings), strict=True))
-        for info, shardings in zip(compiled.out_info, compiled.output_shardings, strict=True))
+def _bytes(info) -> int:
+    return per_device_bytes(info.shape, info.dtype, info.sharding)
 
 
-def _arg_info(stage, t: str):
-    """The forward's abstract argument `t` (a stage input activation or data tensor)."""
-    (_, acts, data), _ = stage.compiled["forward"].args_info
-    return acts[t] if t in acts else data[t]
+def _named_outputs(compiled) -> tuple[dict, dict]:
+    """A stage program's two output dicts as name -> ShapeDtypeStruct with its layout."""
+    return tuple({t: jax.ShapeDtypeStruct(i.shape, i.dtype, sharding=sh) for (t, i), sh in
+                  zip(info.items(), (shardings[t] for t in info), strict=True)}
+                 for info, shardings in zip(compiled.out_info[:2], compiled.output_shardings[:2], strict=True))
 
 
 def device_peak_bytes(mesh) -> int | None:

@@ -42,6 +42,7 @@ from alpasim.solvers import PipelinePlan, planning_graph
 
 from ._ray_worker import MeshWorker, StepAborted
 from ._runtime import RunResult, _payloads, measured_timeline, runnable_program
+from ._executable import stage_inputs
 from ._stages import partition
 
 # Importing JAX and lowering a stage (which re-solves its intra-op plan, at most
@@ -81,7 +82,8 @@ def run_ray(plan: PipelinePlan, *, steps: int = 1, seed: int = 0, address: str |
     graph = planning_graph(plan.model)
     meshes = None
     try:
-        meshes = _Meshes(ray, plan, program, partition(graph, plan), seed, timeout_s)
+        meshes = _Meshes(ray, plan, program, partition(graph, plan),
+                         stage_inputs(plan, graph, seed).train.meta.get("tied_grads", []), seed, timeout_s)
         profile = meshes.profile(profile_iters) if profile_iters else []
         losses, times, grads, timeline = [], [], {}, None
         for step in range(steps):
@@ -127,9 +129,10 @@ def _cause(error: Exception) -> str:
 class _Meshes:
     """The actors of one run, their last checkpoint, and how to replace one."""
 
-    def __init__(self, ray, plan: PipelinePlan, program: Program, parts: list, seed: int, timeout_s: float) -> None:
+    def __init__(self, ray, plan: PipelinePlan, program: Program, parts: list, tied: list[str], seed: int,
+                 timeout_s: float) -> None:
         self.ray, self.plan, self.program, self.seed, self.timeout_s = ray, plan, program, seed, timeout_s
-        self.payloads = _payloads(program, parts)
+        self.payloads = _payloads(program, tied)
         self.owners = {p: part.index for part in parts for p in part.owned}
         self.readers = {p: tuple(part.index for part in parts if p in part.params) for p in self.owners}
         self.worker_cls = ray.remote(MeshWorker)

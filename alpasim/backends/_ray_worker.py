@@ -10,9 +10,8 @@ does (`_runtime._Walker`, subclassed) except at the edges:
   the end of the step, so a send does not block the sender, as in the program's model;
 - `Recv` waits on the actor's mailbox, which `deliver` fills from another thread
   (the actor is threaded), and puts the payload into this mesh's layouts;
-- after the instruction list, the owner of a tied parameter sends its updated value
-  to the meshes that hold replicas, and those wait for it (the local runtime's
-  `_refresh_replicas`).
+- at `GradSync`, the owner of a tied parameter sends its summed accumulator to the
+  meshes that keep a copy, and those wait for it (the local runtime's `sync_tied`).
 
 Every wait is bounded by the run's `timeout_s` and fails naming the mesh, the
 instruction and the tensor. Deliveries carry the driver's attempt number (`epoch`),
@@ -35,7 +34,7 @@ from alpasim.simulator import Program, Recv, Send
 from alpasim.solvers import IntraOpPlan, PipelinePlan, planning_graph
 
 from ._executable import lower_stage
-from ._runtime import Payload, _Walker, params_bytes_per_device
+from ._runtime import Payload, _Walker, params_bytes_per_device, tied_copies
 from ._stage_profile import StageTimes, profile_stage
 from ._memory import StageMemory, stage_memory
 from ._stages import StagePart
@@ -149,8 +148,6 @@ class MeshWorker:
                 raise StepAborted(f"mesh {self.k}: step aborted by the driver before {ins}")
             self.at = ins
             walker.execute(self.k, ins)
-        self.at = "refresh of replicated parameters"
-        walker.refresh_replicas()
         self.at = "waiting for its deliveries to be accepted"
         try:
             ray.get(walker.pending, timeout=self.timeout_s)
@@ -185,6 +182,7 @@ class _ActorWalker(_Walker):
         self.worker = worker
         self.epoch = worker.epoch
         self.pending: list = []      # replies of this step's deliveries
+        self.copies = tied_copies(worker.owners, worker.readers)
 
     def send(self, k: int, ins: Send, start: float) -> None:
         items = [(kind, name, np.asarray(v)) for kind, name, v in self.outgoing(k, ins)]
@@ -205,21 +203,10 @@ class _ActorWalker(_Walker):
     def post(self, dst: int, key: Any, items: list) -> None:
         self.pending.append(self.worker.peers[dst].deliver.remote(self.epoch, key, items))
 
-    def refresh_replicas(self) -> None:
-        """Owner sends each tied parameter's new value to its replicas; they wait for it."""
-        k, stage = self.worker.k, self.stages[self.worker.k]
-        for p in stage.part.owned:
-            replicas = [dst for dst in self.worker.readers[p] if dst != k]
-            value = np.asarray(stage.params[p]) if replicas else None  # one host copy for every replica
-            for dst in replicas:
-                start = self.clock()
-                self.post(dst, ("param", p), [("param", p, value)])
-                self.sent_bytes += value.nbytes
-                self.record(f"mesh{k}->mesh{dst}", "send", k, -1, start, float(value.nbytes), f"{p} (refresh)")
-        for p in stage.part.params:
-            if p not in stage.part.owned:
-                start = self.clock()
-                what = f"the refresh of replicated parameter {p!r} waits for its owner mesh {self.worker.owners[p]}"
-                ((_, _, value),) = self.worker.wait_for(self.epoch, ("param", p), what)
-                stage.set_param(p, value)
-                self.record(f"mesh{k}", "recv", k, -1, start, name=f"{p} (refresh)")
+    def send_tied(self, k: int, dst: int, param: str, value: jax.Array) -> None:
+        self.post(dst, ("tied", param), [("grad", param, np.asarray(value))])
+
+    def take_tied(self, k: int, param: str) -> jax.Array:
+        what = f"the summed gradient of tied parameter {param!r} waits for its owner mesh {self.worker.owners[param]}"
+        ((_, _, value),) = self.worker.wait_for(self.epoch, ("tied", param), what)
+        return value

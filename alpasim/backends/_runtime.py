@@ -16,12 +16,15 @@ runs one instruction at a time: the measured timeline is serial, and the step ti
 the sum of all meshes' work plus transfers (on a CPU the virtual devices share the
 cores anyway).
 
-What the program's transfers carry: forward activations by name; a mesh's cotangents
-for the activations it received ride on its first backward transfer back to the
-sender (the plan names training-graph tensors, the runtime works with the forward
-graph); a replicated parameter's accumulated gradient rides on the per-iteration
-transfer to its owner. After the updates, each replica is refreshed from its owner
-(outside the program: the plan does not list that broadcast).
+What the program's transfers carry: each names a training-graph tensor — a forward
+activation, or a cotangent the receiver's backward ops read (`_stage_ops`) — and carries
+it per microbatch. A tied parameter's gradient contribution (GPT's LM head to the word
+embedding; the `per_iteration` transfer) carries the sender's accumulated copy
+gradient instead, which the owner adds into its own accumulator. At its `GradSync` the
+owner sends the summed accumulator back to each copy (the second half of Megatron-LM's
+all-reduce of the two copies' gradients; the plan lists only the first), and the copy
+waits for it at its own `GradSync`. Both then run the same Adam step, so the copies
+stay equal without a refresh.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from ._executable import StageExecutable, lower_stage, stage_inputs
 from ._stage_profile import StageTimes, profile_stages
 from ._stages import StagePart, microbatch_inputs
 
-Payload = list[tuple[str, str]]  # (kind "act" | "ct" | "grad", tensor or parameter name)
+Payload = list[tuple[str, str]]  # (kind "act" | "ct" | "tied", training-graph tensor name)
 
 
 @dataclass(frozen=True)
@@ -80,7 +83,7 @@ def run_local(plan: PipelinePlan, *, steps: int = 1, seed: int = 0, schedule: st
     shared = stage_inputs(plan, graph, seed)
     stages = [lower_stage(plan, graph, k, [devices[d] for d in st.devices], seed=seed, shared=shared)
               for k, st in enumerate(plan.stages)]
-    payloads = _payloads(program, [s.part for s in stages])
+    payloads = _payloads(program, shared.train.meta.get("tied_grads", ()), [s.ops for s in stages])
     profile = profile_stages(stages, graph, iters=profile_iters, seed=seed) if profile_iters else []
     losses, times, grads = [], [], {}
     timeline = None
@@ -88,7 +91,6 @@ def run_local(plan: PipelinePlan, *, steps: int = 1, seed: int = 0, schedule: st
         walker = _Walker(program, stages, payloads, graph, seed, step)
         t0 = time.perf_counter()
         walker.run()
-        _refresh_replicas(stages)
         times.append(time.perf_counter() - t0)
         losses.append(float(sum(np.asarray(v) for v in walker.losses) / plan.microbatches))
         if step == 0:
@@ -111,41 +113,33 @@ def runnable_program(plan: PipelinePlan, schedule: str | None = None, program: P
     return program
 
 
-def _payloads(program: Program, parts: list[StagePart]) -> dict[int, Payload]:
-    """What each program transfer carries (module doc); every boundary tensor once."""
-    out: dict[int, Payload] = defaultdict(list)
-    first: dict[tuple, int] = {}
+def _payloads(program: Program, tied: Sequence[str], ops: Sequence | None = None) -> dict[int, Payload]:
+    """What each program transfer carries (module doc). `ops` (each stage's `StageOps`,
+    where at hand) checks that every tensor a stage's programs read arrives."""
+    tied = set(tied)
+    out: dict[int, Payload] = {}
     for i, t in enumerate(program.transfers):
-        first.setdefault((t.src_stage, t.dst_stage, t.direction, t.per_iteration), i)
-    owner = {p: part.index for part in parts for p in part.owned}
-
-    def attach(key: tuple, item: tuple[str, str], what: str) -> None:
-        if key not in first:
-            raise ValueError(f"program has no transfer from mesh {key[0]} to mesh {key[1]} for {what}")
-        out[first[key]].append(item)
-
-    for part in parts:
-        for t, readers in part.acts_out.items():
-            for dst in readers:
-                named = [i for i, x in enumerate(program.transfers) if x.tensor == t and x.direction == "forward"
-                         and (x.src_stage, x.dst_stage) == (part.index, dst)]
-                if named:
-                    out[named[0]].append(("act", t))
-                else:
-                    attach((part.index, dst, "forward", False), ("act", t), f"activation {t!r}")
-                attach((dst, part.index, "backward", False), ("ct", t), f"the cotangent of {t!r}")
-        for p in part.params:
-            if owner[p] != part.index:
-                attach((part.index, owner[p], "backward", True), ("grad", p), f"the gradient of {p!r}")
+        if t.tensor == "<control>":
+            continue
+        if t.tensor in tied:
+            out[i] = [("tied", t.tensor)]
+        elif t.per_iteration:
+            raise ValueError(f"transfer {t.tensor!r} (mesh {t.src_stage} -> {t.dst_stage}) moves once per "
+                             f"iteration, but it is not a tied gradient: the backward reads it per microbatch")
+        else:
+            out[i] = [("act" if t.direction == "forward" else "ct", t.tensor)]
+    for k, o in enumerate(ops or ()):
+        arriving = {t.tensor for i, t in enumerate(program.transfers) if t.dst_stage == k and i in out}
+        missing = [t for t in (*o.acts_in, *o.cts_in) if t not in arriving]
+        if missing:
+            raise ValueError(f"the program brings mesh {k} no transfer of {missing}, which its stage reads")
     return out
 
 
-def _refresh_replicas(stages: list[StageExecutable]) -> None:
-    owner = {p: s for s in stages for p in s.part.owned}
-    for s in stages:
-        for p in s.part.params:
-            if owner[p] is not s:
-                s.set_param(p, owner[p].params[p])
+def tied_copies(owners: Mapping[str, int], readers: Mapping[str, Sequence[int]]) -> dict[str, tuple[int, ...]]:
+    """Parameter -> the meshes other than its owner that keep a copy of it."""
+    return {p: tuple(k for k in readers.get(p, ()) if k != owners[p]) for p in owners
+            if any(k != owners[p] for k in readers.get(p, ()))}
 
 
 def measured_timeline(plan: PipelinePlan, program: Program, events: list[Event], params_bytes: list[float],
@@ -183,6 +177,14 @@ class _Walker:
         self.cts: dict[tuple[int, int], dict] = defaultdict(dict)      # (mesh, microbatch) -> received cotangents
         self.outs: dict[tuple[int, int], dict] = {}                    # (mesh, microbatch) -> forward outputs
         self.back: dict[tuple[int, int], dict] = {}                    # (mesh, microbatch) -> cotangents to send
+        by_mesh = list(stages.items() if isinstance(stages, Mapping) else enumerate(stages))
+        owners = {p: k for k, st in by_mesh for p in st.ops.owned}
+        readers = defaultdict(list)
+        for k, st in by_mesh:
+            for p in st.ops.params:
+                readers[p].append(k)
+        self.copies = tied_copies(owners, readers)
+        self.tied_box: dict[tuple[int, str], jax.Array] = {}            # (copy mesh, parameter) -> summed gradient
         self.losses: list = []
         self.grads: dict[str, np.ndarray] = {}
         self.events: list[Event] = []
@@ -197,6 +199,8 @@ class _Walker:
                 while pc[k] < len(mesh):
                     ins = mesh[pc[k]]
                     if isinstance(ins, Recv) and (ins.transfer, ins.microbatch) not in self.mailbox:
+                        break
+                    if isinstance(ins, GradSync) and any((k, p) not in self.tied_box for p in self.copied(k)):
                         break
                     self.execute(k, ins)
                     pc[k] += 1
@@ -221,7 +225,7 @@ class _Walker:
             else:
                 self.back[k, m] = stage.backward(m, self.cts.pop((k, m), {}))
                 jax.block_until_ready((self.back[k, m], stage.acc))  # a first stage returns no cotangents
-                self.outs.pop((k, m), None)  # its sends came right after the forward
+                self.outs.pop((k, m), None)  # its sends came right after the forward (the stash is consumed)
             self.record(f"mesh{k}", "compute", k, ins.microbatch, start, name=ins.phase)
         elif isinstance(ins, Send):
             self.send(k, ins, start)
@@ -229,6 +233,7 @@ class _Walker:
             self.receive(k, ins)
             self.record(f"mesh{k}", "recv", k, ins.microbatch, start, name=self.program.transfers[ins.transfer].tensor)
         elif isinstance(ins, GradSync):
+            self.sync_tied(k)
             self.record(f"mesh{k}", "sync", k, -1, start, name="grad_sync")
         elif isinstance(ins, Update):
             if self.step == 0:
@@ -240,6 +245,31 @@ class _Walker:
             stage.free(ins.microbatch)
             self.back.pop((k, ins.microbatch), None)
 
+    def copied(self, k: int) -> list[str]:
+        """The tied parameters mesh k keeps a copy of (owned elsewhere)."""
+        return [p for p, ks in self.copies.items() if k in ks]
+
+    def sync_tied(self, k: int) -> None:
+        """The second half of the tied copies' all-reduce (module doc): the owner sends
+        its summed accumulator to every copy; a copy takes it as its own."""
+        stage = self.stages[k]
+        for p in stage.ops.owned:
+            for dst in self.copies.get(p, ()):
+                start = self.clock()
+                value = stage.acc[p]
+                self.send_tied(k, dst, p, value)
+                self.sent_bytes += value.nbytes
+                self.record(f"mesh{k}->mesh{dst}", "send", k, -1, start, float(value.nbytes), f"{p}:grad (tied)")
+        for p in self.copied(k):
+            stage.set_grad(p, self.take_tied(k, p))
+
+    def send_tied(self, k: int, dst: int, param: str, value: jax.Array) -> None:
+        dst_stage = self.stages[dst]
+        self.tied_box[dst, param] = jax.device_put(value, dst_stage.shardings[f"{param}:grad"])
+
+    def take_tied(self, k: int, param: str) -> jax.Array:
+        return self.tied_box.pop((k, param))
+
     def outgoing(self, k: int, ins: Send) -> list[tuple[str, str, jax.Array]]:
         """(kind, name, value) of everything transfer `ins` carries out of mesh k."""
         m = ins.microbatch
@@ -249,8 +279,10 @@ class _Walker:
                 out.append((kind, name, self.outs[k, m][name]))
             elif kind == "ct":
                 out.append((kind, name, self.back[k, m][name]))
-            else:
-                out.append((kind, name, self.stages[k].acc[name]))
+            else:  # a tied copy's accumulated gradient, by parameter
+                ops = self.stages[k].ops
+                (p,) = [p for p, g in ops.grads.items() if g == name]
+                out.append(("grad", p, self.stages[k].acc[p]))
         return out
 
     def send(self, k: int, ins: Send, start: float) -> None:

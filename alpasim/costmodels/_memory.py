@@ -1,21 +1,20 @@
-"""Training memory of a graph: parameters, gradients, optimizer states, live activations.
+"""Training memory of a whole graph run as one step: parameters, gradients, optimizer
+states, live activations.
 
     params      = sum of the parameters entering the step (`OpGraph.params`)
-    grads       = sum of tensors with role ``grad``, all held at once (the update ops
-                  run after the whole backward, as `training_graph` orders them)
+    grads       = sum of tensors with role ``grad`` (the accumulators Adam reads)
     optimizer   = sum of optimizer states entering the step (fp32 masters, Adam m, v)
-    activations = max over the op order of the live activation bytes
+    activations = the peak of live activation bytes of one forward + backward pass,
+                  by the liveness rules of `_stage_memory` (what a pipeline stage uses)
 
-An activation (role ``activation``, or a graph input) is live from the op that writes
-it (the start of the step for inputs) to its last reader, inclusive; a graph output
-stays live to the end. Update ops write ``<param>:new`` and ``<state>:new``; these
-alias the buffers they replace (Adam updates in place) and add nothing.
+Update ops write ``<param>:new`` and ``<state>:new``; these alias the buffers they
+replace (Adam updates in place) and add nothing.
 
 Per device, every term is multiplied by `shard_fraction`, the fraction of each tensor
 one device holds — a placeholder until the solvers pass a real sharding.
 
-Ignored: allocator fragmentation and workspace, framework and CUDA context memory,
-temporary buffers inside an op, and gradients freed before the update.
+Ignored: allocator fragmentation and workspace, framework and CUDA context memory and
+temporary buffers inside an op.
 """
 
 from __future__ import annotations
@@ -24,6 +23,8 @@ import math
 from dataclasses import dataclass
 
 from alpasim.graphs import OpGraph
+
+from ._stage_memory import layer_memory
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,45 +51,9 @@ class MemoryBreakdown:
 
 
 def activation_peak_bytes(graph: OpGraph) -> int:
-    """Peak live activation bytes along `graph.ops` (liveness rule: module docstring).
-
-    One pass over the ops and one over the tensors: O(ops + tensors).
-    """
-    n = len(graph.ops)
-    start: dict[str, int] = {}
-    last_use: dict[str, int] = {}
-    for i, op in enumerate(graph.ops):
-        for t in op.inputs:
-            last_use[t] = i
-        if op.phase == "update":
-            continue
-        for t in op.outputs:
-            start[t] = i
-    outputs = set(graph.outputs)
-    inputs = set(graph.inputs)
-    producer = graph.producer
-    delta = [0] * (n + 1)
-    base = 0
-    for name, t in graph.tensors.items():
-        if name in producer:
-            if name not in start or t.role != "activation":
-                continue  # written by an update op, or a gradient / updated state
-            s = start[name]
-        elif t.role == "input" or name in inputs:
-            s = 0
-        else:
-            continue  # parameters and optimizer states are counted elsewhere
-        if n == 0:
-            base += t.nbytes
-            continue
-        e = n - 1 if name in outputs else max(last_use.get(name, s), s)
-        delta[s] += t.nbytes
-        delta[e + 1] -= t.nbytes
-    peak, live = base, 0
-    for i in range(n):
-        live += delta[i]
-        peak = max(peak, live)
-    return peak
+    """Peak live activation bytes of one pass of `graph` (its forward, then its backward),
+    by the liveness rules of `_stage_memory` (the same the planner's stages use)."""
+    return int(layer_memory(graph).peak_bytes)
 
 
 def training_memory(graph: OpGraph, shard_fraction: float = 1.0) -> MemoryBreakdown:

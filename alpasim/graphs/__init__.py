@@ -7,6 +7,8 @@ not import jax; `from_jax` imports it when called.
 from ._autodiff import AdamConfig as AdamConfig
 from ._autodiff import AutodiffError as AutodiffError
 from ._autodiff import VJP_RULES as VJP_RULES
+from ._autodiff import is_weight_grad as is_weight_grad
+from ._autodiff import weight_grad_params as weight_grad_params
 from ._autodiff import training_graph as training_graph
 from ._build import BuiltGraph as BuiltGraph
 from ._build import build_training_graph as build_training_graph

@@ -455,6 +455,8 @@ def training_graph(forward: OpGraph, *, remat: bool = False, optimizer: AdamConf
             for t, g, need in zip(op.inputs, grads, in_needs):
                 if g is None or not need:
                     continue
+                if forward.tensors[t].role == "param":
+                    _tag_producer(b, g, t)
                 prev = ct.get(t)
                 if prev is not None and forward.tensors[t].role == "param" and ct_layer[t] != op.layer:
                     carried.append(prev)    # a tied copy's contribution, handed across layers
@@ -470,6 +472,36 @@ def training_graph(forward: OpGraph, *, remat: bool = False, optimizer: AdamConf
                         ct[t] = b.one("convert", [ct[t]], name=f"{t}:grad_cast", dtype=want)
 
     return _append_updates(b, forward, ct, optimizer, loss, recipe, carried)
+
+
+# An op's output k that is parameter p's gradient (or a contribution to it) carries the
+# tag "weight_grad:k:p": its partial sums are accumulated over the microbatches and
+# synchronised once per iteration, whatever dtype the gradient is then kept in, and a
+# layout rule for p's gradient applies to it.
+WEIGHT_GRAD_TAG = "weight_grad"
+
+
+def _tag_producer(b: GraphBuilder, tensor: str, param: str) -> None:
+    for i in range(len(b.ops) - 1, -1, -1):
+        if tensor in b.ops[i].outputs:
+            k = b.ops[i].outputs.index(tensor)
+            b.ops[i] = b.ops[i].replace(tags=b.ops[i].tags | {f"{WEIGHT_GRAD_TAG}:{k}:{param}"})
+            return
+
+
+def weight_grad_params(op: Op) -> dict[int, str]:
+    """Output index -> the parameter whose gradient (contribution) that output is."""
+    out = {}
+    for tag in op.tags:
+        if tag.startswith(WEIGHT_GRAD_TAG + ":"):
+            _, k, param = tag.split(":", 2)
+            out[int(k)] = param
+    return out
+
+
+def is_weight_grad(op: Op, k: int, tensors) -> bool:
+    """Whether output `k` of `op` is a parameter's gradient or a contribution to it."""
+    return tensors[op.outputs[k]].role == "grad" or k in weight_grad_params(op)
 
 
 def _recompute_layer(b: GraphBuilder, fwd: OpGraph, layer: int, remap: dict[str, str]) -> None:

@@ -12,9 +12,12 @@ others are reported as runner-ups with their predicted times.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from alpasim.costmodels import Cluster, CostModel
 from alpasim.graphs import (
@@ -43,6 +46,7 @@ from ._stage_dp import DPResult, bubble_fraction, equal_layer_dp, stage_dp
 from ._submesh import place_submeshes
 
 GIB = 2 ** 30
+INF = math.inf
 # Relative gap between evaluated bottlenecks t_max (the paper's epsilon, unit-free):
 # the DP's answer is within about B * epsilon * t_max of the optimum.
 DEFAULT_EPSILON = 1e-3
@@ -214,11 +218,11 @@ def plan_pipeline(model: str, cluster: Cluster, *, microbatches: int | str = "au
         search["cost_model"] = {"name": getattr(cost_model, "name", type(cost_model).__name__),
                                 "digest": cost_model_key(cost_model)}
     if not best.dp.stages:
-        need = min(_least_memory(c, cluster.num_devices) for c in candidates)
+        need, why = min((memory_bound(c, cluster.num_devices) for c in candidates), key=lambda x: x[0])
         raise PlanInfeasible(
             f"does not fit: no plan of {name} on {cluster.num_devices} x {cluster.device.name} fits in "
-            f"{cluster.device.memory_bytes / GIB:.1f} GiB per device; the smallest plan needs at least "
-            f"{need / GIB:.1f} GiB per device", need)
+            f"{cluster.device.memory_bytes / GIB:.1f} GiB per device; every plan needs at least {need / GIB:.1f} "
+            f"GiB per device: {why}", need)
     return _assemble_plan(name, cfg, cluster, best, candidates, search, remat, method, recipe)
 
 
@@ -228,23 +232,47 @@ def _with_recipe_dtype(cfg, recipe):
     return cfg if dtype == cfg.dtype else dataclasses.replace(cfg, dtype=dtype)
 
 
-def _least_memory(c: Candidate, num_devices: int) -> float:
-    """A lower bound on the per-device memory of any plan: the whole model's least
-    persistent bytes on the largest allowed submesh, spread over every device (when
-    stages must be smaller than the cluster, pipelining spreads them at best evenly),
-    plus the largest layer's least activations of one microbatch."""
-    full = max(range(len(c.costs.shapes)), key=lambda h: c.costs.shapes[h].size)
-    spread = c.costs.shapes[full].size / num_devices
-    best = float("inf")
-    for m, (shape, _, _) in enumerate(c.costs.meshes):
-        if c.costs.shapes.index(shape) != full:
+def memory_bound(c: Candidate, num_devices: int) -> tuple[float, str]:
+    """A true lower bound on the per-device memory of any plan of candidate `c`, and
+    what it is made of. Every plan has a first stage: layers 0..i on some submesh and
+    view, with one option, as deep as the pipeline (`costs.least` holds the least such
+    entry); and no plan holds less than the model's least total states (each layer on
+    the mesh and option that store the fewest bytes across their devices) spread over
+    every device. The larger of the two, with the first stage's terms named."""
+    costs = c.costs
+    first = costs.least[0]                                            # (L, shapes, S)
+    i, h, s = np.unravel_index(np.argmin(first), first.shape)
+    stage_bound = float(first[i, h, s])
+    states = 0.0
+    for kind in costs.layer_kind:
+        states += min((o.persistent_bytes * costs.meshes[m][0].size for (k, m), opts in costs.options.items()
+                       if k == kind for o in opts), default=INF)
+    states_bound = states / num_devices
+    breakdown = _least_first_stage(costs, int(i), int(h), int(s) + 1, c.microbatches)
+    if breakdown is not None and stage_bound >= states_bound:
+        terms = breakdown.terms()
+        largest = max(terms, key=terms.get)
+        parts = ", ".join(f"{k} {v / GIB:.2f}" for k, v in terms.items() if v > 0)
+        return stage_bound, (f"the smallest first stage (layers 0-{i} on {costs.shapes[h].size} devices, "
+                             f"{s + 1} stages deep) holds {parts} GiB; the largest term is {largest}")
+    return states_bound, (f"the model's parameters, gradients and optimizer states alone take {states / GIB:.1f} "
+                          f"GiB, spread over all {num_devices} devices")
+
+
+def _least_first_stage(costs: StageCosts, last: int, shape: int, depth: int, microbatches: int):
+    """`StageMemory` of the smallest stage 0..last on submesh shape `shape` at `depth`."""
+    best = None
+    for m, (sh, _, _) in enumerate(costs.meshes):
+        if costs.shapes.index(sh) != shape:
             continue
-        persistent = activation = 0.0
-        for kind in c.costs.layer_kind:
-            opts = c.costs.options.get((kind, m), [])
-            persistent += min((o.persistent_bytes for o in opts), default=float("inf"))
-            activation = max(activation, min((o.activation_bytes for o in opts), default=float("inf")))
-        best = min(best, persistent * spread + activation)
+        opts = [costs.options.get((costs.layer_kind[l], m), []) for l in range(last + 1)]
+        if not all(opts):
+            continue
+        for j in range(max(len(o) for o in opts)):
+            chosen = [o[min(j, len(o) - 1)] for o in opts]
+            mem = stage_memory_of(costs, 0, last, m, chosen, min(depth, microbatches))
+            if best is None or mem.total_bytes < best.total_bytes:
+                best = mem
     return best
 
 

@@ -39,7 +39,7 @@ import itertools
 from collections.abc import Mapping
 
 from alpasim.costmodels import CostModel
-from alpasim.graphs import Op, OpGraph, Tensor, op_dims
+from alpasim.graphs import Op, OpGraph, Tensor, is_weight_grad, op_dims, weight_grad_params
 
 from ._mesh import LogicalMesh
 from ._resharding import Collective, resharding_time_s
@@ -122,12 +122,20 @@ def megatron_restriction(graph: OpGraph, mesh: LogicalMesh, cost_model: CostMode
             # split its class axis, so it runs replicated over the tensor-parallel axis
             # (never on a sequence split Megatron does not have).
             keep = [s for s in keep if 1 not in _axes_of(s)] or keep
-        owner = op.inputs[0] if op.prim == "adam" else param_of_grad.get(op.outputs[0])
-        if owner in leaf_specs:
-            # No distributed optimizer: gradients, master weights and Adam moments are
-            # laid out as the parameter is.
-            same = [s for s in options if all(o == leaf_specs[owner][0] for o in s.out_specs)]
-            keep = same or keep
+        # No distributed optimizer: gradients (and each contribution to one, such as the
+        # LM head's to the tied embedding's), master weights and Adam moments are laid
+        # out as the parameter is.
+        if op.prim == "adam":
+            owners = dict.fromkeys(range(len(op.outputs)), op.inputs[0])
+        else:
+            owners = {k: p for k, p in weight_grad_params(op).items()}
+            if op.outputs[0] in param_of_grad:
+                owners[0] = param_of_grad[op.outputs[0]]
+        owners = {k: p for k, p in owners.items() if p in leaf_specs}
+        if owners:
+            def laid_out(s: Strategy) -> bool:
+                return all(s.out_specs[k] == leaf_specs[p][0] for k, p in owners.items())
+            keep = [s for s in keep if laid_out(s)] or [s for s in options if laid_out(s)] or keep
         restrict[op.name] = keep or options
     return restrict, leaf_specs
 
@@ -194,7 +202,11 @@ def _shard_weight_update(graph: OpGraph, mesh: LogicalMesh, cost_model: CostMode
         if op.prim == "adam":
             sliced = [s for s in _options(op, graph, mesh, cost_model) if set(_axes_of(s)) == live]
             out[op.name] = sliced or out[op.name]
-        elif any(graph.tensors[t].role == "grad" for t in op.outputs):
+        elif op.prim in ("convert", "elementwise") and all(graph.tensors[t].role == "grad" for t in op.outputs):
+            # The cast into the fp32 accumulator (or a tied gradient's sum) runs in
+            # whatever layout the scattered gradient arrives in.
+            out[op.name] = _options(op, graph, mesh, cost_model)
+        elif any(is_weight_grad(op, k, graph.tensors) for k in range(len(op.outputs))):
             scattered = [v for s in out[op.name] for v in _scatter_gradients(op, s, graph.tensors, mesh)]
             out[op.name] = list(dict.fromkeys(scattered)) or out[op.name]
     return out
@@ -216,13 +228,13 @@ def _scatter_gradients(op: Op, s: Strategy, tensors: Mapping[str, Tensor], mesh:
     loops = dict(s.loops)
     in_letters = set("".join(dm.inputs))
     per_output: list[list[tuple[ShardingSpec, Collective | None]]] = []
-    for t, term, spec in zip(op.outputs, dm.outputs, s.out_specs):
+    for k, (t, term, spec) in enumerate(zip(op.outputs, dm.outputs, s.out_specs)):
         tensor = tensors[t]
         partial = tuple(sorted(a for c, axes in loops.items() if c in in_letters and c not in term for a in axes))
         nbytes = tensor.nbytes / spec.num_shards(mesh)
         if not partial:
             per_output.append([(spec, None)])
-        elif tensor.role != "grad":
+        elif not is_weight_grad(op, k, tensors):
             per_output.append([(spec, Collective("all_reduce", nbytes, partial))])
         else:
             forms = []
@@ -240,10 +252,10 @@ def _scatter_gradients(op: Op, s: Strategy, tensors: Mapping[str, Tensor], mesh:
     variants = []
     for combo in itertools.product(*per_output):
         collectives, sync = [], []
-        for t, (_, c) in zip(op.outputs, combo):
+        for k, (_, c) in enumerate(combo):
             if c is not None:
                 collectives.append(c)
-                sync.append(s.update or tensors[t].role == "grad")
+                sync.append(s.update or is_weight_grad(op, k, tensors))
         comm_s = sum(c.time_s(mesh) for c, x in zip(collectives, sync) if not x)
         sync_s = sum(c.time_s(mesh) for c, x in zip(collectives, sync) if x)
         variants.append(Strategy(s.loops, s.in_specs, tuple(spec for spec, _ in combo), tuple(collectives),
@@ -325,7 +337,7 @@ def deepspeed_moe_restriction(graph: OpGraph, mesh: LogicalMesh, cost_model: Cos
         options = [s for s in _options(op, graph, mesh, cost_model)
                    if not any(c.kind == "reduce_scatter" for c in s.collectives)]
         keep = [s for s in options if _expert_parallel(s, letter, axes, rest, batch[op_name], op.prim == "adam")]
-        if any(graph.tensors[t].role == "grad" for t in op.outputs):
+        if any(is_weight_grad(op, k, graph.tensors) for k in range(len(op.outputs))):
             keep = [v for s in keep for v in _scatter_gradients(op, s, graph.tensors, mesh)] or keep
         if keep:
             restrict[op_name] = list(dict.fromkeys(keep))

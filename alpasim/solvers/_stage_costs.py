@@ -296,6 +296,7 @@ class StageCosts:
     view: np.ndarray                    # (L, L, shapes, S) index into `meshes` of the winning view
     option: np.ndarray                  # (L, L, shapes, S) option index used
     memory: np.ndarray                  # (L, L, shapes, S) per-device bytes of the winner
+    least: np.ndarray                   # (L, L, shapes, S) least per-device bytes of any view and option
     shapes: list[SubmeshShape]
     meshes: list[tuple[SubmeshShape, tuple[int, int], LogicalMesh]]
     layer_kind: list[str]               # kind key of each layer
@@ -477,9 +478,11 @@ def _assemble(kinds: Sequence[str], options, meshes, shapes, memory: float, micr
     view = np.zeros(cost.shape, dtype=int)
     opt = np.zeros(cost.shape, dtype=int)
     mem = np.full(cost.shape, INF)
+    least = np.full(cost.shape, INF)
     for s in range(1, s_max + 1):
         need = base + min(s, microbatches) * s_range                    # w microbatches stashed
         need = np.where(empty, INF, need)
+        smallest = need.min(axis=3)                                      # (L, L, M)
         t = np.where(need <= memory, t_range, INF)
         j_best = np.argmin(t, axis=3)                               # (L, L, M)
         t_best = np.take_along_axis(t, j_best[..., None], axis=3)[..., 0]
@@ -494,4 +497,5 @@ def _assemble(kinds: Sequence[str], options, meshes, shapes, memory: float, micr
             view[:, :, h, s - 1] = cols[pick]
             opt[:, :, h, s - 1] = np.take_along_axis(j_best[:, :, cols], pick[..., None], axis=2)[..., 0]
             mem[:, :, h, s - 1] = np.take_along_axis(m_need[:, :, cols], pick[..., None], axis=2)[..., 0]
-    return cost, view, opt, mem
+            least[:, :, h, s - 1] = smallest[:, :, cols].min(axis=2)
+    return cost, view, opt, mem, least

@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from alpasim.costmodels import CostModel
-from alpasim.graphs import Op, Tensor, is_heavy, op_dims
+from alpasim.graphs import Op, Tensor, is_heavy, is_weight_grad, op_dims
 
 from ._mesh import LogicalMesh
 from ._resharding import Collective
@@ -94,8 +94,9 @@ def enumerate_strategies(op: Op, tensors: Mapping[str, Tensor], mesh: LogicalMes
         loop_shards = mesh.axis_size(tuple(a for axes in loops.values() for a in axes))
         compute_s = cost_model.op_time_s(op, tensors, num_shards=loop_shards)
         update = op.phase == "update"
+        grads = tuple(is_weight_grad(op, k, tensors) for k in range(len(op.outputs)))
         for out_specs, collectives in _finish_outputs(dm.outputs, outs, base_out, loops, in_letters,
-                                                     dm.unshardable | dm.reduced_within, mesh):
+                                                     dm.unshardable | dm.reduced_within, mesh, grads):
             sync = tuple(update or is_grad for _, is_grad in collectives)
             collectives = [c for c, _ in collectives]
             comm_s = sum(c.time_s(mesh) for c, x in zip(collectives, sync) if not x)
@@ -110,16 +111,18 @@ def enumerate_strategies(op: Op, tensors: Mapping[str, Tensor], mesh: LogicalMes
 
 def _finish_outputs(terms: Sequence[str], outs: Sequence[Tensor], base: tuple[ShardingSpec, ...],
                     loops: Mapping[str, tuple[int, ...]], in_letters: set[str], fixed: frozenset[str],
-                    mesh: LogicalMesh):
-    """Yield (output specs, collectives) for the all-reduce form and reduce-scatter forms."""
+                    mesh: LogicalMesh, grads: Sequence[bool] = ()):
+    """Yield (output specs, collectives) for the all-reduce form and reduce-scatter forms;
+    `grads[k]`: output k is a parameter's gradient (`graphs.is_weight_grad`)."""
+    grads = tuple(grads) or (False,) * len(outs)
     partial: list[tuple[int, ...]] = []
     for term in terms:
         axes = tuple(sorted(a for c, ax in loops.items() if c in in_letters and c not in term for a in ax))
         partial.append(axes)
     # Each collective comes with whether it finishes a weight gradient (synchronised once
     # per iteration, after accumulation) rather than an activation (every microbatch).
-    all_reduce = [(Collective("all_reduce", t.nbytes / s.num_shards(mesh), p), t.role == "grad")
-                  for t, s, p in zip(outs, base, partial) if p]
+    all_reduce = [(Collective("all_reduce", t.nbytes / s.num_shards(mesh), p), g)
+                  for t, s, p, g in zip(outs, base, partial, grads) if p]
     yield base, all_reduce
     partial_outputs = [i for i, p in enumerate(partial) if p]
     if len(partial_outputs) != 1:
@@ -136,4 +139,4 @@ def _finish_outputs(terms: Sequence[str], outs: Sequence[Tensor], base: tuple[Sh
             continue
         before = t.nbytes / base[i].num_shards(mesh)
         specs = base[:i] + (spec,) + base[i + 1:]
-        yield specs, [(Collective("reduce_scatter", before, axes), t.role == "grad")]
+        yield specs, [(Collective("reduce_scatter", before, axes), grads[i])]

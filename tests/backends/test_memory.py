@@ -4,8 +4,9 @@ stash, the gradient-accumulation dtype, and `alpasim run`'s exit on a numerics m
 The independent figures: XLA's memory analysis of a hand-sharded program against the
 shard sizes that `Array.addressable_shards` holds (are the figures per device?); a
 one-stage plan's measured state against the bytes of its parameter, accumulator and
-optimizer-state arrays on one device; its stash under remat against the placed
-microbatch inputs, without remat against the residual arrays its forward returned.
+optimizer-state arrays on one device; its stash against the arrays the forward
+kept, and against the sum of the per-layer liveness stashes the planner prices;
+Megatron-LM's tied copies.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from alpasim.backends import (ProgramMemory, check_numerics, microbatch_inputs, per_device_bytes, reference_step,
-                              run_local, stage_memory)
+from alpasim.backends import (ProgramMemory, check_numerics, layer_stash_sum, microbatch_inputs, per_device_bytes,
+                              reference_step, run_local, stage_inputs, stage_memory)
 from alpasim.costmodels import get_cluster
 from alpasim.solvers import plan_pipeline, planning_graph
 
@@ -65,17 +66,47 @@ def test_one_stage_measured_state_and_stash_equal_the_arrays(remat):
     graph = planning_graph(plan.model)
     data = {t: jax.device_put(v, stage.shardings[t]) for t, v in microbatch_inputs(graph, 0, 0, 0).items()}
     stage.forward(0, {}, data)
-    acts, kept, res = stage.stash[0]
-    assert not acts  # one stage: no activations arrive
-    if remat:
-        assert res == [] and m.stash_bytes == shard_bytes(data.values())
-    else:
-        # The residuals, no copy of any parameter among them, plus the inputs they read.
-        assert res and m.stash_bytes == shard_bytes(res) + shard_bytes(kept.values())
-        assert not {id(v) for v in res} & {id(v) for v in stage.params.values()}
+    stash = stage.stash[0]
+    # What the training graph's backward ops read of the forward, no parameter among them.
+    assert tuple(stash) == stage.ops.stash and m.stash_bytes == shard_bytes(stash.values())
+    assert not {id(v) for v in stash.values()} & {id(v) for v in stage.params.values()}
+    if remat:  # the checkpoints: the data the backward reads and each layer's input
+        assert set(stage.ops.data) <= set(stash) and len(stash) < 8
     stage.free(0)
     assert m.total_bytes == (m.state_bytes + m.inflight * m.stash_bytes + m.temp_bytes + m.buffer_bytes)
     assert m.peak_program in ("forward", "backward", "update") and m.temp_bytes > 0
+
+
+@needs_8
+@pytest.mark.parametrize("remat", [True, False])
+def test_stage_stash_is_the_layers_liveness_stash(remat):
+    plan = one_stage_plan(TINY_GPT, remat)
+    (stage,) = run_local(plan, steps=1).stages
+    train = stage_inputs(plan, planning_graph(plan.model)).train
+    nbytes = {t: train.tensors[t].nbytes for t in train.tensors}
+    per_layer = layer_stash_sum(train, *plan.stages[0].layers, lambda t: nbytes[t])
+    # Equal unless a layer's output is also read by its own backward (counted per layer twice).
+    assert sum(nbytes[t] for t in stage.ops.stash) <= per_layer
+    layers = {op.layer for op in train.ops}
+    twice = {t for t in stage.ops.stash
+             if len({op.layer for op in train.consumers.get(t, ()) if op.phase == "backward"} & layers) > 1}
+    assert sum(nbytes[t] for t in stage.ops.stash) + sum(nbytes[t] for t in twice) >= per_layer
+
+
+@needs_8
+def test_tied_copies_stay_equal_and_train_as_one_parameter():
+    views = {2: [(1, 2)], 4: [(2, 2)]}
+    plan = plan_pipeline(TINY_GPT, get_cluster("aws-p3.16xlarge", nodes=1), microbatches=2, remat=True,
+                         pareto=False, shape_ok=lambda sh: sh.size in views, views_of=lambda sh: views[sh.size],
+                         max_stages=3)
+    result = run_local(plan, steps=2)
+    first, last = result.stages[0], result.stages[-1]
+    (tied,) = last.ops.copies
+    assert tied in first.ops.owned and tied in last.ops.grads and len(result.stages) >= 2
+    # The copy has its own accumulator and Adam states, and the same update.
+    assert {f"{tied}:adam_m", f"{tied}:adam_v"} <= set(last.states)
+    np.testing.assert_array_equal(np.asarray(first.params[tied]), np.asarray(last.params[tied]))
+    assert check_numerics(result.losses[0], result.grads, reference_step(plan))["numerics_ok"]
 
 
 @needs_8
@@ -83,10 +114,10 @@ def test_no_remat_stage_backward_does_not_recompute_and_matches_one_device():
     plan = one_stage_plan(TINY_GPT, remat=False)
     result = run_local(plan, steps=1)
     (stage,) = result.stages
-    assert not stage.remat and stage.residuals.treedef is not None
+    assert not stage.remat and not any(op.remat for op in stage.ops.backward)
     assert check_numerics(result.losses[0], result.grads, reference_step(plan))["numerics_ok"]
-    # The backward reads the residuals instead of the stage inputs' recomputation: it
-    # runs fewer contractions than the remat stage's backward does.
+    # The backward reads the stash instead of recomputing: it runs fewer contractions
+    # than the remat stage's backward does.
     remat = run_local(one_stage_plan(TINY_GPT, remat=True), steps=1).stages[0]
     dots = {k: s.compiled["backward"].as_text().count(" dot(") for k, s in (("stash", stage), ("remat", remat))}
     assert dots["stash"] < dots["remat"], dots

@@ -21,14 +21,29 @@ MOE = "moe:hidden=256,layers=4,heads=8,experts=4,seq=128,vocab=1024,batch=8,grou
 FOUR = (1, 4)
 
 
+# ZeRO's accounting (fp16 weights and gradients, fp32 master and Adam: 16 B/param) is
+# the "mixed" recipe; `test_zero2_under_fp32_gradients` checks the default one.
 @pytest.fixture(scope="module")
 def gpt_layer():
-    return stage_graph(build_training_graph(GPT).graph, 1, 1)
+    return stage_graph(build_training_graph(GPT, precision="mixed").graph, 1, 1)
 
 
 @pytest.fixture(scope="module")
 def moe_layer():
-    return stage_graph(build_training_graph(MOE).graph, 2, 2)
+    return stage_graph(build_training_graph(MOE, precision="mixed").graph, 2, 2)
+
+
+def test_zero2_under_fp32_gradients(p3):
+    """Megatron-LM's recipe: fp32 gradient accumulators (4 B/param), reduce-scattered
+    once per iteration and held 1/N like the optimizer states."""
+    cluster, model = p3
+    layer = stage_graph(build_training_graph(GPT).graph, 1, 1)
+    plan = _solve(layer, LogicalMesh.on_cluster(cluster, FOUR), model, "zero2").plan
+    P = _num_params(layer)
+    assert _bytes(plan, per_iteration=False) == {}
+    assert set(_bytes(plan, per_iteration=True)) == {"reduce_scatter", "all_gather"}
+    m = plan.memory
+    assert (m.params_bytes, m.grads_bytes, m.optimizer_bytes) == pytest.approx((2 * P, 4 * P / 4, 12 * P / 4))
 
 
 def _solve(stage, mesh, model, method=None, **kw):

@@ -31,7 +31,7 @@ from alpasim.solvers import plan_pipeline  # noqa: E402
 MODELS = {
     "gpt": "gpt3:hidden=64,layers=2,heads=4,seq=16,vocab=128,batch=8,dtype=fp32",
     "moe": "moe:hidden=64,layers=2,heads=4,seq=16,vocab=128,batch=8,experts=4,group_size=32,dtype=fp32",
-    "wresnet": "wresnet:channels=8,width=1,image=64,classes=16,batch=8",
+    "wresnet": "wresnet:channels=8,width=1,image=64,classes=16,batch=8,dtype=fp32",
 }
 VIEWS = {2: [(1, 2)], 4: [(2, 2)]}
 KIB = 2 ** 10
@@ -60,7 +60,8 @@ def main() -> None:
     args = ap.parse_args()
     cluster = get_cluster("aws-p3.16xlarge", nodes=1)
     print("KiB per device; state = params+grads+optimizer; stash per microbatch x inflight; "
-          "transient = temporaries + boundary buffers; ratio = predicted / measured")
+          "transient = temporaries + boundary buffers of the peak program (the update's holds no stash); "
+          f"ratio = predicted / measured (load average {os.getloadavg()[0]:.2f})")
     print(f"{'model':8} {'remat':5} {'stage':5} {'mesh':4} {'predicted':>10} {'measured':>10} {'ratio':>6}  "
           f"{'state p/m':>17} {'stash p/m x n':>20} {'transient p/m':>17}  measured peak program")
     for family in args.models.split(","):
@@ -74,6 +75,7 @@ def main() -> None:
             for k, (st, stage) in enumerate(zip(plan.stages, result.stages, strict=True)):
                 m = stage_memory(stage, st.inflight_microbatches)
                 p_state, p_stash, p_n, p_trans = predicted_breakdown(st)
+                upd = (st.memory or {}).get("update_bytes", 0.0)
                 ratio = st.memory_bytes / m.total_bytes
                 print(f"{family:8} {str(remat):5} {k:5} {'x'.join(map(str, st.logical_mesh)):4} "
                       f"{kib(st.memory_bytes):>10} {kib(m.total_bytes):>10} {ratio:6.2f}  "
@@ -81,6 +83,7 @@ def main() -> None:
                       f"{kib(p_stash):>7}/{kib(m.stash_bytes):<7}x{p_n}/{m.inflight:<2} "
                       f"{kib(p_trans):>8}/{kib(m.temp_bytes + m.buffer_bytes):<8}  "
                       f"{m.peak_program} (temp {kib(m.temp_bytes)}, buffers {kib(m.buffer_bytes)}; "
+                      f"update p/m {kib(upd)}/{kib(m.programs['update'].temp_bytes)}; "
                       f"params {kib(m.params_bytes)} grads {kib(m.grads_bytes)} opt {kib(m.optimizer_bytes)})")
             print(f"# {family} remat={remat}: {len(plan.stages)} stages, numerics {'ok' if ok else 'MISMATCH'}, "
                   f"{time.perf_counter() - t0:.1f} s")

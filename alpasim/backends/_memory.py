@@ -9,7 +9,10 @@ device from them the way a microbatch's life under 1F1B holds memory
 (Korthikanti et al. 2022, section 4; the plan's `stages[i].memory` composes its
 prediction alike):
 
-    measured = state + inflight x stash + max over programs p of (temp_p + boundary_p)
+    measured = state + max(inflight x stash + max over p in {forward, backward} of (temp_p + boundary_p),
+                           temp_update + boundary_update)
+
+(the optimizer step runs after the last microbatch's backward, when nothing is stashed)
 
 - state: parameters + gradient accumulators + optimizer states (fp32 master, Adam
   moments), all resident for the whole iteration: the update program's arguments,
@@ -84,7 +87,8 @@ class StageMemory:
 
     @property
     def total_bytes(self) -> int:
-        return self.state_bytes + self.inflight * self.stash_bytes + self.temp_bytes + self.buffer_bytes
+        stashed = 0 if self.peak_program == "update" else self.inflight * self.stash_bytes
+        return self.state_bytes + stashed + self.temp_bytes + self.buffer_bytes
 
     def to_json(self) -> dict[str, Any]:
         return {"params_bytes": self.params_bytes, "grads_bytes": self.grads_bytes,
@@ -132,7 +136,8 @@ def stage_memory(stage, inflight: int) -> StageMemory:
     update_out = sum(_bytes(a) for tree in stage.compiled["update"].out_info for a in jax.tree.leaves(tree))
     candidates = {"forward": (fwd.temp_bytes, forward_boundary), "backward": (bwd.temp_bytes, backward_boundary),
                   "update": (upd.temp_bytes, max(update_out - upd.alias_bytes, 0))}
-    peak = max(candidates, key=lambda k: sum(candidates[k]))
+    held = {"forward": inflight * stash, "backward": inflight * stash, "update": 0}   # no stash at the update
+    peak = max(candidates, key=lambda k: sum(candidates[k]) + held[k])
     temp, boundary = candidates[peak]
     return StageMemory(stage.index, programs, params, grads, optimizer, stash, inflight, temp, boundary, peak,
                        device_peak_bytes(stage.mesh))

@@ -8,7 +8,9 @@ a cotangent it receives: from the start of its backward, recomputation included)
 to the last op of the layer that reads it. A forward result handed on (to the next
 layer or stage) lives to the end of the layer's forward; a cotangent handed back to the
 previous layer lives to the end of the layer's backward. An elementwise op (or a cast or
-reshape) whose operand dies there writes into that operand's buffer. From that one pass:
+reshape) whose operand dies there writes into that operand's buffer. A gradient made by
+a contraction or reduction is a buffer of its own at the op that makes it (it is then
+added into the persistent accumulator). From that one pass:
 
     stash s_l  = bytes live across the layer's forward -> backward boundary (what the
                  microbatch keeps for its backward: with full remat only the layer input)
@@ -22,17 +24,18 @@ runs, the layers before it hold their stash, so one microbatch peaks at
 and under 1F1B (and GPipe) with w = min(stages from this one to the end, B) microbatches
 in flight, the other w - 1 each hold S while one runs (seed eq. 5, made exact):
 
-    total = params + grads + optimizer + w * S + (P - S) + buffers
+    total = params + grads + optimizer + max(w * S + (P - S), update) + buffers
 
 `transient_bytes` is P - S (the running layer's working set beyond the stashes); the
-buffers are what a layer keeps outside the graph (ZeRO-3's gathered parameters).
+buffers are what a layer keeps outside the graph (ZeRO-3's gathered parameters); the
+update term is the optimizer step's own working set (copies in the layouts Adam reads
+and writes when they differ from the stored ones), held when no activation is.
 This is Korthikanti et al. 2022 section 4 evaluated on our op set instead of written by
 hand: with full recompute S is the layer inputs (their 2sbh per layer) and P - S the
 one recomputed layer's working set; without it S is their 34sbh + 5as^2b less the
 dropout masks our graphs do not have.
 
-Ignored: the update phase's own temporaries (Adam runs in place when no activations are
-live), allocator fragmentation, workspaces inside an op (cuBLAS, attention kernels),
+Ignored: allocator fragmentation, workspaces inside an op (cuBLAS, attention kernels),
 the framework's and CUDA's context, and a handed-on tensor that the producing layer's
 backward also reads (it is counted in both layers' stash: an over-count, never under).
 """
@@ -80,6 +83,13 @@ def is_activation(graph: OpGraph, name: str) -> bool:
     return graph.tensors[name].role not in PERSISTENT_ROLES and not name.endswith(":new")
 
 
+def _made_then_added(graph: OpGraph, op, t: str) -> bool:
+    """A microbatch's gradient made by a contraction or reduction (not an elementwise op,
+    which adds into the accumulator in place): a buffer of its own at the op that makes
+    it, added into the accumulator right after."""
+    return graph.tensors[t].role == "grad" and op.phase == "backward" and op.prim not in IN_PLACE_PRIMS
+
+
 def liveness(graph: OpGraph) -> Liveness:
     """Lifetimes of the activations of `graph` under the rules of the module docstring.
 
@@ -101,7 +111,7 @@ def liveness(graph: OpGraph) -> Liveness:
                 first.setdefault(t, n)
                 last[t] = n
         for t in op.outputs:
-            if is_activation(graph, t):
+            if is_activation(graph, t) or _made_then_added(graph, op, t):
                 first.setdefault(t, n)
                 last.setdefault(t, n)
                 if op.phase == "forward":
@@ -166,10 +176,11 @@ class StageMemory:
     transient_bytes: float      # the running layer's working set beyond the stashes
     buffer_bytes: float         # outside the graph: ZeRO-3's gathered parameters
     total_bytes: float
+    update_bytes: float = 0.0   # the optimizer step's working set (no activations are live then)
 
     def __post_init__(self) -> None:
         for name in ("params_bytes", "grads_bytes", "optimizer_bytes", "stash_bytes", "transient_bytes",
-                     "buffer_bytes", "total_bytes"):
+                     "buffer_bytes", "total_bytes", "update_bytes"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v >= 0:
                 raise ValueError(f"StageMemory: {name} must be a number >= 0, got {v!r}")
@@ -190,7 +201,8 @@ class StageMemory:
         return {"parameters": self.params_bytes, "gradients": self.grads_bytes,
                 "optimizer states": self.optimizer_bytes,
                 f"stashed activations ({self.inflight} microbatches in flight)": self.inflight * self.stash_bytes,
-                "the running layer's working set": self.transient_bytes, "buffers": self.buffer_bytes}
+                "the running layer's working set": self.transient_bytes, "buffers": self.buffer_bytes,
+                "the optimizer step's working set": self.update_bytes}
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -214,14 +226,17 @@ def one_microbatch_peak(layers: Sequence[LayerMemory], carries: Sequence[tuple[i
 
 def stage_memory(layers: Sequence[LayerMemory], *, params_bytes: float, grads_bytes: float,
                  optimizer_bytes: float, inflight: int, buffer_bytes: float = 0.0,
-                 carries: Sequence[tuple[int, int, float]] = ()) -> StageMemory:
+                 carries: Sequence[tuple[int, int, float]] = (), update_bytes: float = 0.0) -> StageMemory:
     """The one function the planner's table, the plans and the out-of-memory bound use
-    (the table applies it vectorised: `range_peak`)."""
+    (the table applies it vectorised: `range_peak`). The optimizer step runs after the
+    last microbatch, when no activation is live: the stage peaks at the larger of the
+    two phases."""
     stash = float(sum(m.stash_bytes for m in layers))
     transient = max(one_microbatch_peak(layers, carries) - stash, 0.0)
-    total = params_bytes + grads_bytes + optimizer_bytes + inflight * stash + transient + buffer_bytes
+    total = (params_bytes + grads_bytes + optimizer_bytes + max(inflight * stash + transient, update_bytes)
+             + buffer_bytes)
     return StageMemory(float(params_bytes), float(grads_bytes), float(optimizer_bytes), stash, int(inflight),
-                       transient, float(buffer_bytes), float(total))
+                       transient, float(buffer_bytes), float(total), float(update_bytes))
 
 
 def range_peak(stash: np.ndarray, peak: np.ndarray) -> np.ndarray:

@@ -50,6 +50,7 @@ class MemoryUse:
     optimizer_bytes: float
     activations_peak_bytes: float
     stash_bytes: float = 0.0            # activations one microbatch keeps from forward to backward
+    update_bytes: float = 0.0           # the optimizer step's working set beyond the persistent state
 
     @property
     def total_bytes(self) -> float:
@@ -73,7 +74,7 @@ class MemoryUse:
     def to_json(self) -> dict:
         return {"params_bytes": self.params_bytes, "grads_bytes": self.grads_bytes,
                 "optimizer_bytes": self.optimizer_bytes, "activations_peak_bytes": self.activations_peak_bytes,
-                "stash_bytes": self.stash_bytes, "total_bytes": self.total_bytes}
+                "stash_bytes": self.stash_bytes, "update_bytes": self.update_bytes, "total_bytes": self.total_bytes}
 
 
 @dataclass(frozen=True)
@@ -162,7 +163,7 @@ def realize(problem: IntraOpProblem, choice: tuple[int, ...]) -> IntraOpPlan:
     sync_s = sum(p.collective.time_s(mesh) for p in placed if p.per_iteration)
     specs.update(stored)
     return IntraOpPlan(mesh, strategies, specs, tuple(placed), comm, compute_s,
-                       memory_use(problem, stored), tuple(choice), sync_s, update_s, forward_s)
+                       memory_use(problem, stored, strategies), tuple(choice), sync_s, update_s, forward_s)
 
 
 def reprice(plan: IntraOpPlan, graph: OpGraph, cost_model: CostModel, mesh: LogicalMesh | None = None) -> IntraOpPlan:
@@ -203,7 +204,8 @@ def reprice(plan: IntraOpPlan, graph: OpGraph, cost_model: CostModel, mesh: Logi
                                update_s=update_s, forward_s=forward_s)
 
 
-def memory_use(problem: IntraOpProblem, specs: dict[str, ShardingSpec]) -> MemoryUse:
+def memory_use(problem: IntraOpProblem, specs: dict[str, ShardingSpec],
+               strategies: dict[str, Strategy] | None = None) -> MemoryUse:
     graph, mesh = problem.graph, problem.mesh
 
     def per_device(t: str) -> float:
@@ -214,7 +216,31 @@ def memory_use(problem: IntraOpProblem, specs: dict[str, ShardingSpec]) -> Memor
         by_role[graph.tensors[t].role] += per_device(t)
     peak = max((sum(per_device(t) for t in live) for live in problem.live_sets), default=0.0)
     stash = sum(per_device(t) for t in problem.stash)
-    return MemoryUse(by_role["param"], by_role["grad"], by_role["optimizer_state"], peak, stash)
+    return MemoryUse(by_role["param"], by_role["grad"], by_role["optimizer_state"], peak, stash,
+                     update_working_bytes(graph, mesh, specs, strategies or {}))
+
+
+def update_working_bytes(graph: OpGraph, mesh: LogicalMesh, specs: dict[str, ShardingSpec],
+                         strategies: dict[str, Strategy]) -> float:
+    """The optimizer step's largest working set: an Adam op that reads a tensor in
+    another layout than it is stored in (weight-update sharding reads a replicated
+    gradient as a slice, an all-gather brings the updated slice back) holds the copies
+    in its own layouts next to the persistent state. Adam ops run one after another."""
+    most = 0.0
+    for op in graph.ops:
+        s = strategies.get(op.name)
+        if op.prim != "adam" or s is None:
+            continue
+        held = 0.0
+        for t, need in zip(op.inputs, s.in_specs):
+            if t in specs and specs[t] != need:
+                held += graph.tensors[t].nbytes / need.num_shards(mesh)
+        for t, out in zip(op.outputs, s.out_specs):
+            home = specs.get(t.removesuffix(":new"))          # the buffer the new value replaces
+            if home is not None and home != out:
+                held += graph.tensors[t].nbytes / out.num_shards(mesh)
+        most = max(most, held)
+    return most
 
 
 def objective_s(plan: IntraOpPlan, with_compute: bool, microbatches: int = 1) -> float:

@@ -94,6 +94,7 @@ class LayerOption:
     optimizer_bytes: float = 0.0
     tied: tuple[float, float, float] = (0.0, 0.0, 0.0)   # a tied copy's (param, grad, state) bytes, in the above
     gather_bytes: float = 0.0                    # parameters gathered before use (ZeRO-3's buffer)
+    update_bytes: float = 0.0                    # the optimizer step's working set
 
     @property
     def tied_bytes(self) -> float:
@@ -113,7 +114,7 @@ class LayerOption:
                    tuple(tuple(h) for h in d["heavy"]), d.get("ilp_status", "optimal"), d.get("forward_s", 0.0),
                    tuple(d.get("input_specs", ())), tuple(d.get("output_specs", ())), d.get("stash_bytes"),
                    d.get("params_bytes", 0.0), d.get("grads_bytes", 0.0), d.get("optimizer_bytes", 0.0),
-                   tuple(d.get("tied", (0.0, 0.0, 0.0))), d.get("gather_bytes", 0.0))
+                   tuple(d.get("tied", (0.0, 0.0, 0.0))), d.get("gather_bytes", 0.0), d.get("update_bytes", 0.0))
 
 
 def canonical_key(graph: OpGraph) -> str:
@@ -168,7 +169,7 @@ def layer_options(layer: OpGraph, mesh: LogicalMesh, cluster: Cluster, microbatc
                            status, plan.forward_s, tuple(str(plan.specs[t]) for t in layer.inputs),
                            tuple(str(plan.specs[t]) for t in layer.outputs), mem.stash_bytes,
                            mem.params_bytes, mem.grads_bytes + t_grad, mem.optimizer_bytes + t_opt,
-                           (t_param, t_grad, t_opt), gathered_param_bytes(layer, plan))
+                           (t_param, t_grad, t_opt), gathered_param_bytes(layer, plan), mem.update_bytes)
 
     kw = restricted_solve_kwargs(restriction, layer, mesh, model)
     fast = solve_intra_op(layer, mesh, model, with_compute=True, microbatches=microbatches, mip_gap=PLANNING_MIP_GAP,
@@ -414,7 +415,7 @@ def compose_stage(opts: Sequence[LayerOption], inflight: int, drop_tied: bool = 
                         grads_bytes=sum(o.grads_bytes for o in opts) - tied[1],
                         optimizer_bytes=sum(o.optimizer_bytes for o in opts) - tied[2],
                         inflight=inflight, buffer_bytes=max((o.gather_bytes for o in opts), default=0.0),
-                        carries=carries)
+                        carries=carries, update_bytes=max((o.update_bytes for o in opts), default=0.0))
 
 
 def _assemble(kinds: Sequence[str], options, meshes, shapes, memory: float, microbatches: int, num_layers: int,
@@ -427,7 +428,7 @@ def _assemble(kinds: Sequence[str], options, meshes, shapes, memory: float, micr
     n_mesh = len(meshes)
     n_opt = max((len(v) for v in options.values()), default=1)
     shape = (num_layers, n_mesh, n_opt)
-    time, pers, peak, stash, tied, gather = (np.full(shape, INF) for _ in range(6))
+    time, pers, peak, stash, tied, gather, update = (np.full(shape, INF) for _ in range(7))
     for l, kind in enumerate(kinds):
         for m in range(n_mesh):
             opts = options.get((kind, m), [])
@@ -441,6 +442,7 @@ def _assemble(kinds: Sequence[str], options, meshes, shapes, memory: float, micr
                 stash[l, m, j] = o.inflight_bytes
                 tied[l, m, j] = o.tied_bytes
                 gather[l, m, j] = o.gather_bytes
+                update[l, m, j] = o.update_bytes
 
     k_idx, i_idx = np.indices((num_layers, num_layers))
     empty = (k_idx > i_idx)[..., None, None]
@@ -454,6 +456,7 @@ def _assemble(kinds: Sequence[str], options, meshes, shapes, memory: float, micr
     t_range, p_range, s_range = ranges(time), ranges(pers), ranges(np.nan_to_num(stash, posinf=0.0))
     peak_range = range_peak(np.nan_to_num(stash, posinf=0.0), np.where(np.isinf(peak), 0.0, peak))
     buffers = np.maximum(range_max(np.where(np.isinf(gather), 0.0, gather)), 0.0)
+    updates = np.maximum(range_max(np.where(np.isinf(update), 0.0, update)), 0.0)
     for l, copy in enumerate(owners):
         if copy is None:
             continue
@@ -472,7 +475,7 @@ def _assemble(kinds: Sequence[str], options, meshes, shapes, memory: float, micr
             peak_range = np.maximum(peak_range, carried)
     with np.errstate(invalid="ignore"):                                  # inf - inf on empty ranges
         transient = np.where(np.isfinite(s_range), np.maximum(peak_range - s_range, 0.0), INF)
-    base = p_range + transient + buffers                                 # (L, L, M, J), without the stashes
+    base = p_range + buffers                                             # (L, L, M, J): persistent + buffers
     shape_of_mesh = np.array([shapes.index(s) for s, _, _ in meshes])
     cost = np.full((num_layers, num_layers, len(shapes), s_max), INF)
     view = np.zeros(cost.shape, dtype=int)
@@ -480,7 +483,7 @@ def _assemble(kinds: Sequence[str], options, meshes, shapes, memory: float, micr
     mem = np.full(cost.shape, INF)
     least = np.full(cost.shape, INF)
     for s in range(1, s_max + 1):
-        need = base + min(s, microbatches) * s_range                    # w microbatches stashed
+        need = base + np.maximum(min(s, microbatches) * s_range + transient, updates)   # w stashed, or the update
         need = np.where(empty, INF, need)
         smallest = need.min(axis=3)                                      # (L, L, M)
         t = np.where(need <= memory, t_range, INF)

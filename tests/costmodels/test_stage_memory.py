@@ -8,7 +8,8 @@ finds the peak of live bytes under the same physical rules (a tensor lives from 
 producer, or its arrival, to its last reader; handed-on results to the end of their
 phase; an elementwise op writes over an operand that dies there; a tied gradient from
 another stage arrives once per iteration, and one for another stage is summed into
-this stage's copy when its layer's backward ends). Equal peaks mean the per-layer
+this stage's copy when its layer's backward ends; a gradient a contraction makes is a
+buffer of its own at that op). Equal peaks mean the per-layer
 composition loses nothing of the schedule.
 """
 
@@ -53,10 +54,13 @@ def unrolled_peak(sg, microbatches: int, inflight: int) -> float:
         tensor = sg.tensors[t]
         return tensor.role not in PERSISTENT and not t.endswith(":new") and not (t in tied and t not in produced)
 
+    def fresh_gradient(op, t: str) -> bool:   # a microbatch's gradient, before it is added
+        return sg.tensors[t].role == "grad" and op.phase == "backward" and op.prim not in IN_PLACE
+
     birth, death = {}, {}
     for n, (op, m) in enumerate(seq):
         for t in op.outputs:
-            if counted(t):
+            if counted(t) or fresh_gradient(op, t):
                 birth[t, m] = n
                 death.setdefault((t, m), n)
         for t in op.inputs:

@@ -10,7 +10,15 @@ layer or stage) lives to the end of the layer's forward; a cotangent handed back
 previous layer lives to the end of the layer's backward. An elementwise op (or a cast or
 reshape) whose operand dies there writes into that operand's buffer. A gradient made by
 a contraction or reduction is a buffer of its own at the op that makes it (it is then
-added into the persistent accumulator). From that one pass:
+added into the persistent accumulator). An op whose sharding plan splits a loop it
+contracts or reduces over a mesh axis (a row-parallel matmul, a weight gradient summed
+over the data-parallel axis) first writes its whole *unreduced partial* result on each
+device, in the layout of its uncontracted loops, and its all-reduce or reduce-scatter
+writes the reduced result into a buffer of its own (a collective is a new value, not
+an in-place op): at that op the partial (the collective's input, `nbytes` of the
+strategy's collectives) is live next to the output and every other live tensor. This
+term depends on the op's strategy, so the planner adds it (`solvers._intra_problem`:
+one candidate peak per such op); one device has no partials. From that one pass:
 
     stash s_l  = bytes live across the layer's forward -> backward boundary (what the
                  microbatch keeps for its backward: with full remat only the layer input)

@@ -22,7 +22,9 @@ follow static lists without a driver). Semantics:
   its stash (stash_bytes / chunks: what backward reads of the forward, the planner's
   eq. 5) in between, until the `Free` after its backward (a plan without stash_bytes
   keeps the whole peak, the conservative old rule); plus receive buffers
-  from arrival until the run (or sync) that consumes them. Devices of one mesh run
+  from arrival until the run (or sync) that consumes them, and during `GradSync` the
+  optimizer step's working set (`stages[i].memory["update_bytes"]`, the copies Adam
+  makes when it reads or writes other layouts than stored). Devices of one mesh run
   SPMD and share this footprint; a buffer counts at the largest per-device share.
 
 Shared executors (`executors=N`, a model of the *runtime*, not of a GPU cluster): every
@@ -118,6 +120,7 @@ class _Engine:
         self.link_names = links.names if links is not None else []
         self.channels: dict[tuple[int, int], _Channel] = {}
         self.events: list[Event] = []
+        self.update_bytes = [float((st.memory or {}).get("update_bytes", 0.0)) for st in plan.stages]
         self.memory: list[list[tuple[float, float]]] = [[(0.0, st.params_bytes)] for st in plan.stages]
         self.mem = [st.params_bytes for st in plan.stages]
         self.held: list[dict[tuple, float]] = [{} for _ in plan.stages]
@@ -267,8 +270,13 @@ class _Engine:
             elif kind is GradSync:
                 req = yield from self._acquire()
                 start, d = env.now, self.plan.stages[k].sync_s + self.dispatch_s
+                working = self.update_bytes[k]          # the optimizer step's own copies
+                if working:
+                    self._sample(k, working)
                 if d > 0:
                     yield env.timeout(d)
+                if working:
+                    self._sample(k, -working)
                 self._release(req)
                 self.events.append(Event(track, "sync", k, -1, start, env.now))
                 buf = held.pop(("sync",), 0.0)

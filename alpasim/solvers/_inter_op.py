@@ -125,7 +125,8 @@ def plan_pipeline(model: str, cluster: Cluster, *, microbatches: int | str = "au
                   shape_ok: Callable | None = None, views_of: Callable | None = None, equal_layers: bool = False,
                   num_stages: int | None = None, relabel: Callable[[OpGraph], OpGraph] | None = None,
                   pareto: bool = True, price_boundaries: bool = True,
-                  cost_model: CostModel | None = None, precision: str | None = None) -> PipelinePlan:
+                  cost_model: CostModel | None = None, precision: str | None = None,
+                  microbatch_multiple: int = 1) -> PipelinePlan:
     """Plan `model` on `cluster`; `layers` re-clusters the forward ops into that many
     layers with the eq. 6 DP instead of the zoo's blocks (planning units).
 
@@ -143,7 +144,8 @@ def plan_pipeline(model: str, cluster: Cluster, *, microbatches: int | str = "au
 
     `precision` names the mixed-precision recipe (`graphs.RECIPES`, default
     mixed-fp32grad), recorded as `model["precision"]`; `fp32` builds the model in
-    float32."""
+    float32. `microbatch_multiple` keeps only microbatches whose size it divides (a
+    data-parallel system gives every device at least one whole sample)."""
     t0 = time.perf_counter()
     if cost_model is not None:
         cluster = cost_model.cluster
@@ -154,7 +156,11 @@ def plan_pipeline(model: str, cluster: Cluster, *, microbatches: int | str = "au
     cache = cache or DiskCache(enabled=False)
     candidates: list[Candidate] = []
     jobs = hits = 0
-    options = microbatch_candidates(global_batch, microbatches)
+    options = [b for b in microbatch_candidates(global_batch, microbatches)
+               if (global_batch // b) % microbatch_multiple == 0]
+    if not options:
+        raise PlanInfeasible(f"no microbatch of {name}'s batch of {global_batch} splits evenly over "
+                             f"{microbatch_multiple} data-parallel devices", float("nan"))
     evaluated: dict[int, Candidate] = {}
 
     def evaluate(b: int) -> Candidate:

@@ -191,7 +191,10 @@ def _sharded_on_all_axes(t: Tensor, mesh: LogicalMesh) -> list[ShardingSpec]:
 def _shard_weight_update(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel,
                          restrict: Mapping[str, list[Strategy]]) -> dict[str, list[Strategy]]:
     """ZeRO's weight update on top of `restrict`: gradient producers reduce-scatter
-    instead of all-reducing, Adam runs on a slice over every live axis.
+    instead of all-reducing, Adam runs on a slice over every live axis. The scatter
+    runs every microbatch, as DeepSpeed's does: a device keeps only its slice of the
+    gradient, so it cannot sum whole gradients over the microbatches first (the memory
+    model counts a gradient scattered once per iteration at its unreduced size).
 
     A gradient with no evenly divisible free dimension keeps its all-reduce (its update
     is still sliced; slicing a replicated tensor is free).
@@ -207,12 +210,14 @@ def _shard_weight_update(graph: OpGraph, mesh: LogicalMesh, cost_model: CostMode
             # whatever layout the scattered gradient arrives in.
             out[op.name] = _options(op, graph, mesh, cost_model)
         elif any(is_weight_grad(op, k, graph.tensors) for k in range(len(op.outputs))):
-            scattered = [v for s in out[op.name] for v in _scatter_gradients(op, s, graph.tensors, mesh)]
+            scattered = [v for s in out[op.name] for v in _scatter_gradients(op, s, graph.tensors, mesh,
+                                                                             per_microbatch=True)]
             out[op.name] = list(dict.fromkeys(scattered)) or out[op.name]
     return out
 
 
-def _scatter_gradients(op: Op, s: Strategy, tensors: Mapping[str, Tensor], mesh: LogicalMesh) -> list[Strategy]:
+def _scatter_gradients(op: Op, s: Strategy, tensors: Mapping[str, Tensor], mesh: LogicalMesh,
+                       per_microbatch: bool = False) -> list[Strategy]:
     """`s` with every partial-sum gradient output reduce-scattered onto one of its free
     dimensions instead of all-reduced, one variant per choice of dimensions; [] if some
     gradient cannot be scattered evenly.
@@ -222,7 +227,8 @@ def _scatter_gradients(op: Op, s: Strategy, tensors: Mapping[str, Tensor], mesh:
     flat buffer in DeepSpeed), so here layer norm's scale and bias gradients get them
     too, onto any dimension the op did not split: the reduce-scatter runs after the op
     has finished, so a dimension it reduces within is as good as any. Priced by the
-    same collective model.
+    same collective model; `per_microbatch` makes the scatters run every microbatch
+    (ZeRO) instead of once per iteration.
     """
     dm = op_dims(op, tensors)
     loops = dict(s.loops)
@@ -255,7 +261,8 @@ def _scatter_gradients(op: Op, s: Strategy, tensors: Mapping[str, Tensor], mesh:
         for k, (_, c) in enumerate(combo):
             if c is not None:
                 collectives.append(c)
-                sync.append(s.update or is_weight_grad(op, k, tensors))
+                scatter = c.kind == "reduce_scatter" and per_microbatch
+                sync.append(s.update or (is_weight_grad(op, k, tensors) and not scatter))
         comm_s = sum(c.time_s(mesh) for c, x in zip(collectives, sync) if not x)
         sync_s = sum(c.time_s(mesh) for c, x in zip(collectives, sync) if x)
         variants.append(Strategy(s.loops, s.in_specs, tuple(spec for spec, _ in combo), tuple(collectives),
@@ -338,7 +345,8 @@ def deepspeed_moe_restriction(graph: OpGraph, mesh: LogicalMesh, cost_model: Cos
                    if not any(c.kind == "reduce_scatter" for c in s.collectives)]
         keep = [s for s in options if _expert_parallel(s, letter, axes, rest, batch[op_name], op.prim == "adam")]
         if any(is_weight_grad(op, k, graph.tensors) for k in range(len(op.outputs))):
-            keep = [v for s in keep for v in _scatter_gradients(op, s, graph.tensors, mesh)] or keep
+            keep = [v for s in keep for v in _scatter_gradients(op, s, graph.tensors, mesh, per_microbatch=True)] \
+                or keep
         if keep:
             restrict[op_name] = list(dict.fromkeys(keep))
     for t in experts:

@@ -223,7 +223,7 @@ def _min_memory(problem: IntraOpProblem, solver: str, multiplier: float, time_li
     tensors = problem.graph.tensors
     extra = max(multiplier - 1.0, 0.0)        # further microbatches in flight, each holding its stash
     unit = (sum(tensors[t].nbytes for t in problem.persistent) + extra * sum(tensors[t].nbytes for t in problem.stash)
-            + max((sum(tensors[t].nbytes for t in live) for live in problem.live_sets), default=0)) or GIB
+            + max((sum(problem.full_bytes(t) for t in live) for live in problem.live_sets), default=0)) or GIB
     peak = pulp.LpVariable("peak", lowBound=0)
     model.setObjective(peak)
     persistent = (pulp.lpSum(memory_expression(problem, form.s, t, unit) for t in problem.persistent)

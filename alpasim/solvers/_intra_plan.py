@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from alpasim.costmodels import CostModel
 from alpasim.graphs import OpGraph
 
-from ._intra_problem import IntraOpProblem
+from ._intra_problem import IntraOpProblem, partial_bytes, accumulator_factor
 from ._mesh import LogicalMesh
 from ._resharding import Collective, resharding_collectives
 from ._spec import ShardingSpec
@@ -209,15 +209,23 @@ def memory_use(problem: IntraOpProblem, specs: dict[str, ShardingSpec],
     graph, mesh = problem.graph, problem.mesh
 
     def per_device(t: str) -> float:
+        op = problem.partials.get(t)
+        if op is not None:   # an op's unreduced result, by the strategy it runs
+            return partial_bytes(strategies[op]) if strategies else 0.0
         return graph.tensors[t].nbytes / specs[t].num_shards(mesh)
 
     by_role = {"param": 0.0, "grad": 0.0, "optimizer_state": 0.0}
     for t in problem.persistent:
-        by_role[graph.tensors[t].role] += per_device(t)
+        role = graph.tensors[t].role
+        by_role[role] += per_device(t) * (_unscattered(graph, mesh, strategies, t) if role == "grad" else 1)
     peak = max((sum(per_device(t) for t in live) for live in problem.live_sets), default=0.0)
     stash = sum(per_device(t) for t in problem.stash)
     return MemoryUse(by_role["param"], by_role["grad"], by_role["optimizer_state"], peak, stash,
                      update_working_bytes(graph, mesh, specs, strategies or {}))
+
+
+def _unscattered(graph: OpGraph, mesh: LogicalMesh, strategies: dict[str, Strategy] | None, grad: str) -> float:
+    return accumulator_factor(graph, mesh, (strategies or {}).get, grad)
 
 
 def update_working_bytes(graph: OpGraph, mesh: LogicalMesh, specs: dict[str, ShardingSpec],

@@ -19,7 +19,10 @@ Built from a (stage) graph, a logical mesh and a cost model, before any solver s
   parameter value adds the edge back to the parameter's leaf (Adam updates in place,
   so the new value must end up in the stored layout).
 * **Memory terms**: bytes per device of each tensor under each strategy of the node that
-  fixes its layout, and which activations are live at each point of the op order.
+  fixes its layout, and which activations are live at each point of the op order;
+  each op that reduces its result over a mesh axis adds a point of its own, the live
+  set there plus its unreduced partial result (`<op>:partial`, sized by the strategy's
+  collectives; `costmodels` module doc for why).
 
 `evaluate` recomputes a choice's cost from the graph itself, not from these matrices,
 so tests can hold the ILP to an independent answer.
@@ -91,11 +94,81 @@ class IntraOpProblem:
     strategies: dict[str, list[Strategy]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)   # what the builder had to relax, and why
     stash: list[str] = field(default_factory=list)   # activations kept from forward to backward
+    partials: dict[str, str] = field(default_factory=dict)   # partial-result name -> the op that makes it
 
     def tensor_bytes(self, node: int, tensor: str) -> np.ndarray:
-        """Per-device bytes of `tensor` under each strategy of `node`."""
+        """Per-device bytes of `tensor` under each strategy of `node` (a gradient's
+        accumulator at its unreduced size where it is scattered once per iteration; an
+        op's unreduced partial result: `partial_bytes` of the op's strategy)."""
+        n = self.nodes[node]
+        op = self.partials.get(tensor)
+        if op is not None:
+            return np.array([partial_bytes(c[op]) for c in n.choices])
         t = self.graph.tensors[tensor]
-        return np.array([t.nbytes / s[tensor].num_shards(self.mesh) for s in self.nodes[node].specs])
+        grad = t.role == "grad"
+        return np.array([t.nbytes / s[tensor].num_shards(self.mesh)
+                         * (accumulator_factor(self.graph, self.mesh, n.choices[i].get, tensor) if grad else 1.0)
+                         for i, s in enumerate(n.specs)])
+
+
+    def full_bytes(self, tensor: str) -> float:
+        """Bytes of `tensor` on one device, unsharded (an upper bound, for scaling)."""
+        op = self.partials.get(tensor)
+        if op is not None:
+            return float(sum(self.graph.tensors[t].nbytes for t in self.graph.op_by_name[op].outputs))
+        return float(self.graph.tensors[tensor].nbytes)
+
+
+PARTIAL_SUFFIX = ":partial"
+REDUCING_COLLECTIVES = frozenset({"all_reduce", "reduce_scatter"})
+
+
+def partial_bytes(strategy: Strategy) -> float:
+    """Per-device bytes of the unreduced result an op writes before its own collectives
+    reduce it over the mesh axes its contracted (or reduced) loops are split on: the
+    collectives' input, whose per-device size is exactly each one's `nbytes`
+    (`_strategies._finish_outputs`). 0 when the op reduces over no mesh axis."""
+    return float(sum(c.nbytes for c in strategy.collectives if c.kind in REDUCING_COLLECTIVES))
+
+
+def partial_points(graph: OpGraph, live, strategies: Mapping[str, Sequence[Strategy]]
+                   ) -> tuple[list[list[str]], dict[str, str]]:
+    """The live set at each op that may reduce its result over a mesh axis, with that
+    op's partial result added (`costmodels` module doc: a reducing op holds its
+    unreduced result next to the collective's output, at that op only)."""
+    points: list[list[str]] = []
+    partials: dict[str, str] = {}
+    for n, i in enumerate(live.order):
+        op = graph.ops[i]
+        if not any(partial_bytes(s) for s in strategies.get(op.name, ())):
+            continue
+        name = op.name + PARTIAL_SUFFIX
+        partials[name] = op.name
+        points.append([t for t, (s, e) in live.intervals.items() if s <= n <= e] + [name])
+    return points, partials
+
+
+def accumulator_factor(graph: OpGraph, mesh: LogicalMesh, strategy_of, grad: str) -> float:
+    """How many times larger a gradient's accumulator is than its stored layout. A
+    gradient reduce-scattered once per iteration is summed over the microbatches before
+    it is scattered, so each device accumulates the whole unreduced tensor (Alpa's
+    weight-update sharding); one scattered every microbatch (ZeRO) keeps only its
+    slice. Follows the cast into the fp32 accumulator back to the op that made the
+    gradient; `strategy_of(op name)` gives the strategy each op runs (None: unknown)."""
+    producer = graph.producer
+    op = producer.get(grad)
+    for _ in range(3):
+        if op is None:
+            break
+        s = strategy_of(op.name)
+        if s is not None:
+            for c, once in zip(s.collectives, s.sync or (False,) * len(s.collectives)):
+                if c.kind == "reduce_scatter" and once:
+                    return float(mesh.axis_size(c.axes))
+        if op.prim not in ("convert", "elementwise") or not op.inputs:
+            break
+        op = producer.get(op.inputs[0])
+    return 1.0
 
 
 def _depths(graph: OpGraph) -> dict[str, int]:
@@ -228,9 +301,14 @@ def build_problem(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel, *, w
     # Activation lifetimes by the stage-memory rules (`costmodels.liveness`): the live
     # sets are the ILP's candidate peaks, the stash what each further microbatch in
     # flight holds.
+    # An op that reduces its result over a mesh axis adds a candidate peak of its own:
+    # the live set there plus its unreduced partial, whose layout its group fixes.
     live = liveness(graph)
+    points, partials = partial_points(graph, live, strategies)
+    for name, op in partials.items():
+        node_of[name] = node_of[graph.op_by_name[op].outputs[0]]
     return IntraOpProblem(graph, mesh, with_compute, microbatches, nodes, edges, node_of, persistent,
-                          live.live_sets(), loop_backs, strategies, notes, live.stash())
+                          live.live_sets() + points, loop_backs, strategies, notes, live.stash(), partials)
 
 
 def _follow(op, options: list[Strategy], known: dict[str, ShardingSpec], tensors: Mapping[str, Tensor],

@@ -56,6 +56,7 @@ METHODS: dict[str, str] = {
     "megatron": "Megatron-LM: tensor x pipeline x data parallel grid",
 }
 SINGLE_STAGE_RESTRICTIONS = ("data_parallel", "zero2", "zero3", "heuristic", "deepspeed_moe")
+DATA_PARALLEL_RESTRICTIONS = ("data_parallel", "zero2", "zero3", "deepspeed_moe")
 # Megatron-LM's grid (Narayanan et al. 2021): tensor parallelism inside a node only,
 # microbatch sizes per data-parallel replica.
 MEGATRON_TP = (1, 2, 4, 8)
@@ -104,6 +105,9 @@ def _method_options(method: str, cluster: Cluster) -> dict:
         return {}
     if method == "intra_only":
         return {"max_stages": 1}
+    if method in DATA_PARALLEL_RESTRICTIONS:
+        # Every device takes whole samples of each microbatch (DeepSpeed's contract).
+        return {"max_stages": 1, "restriction": method, "microbatch_multiple": n}
     if method in SINGLE_STAGE_RESTRICTIONS:
         return {"max_stages": 1, "restriction": method}
     if method == "pp_dp":

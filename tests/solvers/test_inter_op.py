@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -9,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from alpasim.costmodels import get_cluster
+from alpasim.graphs import build_training_graph, forward_graph, resolve_model
 from alpasim.solvers import (
     DiskCache,
     PlanFormatError,
@@ -19,6 +21,8 @@ from alpasim.solvers import (
     microbatch_candidates,
     plan_from_json,
     plan_pipeline,
+    plan_with_method,
+    planning_units,
 )
 
 GB16 = 16 * 2 ** 30
@@ -150,3 +154,57 @@ def test_stage_table_on_ray(tmp_path):
         ray_shutdown()
     assert remote.predicted["iteration_s"] == pytest.approx(local.predicted["iteration_s"])
     assert [s.layers for s in remote.stages] == [s.layers for s in local.stages]
+
+
+SMALL = "gpt3:hidden=256,layers=4,heads=8,seq=128,vocab=1024,batch=32"
+
+
+def test_out_of_memory_bound_is_true_and_names_its_largest_term(cache):
+    """Below the bound nothing fits; the best plan found with room to spare needs at
+    least the bound; the message names the term it is made of."""
+    roomy = get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=4)
+    best = plan_pipeline(SMALL, roomy, microbatches=4, cache=cache)
+    peak = max(st.memory_bytes for st in best.stages)
+    tight = get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=4, memory_gb=peak / 2 ** 30 / 4)
+    with pytest.raises(PlanInfeasible) as e:
+        plan_pipeline(SMALL, tight, microbatches=4, cache=cache)
+    bound = e.value.min_memory_bytes
+    assert 0 < bound <= peak
+    message = str(e.value)
+    assert f"{bound / 2 ** 30:.1f} GiB" in message
+    assert "largest term is" in message or "spread over all 4 devices" in message
+
+
+def test_plan_records_its_precision_recipe_and_breakdown(cache):
+    cluster = get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=2)
+    for recipe, per_param in (("mixed-fp32grad", 18), ("mixed", 16)):
+        plan = plan_pipeline(SMALL, cluster, microbatches=4, precision=recipe, cache=cache)
+        assert plan.model["precision"] == recipe and plan.model["bytes_per_param"] == per_param
+        again = plan_from_json(json.loads(json.dumps(plan.to_json())))
+        for st, back in zip(plan.stages, again.stages):
+            m = back.memory
+            assert set(m) >= {"params_bytes", "grads_bytes", "optimizer_bytes", "stash_bytes", "inflight",
+                              "transient_bytes", "buffer_bytes", "total_bytes"}
+            assert m["total_bytes"] == pytest.approx(st.memory_bytes)
+            assert m["inflight"] == st.inflight_microbatches
+            terms = (m["params_bytes"] + m["grads_bytes"] + m["optimizer_bytes"] + m["buffer_bytes"]
+                     + max(m["inflight"] * m["stash_bytes"] + m["transient_bytes"], m.get("update_bytes", 0.0)))
+            assert terms == pytest.approx(m["total_bytes"])
+
+
+def test_zero3_holds_the_largest_layers_gathered_parameters_twice(cache):
+    """DeepSpeed's ZeRO-3 gathers each layer's parameters before use and prefetches the
+    next: the buffer is twice the largest layer's full parameters, per device."""
+    cluster = get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=4)
+    plan = plan_with_method("zero3", SMALL, cluster, microbatches=4, cache=cache)
+    (stage,) = plan.stages
+    name, cfg = resolve_model(SMALL)
+    fwd = planning_units(forward_graph(dataclasses.replace(cfg, batch=cfg.batch // 4), name=name))
+    g = build_training_graph(fwd, remat=True).graph
+    updated = {op.inputs[0]: op.layer for op in g.ops if op.prim == "adam"}
+    per_layer = [sum(p.nbytes for p in g.params if updated.get(p.name) == l) for l in range(g.num_layers)]
+    assert stage.memory["buffer_bytes"] == pytest.approx(2 * max(per_layer))
+    # ZeRO-3 stores everything 1/N: the states per device are a quarter of the model's
+    # 18 B/param (fp16 weights, fp32 gradients, master and Adam moments).
+    states = stage.memory["params_bytes"] + stage.memory["grads_bytes"] + stage.memory["optimizer_bytes"]
+    assert states == pytest.approx(sum(p.size for p in g.params) * 18 / 4, rel=0.02)

@@ -20,14 +20,18 @@ fp16 activations):
   incoming cotangent 2sbh, fc2's input gradient 8sbh/t, fc2's weight gradient 8h^2/t),
   the softmax backward (layer input, its norm, Q and K, the probabilities, the residual
   cotangent, dProbs, dV and dScores: sbh(6 + 6/t) + 6as^2b/t) and, with recomputation,
-  the end of the recomputed forward (+ the cotangent and fc2's replicated output, 4sbh).
+  the end of the recomputed forward (+ the cotangent and fc2's replicated output, 4sbh;
+  for t > 1 fc2 is row-parallel, so at fc2 its unreduced partial output, 2sbh, is live
+  next to the all-reduced one: s_nr + 6sbh).
 * The zoo's first layer also holds the embedding: its token ids (4sb), and at the end
   of its backward the dense fp16 table gradient 2Vh/t next to the incoming cotangent;
   under recomputation the embedding is recomputed with the layer, so the layer stashes
   only the ids. The last layer also holds the head: the final norm's input and output,
   the vocab-split logits 2sbV/t and the labels; its peak is at the loss backward
-  (+ dLogits, replicated over t since our loss op cannot split the vocabulary) or at
-  the logits' weight gradient (+ dLogits, the input gradient and the table's 2Vh/t).
+  (+ dLogits, replicated over t since our loss op cannot split the vocabulary), at
+  the logits' weight gradient (+ dLogits, the input gradient and the table's 2Vh/t)
+  or, for t > 1, at the logits' input gradient, which contracts the vocabulary split
+  over t: its unreduced partial 2sbh is live next to the all-reduced 2sbh.
 * The stage: persistent states + w stashes (w = min(stages from this one, B), 1F1B) +
   the running layer's working set over the stashes of the layers before it, and with
   one stage holding both ends of the tied embedding, the head's table gradient held
@@ -57,7 +61,7 @@ def _block(h, a, s, b, t, remat):
     s_nr = sbh * (8 + 24 / t) + 2 * as2b / t
     first_backward = s_nr + sbh * (2 + 8 / t) + 8 * h * h / t
     softmax_backward = sbh * (6 + 6 / t) + 6 * as2b / t
-    end_of_recompute = s_nr + 4 * sbh if remat else 0.0
+    end_of_recompute = s_nr + 4 * sbh + (2 * sbh if t > 1 else 0.0) if remat else 0.0
     return s_nr, (2 * sbh if remat else s_nr), max(first_backward, softmax_backward, end_of_recompute)
 
 
@@ -75,7 +79,8 @@ def closed_form(cfg, tp, pp, mbs, remat, bytes_per_param, microbatches, stage):
     if last:
         head_stash = 2 * s * b * V / t + ids + (2 * sbh if remat else s_nr + 4 * sbh)
         head_peak = max(s_nr + 4 * sbh + 2 * s * b * V / t + ids + 2 * s * b * V,
-                        s_nr + 6 * sbh + 2 * s * b * V + 2 * V * h / t)
+                        s_nr + 6 * sbh + 2 * s * b * V + 2 * V * h / t,
+                        s_nr + 8 * sbh + 2 * s * b * V if t > 1 else 0.0)
         layers[-1] = (head_stash, head_peak)
     carry = 2 * V * h / t if first and last else 0.0
     before = one_microbatch = 0.0

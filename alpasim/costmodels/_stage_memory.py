@@ -111,7 +111,8 @@ def liveness(graph: OpGraph) -> Liveness:
     first: dict[str, int] = {}
     last: dict[str, int] = {}
     produced_in_forward: set[str] = set()
-    carried = set(graph.meta.get("tied_grads", ())) - {t for i in order for t in graph.ops[i].outputs}
+    produced = {t for i in order for t in graph.ops[i].outputs}
+    carried = set(graph.meta.get("tied_grads", ())) - produced
     for n, i in enumerate(order):
         op = graph.ops[i]
         for t in op.inputs:
@@ -127,7 +128,6 @@ def liveness(graph: OpGraph) -> Liveness:
     for t in graph.outputs:
         if t in first:
             last[t] = max(last[t], boundary if t in produced_in_forward else end)
-    produced = {t for i in order for t in graph.ops[i].outputs}
     for t, n in first.items():
         if n > boundary and t not in produced:
             first[t] = boundary + 1     # a cotangent arrives before the layer's backward starts

@@ -549,5 +549,4 @@ def _append_updates(b: GraphBuilder, fwd: OpGraph, ct: dict[str, str | None], op
     # Gradient contributions of a parameter used in two layers (tied embeddings), made in
     # one layer's backward and summed in the other's: the stage-memory model carries them.
     meta["tied_grads"] = sorted(carried)
-    meta["grad_dtype"] = recipe.grad_accum if recipe.grad_accum == "float32" else "weights"
     return b.build(outputs, meta)

@@ -217,15 +217,12 @@ def memory_use(problem: IntraOpProblem, specs: dict[str, ShardingSpec],
     by_role = {"param": 0.0, "grad": 0.0, "optimizer_state": 0.0}
     for t in problem.persistent:
         role = graph.tensors[t].role
-        by_role[role] += per_device(t) * (_unscattered(graph, mesh, strategies, t) if role == "grad" else 1)
+        by_role[role] += per_device(t) * (accumulator_factor(graph, mesh, (strategies or {}).get, t)
+                                          if role == "grad" else 1)
     peak = max((sum(per_device(t) for t in live) for live in problem.live_sets), default=0.0)
     stash = sum(per_device(t) for t in problem.stash)
     return MemoryUse(by_role["param"], by_role["grad"], by_role["optimizer_state"], peak, stash,
                      update_working_bytes(graph, mesh, specs, strategies or {}))
-
-
-def _unscattered(graph: OpGraph, mesh: LogicalMesh, strategies: dict[str, Strategy] | None, grad: str) -> float:
-    return accumulator_factor(graph, mesh, (strategies or {}).get, grad)
 
 
 def update_working_bytes(graph: OpGraph, mesh: LogicalMesh, specs: dict[str, ShardingSpec],

@@ -43,7 +43,7 @@ from alpasim.costmodels import (
     range_peak,
     stage_memory,
 )
-from alpasim.graphs import OpGraph, is_heavy, op_flops, stage_graph
+from alpasim.graphs import DTYPE_BYTES, OpGraph, get_recipe, is_heavy, op_flops, stage_graph
 
 from ._cache import CACHE_VERSION, DiskCache, digest
 from ._intra_baselines import BASELINES, REWRITE_ALLOWED
@@ -199,15 +199,6 @@ def layer_options(layer: OpGraph, mesh: LogicalMesh, cluster: Cluster, microbatc
     return front
 
 
-# Bytes per element Adam keeps per parameter element beyond the parameter itself, by
-# recipe: (gradient, optimizer states). A half-precision parameter has an fp32 master.
-def _state_bytes_per_element(layer: OpGraph, param: str) -> tuple[float, float]:
-    t = layer.tensors[param]
-    half = t.dtype in ("float16", "bfloat16")
-    grad = t.itemsize if layer.meta.get("grad_dtype", "float32") != "float32" or not half else 4
-    return float(grad), (12.0 if half else 8.0)
-
-
 def tied_copy_bytes(layer: OpGraph, specs, mesh: LogicalMesh) -> tuple[float, float, float]:
     """(param, grad, optimizer) bytes per device of the tied parameters `layer` reads but
     whose update lives in another layer (the LM head's copy of the word embedding).
@@ -215,16 +206,19 @@ def tied_copy_bytes(layer: OpGraph, specs, mesh: LogicalMesh) -> tuple[float, fl
     and all-reduces the two copies' gradients once per iteration (priced as the
     per-iteration gradient transfer, `stage_transfers`); a stage holding both counts
     the table once (`_assemble` subtracts the copy)."""
+    recipe = get_recipe(layer.meta.get("precision"))
     updated = {op.inputs[0] for op in layer.ops if op.prim == "adam"}
     param = grad = opt = 0.0
     for p in layer.params:
         if p.name in updated or p.name not in specs:
             continue
         per_device = p.nbytes / specs[p.name].num_shards(mesh)
-        g, o = _state_bytes_per_element(layer, p.name)
+        grad_item = DTYPE_BYTES[recipe.grad_dtype(p.dtype)]
+        # Beyond the weight and its gradient: Adam's fp32 m and v, and an fp32 master for 16-bit weights.
+        state_bytes = recipe.bytes_per_param(p.dtype) - p.itemsize - grad_item
         param += per_device
-        grad += per_device * g / p.itemsize
-        opt += per_device * o / p.itemsize
+        grad += per_device * grad_item / p.itemsize
+        opt += per_device * state_bytes / p.itemsize
     return param, grad, opt
 
 

@@ -49,8 +49,9 @@ built before the recipes existed says (`accumulation_dtype`).
 
 from __future__ import annotations
 
+import functools
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,11 +79,11 @@ class StageExecutable:
     """A stage's compiled programs and its state: parameters, gradient accumulators,
     optimizer states and the stash of microbatches between forward and backward."""
 
-    def __init__(self, part: StagePart, ops: StageOps, mesh: Mesh, intra: IntraOpPlan,
+    def __init__(self, part: StagePart, ops: StageOps, mesh: Mesh, intra: IntraOpPlan | Callable[[], IntraOpPlan],
                  shardings: dict[str, NamedSharding], compiled: dict[str, Any], params: dict, states: dict, *,
                  remat: bool = True, acc_dtypes: dict[str, Any] | None = None,
                  stash_spec: dict[str, jax.ShapeDtypeStruct] | None = None) -> None:
-        self.part, self.ops, self.mesh, self.intra_plan = part, ops, mesh, intra
+        self.part, self.ops, self.mesh, self._intra = part, ops, mesh, intra
         self.index = part.index
         self.shardings = shardings          # name -> layout: params, grads ("<p>:grad"), states, acts, cts, data
         self.compiled = compiled            # "forward" | "backward" | "update" -> jax Compiled
@@ -92,6 +93,14 @@ class StageExecutable:
         self.stash_spec = stash_spec or {}  # what one microbatch keeps, in its layouts
         self.acc = self._zeros_acc()
         self.stash: dict[int, dict[str, jax.Array]] = {}
+
+    @property
+    def intra_plan(self) -> IntraOpPlan:
+        """The stage's intra-op plan as one solve (its collectives are what the HLO is
+        compared with); solved on first use when the stage runs the plan's own layouts."""
+        if callable(self._intra):
+            self._intra = self._intra()
+        return self._intra
 
     # ------------------------------------------------------------- execution
     def forward(self, microbatch: int, acts: dict, data: dict) -> dict[str, jax.Array]:
@@ -196,9 +205,14 @@ def lower_stage(plan: PipelinePlan, graph: OpGraph, stage_index: int, devices: S
     shared = shared or stage_inputs(plan, graph, seed)
     train, part, leaves = shared.train, shared.parts[stage_index], shared.leaves
     ops = stage_ops(train, *plan.stages[stage_index].layers)
-    intra = stage_intra_plan(plan, train, stage_index)
     mesh = stage_mesh(plan, stage_index, devices)
-    shardings = _shardings(plan, train, ops, stage_index, intra, mesh)
+    if plan.stages[stage_index].layer_specs:    # the layouts the planner priced, as they are
+        intra = functools.partial(stage_intra_plan, plan, train, stage_index)
+        shardings, stash_sh, layer_sh = _layer_shardings(plan, train, ops, stage_index, mesh)
+    else:                                       # a plan from before it carried them: solve the stage again
+        intra = stage_intra_plan(plan, train, stage_index)
+        shardings = _shardings(plan, train, ops, stage_index, intra, mesh)
+        stash_sh, layer_sh = {t: shardings[t] for t in ops.stash}, None
 
     params = {p: jax.device_put(leaves[p], shardings[p]) for p in ops.params}
     states = {}
@@ -212,14 +226,14 @@ def lower_stage(plan: PipelinePlan, graph: OpGraph, stage_index: int, devices: S
     precision = str(plan.model.get("precision", DEFAULT_PRECISION))
     acc_dtypes = {p: accumulation_dtype(train.tensors[p].dtype, train.tensors[ops.adam[p].inputs[1]].dtype,
                                         precision) for p in ops.grads}
-    fns = _stage_functions(ops, train, shardings, mesh, plan.microbatches, acc_dtypes)
+    fns = _stage_functions(ops, train, shardings, mesh, plan.microbatches, acc_dtypes, stash_sh, layer_sh)
 
-    def abstract(names, dtype=None) -> dict[str, jax.ShapeDtypeStruct]:
-        return {t: jax.ShapeDtypeStruct(train.tensors[t].shape, dtype or jax.dtypes.canonicalize_dtype(
-            train.tensors[t].dtype), sharding=shardings[t]) for t in names}
+    def abstract(names, layouts=shardings) -> dict[str, jax.ShapeDtypeStruct]:
+        return {t: jax.ShapeDtypeStruct(train.tensors[t].shape, jax.dtypes.canonicalize_dtype(
+            train.tensors[t].dtype), sharding=layouts[t]) for t in names}
 
-    p_spec, a_spec, d_spec, ct_spec, st_spec = (abstract(n) for n in (ops.params, ops.acts_in, ops.data,
-                                                                       ops.cts_in, ops.stash))
+    p_spec, a_spec, d_spec, ct_spec = (abstract(n) for n in (ops.params, ops.acts_in, ops.data, ops.cts_in))
+    st_spec = abstract(ops.stash, stash_sh)
     acc = {p: jax.ShapeDtypeStruct(params[p].shape, acc_dtypes[p], sharding=shardings[f"{p}:grad"])
            for p in ops.grads}
     s_spec = {t: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for t, v in states.items()}
@@ -228,13 +242,26 @@ def lower_stage(plan: PipelinePlan, graph: OpGraph, stage_index: int, devices: S
     # the call, which is what the runtime does with it anyway: JAX's warning says no more.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+        options = compiler_options(mesh)
         compiled = {
-            "forward": fns["forward"].lower(p_spec, a_spec, d_spec).compile(),
-            "backward": fns["backward"].lower(p_spec, acc, st_spec, ct_spec).compile(),
-            "update": fns["update"].lower(p_spec, acc, s_spec).compile(),
+            "forward": fns["forward"].lower(p_spec, a_spec, d_spec).compile(options),
+            "backward": fns["backward"].lower(p_spec, acc, st_spec, ct_spec).compile(options),
+            "update": fns["update"].lower(p_spec, acc, s_spec).compile(options),
         }
     return StageExecutable(part, ops, mesh, intra, shardings, compiled, params, states, remat=remat,
                            acc_dtypes=acc_dtypes, stash_spec=st_spec)
+
+
+def compiler_options(mesh: Mesh) -> dict[str, Any] | None:
+    """XLA options for a stage's programs. On the CPU, the memory-minimising scheduler:
+    XLA:CPU's default orders ops for thread concurrency and holds buffers a sequential,
+    memory-bounded schedule frees (on the backend benchmark's stages, up to 3x the
+    update's temporaries and 2x a backward's); a training runtime is memory-bound, as
+    XLA:GPU's scheduler is under its memory limit, and the measured memory then is the
+    schedule's, not the thread pool's."""
+    if all(d.platform == "cpu" for d in mesh.devices.flat):
+        return {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
+    return None
 
 
 def _named(mesh: Mesh, spec: ShardingSpec | str) -> NamedSharding:
@@ -271,24 +298,94 @@ def _shardings(plan: PipelinePlan, train: OpGraph, ops: StageOps, k: int, intra:
     return out
 
 
+def _layer_shardings(plan: PipelinePlan, train: OpGraph, ops: StageOps, k: int, mesh: Mesh
+                     ) -> tuple[dict[str, NamedSharding], dict[str, NamedSharding], dict[int, dict[str, NamedSharding]]]:
+    """The stage's layouts from the plan's `layer_specs` (what each layer was priced in):
+    (each tensor's layout where it is made — a stage input's where it arrives or is
+    first read —, each stashed tensor's layout — the layout the last layer whose
+    backward reads it read it in, so a layer input is kept as that layer reads it —,
+    and per layer the layout it reads every tensor in)."""
+    st = plan.stages[k]
+    first = st.layers[0]
+    layer_sh = {first + i: {t: _named(mesh, spec) for t, spec in specs.items()}
+                for i, specs in enumerate(st.layer_specs)}
+    out: dict[str, NamedSharding] = {}
+    for op in (*ops.forward, *ops.backward):
+        for t in op.outputs:
+            if t in layer_sh[op.layer]:
+                out.setdefault(t, layer_sh[op.layer][t])
+    for op in (*ops.forward, *ops.backward):   # stage inputs: where first read
+        for t in op.inputs:
+            if t not in out and t in layer_sh[op.layer]:
+                out[t] = layer_sh[op.layer][t]
+    for p in ops.params:
+        out[p] = _named(mesh, st.param_specs[p]) if p in st.param_specs else out[p]
+    for p in ops.params:
+        g = ops.grads.get(p)
+        out[f"{p}:grad"] = out[g] if p in ops.owned and g in out else out[p]
+    for op in ops.adam.values():  # optimizer states as the owner's layer stores them; a copy's with its parameter
+        owner = layer_sh.get(op.layer, {})
+        for t in op.inputs[2:]:
+            out.setdefault(t, owner.get(t, out[op.inputs[0]]))
+    sent = {*ops.acts_out, *ops.cts_out, *ops.grads.values()}
+    received = {*ops.acts_in, *ops.cts_in}
+    for t in plan.transfers:  # boundary layouts named by the plan win
+        if t["src_stage"] == k and t.get("src_spec") and t["tensor"] in sent:
+            out[t["tensor"]] = _named(mesh, t["src_spec"])
+        if t["dst_stage"] == k and t.get("dst_spec") and t["tensor"] in received:
+            out[t["tensor"]] = _named(mesh, t["dst_spec"])
+    fixed = {*ops.acts_in, *ops.data, *ops.acts_out}   # stashed as they arrive or leave
+    stash = {}
+    for t in ops.stash:
+        readers = [op.layer for op in ops.backward if t in op.inputs and t in layer_sh[op.layer]]
+        stash[t] = out[t] if t in fixed or not readers else layer_sh[max(readers)][t]
+    for t in (*ops.acts_in, *ops.acts_out, *ops.data, *ops.cts_in, *ops.cts_out, *ops.stash):
+        if t not in out:
+            raise ValueError(f"stage {k}: the plan gives no layout for boundary or stashed tensor {t!r}")
+    return out, stash, layer_sh
+
+
 def _stage_functions(ops: StageOps, train: OpGraph, shardings: dict[str, NamedSharding], mesh: Mesh,
-                     microbatches: int, acc_dtypes: dict[str, Any]) -> dict[str, Any]:
+                     microbatches: int, acc_dtypes: dict[str, Any], stash_sh: dict[str, NamedSharding],
+                     layer_sh: dict[int, dict[str, NamedSharding]] | None = None) -> dict[str, Any]:
+    """The stage's three programs. With `layer_sh` (the plan's per-layer layouts) every
+    op's output is constrained to the layout its layer was priced with and a tensor one
+    layer makes and another reads in a different layout is resharded where that layer
+    reads it, as the planner's per-layer plans do."""
     constrained = {t for op in (*ops.forward, *ops.backward) if op.prim in CONSTRAINED_PRIMS for t in op.outputs}
     constrained |= {*ops.acts_out, *ops.cts_out, *ops.stash}
+    if layer_sh is not None:
+        constrained = {t for op in (*ops.forward, *ops.backward) for t in op.outputs}
     dtypes = {t: jax.dtypes.canonicalize_dtype(x.dtype) for t, x in train.tensors.items()}
     grad_of = {g: p for p, g in ops.grads.items()}
     scale = 1.0 / microbatches
 
-    def run(op_list, values: dict, on_value=None) -> dict:
+    def run(op_list, values: dict, on_value=None, layouts: dict | None = None) -> dict:
+        # layouts: tensor -> the layout its value has now (layer-specs plans only)
+        moved: dict[tuple[int, str], Any] = {}   # (layer, tensor) -> resharded for that layer
+
+        def read(op, t):
+            want = layer_sh[op.layer].get(t) if layer_sh is not None else None
+            if want is None or layouts.get(t) == want:
+                return values[t]
+            if (op.layer, t) not in moved:
+                moved[(op.layer, t)] = jax.lax.with_sharding_constraint(values[t], want)
+            return moved[(op.layer, t)]
+
         for op in op_list:
             if op.outputs[0] in ops.carried:  # the tied contribution arrives once per iteration (module doc)
                 outs = [values[ops.carried[op.outputs[0]]]]
             else:
-                outs = eval_op(op, [values[x] for x in op.inputs])
+                outs = eval_op(op, [read(op, x) for x in op.inputs])
             for t, v in zip(op.outputs, outs, strict=True):
                 if v.dtype != dtypes[t]:
                     v = v.astype(dtypes[t])
-                if t in constrained and t in shardings:
+                if layer_sh is not None:
+                    want = layer_sh[op.layer].get(t, shardings.get(t))
+                    if want is not None:
+                        v = jax.lax.with_sharding_constraint(v, want)
+                        layouts[t] = want
+                elif t in constrained and t in shardings:
                     v = jax.lax.with_sharding_constraint(v, shardings[t])
                 values[t] = v
                 if on_value is not None:
@@ -298,7 +395,8 @@ def _stage_functions(ops: StageOps, train: OpGraph, shardings: dict[str, NamedSh
     given = {*ops.acts_in, *ops.data}
 
     def forward(params, acts, data):
-        values = run(ops.forward, {**params, **acts, **data})
+        layouts = {t: shardings[t] for t in (*params, *acts, *data)}
+        values = run(ops.forward, {**params, **acts, **data}, layouts=layouts)
         outs = {t: values[t] for t in ops.acts_out}
         if ops.loss is not None:
             outs[ops.loss] = values[ops.loss]
@@ -313,7 +411,8 @@ def _stage_functions(ops: StageOps, train: OpGraph, shardings: dict[str, NamedSh
             if p is not None:
                 new_acc[p] = acc[p] + v.astype(acc_dtypes[p]) * jnp.asarray(scale, acc_dtypes[p])
 
-        values = run(ops.backward, {**params, **stash, **cts}, accumulate)
+        layouts = {**{t: shardings[t] for t in (*params, *cts)}, **{t: stash_sh[t] for t in stash}}
+        values = run(ops.backward, {**params, **stash, **cts}, accumulate, layouts=layouts)
         return new_acc, {t: values[t] for t in ops.cts_out}
 
     def update(params, acc, states):
@@ -338,13 +437,13 @@ def _stage_functions(ops: StageOps, train: OpGraph, shardings: dict[str, NamedSh
     g_sh = {p: shardings[f"{p}:grad"] for p in ops.grads}
     a_sh = {t: shardings[t] for t in ops.acts_in}
     d_sh = {t: shardings[t] for t in ops.data}
-    st_sh = {t: shardings[t] for t in ops.stash}
+    st_sh = dict(stash_sh)
     ci_sh = {t: shardings[t] for t in ops.cts_in}
     co_sh = {t: shardings[t] for t in ops.cts_out}
     o_sh = {t: shardings[t] for t in ops.acts_out}
     if ops.loss is not None:
         o_sh[ops.loss] = NamedSharding(mesh, PartitionSpec())
-    made_sh = {t: shardings[t] for t in ops.stash if t not in o_sh and t not in given}
+    made_sh = {t: stash_sh[t] for t in ops.stash if t not in o_sh and t not in given}
     s_sh = {t: shardings[t] for op in ops.adam.values() for t in op.inputs[2:]}
     # Unused arguments are kept: the stage holds them anyway, and each program's memory
     # analysis then counts every buffer it is handed (`_memory`). Donated: what the

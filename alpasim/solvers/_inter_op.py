@@ -40,6 +40,7 @@ from ._stage_costs import (
     carry_bytes,
     compose_stage,
     cost_model_key,
+    layer_tensor_specs,
 )
 from ._boundary import stage_boundary_s
 from ._stage_dp import DPResult, bubble_fraction, equal_layer_dp, stage_dp
@@ -300,6 +301,7 @@ def _assemble_plan(name: str, cfg, cluster: Cluster, best: Candidate, candidates
         heavy: list[dict] = []
         kinds_shown: set[str] = set()
         stage_opts: list[LayerOption] = []
+        layer_specs: list[dict[str, str]] = []
         for layer in range(st.first, st.last + 1):
             kind = costs.layer_kind[layer]
             opts = costs.options[(kind, view)]
@@ -309,6 +311,7 @@ def _assemble_plan(name: str, cfg, cluster: Cluster, best: Candidate, candidates
             forward += o.forward_s
             sync += o.sync_s
             layer_graph = costs.layer_graphs[layer]
+            layer_specs.append(layer_tensor_specs(layer_graph, o))
             for p, spec in zip(canonical_params(layer_graph), o.param_specs):
                 param_specs[p] = spec
             if kind not in kinds_shown:  # the heaviest ops of each distinct layer kind
@@ -323,7 +326,8 @@ def _assemble_plan(name: str, cfg, cluster: Cluster, best: Candidate, candidates
                                     tuple(logical), float(st.cost_s), mem.total_bytes, inflight, compute, sync,
                                     mem.persistent_bytes + mem.buffer_bytes, mem.activation_bytes, j,
                                     param_specs, tuple(heavy), forward, compute - forward, mem.stash_bytes,
-                                    float(st.boundary_s), mem.to_json()))
+                                    float(st.boundary_s), mem.to_json(),
+                                    tuple(layer_specs) if all(layer_specs) else ()))
     flops = flops_by_kind(best.graph)["matmul"] * b
     iteration = dp.latency_s
     predicted = {

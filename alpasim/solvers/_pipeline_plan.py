@@ -48,12 +48,17 @@ class PipelineStage:
     # optimizer_bytes, stash_bytes (per microbatch), inflight, transient_bytes,
     # buffer_bytes, total_bytes (= memory_bytes). Empty for plans from before it existed.
     memory: dict[str, Any] = field(default_factory=dict)
+    # Per layer of the stage, in order: every training-graph tensor the layer's ops read
+    # or write -> the layout it was priced in (a tensor crossing layers has one entry in
+    # each). Executors run these layouts as they are; empty for plans from before.
+    layer_specs: tuple[dict[str, str], ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["layers"], d["devices"] = list(self.layers), list(self.devices)
         d["submesh"], d["logical_mesh"] = list(self.submesh), list(self.logical_mesh)
         d["heavy_ops"] = list(self.heavy_ops)
+        d["layer_specs"] = [dict(x) for x in self.layer_specs]
         return d
 
 
@@ -131,7 +136,8 @@ def plan_from_json(data: Any, source: str = "<plan JSON>") -> PipelinePlan:
                     float(s.get("compute_s", 0.0)), float(s.get("sync_s", 0.0)), float(s.get("params_bytes", 0.0)),
                     float(s.get("activation_bytes", 0.0)), int(s.get("option", 0)), dict(s.get("param_specs", {})),
                     tuple(s.get("heavy_ops", ())), float(s.get("forward_s", 0.0)), float(s.get("backward_s", 0.0)),
-                    float(s.get("stash_bytes", 0.0)), float(s.get("boundary_s", 0.0)), dict(s.get("memory", {}))))
+                    float(s.get("stash_bytes", 0.0)), float(s.get("boundary_s", 0.0)), dict(s.get("memory", {})),
+                    tuple(dict(x) for x in s.get("layer_specs", ()))))
             except KeyError as e:
                 raise PlanFormatError(f"{source}: stages[{i}]: missing field {e.args[0]!r}") from None
             except (TypeError, ValueError) as e:

@@ -95,6 +95,9 @@ class LayerOption:
     tied: tuple[float, float, float] = (0.0, 0.0, 0.0)   # a tied copy's (param, grad, state) bytes, in the above
     gather_bytes: float = 0.0                    # parameters gathered before use (ZeRO-3's buffer)
     update_bytes: float = 0.0                    # the optimizer step's working set
+    # The layout of every tensor of the layer graph, in `canonical_tensors` order: what
+    # the option was priced with, so an executor runs exactly it (empty: from before).
+    tensor_specs: tuple[str, ...] = ()
 
     @property
     def tied_bytes(self) -> float:
@@ -114,7 +117,8 @@ class LayerOption:
                    tuple(tuple(h) for h in d["heavy"]), d.get("ilp_status", "optimal"), d.get("forward_s", 0.0),
                    tuple(d.get("input_specs", ())), tuple(d.get("output_specs", ())), d.get("stash_bytes"),
                    d.get("params_bytes", 0.0), d.get("grads_bytes", 0.0), d.get("optimizer_bytes", 0.0),
-                   tuple(d.get("tied", (0.0, 0.0, 0.0))), d.get("gather_bytes", 0.0), d.get("update_bytes", 0.0))
+                   tuple(d.get("tied", (0.0, 0.0, 0.0))), d.get("gather_bytes", 0.0), d.get("update_bytes", 0.0),
+                   tuple(d.get("tensor_specs", ())))
 
 
 def canonical_key(graph: OpGraph) -> str:
@@ -133,6 +137,20 @@ def canonical_key(graph: OpGraph) -> str:
                      for t in op.outputs]])
     outputs = sorted(index[t] for t in graph.outputs if t in index)
     return digest({"ops": ops, "outputs": outputs})
+
+
+def canonical_tensors(graph: OpGraph) -> list[str]:
+    """The layer graph's tensors in first-appearance order over its ops' inputs and
+    outputs: the order `canonical_key` numbers them in, so two layers of one kind list
+    corresponding tensors at the same positions."""
+    return list(dict.fromkeys(t for op in graph.ops for t in (*op.inputs, *op.outputs)))
+
+
+def layer_tensor_specs(layer: OpGraph, option: LayerOption) -> dict[str, str]:
+    """Tensor -> layout of `layer` (any layer of the option's kind) under `option`."""
+    if not option.tensor_specs:
+        return {}
+    return {t: s for t, s in zip(canonical_tensors(layer), option.tensor_specs, strict=True) if s}
 
 
 def canonical_params(graph: OpGraph) -> list[str]:
@@ -169,7 +187,8 @@ def layer_options(layer: OpGraph, mesh: LogicalMesh, cluster: Cluster, microbatc
                            status, plan.forward_s, tuple(str(plan.specs[t]) for t in layer.inputs),
                            tuple(str(plan.specs[t]) for t in layer.outputs), mem.stash_bytes,
                            mem.params_bytes, mem.grads_bytes + t_grad, mem.optimizer_bytes + t_opt,
-                           (t_param, t_grad, t_opt), gathered_param_bytes(layer, plan), mem.update_bytes)
+                           (t_param, t_grad, t_opt), gathered_param_bytes(layer, plan), mem.update_bytes,
+                           tuple(str(plan.specs[t]) if t in plan.specs else "" for t in canonical_tensors(layer)))
 
     kw = restricted_solve_kwargs(restriction, layer, mesh, model)
     fast = solve_intra_op(layer, mesh, model, with_compute=True, microbatches=microbatches, mip_gap=PLANNING_MIP_GAP,

@@ -149,3 +149,30 @@ def test_run_exits_1_after_its_report_on_a_numerics_mismatch(tmp_path, monkeypat
     assert e.value.code == 1
     got = capsys.readouterr()
     assert '"numerics_ok": false' in got.out and got.err.strip().count("\n") == 0 and "numerics" in got.err
+
+
+@needs_8
+@pytest.mark.parametrize("remat", [True, False])
+def test_stages_run_the_layouts_the_plan_priced(remat, monkeypatch):
+    """A plan carries every layer's tensor layouts (`stages[i].layer_specs`); the backend
+    runs them without solving a stage again, so what each microbatch stashes is, byte
+    for byte, what the planner priced (a re-solved stage kept layer inputs in the
+    producer's layout instead, half or twice the priced stash)."""
+    views = {2: [(1, 2)], 4: [(2, 2)]}
+    plan = plan_pipeline(TINY_GPT, get_cluster("aws-p3.16xlarge", nodes=1), microbatches=2, remat=remat,
+                         pareto=False, shape_ok=lambda sh: sh.size in views, views_of=lambda sh: views[sh.size],
+                         max_stages=3)
+    assert len(plan.stages) > 1 and all(st.layer_specs for st in plan.stages)
+    assert [len(st.layer_specs) for st in plan.stages] == [b - a + 1 for a, b in (st.layers for st in plan.stages)]
+
+    def no_resolve(*args, **kwargs):
+        raise AssertionError("the backend solved a stage's ILP again")
+
+    monkeypatch.setattr("alpasim.backends._stages.solve_intra_op", no_resolve)
+    result = run_local(plan, steps=1)
+    for st, stage in zip(plan.stages, result.stages, strict=True):
+        m = stage_memory(stage, st.inflight_microbatches)
+        assert m.stash_bytes == pytest.approx(st.memory["stash_bytes"], rel=1e-9)
+        assert m.params_bytes == pytest.approx(st.memory["params_bytes"], rel=1e-9)
+        assert m.optimizer_bytes == pytest.approx(st.memory["optimizer_bytes"], rel=1e-9)
+    assert check_numerics(result.losses[0], result.grads, reference_step(plan))["numerics_ok"]

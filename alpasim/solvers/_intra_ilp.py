@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -145,7 +146,7 @@ def solve_ilp(form: Formulation, solver: str = "highs", time_limit_s: float | No
         raise ValueError(f"unknown ILP solver {solver!r}; choose one of {', '.join(SOLVERS)}")
     gap = MIP_REL_GAP if mip_gap is None else mip_gap
     options = {} if presolve else {"presolve": "off"}
-    backend = (pulp.HiGHS(msg=False, timeLimit=time_limit_s, gapRel=gap, **options) if solver == "highs"
+    backend = (_GuardedHiGHS(msg=False, timeLimit=time_limit_s, gapRel=gap, **options) if solver == "highs"
                else pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=gap))
     t0 = time.perf_counter()
     try:
@@ -153,6 +154,9 @@ def solve_ilp(form: Formulation, solver: str = "highs", time_limit_s: float | No
             form.model.solve(backend)
     except pulp.PulpSolverError as e:
         return SolveResult("error", None, time.perf_counter() - t0, None, f"{solver}: {e}")
+    finally:
+        if isinstance(backend, _GuardedHiGHS):
+            backend.disarm()
     wall = time.perf_counter() - t0
     status = pulp.LpStatus.get(form.model.status, "Undefined")
     sol = form.model.sol_status
@@ -165,6 +169,35 @@ def solve_ilp(form: Formulation, solver: str = "highs", time_limit_s: float | No
     optimal = status == "Optimal" and sol in (pulp.LpSolutionOptimal, None)
     objective = pulp.value(form.model.objective)
     return SolveResult("optimal" if optimal else "time_limit", (objective or 0.0) / US, wall, choice, solver)
+
+
+def hard_limit_s(time_limit_s: float) -> float:
+    """When the watchdog cancels a solve that has outrun its own time limit."""
+    return 2.0 * time_limit_s + 5.0
+
+
+class _GuardedHiGHS(pulp.HiGHS):
+    """PuLP's HiGHS with a watchdog: HiGHS 1.16 does not check its time limit
+    everywhere (a memory-bounded layer MIP of gpt3-2.6b on 8 GPUs ran for 35 minutes
+    against a 15 s limit inside `reproduce table5`, presolve off). Past
+    `hard_limit_s(timeLimit)` a timer thread cancels the solve through highspy's user
+    interrupt, which HiGHS polls in its simplex, IPM and MIP loops; the incumbent, if
+    any, comes back as a time-limited result."""
+
+    def createAndConfigureSolver(self, lp):
+        super().createAndConfigureSolver(lp)
+        self._timer = None
+        if self.timeLimit is not None:
+            highs = lp.solverModel
+            highs.HandleUserInterrupt = True
+            self._timer = threading.Timer(hard_limit_s(self.timeLimit), highs.cancelSolve)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def disarm(self) -> None:
+        timer = getattr(self, "_timer", None)
+        if timer is not None:
+            timer.cancel()
 
 
 @contextlib.contextmanager

@@ -127,7 +127,8 @@ def test_intra_user_errors(args, fragment):
 def test_plan_gpt3_2_6b_on_one_node(tmp_path):
     out = tmp_path / "plan.json"
     proc = subprocess.run([sys.executable, "-m", "alpasim.cli", "plan", "--model", "gpt3-2.6b", "--cluster",
-                           "aws-p3.16xlarge", "--nodes", "1", "--json", "--out", str(out)], capture_output=True,
+                           "aws-p3.16xlarge", "--nodes", "1", "--microbatches", "128", "--json", "--out", str(out)],
+                          capture_output=True,
                           text=True, timeout=600, env={**__import__("os").environ,
                                                       "ALPASIM_CACHE_DIR": str(tmp_path / "cache")})
     assert proc.returncode == 0, proc.stderr

@@ -281,3 +281,30 @@ def test_weight_update_sharding_on_data_parallel_mlp() -> None:
     assert sharded.plan.communication_s == pytest.approx(plain.plan.communication_s, rel=1e-9)
     assert sharded.plan.memory.optimizer_bytes <= plain.plan.memory.optimizer_bytes
     assert sharded.plan.memory.optimizer_bytes == pytest.approx(after.memory.optimizer_bytes)
+
+
+def test_watchdog_cancels_a_solve_that_outruns_its_time_limit(monkeypatch):
+    """HiGHS does not check its own time limit everywhere; the watchdog interrupts it.
+    Here the watchdog is set far below HiGHS's own limit, on a knapsack MIP that takes
+    HiGHS many seconds to prove: the solve stops at the watchdog with an incumbent."""
+    import random
+    import time
+
+    import pulp
+
+    from alpasim.solvers import _intra_ilp
+
+    monkeypatch.setattr(_intra_ilp, "hard_limit_s", lambda limit: 0.5)
+    rng = random.Random(1)
+    n = 120
+    prob = pulp.LpProblem("knapsack", pulp.LpMaximize)
+    x = [pulp.LpVariable(f"x{i}", cat="Binary") for i in range(n)]
+    prob += pulp.lpSum(rng.randint(1000, 100000) * v for v in x)
+    for _ in range(30):
+        prob += pulp.lpSum(rng.randint(1000, 100000) * v for v in x) <= 2_500_000
+    backend = _intra_ilp._GuardedHiGHS(msg=False, timeLimit=60.0, gapRel=0.0)
+    t0 = time.perf_counter()
+    prob.solve(backend)
+    backend.disarm()
+    assert time.perf_counter() - t0 < 10.0
+    assert prob.sol_status == pulp.LpSolutionIntegerFeasible      # stopped with an incumbent, not proven

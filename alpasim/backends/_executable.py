@@ -27,11 +27,22 @@ Megatron-LM does: each stage keeps a copy with its own accumulator and Adam stat
 the two accumulators are summed once per iteration (`_runtime`) and both stages apply
 the same update, so the copies stay equal without a refresh.
 
-Shardings: parameters in the plan's `param_specs`; every einsum and conv output
-(forward, recomputed and gradient ops alike) and every stashed or boundary tensor
-constrained to the stage's intra-op plan (`_stages.stage_intra_plan`); boundary tensors
-leave in the sender's `transfers` src_spec and arrive in the receiver's dst_spec where
-the plan gives them. What the plan leaves free, XLA's SPMD partitioner chooses.
+Shardings: the layouts the planner priced, as they are. A plan carries, per stage and
+layer, the layout of every tensor the layer's ops read or write (`stages[i].layer_specs`,
+the chosen layer option's own ILP solution); every op's output is constrained to its
+layer's layout, a tensor one layer makes and another reads in another layout is
+resharded where that layer reads it, a stashed tensor is kept in the layout the layer
+whose backward reads it was priced with (so the stash is the priced one, byte for
+byte), parameters sit in `param_specs`, optimizer states in the owner layer's layouts,
+and boundary tensors leave in the sender's `transfers` src_spec and arrive in the
+receiver's dst_spec. Nothing is solved again at run time. A plan from before it carried
+`layer_specs` falls back to one ILP over the whole stage with the parameter and boundary
+layouts fixed (`_stages.stage_intra_plan`), constraining einsum and conv outputs and
+stashed and boundary tensors to it; that solve's collectives are also what
+`compare_collectives` holds the HLO to (solved on first use).
+
+On the CPU the programs are compiled with XLA's memory-optimised scheduler
+(`compiler_options`).
 
 One systematic difference from the plan: the plan synchronises weight gradients once
 per iteration, after accumulation; in JAX the gradient of a replicated parameter is

@@ -9,11 +9,11 @@ the embedding and by the head) is *owned* by the stage that runs its Adam update
 the layer of its first use, as `alpasim.graphs.training_graph` places it — and
 replicated read-only on the others.
 
-`stage_intra_plan` recovers the full intra-op plan of one stage. The plan file keeps
-only parameter layouts and boundary layouts, so the stage's training subgraph is
-solved again on its logical mesh with those fixed: the activations' layouts then come
-from the same ILP and cost model the planner used, and its collectives are the
-prediction the HLO is compared with.
+`stage_intra_plan` solves one intra-op plan for a whole stage: its training subgraph on
+its logical mesh with the plan's parameter and boundary layouts fixed. The backend runs
+a plan's own per-layer layouts (`stages[i].layer_specs`) where the plan carries them and
+uses this solve only for plans from before they existed and as the collectives
+prediction the HLO is compared with (`compare_collectives`, `predict_run`).
 """
 
 from __future__ import annotations

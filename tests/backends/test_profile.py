@@ -6,26 +6,8 @@ in this process have already started it with one device.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-import time
-
-import pytest
-
 from alpasim.costmodels import COLLECTIVE_KINDS, OP_CLASSES, ProfiledCostModel, get_cluster
 from alpasim.graphs import GraphBuilder
-
-
-@pytest.fixture(scope="module")
-def quick_profile(tmp_path_factory):
-    out = tmp_path_factory.mktemp("profile") / "profile.json"
-    t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "alpasim.cli", "profile", "--quick", "--cpu-devices", "8",
-                           "--out", str(out), "--json"], capture_output=True, text=True, timeout=240)
-    wall = time.perf_counter() - t0
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout), out, wall
 
 
 def test_quick_profile_writes_a_loadable_model(quick_profile):

@@ -27,8 +27,8 @@ import sys
 import jax
 import pytest
 
-from alpasim.backends import host_cluster, predict_run, profile_backend, run_local
-from alpasim.costmodels import get_cluster
+from alpasim.backends import host_cluster, predict_run, run_local
+from alpasim.costmodels import ProfiledCostModel, get_cluster
 from alpasim.simulator import Send, build_program, simulate, synthetic_plan
 from alpasim.solvers import plan_pipeline
 
@@ -138,8 +138,10 @@ def test_serial_executor_takes_the_sum_of_all_instruction_times():
 
 
 @needs_8
-def test_profiled_prediction_is_near_the_measured_step(tmp_path):
-    model = profile_backend(quick=True)
+def test_profiled_prediction_is_near_the_measured_step(tmp_path, quick_profile):
+    _, path, _ = quick_profile
+    loaded = ProfiledCostModel.load(path, get_cluster("aws-p3.16xlarge", nodes=1))
+    model = loaded.with_cluster(host_cluster(loaded, loaded.meta["num_devices"]))
     plan = small_plan(SMALL_GPT, model.cluster, model)
     assert len(plan.stages) >= 2
     result = run_local(plan, steps=5, profile_iters=3)

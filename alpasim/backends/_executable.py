@@ -365,8 +365,6 @@ def _stage_functions(ops: StageOps, train: OpGraph, shardings: dict[str, NamedSh
     reads it, as the planner's per-layer plans do."""
     constrained = {t for op in (*ops.forward, *ops.backward) if op.prim in CONSTRAINED_PRIMS for t in op.outputs}
     constrained |= {*ops.acts_out, *ops.cts_out, *ops.stash}
-    if layer_sh is not None:
-        constrained = {t for op in (*ops.forward, *ops.backward) for t in op.outputs}
     dtypes = {t: jax.dtypes.canonicalize_dtype(x.dtype) for t, x in train.tensors.items()}
     grad_of = {g: p for p, g in ops.grads.items()}
     scale = 1.0 / microbatches

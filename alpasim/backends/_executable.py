@@ -296,17 +296,24 @@ def _shardings(plan: PipelinePlan, train: OpGraph, ops: StageOps, k: int, intra:
     for op in ops.adam.values():  # optimizer states the plan stores nowhere else: with their parameter
         for t in op.inputs[2:]:
             out.setdefault(t, out[op.inputs[0]])
+    _boundary_layouts(plan, ops, k, mesh, out)
+    return out
+
+
+def _boundary_layouts(plan: PipelinePlan, ops: StageOps, k: int, mesh: Mesh, out: dict[str, NamedSharding]) -> None:
+    """Put the layouts the plan's `transfers` name for stage k's boundary tensors into
+    `out` (they win over any other source), and check every boundary or stashed tensor
+    has one."""
     sent = {*ops.acts_out, *ops.cts_out, *ops.grads.values()}
     received = {*ops.acts_in, *ops.cts_in}
-    for t in plan.transfers:  # boundary layouts named by the plan win
+    for t in plan.transfers:
         if t["src_stage"] == k and t.get("src_spec") and t["tensor"] in sent:
             out[t["tensor"]] = _named(mesh, t["src_spec"])
         if t["dst_stage"] == k and t.get("dst_spec") and t["tensor"] in received:
             out[t["tensor"]] = _named(mesh, t["dst_spec"])
     for t in (*ops.acts_in, *ops.acts_out, *ops.data, *ops.cts_in, *ops.cts_out, *ops.stash):
         if t not in out:
-            raise ValueError(f"stage {k}: no layout for boundary or stashed tensor {t!r}")
-    return out
+            raise ValueError(f"stage {k}: the plan gives no layout for boundary or stashed tensor {t!r}")
 
 
 def _layer_shardings(plan: PipelinePlan, train: OpGraph, ops: StageOps, k: int, mesh: Mesh
@@ -338,21 +345,12 @@ def _layer_shardings(plan: PipelinePlan, train: OpGraph, ops: StageOps, k: int, 
         owner = layer_sh.get(op.layer, {})
         for t in op.inputs[2:]:
             out.setdefault(t, owner.get(t, out[op.inputs[0]]))
-    sent = {*ops.acts_out, *ops.cts_out, *ops.grads.values()}
-    received = {*ops.acts_in, *ops.cts_in}
-    for t in plan.transfers:  # boundary layouts named by the plan win
-        if t["src_stage"] == k and t.get("src_spec") and t["tensor"] in sent:
-            out[t["tensor"]] = _named(mesh, t["src_spec"])
-        if t["dst_stage"] == k and t.get("dst_spec") and t["tensor"] in received:
-            out[t["tensor"]] = _named(mesh, t["dst_spec"])
+    _boundary_layouts(plan, ops, k, mesh, out)
     fixed = {*ops.acts_in, *ops.data, *ops.acts_out}   # stashed as they arrive or leave
     stash = {}
     for t in ops.stash:
         readers = [op.layer for op in ops.backward if t in op.inputs and t in layer_sh[op.layer]]
         stash[t] = out[t] if t in fixed or not readers else layer_sh[max(readers)][t]
-    for t in (*ops.acts_in, *ops.acts_out, *ops.data, *ops.cts_in, *ops.cts_out, *ops.stash):
-        if t not in out:
-            raise ValueError(f"stage {k}: the plan gives no layout for boundary or stashed tensor {t!r}")
     return out, stash, layer_sh
 
 

@@ -13,7 +13,10 @@ priced (its time and, by liveness, its memory):
   reads — never a copy of a parameter, which the backward reads from the stage.
 - backward(params, acc, stash, cts) -> (acc + grads / B, cotangents for earlier
   stages): the backward ops, recomputation included; each parameter's gradient is
-  added into its accumulator as the op that completes it runs. The accumulators, the
+  added into its accumulator as the op that completes it runs. Layers run one after
+  another, as the plan prices them: each layer's parameters take a data dependence on
+  the gradients the layer after it accumulated (`fence` below), or XLA hoists every
+  layer's recomputation and defers every weight gradient to the program's end. The accumulators, the
   stash and the cotangents are donated: the runtime never reads them again, so XLA
   writes the new accumulators in place and may reuse the stash for outputs.
 - update(params, acc, states) -> (params, states, zeroed acc): Adam exactly as the
@@ -367,9 +370,11 @@ def _stage_functions(ops: StageOps, train: OpGraph, shardings: dict[str, NamedSh
     grad_of = {g: p for p, g in ops.grads.items()}
     scale = 1.0 / microbatches
 
-    def run(op_list, values: dict, on_value=None, layouts: dict | None = None) -> dict:
+    def run(op_list, values: dict, on_value=None, layouts: dict | None = None, fence=None) -> dict:
         # layouts: tensor -> the layout its value has now (layer-specs plans only)
+        # fence(values) -> values: called where one layer's ops end and the next one's begin
         moved: dict[tuple[int, str], Any] = {}   # (layer, tensor) -> resharded for that layer
+        layer = None
 
         def read(op, t):
             want = layer_sh[op.layer].get(t) if layer_sh is not None else None
@@ -380,6 +385,9 @@ def _stage_functions(ops: StageOps, train: OpGraph, shardings: dict[str, NamedSh
             return moved[(op.layer, t)]
 
         for op in op_list:
+            if fence is not None and layer is not None and op.layer != layer:
+                values = fence(values, op.layer)
+            layer = op.layer
             if op.outputs[0] in ops.carried:  # the tied contribution arrives once per iteration (module doc)
                 outs = [values[ops.carried[op.outputs[0]]]]
             else:
@@ -400,6 +408,9 @@ def _stage_functions(ops: StageOps, train: OpGraph, shardings: dict[str, NamedSh
         return values
 
     given = {*ops.acts_in, *ops.data}
+    reads_of: dict[int, set[str]] = {}
+    for op in ops.backward:
+        reads_of.setdefault(op.layer, set()).update(t for t in op.inputs if t in ops.params)
 
     def forward(params, acts, data):
         layouts = {t: shardings[t] for t in (*params, *acts, *data)}
@@ -412,14 +423,40 @@ def _stage_functions(ops: StageOps, train: OpGraph, shardings: dict[str, NamedSh
 
     def backward(params, acc, stash, cts):
         new_acc = dict(acc)
+        fresh: list[str] = []    # parameters whose gradient the running layer has accumulated
 
         def accumulate(t, v):  # as soon as a parameter's gradient is complete
             p = grad_of.get(t)
             if p is not None:
                 new_acc[p] = acc[p] + v.astype(acc_dtypes[p]) * jnp.asarray(scale, acc_dtypes[p])
+                fresh.append(p)
+
+        def fence(values, next_layer):
+            # One layer's backward after another, as the plan prices it: the next
+            # layer's parameters take a data dependence on the gradients the last layer
+            # accumulated, so that XLA can neither hoist the next layer's recomputation
+            # nor defer the last one's weight gradients (an optimization barrier would
+            # not do: XLA:CPU drops it). The dependence is a zero made, on each device,
+            # from one element of each local accumulator shard: no collective, no copy
+            # beyond the next layer's (small) parameters.
+            gated = sorted(reads_of[next_layer])
+            if not fresh or not gated:
+                return values
+            names = list(fresh)
+            fresh.clear()
+
+            def tie(accs, ps):
+                s = sum(a.reshape(-1)[0].astype(jnp.float32) for a in accs)
+                zero = jnp.where(jnp.isfinite(s), s, 0.0) * 0.0
+                return [p + zero.astype(p.dtype) for p in ps]
+
+            tied = jax.shard_map(tie, mesh=mesh, in_specs=([g_sh[p].spec for p in names], [p_sh[p].spec for p in gated]),
+                                 out_specs=[p_sh[p].spec for p in gated], check_vma=False)
+            made = tied([new_acc[p] for p in names], [values[p] for p in gated])
+            return {**values, **dict(zip(gated, made, strict=True))}
 
         layouts = {**{t: shardings[t] for t in (*params, *cts)}, **{t: stash_sh[t] for t in stash}}
-        values = run(ops.backward, {**params, **stash, **cts}, accumulate, layouts=layouts)
+        values = run(ops.backward, {**params, **stash, **cts}, accumulate, layouts=layouts, fence=fence)
         return new_acc, {t: values[t] for t in ops.cts_out}
 
     def update(params, acc, states):

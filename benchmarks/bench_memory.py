@@ -1,6 +1,7 @@
 """Predicted vs measured per-device stage memory, for GPT, MoE and Wide-ResNet, with and without remat.
 
     .venv/bin/python benchmarks/bench_memory.py [--models gpt,moe,wresnet] [--microbatches 2]
+        [--no-layer-fence] [--xla-default-scheduler]
 
 Plans each tiny model (the backend tests' sizes, so each plan and run takes seconds)
 on 8 virtual CPU devices (submeshes of 2 and 4 devices viewed as 1x2 and 2x2, at most
@@ -24,7 +25,7 @@ import time
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from alpasim.backends import check_numerics, reference_step, run_local, stage_memory  # noqa: E402
+from alpasim.backends import _executable, check_numerics, reference_step, run_local, stage_memory  # noqa: E402
 from alpasim.costmodels import get_cluster  # noqa: E402
 from alpasim.solvers import plan_pipeline  # noqa: E402
 
@@ -57,7 +58,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--microbatches", type=int, default=2)
+    ap.add_argument("--no-layer-fence", action="store_true",
+                    help="let XLA order a stage's backward freely (what the backend did before the layer fence)")
+    ap.add_argument("--xla-default-scheduler", action="store_true",
+                    help="compile with XLA:CPU's default scheduler instead of the memory-minimising one")
     args = ap.parse_args()
+    if args.no_layer_fence:
+        _executable.LAYER_FENCE = False
+    if args.xla_default_scheduler:
+        _executable.compiler_options = lambda mesh: None
     cluster = get_cluster("aws-p3.16xlarge", nodes=1)
     print("KiB per device; state = params+grads+optimizer; stash per microbatch x inflight; "
           "transient = temporaries + boundary buffers of the peak program (the update's holds no stash); "

@@ -266,11 +266,18 @@ def lower_stage(plan: PipelinePlan, graph: OpGraph, stage_index: int, devices: S
                            acc_dtypes=acc_dtypes, stash_spec=st_spec)
 
 
+# Whether a stage's backward ties each layer to the one after it (`fence` in
+# `_stage_functions`); off only to measure what XLA does without it
+# (`benchmarks/bench_memory.py --no-layer-fence`).
+LAYER_FENCE = True
+
+
 def compiler_options(mesh: Mesh) -> dict[str, Any] | None:
     """XLA options for a stage's programs. On the CPU, the memory-minimising scheduler:
     XLA:CPU's default orders ops for thread concurrency and holds buffers a sequential,
-    memory-bounded schedule frees (on the backend benchmark's stages, up to 3x the
-    update's temporaries and 2x a backward's); a training runtime is memory-bound, as
+    memory-bounded schedule frees (`benchmarks/bench_memory.py --xla-default-scheduler`
+    on its Wide-ResNet stages: an update's temporaries 413.8 KiB against 125.3, a remat
+    backward's 1,468 against 626); a training runtime is memory-bound, as
     XLA:GPU's scheduler is under its memory limit, and the measured memory then is the
     schedule's, not the thread pool's."""
     if all(d.platform == "cpu" for d in mesh.devices.flat):
@@ -456,7 +463,8 @@ def _stage_functions(ops: StageOps, train: OpGraph, shardings: dict[str, NamedSh
             return {**values, **dict(zip(gated, made, strict=True))}
 
         layouts = {**{t: shardings[t] for t in (*params, *cts)}, **{t: stash_sh[t] for t in stash}}
-        values = run(ops.backward, {**params, **stash, **cts}, accumulate, layouts=layouts, fence=fence)
+        values = run(ops.backward, {**params, **stash, **cts}, accumulate, layouts=layouts,
+                     fence=fence if LAYER_FENCE else None)
         return new_acc, {t: values[t] for t in ops.cts_out}
 
     def update(params, acc, states):

@@ -22,7 +22,7 @@ from alpasim.costmodels import Cluster, get_cluster
 from alpasim.simulator import simulate
 from alpasim.solvers import CACHE_VERSION, DiskCache, MegatronConfig, digest, plan_with_method
 
-RESULT_VERSION = "points/3"  # 3: the DP prices stage-boundary transfers
+RESULT_VERSION = "points/4"  # 3: the DP prices stage-boundary transfers; 4: DP baselines' per-device microbatches
 DEFAULT_CLUSTER = "aws-p3.16xlarge"
 
 

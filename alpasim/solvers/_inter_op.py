@@ -108,14 +108,18 @@ def planning_graph(model: dict) -> OpGraph:
     return fwd if layers == fwd.num_layers else assign_layers(fwd, layers)[0]
 
 
-def microbatch_candidates(global_batch: int, requested: int | str) -> list[int]:
+def microbatch_candidates(global_batch: int, requested: int | str, multiple: int = 1) -> list[int]:
+    """Microbatch counts to try. "auto": microbatches of `AUTO_MICROBATCH_SIZES` samples
+    per `multiple` devices (a data-parallel system's per-device microbatch: DeepSpeed's
+    `train_micro_batch_size_per_gpu`), those that divide the global batch."""
     if requested != "auto":
         b = int(requested)
         if b < 1 or global_batch % b:
             raise ValueError(f"--microbatches {b} must divide the global batch {global_batch}")
         return [b]
-    out = [global_batch // m for m in AUTO_MICROBATCH_SIZES if m <= global_batch and global_batch % m == 0]
-    return list(dict.fromkeys(out)) or [1]
+    sizes = [m * multiple for m in AUTO_MICROBATCH_SIZES]
+    out = [global_batch // m for m in sizes if m <= global_batch and global_batch % m == 0]
+    return list(dict.fromkeys(out)) or ([1] if multiple == 1 else [])
 
 
 def plan_pipeline(model: str, cluster: Cluster, *, microbatches: int | str = "auto", remat: bool = True,
@@ -157,11 +161,14 @@ def plan_pipeline(model: str, cluster: Cluster, *, microbatches: int | str = "au
     cache = cache or DiskCache(enabled=False)
     candidates: list[Candidate] = []
     jobs = hits = 0
-    options = [b for b in microbatch_candidates(global_batch, microbatches)
+    options = [b for b in microbatch_candidates(global_batch, microbatches, microbatch_multiple)
                if (global_batch // b) % microbatch_multiple == 0]
     if not options:
-        raise PlanInfeasible(f"no microbatch of {name}'s batch of {global_batch} splits evenly over "
-                             f"{microbatch_multiple} data-parallel devices", float("nan"))
+        tried = microbatch_candidates(global_batch, microbatches) if microbatches != "auto" else []
+        raise PlanInfeasible(f"no microbatch of {name}'s batch of {global_batch} gives each of "
+                             f"{microbatch_multiple} data-parallel devices whole samples"
+                             + (f" ({tried[0]} microbatches of {global_batch // tried[0]})" if tried else ""),
+                             float("nan"))
     evaluated: dict[int, Candidate] = {}
 
     def evaluate(b: int) -> Candidate:

@@ -116,6 +116,24 @@ def test_microbatch_candidates_divide_the_batch():
     assert microbatch_candidates(1024, 64) == [64]
     with pytest.raises(ValueError, match="divide"):
         microbatch_candidates(1024, 3)
+    # A data-parallel system's microbatches are per-device sizes times its devices:
+    # 64 devices take microbatches of 64-1024 samples (16 ... 1 of them), not 1-32.
+    assert microbatch_candidates(1024, "auto", 64) == [1, 2, 4, 8, 16]
+    assert microbatch_candidates(96, "auto", 3) == [1, 2, 4, 8, 16, 32]
+    assert microbatch_candidates(1024, "auto", 3) == []
+
+
+def test_data_parallel_baseline_on_64_devices_finds_its_microbatches():
+    """DeepSpeed on 64 devices: every device takes whole samples, so a 64-sample batch
+    is one microbatch of one sample per device (moe-70b's Figure 7b point was refused
+    as having no such microbatch when only microbatches of 1-32 samples were tried)."""
+    cluster = get_cluster("aws-p3.16xlarge", nodes=8)
+    plan = plan_with_method("zero2", "gpt3:hidden=32,layers=1,heads=2,seq=8,vocab=64,batch=64", cluster,
+                            pareto=False)
+    assert plan.feasible and plan.stages[0].devices == tuple(range(64)) and plan.microbatches == 1
+    with pytest.raises(PlanInfeasible, match="whole samples"):
+        plan_pipeline("gpt3:hidden=32,layers=1,heads=2,seq=8,vocab=64,batch=64", cluster, microbatches=2,
+                      microbatch_multiple=64, max_stages=1)
 
 
 def test_bad_plan_files(tmp_path):

@@ -22,7 +22,7 @@ from alpasim.costmodels import Cluster, get_cluster
 from alpasim.simulator import simulate
 from alpasim.solvers import CACHE_VERSION, DiskCache, MegatronConfig, digest, plan_with_method
 
-RESULT_VERSION = "points/4"  # 3: the DP prices stage-boundary transfers; 4: DP baselines' per-device microbatches
+RESULT_VERSION = "points/5"  # 3: the DP prices stage-boundary transfers; 5: DP baselines' microbatches split over their devices
 DEFAULT_CLUSTER = "aws-p3.16xlarge"
 
 

@@ -110,14 +110,16 @@ def planning_graph(model: dict) -> OpGraph:
 
 def microbatch_candidates(global_batch: int, requested: int | str, multiple: int = 1) -> list[int]:
     """Microbatch counts to try. "auto": microbatches of `AUTO_MICROBATCH_SIZES` samples
-    per `multiple` devices (a data-parallel system's per-device microbatch: DeepSpeed's
-    `train_micro_batch_size_per_gpu`), those that divide the global batch."""
+    that divide the global batch; with `multiple` (a data-parallel system, whose every
+    device takes whole samples) only sizes it divides, up to the same largest size,
+    or of one sample per device where there are more devices than that."""
     if requested != "auto":
         b = int(requested)
         if b < 1 or global_batch % b:
             raise ValueError(f"--microbatches {b} must divide the global batch {global_batch}")
         return [b]
-    sizes = [m * multiple for m in AUTO_MICROBATCH_SIZES]
+    ceiling = max(AUTO_MICROBATCH_SIZES[0], multiple)
+    sizes = [m * multiple for m in AUTO_MICROBATCH_SIZES if m * multiple <= ceiling]
     out = [global_batch // m for m in sizes if m <= global_batch and global_batch % m == 0]
     return list(dict.fromkeys(out)) or ([1] if multiple == 1 else [])
 

@@ -116,10 +116,11 @@ def test_microbatch_candidates_divide_the_batch():
     assert microbatch_candidates(1024, 64) == [64]
     with pytest.raises(ValueError, match="divide"):
         microbatch_candidates(1024, 3)
-    # A data-parallel system's microbatches are per-device sizes times its devices:
-    # 64 devices take microbatches of 64-1024 samples (16 ... 1 of them), not 1-32.
-    assert microbatch_candidates(1024, "auto", 64) == [1, 2, 4, 8, 16]
-    assert microbatch_candidates(96, "auto", 3) == [1, 2, 4, 8, 16, 32]
+    # A data-parallel system's microbatches give every device whole samples, up to the
+    # same 32 samples, or one sample per device where it has more devices than that.
+    assert microbatch_candidates(1024, "auto", 8) == [32, 64, 128]
+    assert microbatch_candidates(96, "auto", 3) == [4, 8, 16, 32]
+    assert microbatch_candidates(1024, "auto", 64) == [16]
     assert microbatch_candidates(1024, "auto", 3) == []
 
 

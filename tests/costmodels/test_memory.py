@@ -1,5 +1,3 @@
-import time
-
 import pytest
 
 from alpasim.costmodels import MemoryBreakdown, activation_peak_bytes, training_memory
@@ -103,14 +101,12 @@ def test_breakdown_validation():
     assert m.fits(4) and not m.fits(3)
 
 
-def test_ten_thousand_ops_in_well_under_a_second():
-    # Built from the value types directly: the builder's naming is not what is timed here.
+def test_a_ten_thousand_op_chain_holds_one_buffer():
+    # Built from the value types directly. How long the estimate takes is a benchmark's
+    # figure (`benchmarks/bench_graph_build.py`, column "memory s"), not a test's.
     n = 10_000
     tensors = [Tensor(f"t{i}", (64, 64), "float32", "input" if i == 0 else "activation") for i in range(n + 1)]
     ops = [Op(f"op{i}", "elementwise", (f"t{i}",), (f"t{i + 1}",), {"fn": "tanh"}) for i in range(n)]
     g = OpGraph("chain", tensors, ops, inputs=["t0"], outputs=[f"t{n}"])
-    start = time.perf_counter()
     m = training_memory(g)
-    elapsed = time.perf_counter() - start
     assert m.activations_peak_bytes == 64 * 64 * 4  # each tanh writes over its operand: one buffer
-    assert elapsed < 0.5

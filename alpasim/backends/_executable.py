@@ -457,7 +457,8 @@ def _stage_functions(ops: StageOps, train: OpGraph, shardings: dict[str, NamedSh
                 zero = jnp.where(jnp.isfinite(s), s, 0.0) * 0.0
                 return [p + zero.astype(p.dtype) for p in ps]
 
-            tied = jax.shard_map(tie, mesh=mesh, in_specs=([g_sh[p].spec for p in names], [p_sh[p].spec for p in gated]),
+            tied = jax.shard_map(tie, mesh=mesh,
+                                 in_specs=([g_sh[p].spec for p in names], [p_sh[p].spec for p in gated]),
                                  out_specs=[p_sh[p].spec for p in gated], check_vma=False)
             made = tied([new_acc[p] for p in names], [values[p] for p in gated])
             return {**values, **dict(zip(gated, made, strict=True))}

@@ -1,11 +1,12 @@
 """One XLA compilation cache for the whole test session.
 
 Most of the backend tests' time is XLA:CPU compiling stage programs, and many tests
-lower the same small plans (the local and the Ray runtime, the memory checks, the CLI
-in a subprocess): a Wide-ResNet step compiles in 29 s cold and loads in 6 s from JAX's
-persistent cache. The cache lives in a fresh directory per session (set before
-anything imports jax, and inherited by subprocesses and Ray workers), so no run reads
-what another left behind, and it is removed at the end. Figures read from a loaded
+in this process and in CLI subprocesses lower the same small plans on the same 8
+virtual devices (the runtime, memory and CLI tests); a program compiled once is then
+loaded from JAX's persistent cache. (Ray actors inherit it too, but compile for their
+own mesh's device count, so they rarely find another run's entry.) The cache lives in
+a fresh directory per session, set before anything imports jax, so no run reads what
+another left behind, and it is removed at the end. Figures read from a loaded
 executable (XLA's memory analysis, the HLO's collectives) are those of the compiled one.
 """
 

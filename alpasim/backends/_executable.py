@@ -16,9 +16,10 @@ priced (its time and, by liveness, its memory):
   added into its accumulator as the op that completes it runs. Layers run one after
   another, as the plan prices them: each layer's parameters take a data dependence on
   the gradients the layer after it accumulated (`fence` below), or XLA hoists every
-  layer's recomputation and defers every weight gradient to the program's end. The accumulators, the
-  stash and the cotangents are donated: the runtime never reads them again, so XLA
-  writes the new accumulators in place and may reuse the stash for outputs.
+  layer's recomputation and defers every weight gradient to the program's end. The
+  accumulators, the stash and the cotangents are donated: the runtime never reads them
+  again, so XLA writes the new accumulators in place and may reuse the stash for
+  outputs.
 - update(params, acc, states) -> (params, states, zeroed acc): Adam exactly as the
   training graph's `adam` ops (their hyperparameters, `_lowering._adam`), run in the
   layouts the stage's intra-op plan stores gradients and optimizer states in — with

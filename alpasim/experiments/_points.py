@@ -22,7 +22,8 @@ from alpasim.costmodels import Cluster, get_cluster
 from alpasim.simulator import simulate
 from alpasim.solvers import CACHE_VERSION, DiskCache, MegatronConfig, digest, plan_with_method
 
-RESULT_VERSION = "points/5"  # 3: the DP prices stage-boundary transfers; 5: DP baselines' microbatches split over their devices
+# 3: the DP prices stage-boundary transfers; 5: DP baselines' microbatches split over their devices
+RESULT_VERSION = "points/5"
 DEFAULT_CLUSTER = "aws-p3.16xlarge"
 
 

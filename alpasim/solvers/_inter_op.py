@@ -110,15 +110,16 @@ def planning_graph(model: dict) -> OpGraph:
 
 def microbatch_candidates(global_batch: int, requested: int | str, multiple: int = 1) -> list[int]:
     """Microbatch counts to try. "auto": microbatches of `AUTO_MICROBATCH_SIZES` samples
-    that divide the global batch; with `multiple` (a data-parallel system, whose every
-    device takes whole samples) only sizes it divides, up to the same largest size,
-    or of one sample per device where there are more devices than that."""
+    that divide the global batch. With `multiple` (a data-parallel system, whose every
+    device takes whole samples) only microbatches whose size it divides: "auto" keeps
+    the same largest size, or goes to one sample per device where there are more
+    devices than that; a requested count that does not split gives none."""
     if requested != "auto":
         b = int(requested)
         if b < 1 or global_batch % b:
             raise ValueError(f"--microbatches {b} must divide the global batch {global_batch}")
-        return [b]
-    ceiling = max(AUTO_MICROBATCH_SIZES[0], multiple)
+        return [b] if (global_batch // b) % multiple == 0 else []
+    ceiling = max(max(AUTO_MICROBATCH_SIZES), multiple)
     sizes = [m * multiple for m in AUTO_MICROBATCH_SIZES if m * multiple <= ceiling]
     out = [global_batch // m for m in sizes if m <= global_batch and global_batch % m == 0]
     return list(dict.fromkeys(out)) or ([1] if multiple == 1 else [])
@@ -163,14 +164,12 @@ def plan_pipeline(model: str, cluster: Cluster, *, microbatches: int | str = "au
     cache = cache or DiskCache(enabled=False)
     candidates: list[Candidate] = []
     jobs = hits = 0
-    options = [b for b in microbatch_candidates(global_batch, microbatches, microbatch_multiple)
-               if (global_batch // b) % microbatch_multiple == 0]
+    options = microbatch_candidates(global_batch, microbatches, microbatch_multiple)
     if not options:
-        tried = microbatch_candidates(global_batch, microbatches) if microbatches != "auto" else []
+        asked = "" if microbatches == "auto" else \
+            f" ({microbatches} microbatches of {global_batch // int(microbatches)})"
         raise PlanInfeasible(f"no microbatch of {name}'s batch of {global_batch} gives each of "
-                             f"{microbatch_multiple} data-parallel devices whole samples"
-                             + (f" ({tried[0]} microbatches of {global_batch // tried[0]})" if tried else ""),
-                             float("nan"))
+                             f"{microbatch_multiple} data-parallel devices whole samples{asked}", float("nan"))
     evaluated: dict[int, Candidate] = {}
 
     def evaluate(b: int) -> Candidate:

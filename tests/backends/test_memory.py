@@ -184,7 +184,8 @@ def test_backward_runs_its_layers_one_after_another(small_plan):
     working set live at a time); XLA, left alone, hoisted every layer's recomputation
     and deferred every weight gradient to the end of the program, so that Wide-ResNet's
     first remat stage measured 2.0x its prediction. The backend now ties each layer's
-    parameters to the gradients the layer before it accumulated: the stage's measured
+    parameters to the gradients the layer after it (run before it in the backward)
+    accumulated: the stage's measured
     memory is within 20 % of the plan's, and its backward holds no more than two
     layers' working sets beyond the stash (it held six)."""
     plan = small_plan("wresnet")

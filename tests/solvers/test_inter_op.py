@@ -122,6 +122,7 @@ def test_microbatch_candidates_divide_the_batch():
     assert microbatch_candidates(96, "auto", 3) == [4, 8, 16, 32]
     assert microbatch_candidates(1024, "auto", 64) == [16]
     assert microbatch_candidates(1024, "auto", 3) == []
+    assert microbatch_candidates(1024, 16, 64) == [16] and microbatch_candidates(1024, 32, 64) == []
 
 
 def test_data_parallel_baseline_on_64_devices_finds_its_microbatches():

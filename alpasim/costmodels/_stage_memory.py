@@ -5,7 +5,13 @@ after the last microbatch and is not part of this) keeps an *activation* — any
 that is not a parameter, gradient or optimizer state — live from the op that writes it
 (a tensor the layer receives: from the first op that reads it, i.e. from its arrival;
 a cotangent it receives: from the start of its backward, recomputation included)
-to the last op of the layer that reads it. A forward result handed on (to the next
+to the last op of the layer that reads it, except what the forward keeps for the
+backward (the *stash*): it lives to the end of the backward. A stage's backward is one
+compiled program and the stash is among its arguments; XLA never reuses an argument's
+buffer for a temporary and frees it only when the program returns (the JAX backend
+and Alpa's runtime run a stage this way; a framework that frees each saved tensor at
+its last read, as PyTorch's autograd does, needs less, by at most the stashes of the
+layers whose backward has finished). A forward result handed on (to the next
 layer or stage) lives to the end of the layer's forward; a cotangent handed back to the
 previous layer lives to the end of the layer's backward. An elementwise op (or a cast or
 reshape) whose operand dies there writes into that operand's buffer. A gradient made by
@@ -24,12 +30,14 @@ one candidate peak per such op); one device has no partials. From that one pass:
                  microbatch keeps for its backward: with full remat only the layer input)
     peak  p_l  = the most bytes live at any op of the layer (s_l included)
 
-A stage of layers k..i runs, per microbatch, F_k .. F_i then B_i .. B_k. While layer j
-runs, the layers before it hold their stash, so one microbatch peaks at
+A stage of layers k..i runs, per microbatch, F_k .. F_i then B_i .. B_k. The stage's
+stash S = sum_l s_l is held through the whole backward, and while layer j runs in it
+the layer adds its working set beyond its own stash, so one microbatch peaks at
 
-    P = max_j ( sum_{l<j} s_l + p_j )          S = sum_l s_l
+    P = S + max_j (p_j - s_j)          S = sum_l s_l
 
-and under 1F1B (and GPipe) with w = min(stages from this one to the end, B) microbatches
+(the forward, where only the stashes of layers before j exist, never exceeds this).
+Under 1F1B (and GPipe) with w = min(stages from this one to the end, B) microbatches
 in flight, the other w - 1 each hold S while one runs (seed eq. 5, made exact):
 
     total = params + grads + optimizer + max(w * S + (P - S), update) + buffers
@@ -131,6 +139,8 @@ def liveness(graph: OpGraph) -> Liveness:
     for t, n in first.items():
         if n > boundary and t not in produced:
             first[t] = boundary + 1     # a cotangent arrives before the layer's backward starts
+        elif n <= boundary < last[t]:
+            last[t] = end               # a stash is an argument of the backward: held until it returns
     dropped: set[str] = set()
     for n, i in enumerate(order):
         op = graph.ops[i]
@@ -217,18 +227,18 @@ class StageMemory:
 
 
 def one_microbatch_peak(layers: Sequence[LayerMemory], carries: Sequence[tuple[int, int, float]] = ()) -> float:
-    """P = max_j (sum_{l<j} s_l + p_j) over a stage's layers in order.
+    """P = S + max_j (p_j - s_j) over a stage's layers in order (every stash is held).
 
     `carries` are (from, to, bytes): a tensor layer `from`'s backward hands to a layer
     `to` < from (a tied weight's gradient from the LM head to the embedding), live
     through the backward of `to` and of every layer in between, where it adds to their
     peak (taken as their backward's: true of transformer layers, whose backward holds
     the forward's stash and more)."""
-    before, best = 0.0, 0.0
+    total = sum(m.stash_bytes for m in layers)
+    best = 0.0
     for j, m in enumerate(layers):
         extra = sum(b for src, dst, b in carries if dst <= j < src)
-        best = max(best, before + m.peak_bytes + extra)
-        before += m.stash_bytes
+        best = max(best, total - m.stash_bytes + m.peak_bytes + extra)
     return best
 
 
@@ -252,10 +262,10 @@ def range_peak(stash: np.ndarray, peak: np.ndarray) -> np.ndarray:
     [k, i] for layers k..i (inf where k > i). O(L^2) vectorised over the trailing axes."""
     num_layers = stash.shape[0]
     prefix = np.concatenate([np.zeros((1,) + stash.shape[1:]), np.cumsum(stash, axis=0)])
-    lead = prefix[:-1] + peak                         # sum_{l<j} s_l + p_j, from layer 0
+    over = peak - stash                               # p_j - s_j
     out = np.full((num_layers,) + stash.shape, math.inf)
     for k in range(num_layers):
-        out[k, k:] = np.maximum.accumulate(lead[k:], axis=0) - prefix[k]
+        out[k, k:] = np.maximum.accumulate(over[k:], axis=0) + (prefix[k + 1:] - prefix[k])
     return out
 
 
@@ -268,9 +278,9 @@ def carry_peak(stash: np.ndarray, peak: np.ndarray, src: int, dst: int, carry: n
     out = np.full((num_layers, num_layers) + stash.shape[1:], -math.inf)
     if src <= dst:
         return out
-    inner = (prefix[dst:src] + peak[dst:src]).max(axis=0) + carry
+    inner = (peak[dst:src] - stash[dst:src]).max(axis=0) + carry
     for k in range(dst + 1):
-        out[k, src:] = inner - prefix[k]
+        out[k, src:] = inner + (prefix[src + 1:] - prefix[k])
     return out
 
 

@@ -5,8 +5,9 @@ gradients). The oracle here ignores layers altogether: it writes out every op of
 stage for every microbatch in 1F1B order (w forwards, then backward / forward pairs,
 then the remaining backwards), gives each microbatch its own copy of every tensor and
 finds the peak of live bytes under the same physical rules (a tensor lives from its
-producer, or its arrival, to its last reader; handed-on results to the end of their
-phase; an elementwise op writes over an operand that dies there; a tied gradient from
+producer, or its arrival, to its last reader; what a microbatch's forward keeps for
+its backward to the end of that microbatch's backward, whose program holds it as an
+argument; handed-on results to the end of their phase; an elementwise op writes over an operand that dies there; a tied gradient from
 another stage arrives once per iteration, and one for another stage is summed into
 this stage's copy when its layer's backward ends; a gradient a contraction makes is a
 buffer of its own at that op). Equal peaks mean the per-layer
@@ -84,6 +85,11 @@ def unrolled_peak(sg, microbatches: int, inflight: int) -> float:
             else:
                 end = span["F" if produced[t] == "forward" else "B", m][1]
             death[t, m] = max(death[t, m], end)
+    for (t, m), b in birth.items():
+        # The microbatch's backward is one program and what the forward kept for it
+        # (its stash) is among its arguments: freed when it returns, not at the last read.
+        if b <= span["F", m][1] and death[t, m] >= span["B", m][0]:
+            death[t, m] = span["B", m][1]
     dropped = set()
     for n, (op, m) in enumerate(seq):
         if op.prim not in IN_PLACE or len(op.outputs) != 1 or not counted(op.outputs[0]):
@@ -153,11 +159,15 @@ def test_composed_stage_memory_equals_the_unrolled_schedule(case):
 
 
 def test_one_microbatch_peak_by_hand():
-    # Layers (stash, peak): (2, 5), (3, 4), (1, 9): max(5, 2 + 4, 5 + 9) = 14.
+    # Layers (stash, peak): (2, 5), (3, 4), (1, 9). All stashes (S = 6) are held while
+    # any layer runs, each layer's working set beyond its own stash is 3, 1 and 8:
+    # 6 + max(3, 1, 8) = 14.
     layers = [LayerMemory(2, 5), LayerMemory(3, 4), LayerMemory(1, 9)]
     assert one_microbatch_peak(layers) == 14
-    # A carry of 10 from layer 2 back to layer 0 adds to layers 0 and 1: max(15, 16, 14).
-    assert one_microbatch_peak(layers, [(2, 0, 10.0)]) == 16
+    # A carry of 10 from layer 2 back to layer 0 adds to layers 0 and 1: 6 + max(13, 11, 8).
+    assert one_microbatch_peak(layers, [(2, 0, 10.0)]) == 19
+    # Freed as it goes, layer 0 would see only its own stash (5 + 10 = 15 < 19): the
+    # held stash is what separates the two rules.
     mem = stage_memory(layers, params_bytes=1, grads_bytes=2, optimizer_bytes=3, inflight=3, buffer_bytes=4)
     # 6 persistent + 3 in flight x S = 6 + the transient P - S = 14 - 6 = 8 + buffers 4.
     assert (mem.stash_bytes, mem.transient_bytes, mem.total_bytes) == (6, 8, 6 + 18 + 8 + 4)

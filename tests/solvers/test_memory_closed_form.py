@@ -14,28 +14,36 @@ fp16 activations):
   input of the QKV projection and of the first MLP matmul (8 sbh) stay replicated and
   the rest is split: sbh(8 + 24/t) + 2as^2b/t.
 * With full recomputation a layer keeps its input, 2sbh (replicated over t).
-* The microbatch that runs holds one layer's working set on top of the stashes. The
-  paper stops at "one layer's activations"; we write out the three points of a GPT
-  layer's backward where it peaks: the first backward op (the recomputed stash, the
-  incoming cotangent 2sbh, fc2's input gradient 8sbh/t, fc2's weight gradient 8h^2/t),
-  the softmax backward (layer input, its norm, Q and K, the probabilities, the residual
-  cotangent, dProbs, dV and dScores: sbh(6 + 6/t) + 6as^2b/t) and, with recomputation,
-  the end of the recomputed forward (+ the cotangent and fc2's replicated output, 4sbh;
-  for t > 1 fc2 is row-parallel, so at fc2 its unreduced partial output, 2sbh, is live
-  next to the all-reduced one: s_nr + 6sbh).
+* The microbatch that runs holds one layer's working set on top of the stashes. A
+  stage's backward is one program and the stashes are its arguments, so all of them
+  stay live until it returns (`costmodels._stage_memory`). The paper stops at "one
+  layer's activations"; we write out the points of a GPT layer's backward where it
+  peaks: the first backward op (the recomputed stash, the incoming cotangent 2sbh,
+  fc2's input gradient 8sbh/t, fc2's weight gradient 8h^2/t); the softmax backward
+  (with recomputation: layer input, its norm, Q and K, the probabilities, the residual
+  cotangent, dProbs, dV and dScores, sbh(6 + 6/t) + 6as^2b/t; without it the held
+  stash s_nr + sbh(2 + 2/t) + 4as^2b/t); without recomputation K's input gradient
+  (s_nr, the residual cotangent, V's and K's input gradients, dQ and dK: s_nr +
+  sbh(6 + 4/t), + 2sbh of K's unreduced partial for t > 1, K's projection contracting
+  the split heads); and, with recomputation, the end of the recomputed forward (+ the
+  cotangent and fc2's replicated output, 4sbh; for t > 1 fc2 is row-parallel, so at
+  fc2 its unreduced partial output, 2sbh, is live next to the all-reduced one:
+  s_nr + 6sbh).
 * The zoo's first layer also holds the embedding: its token ids (4sb), and at the end
-  of its backward the dense fp16 table gradient 2Vh/t next to the incoming cotangent;
-  under recomputation the embedding is recomputed with the layer, so the layer stashes
-  only the ids. The last layer also holds the head: the final norm's input and output,
-  the vocab-split logits 2sbV/t and the labels; its peak is at the loss backward
-  (+ dLogits, replicated over t since our loss op cannot split the vocabulary), at
-  the logits' weight gradient (+ dLogits, the input gradient and the table's 2Vh/t)
-  or, for t > 1, at the logits' input gradient, which contracts the vocabulary split
-  over t: its unreduced partial 2sbh is live next to the all-reduced 2sbh.
+  of its backward the dense fp16 table gradient 2Vh/t next to the incoming cotangent
+  and the held stash; under recomputation the embedding is recomputed with the layer,
+  so the layer stashes only the ids. The last layer also holds the head: the final
+  norm's input and output, the vocab-split logits 2sbV/t and the labels (all held);
+  its peak is at the loss backward (+ dLogits, replicated over t since our loss op
+  cannot split the vocabulary), at the logits' weight gradient (+ dLogits, the input
+  gradient and the table's 2Vh/t), for t > 1 at the logits' input gradient, which
+  contracts the vocabulary split over t (its unreduced partial 2sbh is live next to
+  the all-reduced 2sbh), or in its block's backward, with the table's gradient held
+  until the layer's backward ends.
 * The stage: persistent states + w stashes (w = min(stages from this one, B), 1F1B) +
-  the running layer's working set over the stashes of the layers before it, and with
-  one stage holding both ends of the tied embedding, the head's table gradient held
-  until the embedding's backward adds it.
+  the largest working set of one layer beyond its own stash, and with one stage
+  holding both ends of the tied embedding, the head's table gradient held until the
+  embedding's backward adds it.
 
 Model states: embedding Vh/t (vocab-parallel) + sh; per layer 12h^2/t + 7h/t + 6h
 (column- and row-parallel weights and the biases that follow them, replicated norms
@@ -60,9 +68,16 @@ def _block(h, a, s, b, t, remat):
     sbh, as2b = s * b * h, a * s * s * b
     s_nr = sbh * (8 + 24 / t) + 2 * as2b / t
     first_backward = s_nr + sbh * (2 + 8 / t) + 8 * h * h / t
-    softmax_backward = sbh * (6 + 6 / t) + 6 * as2b / t
+    if remat:   # the layer input (held), its recomputed norm, Q, K and probabilities
+        softmax_backward = sbh * (6 + 6 / t) + 6 * as2b / t
+    else:       # the whole held stash + the residual cotangent, dV, dProbs and dScores
+        softmax_backward = s_nr + sbh * (2 + 2 / t) + 4 * as2b / t
+    # K's input gradient: the held stash, the residual cotangent, V's input gradient, K's
+    # (and for t > 1 its unreduced partial), dQ and dK; with remat these are freed sooner.
+    qkv_input_grad = 0.0 if remat else s_nr + sbh * (6 + 4 / t) + (2 * sbh if t > 1 else 0.0)
     end_of_recompute = s_nr + 4 * sbh + (2 * sbh if t > 1 else 0.0) if remat else 0.0
-    return s_nr, (2 * sbh if remat else s_nr), max(first_backward, softmax_backward, end_of_recompute)
+    return s_nr, (2 * sbh if remat else s_nr), max(first_backward, softmax_backward, end_of_recompute,
+                                                     qkv_input_grad)
 
 
 def closed_form(cfg, tp, pp, mbs, remat, bytes_per_param, microbatches, stage):
@@ -74,19 +89,23 @@ def closed_form(cfg, tp, pp, mbs, remat, bytes_per_param, microbatches, stage):
     first, last = stage == 0, stage == pp - 1
     s_nr, stash, peak = _block(h, a, s, b, t, remat)
     layers = [(stash, peak)] * L
+    table_grad = 2 * V * h / t
     if first:
-        layers[0] = (ids + (0 if remat else s_nr), ids + max(peak, 2 * sbh + 2 * V * h / t))
+        first_stash = ids + (0 if remat else s_nr)
+        layers[0] = (first_stash, ids + max(peak, first_stash - ids + 2 * sbh + table_grad))
     if last:
-        head_stash = 2 * s * b * V / t + ids + (2 * sbh if remat else s_nr + 4 * sbh)
-        head_peak = max(s_nr + 4 * sbh + 2 * s * b * V / t + ids + 2 * s * b * V,
-                        s_nr + 6 * sbh + 2 * s * b * V + 2 * V * h / t,
-                        s_nr + 8 * sbh + 2 * s * b * V if t > 1 else 0.0)
+        logits = 2 * s * b * V / t
+        head_stash = logits + ids + (2 * sbh if remat else s_nr + 4 * sbh)
+        held = s_nr + logits + ids                  # with remat: recomputed, then held to the head's grads
+        head_peak = max(held + 4 * sbh + 2 * s * b * V,
+                        held + 6 * sbh + 2 * s * b * V + table_grad,
+                        held + 8 * sbh + 2 * s * b * V if t > 1 else 0.0,
+                        head_stash - stash + peak + table_grad)    # the block's backward, the table grad held
         layers[-1] = (head_stash, head_peak)
     carry = 2 * V * h / t if first and last else 0.0
-    before = one_microbatch = 0.0
-    for j, (s_j, p_j) in enumerate(layers):
-        one_microbatch = max(one_microbatch, before + p_j + (carry if j < len(layers) - 1 else 0.0))
-        before += s_j
+    before = sum(s_j for s_j, _ in layers)        # every stash is held through the backward
+    one_microbatch = before + max(p_j - s_j + (carry if j < len(layers) - 1 else 0.0)
+                                  for j, (s_j, p_j) in enumerate(layers))
     params = L * (12 * h * h / t + 7 * h / t + 6 * h)
     if first:
         params += V * h / t + s * h

@@ -6,7 +6,8 @@ shard sizes that `Array.addressable_shards` holds (are the figures per device?);
 one-stage plan's measured state against the bytes of its parameter, accumulator and
 optimizer-state arrays on one device; its stash against the arrays the forward
 kept, and against the sum of the per-layer liveness stashes the planner prices;
-Megatron-LM's tied copies.
+Megatron-LM's tied copies; XLA's memory analysis of a program whose donated argument
+dies at its first op (the premise of the held stash).
 """
 
 from __future__ import annotations
@@ -48,6 +49,26 @@ def test_memory_analysis_figures_are_per_device():
     m = ProgramMemory.of(compiled)
     assert m.argument_bytes == shard_bytes([w, x]) == (256 * 256 + 16 * 256) * 4
     assert m.output_bytes == shard_bytes([compiled(w, x)]) == per_device_bytes((64, 512), "float32", out_sh)
+
+
+def test_a_donated_argument_is_held_until_the_program_returns():
+    """The premise of the stage-memory rule that a stash is held through the backward
+    (`costmodels._stage_memory`): XLA never reuses an argument's buffer for a temporary,
+    even one donated and dead after the program's first op, so an early reader's
+    arguments and a later op's temporaries add up."""
+    n = 1 << 18
+
+    def program(a, b):
+        first = jnp.sum(a)                  # a's only read
+        later = jnp.sort(b + first)         # temporaries made after a is dead
+        return jnp.sum(later * later[::-1])
+
+    a = b = jnp.ones((n,), jnp.float32)
+    kept = ProgramMemory.of(jax.jit(program).lower(a, b).compile())
+    with pytest.warns(UserWarning, match="donated buffers were not usable"):
+        donated = ProgramMemory.of(jax.jit(program, donate_argnums=(0,)).lower(a, b).compile())
+    assert donated.argument_bytes == kept.argument_bytes == 2 * 4 * n
+    assert donated.temp_bytes == kept.temp_bytes >= 4 * n     # a's 1 MiB was not reused
 
 
 @needs_8

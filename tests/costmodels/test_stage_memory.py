@@ -7,11 +7,11 @@ then the remaining backwards), gives each microbatch its own copy of every tenso
 finds the peak of live bytes under the same physical rules (a tensor lives from its
 producer, or its arrival, to its last reader; what a microbatch's forward keeps for
 its backward to the end of that microbatch's backward, whose program holds it as an
-argument; handed-on results to the end of their phase; an elementwise op writes over an operand that dies there; a tied gradient from
-another stage arrives once per iteration, and one for another stage is summed into
-this stage's copy when its layer's backward ends; a gradient a contraction makes is a
-buffer of its own at that op). Equal peaks mean the per-layer
-composition loses nothing of the schedule.
+argument; handed-on results to the end of their phase; an elementwise op writes over
+an operand that dies there; a tied gradient from another stage arrives once per
+iteration, and one for another stage is summed into this stage's copy when its
+layer's backward ends; a gradient a contraction makes is a buffer of its own at that
+op). Equal peaks mean the per-layer composition loses nothing of the schedule.
 """
 
 from __future__ import annotations

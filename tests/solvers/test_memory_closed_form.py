@@ -102,17 +102,17 @@ def closed_form(cfg, tp, pp, mbs, remat, bytes_per_param, microbatches, stage):
                         held + 8 * sbh + 2 * s * b * V if t > 1 else 0.0,
                         head_stash - stash + peak + table_grad)    # the block's backward, the table grad held
         layers[-1] = (head_stash, head_peak)
-    carry = 2 * V * h / t if first and last else 0.0
-    before = sum(s_j for s_j, _ in layers)        # every stash is held through the backward
-    one_microbatch = before + max(p_j - s_j + (carry if j < len(layers) - 1 else 0.0)
-                                  for j, (s_j, p_j) in enumerate(layers))
+    carry = table_grad if first and last else 0.0
+    stashes = sum(s_j for s_j, _ in layers)       # every stash is held through the backward
+    one_microbatch = stashes + max(p_j - s_j + (carry if j < len(layers) - 1 else 0.0)
+                                   for j, (s_j, p_j) in enumerate(layers))
     params = L * (12 * h * h / t + 7 * h / t + 6 * h)
     if first:
         params += V * h / t + s * h
     if last:
         params += 2 * h + (0 if first else V * h / t)
     inflight = min(pp - stage, microbatches)
-    return params * bytes_per_param + inflight * before + (one_microbatch - before)
+    return params * bytes_per_param + inflight * stashes + (one_microbatch - stashes)
 
 
 # Every (tp, pp, dp) of the grid, each with a microbatch size, recomputation and recipe

@@ -48,10 +48,14 @@ stashed and boundary tensors to it; that solve's collectives are also what
 On the CPU the programs are compiled with XLA's memory-optimised scheduler
 (`compiler_options`).
 
-One systematic difference from the plan: the plan synchronises weight gradients once
-per iteration, after accumulation; in JAX the gradient of a replicated parameter is
-reduced over the data-parallel axis inside each backward (the accumulator lives in the
-planned gradient layout), so that reduction runs once per microbatch.
+Weight gradients are reduced when the plan reduces them: once per iteration. A weight
+gradient whose contraction the plan splits over mesh axes (the batch, under data
+parallelism) is accumulated unreduced, with a replica axis over those axes, and the
+update reduces it (all-reduce, or reduce-scatter under weight-update sharding) before
+Adam (`_partial_grads`); JAX's global view would otherwise reduce it inside every
+microbatch's backward. ZeRO plans scatter every microbatch, as they are priced
+(`solvers.PER_MICROBATCH_GRAD_SYNC`); a plan from before `layer_specs` keeps the
+per-microbatch reduction.
 
 Gradient accumulation: each microbatch's loss cotangent is the graph's seed (1), the
 gradient is cast to the accumulation dtype and added with weight 1/B (B microbatches),
@@ -76,9 +80,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from alpasim.graphs import OpGraph, build_training_graph
-from alpasim.solvers import IntraOpPlan, PipelinePlan, ShardingSpec
+from alpasim.solvers import PER_MICROBATCH_GRAD_SYNC, IntraOpPlan, PipelinePlan, ShardingSpec
 
 from ._lowering import eval_op, random_leaves
+from ._partial_grads import PartialGrad, eval_split, partial_gradients
 from ._stage_ops import StageOps, stage_ops
 from ._stages import StagePart, partition, stage_intra_plan
 
@@ -97,7 +102,8 @@ class StageExecutable:
     def __init__(self, part: StagePart, ops: StageOps, mesh: Mesh, intra: IntraOpPlan | Callable[[], IntraOpPlan],
                  shardings: dict[str, NamedSharding], compiled: dict[str, Any], params: dict, states: dict, *,
                  remat: bool = True, acc_dtypes: dict[str, Any] | None = None,
-                 stash_spec: dict[str, jax.ShapeDtypeStruct] | None = None) -> None:
+                 stash_spec: dict[str, jax.ShapeDtypeStruct] | None = None,
+                 acc_spec: dict[str, jax.ShapeDtypeStruct] | None = None) -> None:
         self.part, self.ops, self.mesh, self._intra = part, ops, mesh, intra
         self.index = part.index
         self.shardings = shardings          # name -> layout: params, grads ("<p>:grad"), states, acts, cts, data
@@ -106,6 +112,10 @@ class StageExecutable:
         self.remat = remat
         self.acc_dtypes = acc_dtypes or {p: v.dtype for p, v in params.items()}
         self.stash_spec = stash_spec or {}  # what one microbatch keeps, in its layouts
+        # Each accumulator's shape and layout: a gradient the plan reduces once per
+        # iteration is accumulated unreduced, (R, *shape) (`_partial_grads`).
+        self.acc_spec = acc_spec or {p: jax.ShapeDtypeStruct(params[p].shape, self.acc_dtypes[p],
+                                                             sharding=shardings[f"{p}:grad"]) for p in ops.grads}
         self.acc = self._zeros_acc()
         self.stash: dict[int, dict[str, jax.Array]] = {}
 
@@ -145,14 +155,31 @@ class StageExecutable:
     def update(self) -> None:
         self.params, self.states, self.acc = self.compiled["update"](self.params, self.acc, self.states)
 
+    def unreduced(self, param: str) -> bool:
+        """Whether `param`'s accumulator holds unreduced partials, (R, *shape)."""
+        return self.acc_spec[param].shape != self.params[param].shape
+
+    def grad(self, param: str) -> jax.Array:
+        """The accumulated gradient of `param`, reduced, in its planned layout."""
+        acc = self.acc[param]
+        if self.unreduced(param):
+            acc = jax.device_put(acc.sum(axis=0), self.shardings[f"{param}:grad"])
+        return acc
+
     def add_grad(self, param: str, value: jax.Array) -> None:
-        """Add another stage's accumulated gradient of a tied parameter into this one's."""
+        """Add another stage's accumulated gradient of a tied parameter into this one's
+        (into the first partial of an unreduced accumulator)."""
         value = jax.device_put(value, self.shardings[f"{param}:grad"]).astype(self.acc[param].dtype)
-        self.acc[param] = self.acc[param] + value
+        acc = self.acc[param]
+        acc = acc.at[0].add(value) if self.unreduced(param) else acc + value
+        self.acc[param] = jax.device_put(acc, self.acc_spec[param].sharding)
 
     def set_grad(self, param: str, value: jax.Array) -> None:
         """Replace a tied copy's accumulator by the iteration's summed gradient."""
-        self.acc[param] = jax.device_put(value, self.shardings[f"{param}:grad"]).astype(self.acc_dtypes[param])
+        value = jax.device_put(value, self.shardings[f"{param}:grad"]).astype(self.acc_dtypes[param])
+        if self.unreduced(param):
+            value = jnp.zeros(self.acc_spec[param].shape, value.dtype).at[0].set(value)
+        self.acc[param] = jax.device_put(value, self.acc_spec[param].sharding)
 
     # ----------------------------------------------------------------- state
     def state_dict(self) -> dict[str, dict[str, np.ndarray]]:
@@ -161,13 +188,12 @@ class StageExecutable:
 
     def load_state_dict(self, state: dict[str, dict[str, np.ndarray]]) -> None:
         self.params = {p: jax.device_put(v, self.shardings[p]) for p, v in state["params"].items()}
-        self.acc = {p: jax.device_put(v, self.shardings[f"{p}:grad"]) for p, v in state["acc"].items()}
+        self.acc = {p: jax.device_put(v, self.acc_spec[p].sharding) for p, v in state["acc"].items()}
         self.states = {k: jax.device_put(v, self.shardings[k]) for k, v in state["states"].items()}
         self.stash.clear()
 
     def _zeros_acc(self) -> dict[str, jax.Array]:
-        return {p: jax.device_put(jnp.zeros(self.params[p].shape, self.acc_dtypes[p]), self.shardings[f"{p}:grad"])
-                for p in self.ops.grads}
+        return {p: jax.device_put(jnp.zeros(a.shape, a.dtype), a.sharding) for p, a in self.acc_spec.items()}
 
 
 def accumulation_dtype(param_dtype: str, grad_dtype: str, precision: str) -> np.dtype:
@@ -224,10 +250,16 @@ def lower_stage(plan: PipelinePlan, graph: OpGraph, stage_index: int, devices: S
     if plan.stages[stage_index].layer_specs:    # the layouts the planner priced, as they are
         intra = functools.partial(stage_intra_plan, plan, train, stage_index)
         shardings, stash_sh, layer_sh = _layer_shardings(plan, train, ops, stage_index, mesh)
+        st = plan.stages[stage_index]
+        specs = {st.layers[0] + i: {t: ShardingSpec.parse(v) if isinstance(v, str) else v for t, v in x.items()}
+                 for i, x in enumerate(st.layer_specs)}
+        partials = {} if plan.method in PER_MICROBATCH_GRAD_SYNC else \
+            partial_gradients(ops, train, specs, tuple(st.logical_mesh))
     else:                                       # a plan from before it carried them: solve the stage again
         intra = stage_intra_plan(plan, train, stage_index)
         shardings = _shardings(plan, train, ops, stage_index, intra, mesh)
         stash_sh, layer_sh = {t: shardings[t] for t in ops.stash}, None
+        partials = {}
 
     params = {p: jax.device_put(leaves[p], shardings[p]) for p in ops.params}
     states = {}
@@ -241,7 +273,14 @@ def lower_stage(plan: PipelinePlan, graph: OpGraph, stage_index: int, devices: S
     precision = str(plan.model.get("precision", DEFAULT_PRECISION))
     acc_dtypes = {p: accumulation_dtype(train.tensors[p].dtype, train.tensors[ops.adam[p].inputs[1]].dtype,
                                         precision) for p in ops.grads}
-    fns = _stage_functions(ops, train, shardings, mesh, plan.microbatches, acc_dtypes, stash_sh, layer_sh)
+    acc = {}
+    for p in ops.grads:
+        info = partials.get(ops.grads[p])
+        shape = params[p].shape if info is None else (info.replicas, *params[p].shape)
+        sh = shardings[f"{p}:grad"] if info is None else info.sharding(mesh, AXIS_NAMES)
+        acc[p] = jax.ShapeDtypeStruct(shape, acc_dtypes[p], sharding=sh)
+    fns = _stage_functions(ops, train, shardings, mesh, plan.microbatches, acc_dtypes, stash_sh, layer_sh,
+                           partials, {p: a.sharding for p, a in acc.items()})
 
     def abstract(names, layouts=shardings) -> dict[str, jax.ShapeDtypeStruct]:
         return {t: jax.ShapeDtypeStruct(train.tensors[t].shape, jax.dtypes.canonicalize_dtype(
@@ -249,8 +288,6 @@ def lower_stage(plan: PipelinePlan, graph: OpGraph, stage_index: int, devices: S
 
     p_spec, a_spec, d_spec, ct_spec = (abstract(n) for n in (ops.params, ops.acts_in, ops.data, ops.cts_in))
     st_spec = abstract(ops.stash, stash_sh)
-    acc = {p: jax.ShapeDtypeStruct(params[p].shape, acc_dtypes[p], sharding=shardings[f"{p}:grad"])
-           for p in ops.grads}
     s_spec = {t: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for t, v in states.items()}
     # Compiled ahead of time: step times then exclude compilation, and the HLO is at hand.
     # A donated stash or cotangent buffer that no output can reuse is simply freed after
@@ -264,7 +301,7 @@ def lower_stage(plan: PipelinePlan, graph: OpGraph, stage_index: int, devices: S
             "update": fns["update"].lower(p_spec, acc, s_spec).compile(options),
         }
     return StageExecutable(part, ops, mesh, intra, shardings, compiled, params, states, remat=remat,
-                           acc_dtypes=acc_dtypes, stash_spec=st_spec)
+                           acc_dtypes=acc_dtypes, stash_spec=st_spec, acc_spec=acc)
 
 
 # Whether a stage's backward ties each layer to the one after it (`fence` in
@@ -367,7 +404,9 @@ def _layer_shardings(plan: PipelinePlan, train: OpGraph, ops: StageOps, k: int, 
 
 def _stage_functions(ops: StageOps, train: OpGraph, shardings: dict[str, NamedSharding], mesh: Mesh,
                      microbatches: int, acc_dtypes: dict[str, Any], stash_sh: dict[str, NamedSharding],
-                     layer_sh: dict[int, dict[str, NamedSharding]] | None = None) -> dict[str, Any]:
+                     layer_sh: dict[int, dict[str, NamedSharding]] | None = None,
+                     partials: dict[str, PartialGrad] | None = None,
+                     acc_sh: dict[str, NamedSharding] | None = None) -> dict[str, Any]:
     """The stage's three programs. With `layer_sh` (the plan's per-layer layouts) every
     op's output is constrained to the layout its layer was priced with and a tensor one
     layer makes and another reads in a different layout is resharded where that layer
@@ -377,6 +416,8 @@ def _stage_functions(ops: StageOps, train: OpGraph, shardings: dict[str, NamedSh
     dtypes = {t: jax.dtypes.canonicalize_dtype(x.dtype) for t, x in train.tensors.items()}
     grad_of = {g: p for p, g in ops.grads.items()}
     scale = 1.0 / microbatches
+    partials = partials or {}
+    split_sh = {t: info.sharding(mesh, AXIS_NAMES) for t, info in partials.items()}
 
     def run(op_list, values: dict, on_value=None, layouts: dict | None = None, fence=None) -> dict:
         # layouts: tensor -> the layout its value has now (layer-specs plans only)
@@ -386,6 +427,13 @@ def _stage_functions(ops: StageOps, train: OpGraph, shardings: dict[str, NamedSh
 
         def read(op, t):
             want = layer_sh[op.layer].get(t) if layer_sh is not None else None
+            if t in partials:       # an unreduced gradient: as it is to a linear op, else summed
+                if op.outputs[0] in partials:
+                    return values[t]
+                if (op.layer, t) not in moved:
+                    total = values[t].sum(axis=0)
+                    moved[(op.layer, t)] = total if want is None else jax.lax.with_sharding_constraint(total, want)
+                return moved[(op.layer, t)]
             if want is None or layouts.get(t) == want:
                 return values[t]
             if (op.layer, t) not in moved:
@@ -398,12 +446,18 @@ def _stage_functions(ops: StageOps, train: OpGraph, shardings: dict[str, NamedSh
             layer = op.layer
             if op.outputs[0] in ops.carried:  # the tied contribution arrives once per iteration (module doc)
                 outs = [values[ops.carried[op.outputs[0]]]]
+            elif op.outputs[0] in partials and not any(x in partials for x in op.inputs):
+                outs = [eval_split(op, [read(op, x) for x in op.inputs], partials[op.outputs[0]], train, mesh,
+                                   AXIS_NAMES, [layer_sh[op.layer].get(x) for x in op.inputs])]
             else:
                 outs = eval_op(op, [read(op, x) for x in op.inputs])
             for t, v in zip(op.outputs, outs, strict=True):
                 if v.dtype != dtypes[t]:
                     v = v.astype(dtypes[t])
-                if layer_sh is not None:
+                if t in partials:
+                    v = jax.lax.with_sharding_constraint(v, split_sh[t])
+                    layouts[t] = split_sh[t]
+                elif layer_sh is not None:
                     want = layer_sh[op.layer].get(t, shardings.get(t))
                     if want is not None:
                         v = jax.lax.with_sharding_constraint(v, want)
@@ -477,7 +531,10 @@ def _stage_functions(ops: StageOps, train: OpGraph, shardings: dict[str, NamedSh
         params, states = dict(params), dict(states)
         done: list[str] = []
         for p, op in ops.adam.items():
-            ins = [params[p], acc[p], *(states[t] for t in op.inputs[2:])]
+            g = acc[p]
+            if ops.grads.get(p) in partials:   # the once-per-iteration reduction the plan prices
+                g = jax.lax.with_sharding_constraint(g.sum(axis=0), shardings[f"{p}:grad"])
+            ins = [params[p], g, *(states[t] for t in op.inputs[2:])]
             if done:
                 prev, ins = jax.lax.optimization_barrier(([params[q] for q in done[-1:]], ins))
                 params[done[-1]] = prev[0]
@@ -488,7 +545,7 @@ def _stage_functions(ops: StageOps, train: OpGraph, shardings: dict[str, NamedSh
         return params, states, {p: jnp.zeros_like(v) for p, v in acc.items()}
 
     p_sh = {p: shardings[p] for p in ops.params}
-    g_sh = {p: shardings[f"{p}:grad"] for p in ops.grads}
+    g_sh = acc_sh or {p: shardings[f"{p}:grad"] for p in ops.grads}
     a_sh = {t: shardings[t] for t in ops.acts_in}
     d_sh = {t: shardings[t] for t in ops.data}
     st_sh = dict(stash_sh)

@@ -18,8 +18,8 @@ explicit lists, iota tiles (`[2,4]<=[8]`) or mesh axes (`mesh['axis_0'=2] {'axis
 `compare_collectives` sets, per stage, the bytes by kind of the stage's intra-op plan
 (every collective once: a microbatch's forward and backward plus the iteration's
 gradient sync and update) against the HLO of its compiled forward, backward and update
-(each program once). See `_executable` for why the gradient reduction lands in the
-backward in JAX.
+(each program once). The weight gradients' reduction is in the update program, once
+per iteration, as the plan has it (`_partial_grads`).
 """
 
 from __future__ import annotations

@@ -237,7 +237,7 @@ class _Walker:
             self.record(f"mesh{k}", "sync", k, -1, start, name="grad_sync")
         elif isinstance(ins, Update):
             if self.step == 0:
-                self.grads.update({p: np.asarray(stage.acc[p]) for p in stage.part.owned})
+                self.grads.update({p: np.asarray(stage.grad(p)) for p in stage.part.owned})
             stage.update()
             jax.block_until_ready((stage.params, stage.states))
             self.record(f"mesh{k}", "sync", k, -1, start, name="update")
@@ -256,7 +256,7 @@ class _Walker:
         for p in stage.ops.owned:
             for dst in self.copies.get(p, ()):
                 start = self.clock()
-                value = stage.acc[p]
+                value = stage.grad(p)
                 self.send_tied(k, dst, p, value)
                 self.sent_bytes += value.nbytes
                 self.record(f"mesh{k}->mesh{dst}", "send", k, -1, start, float(value.nbytes), f"{p}:grad (tied)")
@@ -282,7 +282,7 @@ class _Walker:
             else:  # a tied copy's accumulated gradient, by parameter
                 ops = self.stages[k].ops
                 (p,) = [p for p, g in ops.grads.items() if g == name]
-                out.append(("grad", p, self.stages[k].acc[p]))
+                out.append(("grad", p, self.stages[k].grad(p)))
         return out
 
     def send(self, k: int, ins: Send, start: float) -> None:

@@ -3,6 +3,7 @@
 from ._intra_baselines import BASELINES as BASELINES
 from ._intra_baselines import MEGATRON_PARAM_DIMS as MEGATRON_PARAM_DIMS
 from ._intra_baselines import REWRITE_ALLOWED as REWRITE_ALLOWED
+from ._intra_baselines import PER_MICROBATCH_GRAD_SYNC as PER_MICROBATCH_GRAD_SYNC
 from ._intra_baselines import batch_letters as batch_letters
 from ._intra_baselines import data_parallel_restriction as data_parallel_restriction
 from ._intra_baselines import deepspeed_moe_restriction as deepspeed_moe_restriction

@@ -412,3 +412,7 @@ BASELINES: Mapping[str, object] = {
 # such pass. The ZeRO forms already shard the update (the rewrite finds nothing to do).
 REWRITE_ALLOWED: Mapping[str, bool] = {"data_parallel": False, "megatron": False, "zero2": True, "zero3": True,
                                        "heuristic": False, "deepspeed_moe": True}
+# The baselines whose weight gradients are scattered every microbatch
+# (`_shard_weight_update`); every other plan reduces them once per iteration, after
+# accumulating each device's unreduced partials (executors follow: `backends._partial_grads`).
+PER_MICROBATCH_GRAD_SYNC: frozenset[str] = frozenset({"zero2", "zero3", "deepspeed_moe"})

@@ -177,9 +177,10 @@ class StageExecutable:
     def set_grad(self, param: str, value: jax.Array) -> None:
         """Replace a tied copy's accumulator by the iteration's summed gradient."""
         value = jax.device_put(value, self.shardings[f"{param}:grad"]).astype(self.acc_dtypes[param])
-        if self.unreduced(param):
-            value = jnp.zeros(self.acc_spec[param].shape, value.dtype).at[0].set(value)
-        self.acc[param] = jax.device_put(value, self.acc_spec[param].sharding)
+        spec = self.acc_spec[param]
+        if self.unreduced(param):   # made in place on the stage's devices, never whole on one
+            value = jax.jit(lambda v: jnp.zeros(spec.shape, v.dtype).at[0].set(v), out_shardings=spec.sharding)(value)
+        self.acc[param] = jax.device_put(value, spec.sharding)
 
     # ----------------------------------------------------------------- state
     def state_dict(self) -> dict[str, dict[str, np.ndarray]]:

@@ -126,9 +126,11 @@ def _split_of(op: Op, train: OpGraph, specs: Mapping[str, ShardingSpec], mesh_sh
     (term_out,) = dm.outputs
     split = [(c, math.prod(mesh_shape[a] for a in ax), ax) for c, ax in axes_of.items()
              if ax and c not in term_out]
-    if not split:
-        return None
-    return PartialGrad(tuple(split), tuple(axes_of.get(c, ()) for c in term_out))
+    base = tuple(axes_of.get(c, ()) for c in term_out)
+    used = [a for _, _, ax in split for a in ax] + [a for ax in base for a in ax]
+    if not split or len(used) != len(set(used)):
+        return None    # nothing split, or one mesh axis on two letters: leave it to XLA
+    return PartialGrad(tuple(split), base)
 
 
 def eval_split(op: Op, operands: Sequence[Any], info: PartialGrad, train: OpGraph, mesh: Mesh,

@@ -12,6 +12,8 @@ dies at its first op (the premise of the held stash).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,10 +31,25 @@ needs_8 = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs XLA_FLAGS=--x
 
 
 def one_stage_plan(model: str, remat: bool, microbatches: int = 2):
-    """The whole model as one stage on all 8 devices as a 4x2 mesh."""
+    """The whole model as one stage on all 8 devices as a 4x2 mesh (planned once per
+    module: a plan is immutable)."""
+    return _one_stage_plan(model, bool(remat), int(microbatches))
+
+
+@functools.cache
+def _one_stage_plan(model: str, remat: bool, microbatches: int):
     return plan_pipeline(model, get_cluster("aws-p3.16xlarge", nodes=1), microbatches=microbatches, remat=remat,
                          pareto=False, shape_ok=lambda sh: sh.size == 8, views_of=lambda sh: [(4, 2)],
                          num_stages=1, max_stages=1)
+
+
+@functools.cache
+def pipelined_plan(remat: bool):
+    """TINY_GPT on submeshes of 2 and 4 devices viewed as 1x2 and 2x2, at most 3 stages."""
+    views = {2: [(1, 2)], 4: [(2, 2)]}
+    return plan_pipeline(TINY_GPT, get_cluster("aws-p3.16xlarge", nodes=1), microbatches=2, remat=remat,
+                         pareto=False, shape_ok=lambda sh: sh.size in views, views_of=lambda sh: views[sh.size],
+                         max_stages=3)
 
 
 def shard_bytes(arrays) -> int:
@@ -116,10 +133,7 @@ def test_stage_stash_is_the_layers_liveness_stash(remat):
 
 @needs_8
 def test_tied_copies_stay_equal_and_train_as_one_parameter():
-    views = {2: [(1, 2)], 4: [(2, 2)]}
-    plan = plan_pipeline(TINY_GPT, get_cluster("aws-p3.16xlarge", nodes=1), microbatches=2, remat=True,
-                         pareto=False, shape_ok=lambda sh: sh.size in views, views_of=lambda sh: views[sh.size],
-                         max_stages=3)
+    plan = pipelined_plan(True)
     result = run_local(plan, steps=2)
     first, last = result.stages[0], result.stages[-1]
     (tied,) = last.ops.copies
@@ -179,10 +193,7 @@ def test_stages_run_the_layouts_the_plan_priced(remat, monkeypatch):
     runs them without solving a stage again, so what each microbatch stashes is, byte
     for byte, what the planner priced (a re-solved stage kept layer inputs in the
     producer's layout instead, half or twice the priced stash)."""
-    views = {2: [(1, 2)], 4: [(2, 2)]}
-    plan = plan_pipeline(TINY_GPT, get_cluster("aws-p3.16xlarge", nodes=1), microbatches=2, remat=remat,
-                         pareto=False, shape_ok=lambda sh: sh.size in views, views_of=lambda sh: views[sh.size],
-                         max_stages=3)
+    plan = pipelined_plan(remat)
     assert len(plan.stages) > 1 and all(st.layer_specs for st in plan.stages)
     assert [len(st.layer_specs) for st in plan.stages] == [b - a + 1 for a, b in (st.layers for st in plan.stages)]
 

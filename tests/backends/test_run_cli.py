@@ -20,6 +20,7 @@ that is off by 4x, e.g. one that forgets the serial executor or the dispatch cos
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import subprocess
 import sys
@@ -42,7 +43,18 @@ needs_8 = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs XLA_FLAGS=--x
 
 
 def small_plan(model: str, cluster=None, cost_model=None):
-    cluster = cluster if cluster is not None else get_cluster("aws-p3.16xlarge", nodes=1)
+    """A pipelined plan of `model` (planned once per model on the default cluster)."""
+    if cluster is None and cost_model is None:
+        return _default_plan(model)
+    return _plan(model, cluster, cost_model)
+
+
+@functools.cache
+def _default_plan(model: str):
+    return _plan(model, get_cluster("aws-p3.16xlarge", nodes=1), None)
+
+
+def _plan(model: str, cluster, cost_model):
     return plan_pipeline(model, cluster, microbatches=2, pareto=False, shape_ok=lambda sh: sh.size in VIEWS,
                          views_of=lambda sh: VIEWS[sh.size], max_stages=3, cost_model=cost_model)
 

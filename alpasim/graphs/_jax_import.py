@@ -38,23 +38,62 @@ from typing import Any
 import numpy as np
 
 from ._autodiff import AdamConfig, training_graph
+from ._batch import BatchError, mark_batch
 from ._builder import GraphBuilder
 from ._types import OpGraph, Tensor
 from ._jax_values import FOLD, JaxImportError, Splat, Value, dtype_name, py_scalar
 from ._jax_rules import ELEMENTWISE_FNS, HANDLERS, INLINE, PASSTHROUGH, SUPPORTED, out_aval
 
 
-def from_jax(loss_fn: Callable[[Any, Any], Any], params: Any, batch: Any, *, name: str = "imported") -> OpGraph:
+def from_jax(loss_fn: Callable[[Any, Any], Any], params: Any, batch: Any, *, name: str = "imported",
+             batch_axis: int | None = 0) -> OpGraph:
     """The forward `OpGraph` of `loss_fn(params, batch)`, ending in its scalar loss.
 
     `params` and `batch` are pytrees of arrays or `jax.ShapeDtypeStruct`s; only their
     shapes and dtypes are used. Parameter leaves become tensors of role ``param``
     named by their key path (``layers/0/w``), batch leaves tensors of role ``input``
     (``batch/x``).
+
+    `batch_axis`: the axis of every batch leaf that is the batch (None: none). The
+    function is traced a second time at twice that batch and the graph records what
+    moves with it (`graphs.mark_batch`), so the planner can rebuild it at any
+    microbatch size. Where the two traces do not line up (the function's structure
+    depends on its batch) the graph is left unmarked, and `meta["batch_note"]` says why.
     """
+    p_abs, b_abs = _abstract(params), _abstract(batch)
+    graph = _import(loss_fn, p_abs, b_abs, name)
+    if batch_axis is None:
+        return graph
+    try:
+        size, doubled = _doubled(b_abs, batch_axis)
+        return mark_batch(graph, _import(loss_fn, p_abs, doubled, name), size, 2 * size)
+    except Exception as e:  # noqa: BLE001 - any failure of the second trace leaves the graph unmarked
+        return graph.replace(meta={**graph.meta, "batch_note": f"batch not marked: {type(e).__name__}: {e}"})
+
+
+def _doubled(b_abs: Any, axis: int) -> tuple[int, Any]:
+    """(the batch size, the batch pytree at twice it) along `axis` of every leaf."""
     import jax
 
-    p_abs, b_abs = _abstract(params), _abstract(batch)
+    leaves = jax.tree_util.tree_leaves(b_abs)
+    if axis < 0:
+        raise BatchError(f"batch_axis {axis} must be a non-negative axis")
+    sizes = {leaf.shape[axis] for leaf in leaves if len(leaf.shape) > axis}
+    if len(sizes) != 1 or len(leaves) == 0 or any(len(leaf.shape) <= axis for leaf in leaves):
+        raise BatchError(f"the batch leaves do not share one size along axis {axis}")
+    (size,) = sizes
+
+    def grow(leaf):
+        shape = list(leaf.shape)
+        shape[axis] *= 2
+        return jax.ShapeDtypeStruct(tuple(shape), leaf.dtype)
+
+    return size, jax.tree_util.tree_map(grow, b_abs)
+
+
+def _import(loss_fn: Callable[[Any, Any], Any], p_abs: Any, b_abs: Any, name: str) -> OpGraph:
+    import jax
+
     closed = jax.make_jaxpr(loss_fn)(p_abs, b_abs)
     outs = closed.out_avals
     if len(outs) != 1 or outs[0].shape != () or dtype_name(outs[0].dtype) not in ("float32", "float16", "bfloat16"):

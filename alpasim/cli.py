@@ -30,7 +30,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 out = Console()
 err = Console(stderr=True)
 
-USER_ERRORS = (gr.UnknownModelError, gr.ModelSpecError, gr.GraphFormatError, gr.GraphError,
+USER_ERRORS = (gr.UnknownModelError, gr.ModelSpecError, gr.GraphFormatError, gr.GraphError, gr.BatchError,
                cm.ClusterError, cm.UnknownPresetError, sv.IntraOpInfeasible, sv.ShardingError,
                sv.PlanInfeasible, sv.PlanFormatError, cm.ProfileFormatError)
 
@@ -85,8 +85,11 @@ def model_with_batch(model: str, batch: int | None) -> tuple[str, Any]:
     """(name, config or graph) for a model, its batch overridden when asked."""
     if model.endswith(".json") and Path(model).is_file():
         fwd = gr.load_forward(model)
-        if batch is not None:
-            fail(f"--batch cannot resize a saved graph ({model}); rebuild it at the batch you want")
+        if batch is not None and batch != gr.model_source(fwd).global_batch:
+            try:
+                fwd = gr.resize_batch(fwd, batch)
+            except gr.BatchError as e:
+                fail(f"--batch {batch}: {e}")
         return fwd.name, fwd
     name, cfg = gr.resolve_model(model)
     if batch is not None:

@@ -10,7 +10,16 @@ from ._autodiff import VJP_RULES as VJP_RULES
 from ._autodiff import is_weight_grad as is_weight_grad
 from ._autodiff import weight_grad_params as weight_grad_params
 from ._autodiff import training_graph as training_graph
+from ._batch import BatchError as BatchError
+from ._batch import batch_size as batch_size
+from ._batch import mark_batch as mark_batch
+from ._batch import resize_batch as resize_batch
 from ._build import BuiltGraph as BuiltGraph
+from ._source import ModelSource as ModelSource
+from ._source import graph_digest as graph_digest
+from ._source import is_graph_file as is_graph_file
+from ._source import model_source as model_source
+from ._source import source_from_record as source_from_record
 from ._build import build_training_graph as build_training_graph
 from ._build import flops_by_kind as flops_by_kind
 from ._build import load_forward as load_forward

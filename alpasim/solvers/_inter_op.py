@@ -21,13 +21,16 @@ import numpy as np
 
 from alpasim.costmodels import Cluster, CostModel
 from alpasim.graphs import (
+    ModelSource,
+    ModelSpecError,
     OpGraph,
     assign_layers,
     build_training_graph,
     flops_by_kind,
-    forward_graph,
     get_recipe,
-    resolve_model,
+    is_heavy,
+    model_source,
+    source_from_record,
 )
 
 from ._cache import DiskCache
@@ -59,6 +62,9 @@ DEFAULT_MAX_STAGES = 16
 START_MICROBATCH_SIZE = 4
 # Microbatch sizes tried by `--microbatches auto`, largest first.
 AUTO_MICROBATCH_SIZES = (32, 16, 8, 4, 2, 1)
+# An imported graph (one layer) is clustered into this many layers at most when no
+# `layers` is given (`default_graph_layers`).
+DEFAULT_GRAPH_LAYERS = 8
 UNIT_TAGS_FIRST = frozenset({"embedding", "stem"})
 UNIT_TAGS_LAST = frozenset({"head"})
 
@@ -77,6 +83,14 @@ class Candidate:
     graph: OpGraph
     costs: StageCosts
     dp: DPResult
+
+
+def default_graph_layers(graph: OpGraph) -> int:
+    """Layers to cluster an imported graph (all one layer) into when `--layers` is not
+    given: up to DEFAULT_GRAPH_LAYERS, at most one per heavy op (einsum, conv), so that
+    every layer has work to balance."""
+    heavy = sum(1 for op in graph.ops if is_heavy(op))
+    return max(1, min(DEFAULT_GRAPH_LAYERS, heavy))
 
 
 def planning_units(fwd: OpGraph) -> OpGraph:
@@ -101,9 +115,9 @@ def planning_graph(model: dict) -> OpGraph:
     microbatch (`microbatch_size`) of the model, labelled in planning units; re-clustered
     with the eq. 6 DP when the plan's layer count says `--layers` was given. Executors
     use it so that a stage's layer range names the same ops the planner costed."""
-    name, cfg = resolve_model(model["name"])
-    cfg = _with_recipe_dtype(cfg, get_recipe(model.get("precision")))
-    fwd = planning_units(forward_graph(dataclasses.replace(cfg, batch=int(model["microbatch_size"])), name=name))
+    source = source_from_record(model)
+    recipe = get_recipe(model.get("precision"))
+    fwd = planning_units(source.forward(int(model["microbatch_size"]), recipe.weight_dtype(source.dtype)))
     layers = int(model.get("layers", fwd.num_layers))
     return fwd if layers == fwd.num_layers else assign_layers(fwd, layers)[0]
 
@@ -125,7 +139,7 @@ def microbatch_candidates(global_batch: int, requested: int | str, multiple: int
     return list(dict.fromkeys(out)) or ([1] if multiple == 1 else [])
 
 
-def plan_pipeline(model: str, cluster: Cluster, *, microbatches: int | str = "auto", remat: bool = True,
+def plan_pipeline(model: str | ModelSource, cluster: Cluster, *, microbatches: int | str = "auto", remat: bool = True,
                   map_fn: Callable[[Callable, Iterable], Iterable] = map, cache: DiskCache | None = None,
                   progress: Callable[[str, int, int], None] | None = None, epsilon: float = DEFAULT_EPSILON,
                   method: str = "alpa", layers: int | None = None,
@@ -158,13 +172,24 @@ def plan_pipeline(model: str, cluster: Cluster, *, microbatches: int | str = "au
     if cost_model is not None:
         cluster = cost_model.cluster
     recipe = get_recipe(precision)
-    name, cfg = resolve_model(model)
-    cfg = _with_recipe_dtype(cfg, recipe)
-    global_batch = cfg.batch
+    source = model_source(model)
+    name, dtype = source.name, recipe.weight_dtype(source.dtype)
+    if source.graph is not None and dtype != source.dtype:
+        raise ModelSpecError(f"{name}: the graph's weights are {source.dtype}; precision {recipe.name!r} trains "
+                             f"{dtype} weights (import the model in {dtype}, or choose another --precision)")
+    global_batch = source.global_batch
+    if layers is None and relabel is None and source.graph is not None and source.graph.num_layers <= 1:
+        layers = default_graph_layers(source.graph)   # an imported graph is one layer until clustered
+    if not source.resizable and microbatches != "auto" and int(microbatches) != 1:
+        raise PlanInfeasible(f"{name}: the graph records no batch dimension, so it cannot be split into "
+                             f"{microbatches} microbatches (re-import it with graphs.from_jax, which marks it)",
+                             float("nan"))
     cache = cache or DiskCache(enabled=False)
     candidates: list[Candidate] = []
     jobs = hits = 0
     options = microbatch_candidates(global_batch, microbatches, microbatch_multiple)
+    if not source.resizable:
+        options = [1]    # an unmarked graph is one microbatch of its own batch
     if not options:
         asked = "" if microbatches == "auto" else \
             f" ({microbatches} microbatches of {global_batch // int(microbatches)})"
@@ -176,8 +201,7 @@ def plan_pipeline(model: str, cluster: Cluster, *, microbatches: int | str = "au
         nonlocal jobs, hits
         if b in evaluated:
             return evaluated[b]
-        mb_cfg = dataclasses.replace(cfg, batch=global_batch // b)
-        fwd = forward_graph(mb_cfg, name=name)
+        fwd = source.forward(global_batch // b, dtype)
         if relabel is not None:
             fwd = relabel(fwd)
         elif layers is None:
@@ -238,13 +262,7 @@ def plan_pipeline(model: str, cluster: Cluster, *, microbatches: int | str = "au
             f"does not fit: no plan of {name} on {cluster.num_devices} x {cluster.device.name} fits in "
             f"{cluster.device.memory_bytes / GIB:.1f} GiB per device; every plan needs at least {need / GIB:.1f} "
             f"GiB per device: {why}", need)
-    return _assemble_plan(name, cfg, cluster, best, candidates, search, remat, method, recipe)
-
-
-def _with_recipe_dtype(cfg, recipe):
-    """The model config in the recipe's weight dtype (fp32 trains a float32 model)."""
-    dtype = recipe.weight_dtype(cfg.dtype)
-    return cfg if dtype == cfg.dtype else dataclasses.replace(cfg, dtype=dtype)
+    return _assemble_plan(source, dtype, cluster, best, candidates, search, remat, method, recipe)
 
 
 def memory_bound(c: Candidate, num_devices: int) -> tuple[float, str]:
@@ -291,8 +309,8 @@ def _least_first_stage(costs: StageCosts, last: int, shape: int, depth: int, mic
     return best
 
 
-def _assemble_plan(name: str, cfg, cluster: Cluster, best: Candidate, candidates: Sequence[Candidate],
-                   search: dict, remat: bool, method: str, recipe) -> PipelinePlan:
+def _assemble_plan(source: ModelSource, dtype: str, cluster: Cluster, best: Candidate,
+                   candidates: Sequence[Candidate], search: dict, remat: bool, method: str, recipe) -> PipelinePlan:
     costs, dp, b = best.costs, best.dp, best.microbatches
     shapes = [costs.shapes[st.shape] for st in dp.stages]
     placed = place_submeshes(shapes, cluster.nodes, cluster.devices_per_node)
@@ -351,10 +369,11 @@ def _assemble_plan(name: str, cfg, cluster: Cluster, best: Candidate, candidates
             continue
         runner_ups.append({"microbatches": c.microbatches, "iteration_s": c.dp.latency_s if c.dp.stages else None,
                            "stages": [[s.first, s.last, str(c.costs.shapes[s.shape])] for s in c.dp.stages]})
-    model = {"name": name, "family": cfg.family, "params": best.graph.num_params(),
-             "flops_per_iteration": flops, "global_batch": cfg.batch, "microbatch_size": cfg.batch // b,
+    batch = source.global_batch
+    model = {"name": source.name, "family": source.family, "params": best.graph.num_params(),
+             "flops_per_iteration": flops, "global_batch": batch, "microbatch_size": batch // b,
              "layers": best.graph.num_layers, "remat": remat, "precision": recipe.name,
-             "dtype": cfg.dtype, "bytes_per_param": recipe.bytes_per_param(cfg.dtype)}
+             "dtype": dtype, "bytes_per_param": recipe.bytes_per_param(dtype), "source": source.record()}
     cl = plan_cluster_info(cluster)
     transfers = stage_transfers(best.graph, costs.layer_graphs, chosen, [(s.first, s.last) for s in dp.stages])
     return PipelinePlan(model, cl, method, True, b, tuple(stages), predicted, search, "1f1b", tuple(runner_ups),

@@ -1,0 +1,120 @@
+"""Where a model comes from: a zoo name or spec string, or a saved graph (a user's own JAX model).
+
+The planner needs a model at every microbatch size it tries, and a plan must be able
+to rebuild exactly the graph it was priced on wherever it is taken. `ModelSource`
+gives both: `forward(microbatch_size, dtype)` is the forward graph of one microbatch,
+and `record()` is what a plan stores (`plan.model["source"]`) so that
+`source_from_record` rebuilds the same source anywhere:
+
+- zoo: ``{"kind": "zoo", "spec": "gpt3-2.6b"}``; the graph is rebuilt from the spec.
+- graph: ``{"kind": "graph", "digest": sha256, "graph": <the graph JSON>}``. The graph
+  is embedded, so a plan file needs nothing beside it; the digest names the graph and
+  is checked when the plan is loaded. The graph's batch, as marked at import
+  (`graphs.mark_batch`), is the global batch; a microbatch is the graph resized to it
+  (`graphs.resize_batch`). An unmarked graph runs only at its own batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ._batch import batch_size, resize_batch
+from ._jsonfile import read_json_file
+from ._serialize import GraphFormatError, graph_from_json, graph_to_json
+from ._types import OpGraph
+from ._zoo import ModelConfig, forward_graph, model_from_json, model_to_json, resolve_model
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A model the planner can build at any microbatch size (module doc)."""
+
+    name: str
+    family: str
+    global_batch: int
+    dtype: str
+    config: ModelConfig | None = None     # zoo models
+    graph: OpGraph | None = None          # saved graphs, at their own batch
+
+    @property
+    def resizable(self) -> bool:
+        return self.config is not None or batch_size(self.graph) is not None
+
+    def forward(self, microbatch_size: int, dtype: str | None = None) -> OpGraph:
+        """The forward graph of one microbatch; `dtype` (a recipe's weight dtype)
+        rebuilds a zoo model in it (a saved graph keeps its own)."""
+        if self.config is not None:
+            cfg = dataclasses.replace(self.config, batch=int(microbatch_size))
+            if dtype is not None and dtype != cfg.dtype:
+                cfg = dataclasses.replace(cfg, dtype=dtype)
+            return forward_graph(cfg, name=self.name)
+        if microbatch_size == self.global_batch:
+            return self.graph
+        return resize_batch(self.graph, int(microbatch_size))
+
+    def record(self) -> dict[str, Any]:
+        if self.config is not None:   # the config too: a spec file's name need not resolve elsewhere
+            return {"kind": "zoo", "spec": self.name, "config": model_to_json(self.config)}
+        data = graph_to_json(self.graph)
+        return {"kind": "graph", "digest": graph_digest(data), "graph": data}
+
+
+def graph_digest(data: dict) -> str:
+    """sha256 of a graph's JSON, keys sorted: the graph's name in a plan."""
+    return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def is_graph_file(spec: str) -> bool:
+    """Whether `spec` names a saved graph file (schema alpasim.graph/...)."""
+    path = Path(spec)
+    if not (spec.endswith(".json") and path.is_file()):
+        return False
+    data = read_json_file(path, GraphFormatError)
+    return isinstance(data, dict) and str(data.get("schema", "")).startswith("alpasim.graph/")
+
+
+def graph_source(graph: OpGraph, name: str | None = None) -> ModelSource:
+    if any(op.phase != "forward" for op in graph.ops):
+        raise GraphFormatError(f"graph {graph.name!r} is a training graph; plan its forward graph")
+    batch = batch_size(graph)
+    if batch is None:   # unmarked: its own batch is the only one; the first input's leading dim names it
+        first = next((graph.tensors[t] for t in graph.inputs if graph.tensors[t].shape), None)
+        batch = first.shape[0] if first is not None else 1
+    dtype = str(graph.meta.get("dtype") or next((t.dtype for t in graph.tensors.values() if t.role == "param"),
+                                                "float32"))
+    return ModelSource(name or graph.name, str(graph.meta.get("family", "graph")), int(batch), dtype, graph=graph)
+
+
+def model_source(spec: str | ModelConfig | OpGraph | ModelSource) -> ModelSource:
+    """The source of a zoo name, spec string, model JSON, graph file or graph."""
+    if isinstance(spec, ModelSource):
+        return spec
+    if isinstance(spec, OpGraph):
+        return graph_source(spec)
+    if isinstance(spec, str) and is_graph_file(spec.strip()):
+        path = spec.strip()
+        return graph_source(graph_from_json(read_json_file(path, GraphFormatError), path), Path(path).stem)
+    name, cfg = resolve_model(spec)
+    return ModelSource(name, cfg.family, cfg.batch, cfg.dtype, config=cfg)
+
+
+def source_from_record(model: dict) -> ModelSource:
+    """The source a plan's `model` field was made from (module doc); plans from before
+    `source` existed name a zoo model in `model["name"]`."""
+    rec = model.get("source")
+    if rec and rec.get("kind") == "zoo" and isinstance(rec.get("config"), dict):
+        cfg = model_from_json(rec["config"], "the plan's model config")
+        return ModelSource(str(rec.get("spec", model["name"])), cfg.family, cfg.batch, cfg.dtype, config=cfg)
+    if not rec or rec.get("kind") == "zoo":
+        return model_source(str((rec or {}).get("spec", model["name"])))
+    if rec.get("kind") != "graph" or not isinstance(rec.get("graph"), dict):
+        raise GraphFormatError(f"plan model source {rec.get('kind')!r}: expected 'zoo' or 'graph' with its graph")
+    if graph_digest(rec["graph"]) != rec.get("digest"):
+        raise GraphFormatError("the plan's embedded graph does not match its digest (edited after planning?)")
+    return graph_source(graph_from_json(rec["graph"], "the plan's graph"), str(model.get("name")))
+

@@ -1,0 +1,61 @@
+"""A user's own JAX model, imported and saved, is planned, simulated and run.
+
+The model is a GPT written directly in JAX (`tests/graphs/test_jax_import.py`: tied
+head, causal attention, GeLU MLP). Independent figures: the single-device step of the
+same graph (`reference_step`); the graph the plan embeds against the file it came
+from (by digest). The plan file is moved away from the graph file before it runs.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+from alpasim.backends import check_numerics, reference_step, run_local
+from alpasim.costmodels import get_cluster
+from alpasim.graphs import GraphFormatError, from_jax, graph_digest, graph_to_json, load_graph, save_graph
+from alpasim.simulator import simulate
+from alpasim.solvers import load_plan, plan_pipeline, planning_graph
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "graphs"))
+from test_jax_import import TF, gpt_loss, gpt_shapes  # noqa: E402
+
+needs_8 = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
+
+
+@needs_8
+def test_an_imported_model_is_planned_simulated_and_run_from_its_plan_alone(tmp_path):
+    graph_file = tmp_path / "gpt.json"
+    save_graph(from_jax(gpt_loss, *gpt_shapes(**{**TF, "B": 8}), name="my_gpt"), graph_file)
+    plan = plan_pipeline(str(graph_file), get_cluster("aws-p3.16xlarge", nodes=1), microbatches=2, layers=2,
+                         pareto=False, shape_ok=lambda sh: sh.size == 4, views_of=lambda sh: [(2, 2)])
+    src = plan.model["source"]
+    assert src["kind"] == "graph" and src["digest"] == graph_digest(graph_to_json(load_graph(graph_file)))
+    assert plan.model["global_batch"] == 8 and plan.model["microbatch_size"] == 4 and len(plan.stages) == 2
+    # The microbatch graph the plan was priced on: the saved graph at half its batch.
+    mb = planning_graph(plan.model)
+    assert mb.tensors["batch/ids"].shape == (4, TF["T"]) and mb.num_layers == 2
+
+    moved = tmp_path / "elsewhere" / "plan.json"
+    moved.parent.mkdir()
+    plan.save(moved)
+    graph_file.unlink()                      # the plan carries its graph
+    again = load_plan(moved)
+    assert simulate(again).iteration_s > 0
+    result = run_local(again, steps=1)
+    assert check_numerics(result.losses[0], result.grads, reference_step(again))["numerics_ok"]
+
+
+def test_a_plan_whose_embedded_graph_was_edited_is_refused(tmp_path):
+    graph_file = tmp_path / "g.json"
+    save_graph(from_jax(gpt_loss, *gpt_shapes(**TF), name="g"), graph_file)
+    plan = plan_pipeline(str(graph_file), get_cluster("aws-p3.16xlarge", nodes=1), microbatches=1, layers=1,
+                         pareto=False, shape_ok=lambda sh: sh.size == 8, views_of=lambda sh: [(8, 1)])
+    assert planning_graph(plan.model).num_params() == load_graph(graph_file).num_params()
+    data = plan.to_json()
+    data["model"]["source"]["graph"]["tensors"][0]["shape"][0] += 1
+    with pytest.raises(GraphFormatError, match="does not match its digest"):
+        planning_graph(data["model"])   # `alpasim run` prints it as its one-line error (exit 2)

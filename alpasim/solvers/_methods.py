@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from alpasim.costmodels import Cluster
-from alpasim.graphs import OpGraph, assign_layers, forward_graph, resolve_model
+from alpasim.graphs import ModelSpecError, OpGraph, assign_layers, forward_graph, model_source, resolve_model
 
 from ._inter_op import PlanInfeasible, plan_pipeline, planning_units
 from ._pipeline_plan import PipelinePlan, plan_cluster_info
@@ -87,16 +87,19 @@ def plan_with_method(method: str, model: str, cluster: Cluster, *, microbatches:
     `plan_pipeline` (cache, map_fn, progress, remat, epsilon, max_stages)."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
-    name, cfg = resolve_model(model)
+    source = model_source(model)
+    if method == "megatron" and source.config is None:
+        raise ModelSpecError(f"{source.name}: Megatron-LM's layouts are written for the zoo's transformer blocks; "
+                             f"a saved graph plans with the other methods")
     try:
         if method == "megatron":
             if megatron is not None:
                 return megatron_plan(model, cluster, megatron, **kw)
             return megatron_grid(model, cluster, **kw)
-        return plan_pipeline(model, cluster, microbatches=microbatches, method=method,
+        return plan_pipeline(source, cluster, microbatches=microbatches, method=method,
                              **_method_options(method, cluster), **kw)
     except PlanInfeasible as e:
-        return infeasible_plan(name, cfg, cluster, method, str(e))
+        return infeasible_plan(source.name, source, cluster, method, str(e))
 
 
 def _method_options(method: str, cluster: Cluster) -> dict:
@@ -216,7 +219,8 @@ def _config_json(config: MegatronConfig) -> dict:
 def infeasible_plan(name: str, cfg, cluster: Cluster, method: str, reason: str,
                     search: dict | None = None) -> PipelinePlan:
     """A plan that records why nothing fits (out of memory, usually)."""
-    model = {"name": name, "family": cfg.family, "global_batch": cfg.batch}
+    batch = cfg.global_batch if hasattr(cfg, "global_batch") else cfg.batch   # a ModelSource or a config
+    model = {"name": name, "family": cfg.family, "global_batch": batch}
     cl = plan_cluster_info(cluster)
     predicted = {"iteration_s": None, "tflops_per_device": None, "throughput_pflops": None,
                  "peak_memory_bytes": None}

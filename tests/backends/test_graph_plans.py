@@ -16,9 +16,9 @@ import pytest
 
 from alpasim.backends import check_numerics, reference_step, run_local
 from alpasim.costmodels import get_cluster
-from alpasim.graphs import GraphFormatError, from_jax, graph_digest, graph_to_json, load_graph, save_graph
+from alpasim.graphs import GraphFormatError, ModelSpecError, from_jax, graph_digest, graph_to_json, load_graph, save_graph
 from alpasim.simulator import simulate
-from alpasim.solvers import load_plan, plan_pipeline, planning_graph
+from alpasim.solvers import load_plan, plan_pipeline, plan_with_method, planning_graph
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "graphs"))
 from test_jax_import import TF, gpt_loss, gpt_shapes  # noqa: E402
@@ -59,3 +59,10 @@ def test_a_plan_whose_embedded_graph_was_edited_is_refused(tmp_path):
     data["model"]["source"]["graph"]["tensors"][0]["shape"][0] += 1
     with pytest.raises(GraphFormatError, match="does not match its digest"):
         planning_graph(data["model"])   # `alpasim run` prints it as its one-line error (exit 2)
+
+
+def test_megatron_refuses_a_saved_graph_and_names_the_methods_that_take_it(tmp_path):
+    graph_file = tmp_path / "g.json"
+    save_graph(from_jax(gpt_loss, *gpt_shapes(**TF), name="g"), graph_file)
+    with pytest.raises(ModelSpecError, match="other methods"):
+        plan_with_method("megatron", str(graph_file), get_cluster("aws-p3.16xlarge", nodes=1))

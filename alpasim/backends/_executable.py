@@ -176,11 +176,8 @@ class StageExecutable:
 
     def set_grad(self, param: str, value: jax.Array) -> None:
         """Replace a tied copy's accumulator by the iteration's summed gradient."""
-        value = jax.device_put(value, self.shardings[f"{param}:grad"]).astype(self.acc_dtypes[param])
-        spec = self.acc_spec[param]
-        if self.unreduced(param):   # made in place on the stage's devices, never whole on one
-            value = jax.jit(lambda v: jnp.zeros(spec.shape, v.dtype).at[0].set(v), out_shardings=spec.sharding)(value)
-        self.acc[param] = jax.device_put(value, spec.sharding)
+        self.acc[param] = jnp.zeros_like(self.acc[param])   # in its layout, on the stage's devices
+        self.add_grad(param, value)
 
     # ----------------------------------------------------------------- state
     def state_dict(self) -> dict[str, dict[str, np.ndarray]]:
@@ -251,11 +248,8 @@ def lower_stage(plan: PipelinePlan, graph: OpGraph, stage_index: int, devices: S
     if plan.stages[stage_index].layer_specs:    # the layouts the planner priced, as they are
         intra = functools.partial(stage_intra_plan, plan, train, stage_index)
         shardings, stash_sh, layer_sh = _layer_shardings(plan, train, ops, stage_index, mesh)
-        st = plan.stages[stage_index]
-        specs = {st.layers[0] + i: {t: ShardingSpec.parse(v) if isinstance(v, str) else v for t, v in x.items()}
-                 for i, x in enumerate(st.layer_specs)}
         partials = {} if plan.method in PER_MICROBATCH_GRAD_SYNC else \
-            partial_gradients(ops, train, specs, tuple(st.logical_mesh))
+            partial_gradients(ops, train, plan.stages[stage_index])
     else:                                       # a plan from before it carried them: solve the stage again
         intra = stage_intra_plan(plan, train, stage_index)
         shardings = _shardings(plan, train, ops, stage_index, intra, mesh)
@@ -278,10 +272,10 @@ def lower_stage(plan: PipelinePlan, graph: OpGraph, stage_index: int, devices: S
     for p in ops.grads:
         info = partials.get(ops.grads[p])
         shape = params[p].shape if info is None else (info.replicas, *params[p].shape)
-        sh = shardings[f"{p}:grad"] if info is None else info.sharding(mesh, AXIS_NAMES)
+        sh = shardings[f"{p}:grad"] if info is None else info.sharding(mesh)
         acc[p] = jax.ShapeDtypeStruct(shape, acc_dtypes[p], sharding=sh)
     fns = _stage_functions(ops, train, shardings, mesh, plan.microbatches, acc_dtypes, stash_sh, layer_sh,
-                           partials, {p: a.sharding for p, a in acc.items()})
+                           partials)
 
     def abstract(names, layouts=shardings) -> dict[str, jax.ShapeDtypeStruct]:
         return {t: jax.ShapeDtypeStruct(train.tensors[t].shape, jax.dtypes.canonicalize_dtype(
@@ -406,8 +400,7 @@ def _layer_shardings(plan: PipelinePlan, train: OpGraph, ops: StageOps, k: int, 
 def _stage_functions(ops: StageOps, train: OpGraph, shardings: dict[str, NamedSharding], mesh: Mesh,
                      microbatches: int, acc_dtypes: dict[str, Any], stash_sh: dict[str, NamedSharding],
                      layer_sh: dict[int, dict[str, NamedSharding]] | None = None,
-                     partials: dict[str, PartialGrad] | None = None,
-                     acc_sh: dict[str, NamedSharding] | None = None) -> dict[str, Any]:
+                     partials: dict[str, PartialGrad] | None = None) -> dict[str, Any]:
     """The stage's three programs. With `layer_sh` (the plan's per-layer layouts) every
     op's output is constrained to the layout its layer was priced with and a tensor one
     layer makes and another reads in a different layout is resharded where that layer
@@ -418,7 +411,7 @@ def _stage_functions(ops: StageOps, train: OpGraph, shardings: dict[str, NamedSh
     grad_of = {g: p for p, g in ops.grads.items()}
     scale = 1.0 / microbatches
     partials = partials or {}
-    split_sh = {t: info.sharding(mesh, AXIS_NAMES) for t, info in partials.items()}
+    split_sh = {t: info.sharding(mesh) for t, info in partials.items()}
 
     def run(op_list, values: dict, on_value=None, layouts: dict | None = None, fence=None) -> dict:
         # layouts: tensor -> the layout its value has now (layer-specs plans only)
@@ -449,7 +442,7 @@ def _stage_functions(ops: StageOps, train: OpGraph, shardings: dict[str, NamedSh
                 outs = [values[ops.carried[op.outputs[0]]]]
             elif op.outputs[0] in partials and not any(x in partials for x in op.inputs):
                 outs = [eval_split(op, [read(op, x) for x in op.inputs], partials[op.outputs[0]], train, mesh,
-                                   AXIS_NAMES, [layer_sh[op.layer].get(x) for x in op.inputs])]
+                                   [layer_sh[op.layer].get(x) for x in op.inputs])]
             else:
                 outs = eval_op(op, [read(op, x) for x in op.inputs])
             for t, v in zip(op.outputs, outs, strict=True):
@@ -546,7 +539,7 @@ def _stage_functions(ops: StageOps, train: OpGraph, shardings: dict[str, NamedSh
         return params, states, {p: jnp.zeros_like(v) for p, v in acc.items()}
 
     p_sh = {p: shardings[p] for p in ops.params}
-    g_sh = acc_sh or {p: shardings[f"{p}:grad"] for p in ops.grads}
+    g_sh = {p: split_sh.get(g, shardings[f"{p}:grad"]) for p, g in ops.grads.items()}   # the accumulators
     a_sh = {t: shardings[t] for t in ops.acts_in}
     d_sh = {t: shardings[t] for t in ops.data}
     st_sh = dict(stash_sh)

@@ -65,10 +65,10 @@ class PartialGrad:
     def axes(self) -> tuple[int, ...]:
         return tuple(a for _, _, ax in self.letters for a in ax)
 
-    def sharding(self, mesh: Mesh, names: Sequence[str]) -> NamedSharding:
+    def sharding(self, mesh: Mesh) -> NamedSharding:
         """The layout of the (R, *shape) array: R on the split axes, the rest as each slice's result."""
         def name(axes):
-            return tuple(names[a] for a in axes) if axes else None
+            return tuple(mesh.axis_names[a] for a in axes) if axes else None
         return NamedSharding(mesh, PartitionSpec(name(self.axes), *(name(d) for d in self.base)))
 
 
@@ -84,10 +84,13 @@ def _linear(op: Op) -> bool:
                                     and "scalar" not in op.attrs)
 
 
-def partial_gradients(ops, train: OpGraph, layer_specs: Mapping[int, Mapping[str, ShardingSpec]],
-                      mesh_shape: Sequence[int]) -> dict[str, PartialGrad]:
-    """The backward tensors of a stage held unreduced (module doc), by name: the
-    weight-gradient ops' outputs and what linear ops and `carried` operands make of them."""
+def partial_gradients(ops, train: OpGraph, stage) -> dict[str, PartialGrad]:
+    """The backward tensors of a plan's stage (`PipelineStage`, with `layer_specs`) held
+    unreduced (module doc), by name: the weight-gradient ops' outputs and what linear
+    ops and `carried` operands make of them."""
+    layer_specs = {stage.layers[0] + i: {t: ShardingSpec.parse(v) for t, v in specs.items()}
+                   for i, specs in enumerate(stage.layer_specs)}
+    mesh_shape = tuple(stage.logical_mesh)
     out: dict[str, PartialGrad] = {}
     for op in ops.backward:
         if op.outputs[0] in ops.carried:
@@ -134,7 +137,7 @@ def _split_of(op: Op, train: OpGraph, specs: Mapping[str, ShardingSpec], mesh_sh
 
 
 def eval_split(op: Op, operands: Sequence[Any], info: PartialGrad, train: OpGraph, mesh: Mesh,
-               names: Sequence[str], in_shardings: Sequence[NamedSharding | None]) -> jax.Array:
+               in_shardings: Sequence[NamedSharding | None]) -> jax.Array:
     """`op`'s output as (R, *shape): the op vmapped over each split letter's slices."""
     dm = op_dims(op, train.tensors)
     xs = list(operands)
@@ -151,7 +154,7 @@ def eval_split(op: Op, operands: Sequence[Any], info: PartialGrad, train: OpGrap
             d = term.index(letter) + shift[i]
             x = xs[i]
             x = jnp.moveaxis(x.reshape(x.shape[:d] + (r, x.shape[d] // r) + x.shape[d + 1:]), d, 0)
-            specs[i] = [tuple(names[a] for a in ax)] + specs[i][:d] + [None] + specs[i][d + 1:]
+            specs[i] = [tuple(mesh.axis_names[a] for a in ax)] + specs[i][:d] + [None] + specs[i][d + 1:]
             xs[i] = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*specs[i])))
             shift[i] += 1
             level.append(0)

@@ -17,12 +17,12 @@ from ._batch import resize_batch as resize_batch
 from ._build import BuiltGraph as BuiltGraph
 from ._source import ModelSource as ModelSource
 from ._source import graph_digest as graph_digest
-from ._source import is_graph_file as is_graph_file
 from ._source import model_source as model_source
 from ._source import source_from_record as source_from_record
 from ._build import build_training_graph as build_training_graph
 from ._build import flops_by_kind as flops_by_kind
 from ._build import load_forward as load_forward
+from ._build import read_graph_file as read_graph_file
 from ._build import ops_by_phase as ops_by_phase
 from ._builder import GraphBuilder as GraphBuilder
 from ._clustering import Clustering as Clustering

@@ -49,16 +49,10 @@ def mark_batch(small: OpGraph, large: OpGraph, b_small: int, b_large: int) -> Op
         raise BatchError("the graph's ops differ between batch sizes: its structure depends on the batch")
     dims: dict[str, list[int]] = {}
     for name, t in small.tensors.items():
-        u = large.tensors[name]
-        if len(t.shape) != len(u.shape):
-            raise BatchError(f"tensor {name!r} changes rank with the batch ({t.shape} vs {u.shape})")
-        moved = [d for d, (x, y) in enumerate(zip(t.shape, u.shape)) if x != y]
-        for d in moved:
-            if not _proportional(t.shape[d], u.shape[d], b_small, b_large):
-                raise BatchError(f"tensor {name!r} dimension {d} is {t.shape[d]} at batch {b_small} and "
-                                 f"{u.shape[d]} at batch {b_large}: not proportional to the batch")
+        moved: list = []
+        _diff(t.shape, large.tensors[name].shape, (), b_small, b_large, moved, f"tensor {name!r}'s shape")
         if moved:
-            dims[name] = moved
+            dims[name] = [path[0] for path, _ in moved]
     params: dict[str, dict[str, list]] = {}
     for op, other in zip(small.ops, large.ops, strict=True):
         found: dict[str, list] = {}

@@ -22,20 +22,29 @@ from ._types import PHASES, OpGraph
 from ._zoo import forward_graph
 
 
+def read_graph_file(path: str) -> OpGraph | None:
+    """The graph saved at `path`, or None when `path` is no saved graph file (a zoo
+    name, a spec string, a model JSON)."""
+    if not (path.endswith(".json") and Path(path).is_file()):
+        return None
+    try:
+        data = read_json_file(path, GraphFormatError)
+    except GraphFormatError:
+        return None
+    schema = data.get("schema", "") if isinstance(data, dict) else ""
+    if not (isinstance(schema, str) and schema.startswith("alpasim.graph/")):
+        return None
+    return graph_from_json(data, path)
+
+
 def load_forward(model: str) -> OpGraph:
     """A forward graph from a zoo name, spec string, model JSON or saved graph JSON."""
-    if model.endswith(".json") and Path(model).is_file():
-        try:
-            data = read_json_file(model, GraphFormatError)
-        except GraphFormatError:
-            data = None
-        schema = data.get("schema", "") if isinstance(data, dict) else ""
-        if isinstance(schema, str) and schema.startswith("alpasim.graph/"):
-            g = graph_from_json(data, model)
-            if g.meta.get("training"):
-                raise ValueError(f"{model}: holds a training graph; pass its forward graph")
-            return g
-    return forward_graph(model)
+    g = read_graph_file(model)
+    if g is None:
+        return forward_graph(model)
+    if g.meta.get("training"):
+        raise ValueError(f"{model}: holds a training graph; pass its forward graph")
+    return g
 
 
 @dataclass(frozen=True, slots=True)

@@ -76,10 +76,8 @@ def _doubled(b_abs: Any, axis: int) -> tuple[int, Any]:
     import jax
 
     leaves = jax.tree_util.tree_leaves(b_abs)
-    if axis < 0:
-        raise BatchError(f"batch_axis {axis} must be a non-negative axis")
-    sizes = {leaf.shape[axis] for leaf in leaves if len(leaf.shape) > axis}
-    if len(sizes) != 1 or len(leaves) == 0 or any(len(leaf.shape) <= axis for leaf in leaves):
+    sizes = {leaf.shape[axis] if 0 <= axis < len(leaf.shape) else None for leaf in leaves}
+    if len(sizes) != 1 or None in sizes:
         raise BatchError(f"the batch leaves do not share one size along axis {axis}")
     (size,) = sizes
 

@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from ._batch import batch_size, resize_batch
-from ._jsonfile import read_json_file
+from ._build import read_graph_file
 from ._serialize import GraphFormatError, graph_from_json, graph_to_json
 from ._types import OpGraph
-from ._zoo import ModelConfig, forward_graph, model_from_json, model_to_json, resolve_model
+from ._zoo import ModelConfig, ModelSpecError, forward_graph, model_from_json, model_to_json, resolve_model
 
 
 @dataclass(frozen=True)
@@ -41,18 +41,23 @@ class ModelSource:
     config: ModelConfig | None = None     # zoo models
     graph: OpGraph | None = None          # saved graphs, at their own batch
 
+    @classmethod
+    def zoo(cls, name: str, cfg: ModelConfig) -> ModelSource:
+        return cls(name, cfg.family, cfg.batch, cfg.dtype, config=cfg)
+
     @property
     def resizable(self) -> bool:
         return self.config is not None or batch_size(self.graph) is not None
 
     def forward(self, microbatch_size: int, dtype: str | None = None) -> OpGraph:
         """The forward graph of one microbatch; `dtype` (a recipe's weight dtype)
-        rebuilds a zoo model in it (a saved graph keeps its own)."""
+        rebuilds a zoo model in it. A saved graph has its own, and refuses another."""
         if self.config is not None:
-            cfg = dataclasses.replace(self.config, batch=int(microbatch_size))
-            if dtype is not None and dtype != cfg.dtype:
-                cfg = dataclasses.replace(cfg, dtype=dtype)
+            cfg = dataclasses.replace(self.config, batch=int(microbatch_size), dtype=dtype or self.config.dtype)
             return forward_graph(cfg, name=self.name)
+        if dtype is not None and dtype != self.dtype:
+            raise ModelSpecError(f"{self.name}: the graph's weights are {self.dtype}; the precision recipe trains "
+                                 f"{dtype} weights (import the model in {dtype}, or choose another --precision)")
         if microbatch_size == self.global_batch:
             return self.graph
         return resize_batch(self.graph, int(microbatch_size))
@@ -67,15 +72,6 @@ class ModelSource:
 def graph_digest(data: dict) -> str:
     """sha256 of a graph's JSON, keys sorted: the graph's name in a plan."""
     return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
-def is_graph_file(spec: str) -> bool:
-    """Whether `spec` names a saved graph file (schema alpasim.graph/...)."""
-    path = Path(spec)
-    if not (spec.endswith(".json") and path.is_file()):
-        return False
-    data = read_json_file(path, GraphFormatError)
-    return isinstance(data, dict) and str(data.get("schema", "")).startswith("alpasim.graph/")
 
 
 def graph_source(graph: OpGraph, name: str | None = None) -> ModelSource:
@@ -96,11 +92,10 @@ def model_source(spec: str | ModelConfig | OpGraph | ModelSource) -> ModelSource
         return spec
     if isinstance(spec, OpGraph):
         return graph_source(spec)
-    if isinstance(spec, str) and is_graph_file(spec.strip()):
-        path = spec.strip()
-        return graph_source(graph_from_json(read_json_file(path, GraphFormatError), path), Path(path).stem)
-    name, cfg = resolve_model(spec)
-    return ModelSource(name, cfg.family, cfg.batch, cfg.dtype, config=cfg)
+    graph = read_graph_file(spec.strip()) if isinstance(spec, str) else None
+    if graph is not None:
+        return graph_source(graph, Path(spec.strip()).stem)
+    return ModelSource.zoo(*resolve_model(spec))
 
 
 def source_from_record(model: dict) -> ModelSource:
@@ -108,8 +103,8 @@ def source_from_record(model: dict) -> ModelSource:
     `source` existed name a zoo model in `model["name"]`."""
     rec = model.get("source")
     if rec and rec.get("kind") == "zoo" and isinstance(rec.get("config"), dict):
-        cfg = model_from_json(rec["config"], "the plan's model config")
-        return ModelSource(str(rec.get("spec", model["name"])), cfg.family, cfg.batch, cfg.dtype, config=cfg)
+        return ModelSource.zoo(str(rec.get("spec", model["name"])),
+                               model_from_json(rec["config"], "the plan's model config"))
     if not rec or rec.get("kind") == "zoo":
         return model_source(str((rec or {}).get("spec", model["name"])))
     if rec.get("kind") != "graph" or not isinstance(rec.get("graph"), dict):

@@ -22,7 +22,6 @@ import numpy as np
 from alpasim.costmodels import Cluster, CostModel
 from alpasim.graphs import (
     ModelSource,
-    ModelSpecError,
     OpGraph,
     assign_layers,
     build_training_graph,
@@ -174,22 +173,15 @@ def plan_pipeline(model: str | ModelSource, cluster: Cluster, *, microbatches: i
     recipe = get_recipe(precision)
     source = model_source(model)
     name, dtype = source.name, recipe.weight_dtype(source.dtype)
-    if source.graph is not None and dtype != source.dtype:
-        raise ModelSpecError(f"{name}: the graph's weights are {source.dtype}; precision {recipe.name!r} trains "
-                             f"{dtype} weights (import the model in {dtype}, or choose another --precision)")
     global_batch = source.global_batch
     if layers is None and relabel is None and source.graph is not None and source.graph.num_layers <= 1:
         layers = default_graph_layers(source.graph)   # an imported graph is one layer until clustered
-    if not source.resizable and microbatches != "auto" and int(microbatches) != 1:
-        raise PlanInfeasible(f"{name}: the graph records no batch dimension, so it cannot be split into "
-                             f"{microbatches} microbatches (re-import it with graphs.from_jax, which marks it)",
-                             float("nan"))
     cache = cache or DiskCache(enabled=False)
     candidates: list[Candidate] = []
     jobs = hits = 0
     options = microbatch_candidates(global_batch, microbatches, microbatch_multiple)
-    if not source.resizable:
-        options = [1]    # an unmarked graph is one microbatch of its own batch
+    if not source.resizable and microbatches == "auto":
+        options = [1]    # an unmarked graph is one microbatch of its own batch (`resize_batch` refuses others)
     if not options:
         asked = "" if microbatches == "auto" else \
             f" ({microbatches} microbatches of {global_batch // int(microbatches)})"

@@ -35,7 +35,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from alpasim.costmodels import Cluster
-from alpasim.graphs import ModelSpecError, OpGraph, assign_layers, forward_graph, model_source, resolve_model
+from alpasim.graphs import (ModelSource, ModelSpecError, OpGraph, assign_layers, forward_graph, model_source,
+                            resolve_model)
 
 from ._inter_op import PlanInfeasible, plan_pipeline, planning_units
 from ._pipeline_plan import PipelinePlan, plan_cluster_info
@@ -99,7 +100,7 @@ def plan_with_method(method: str, model: str, cluster: Cluster, *, microbatches:
         return plan_pipeline(source, cluster, microbatches=microbatches, method=method,
                              **_method_options(method, cluster), **kw)
     except PlanInfeasible as e:
-        return infeasible_plan(source.name, source, cluster, method, str(e))
+        return infeasible_plan(source, cluster, method, str(e))
 
 
 def _method_options(method: str, cluster: Cluster) -> dict:
@@ -185,7 +186,8 @@ def megatron_plan(model: str, cluster: Cluster, config: MegatronConfig, **kw) ->
                              shape_ok=lambda sh: sh.size == size, views_of=views_of, equal_layers=True,
                              num_stages=config.pp, relabel=lambda fwd: fwd, **kw)
     except PlanInfeasible as e:
-        return infeasible_plan(name, cfg, cluster, "megatron", str(e), {"megatron": _config_json(config)})
+        return infeasible_plan(ModelSource.zoo(name, cfg), cluster, "megatron", str(e),
+                               {"megatron": _config_json(config)})
     search = dict(plan.search, megatron=_config_json(config))
     return dataclasses.replace(plan, search=search)
 
@@ -207,8 +209,9 @@ def megatron_grid(model: str, cluster: Cluster, *, progress: Callable | None = N
         if plan.feasible and (best is None or plan.predicted["iteration_s"] < best.predicted["iteration_s"]):
             best = plan
     if best is None:
-        return infeasible_plan(name, cfg, cluster, "megatron", f"no Megatron-LM configuration of {name} fits "
-                               f"{cluster.num_devices} devices ({len(grid)} tried)", {"megatron_grid": tried})
+        return infeasible_plan(ModelSource.zoo(name, cfg), cluster, "megatron",
+                               f"no Megatron-LM configuration of {name} fits {cluster.num_devices} devices "
+                               f"({len(grid)} tried)", {"megatron_grid": tried})
     return dataclasses.replace(best, search=dict(best.search, megatron_grid=tried))
 
 
@@ -216,11 +219,10 @@ def _config_json(config: MegatronConfig) -> dict:
     return dataclasses.asdict(config)
 
 
-def infeasible_plan(name: str, cfg, cluster: Cluster, method: str, reason: str,
+def infeasible_plan(source: ModelSource, cluster: Cluster, method: str, reason: str,
                     search: dict | None = None) -> PipelinePlan:
     """A plan that records why nothing fits (out of memory, usually)."""
-    batch = cfg.global_batch if hasattr(cfg, "global_batch") else cfg.batch   # a ModelSource or a config
-    model = {"name": name, "family": cfg.family, "global_batch": batch}
+    model = {"name": source.name, "family": source.family, "global_batch": source.global_batch}
     cl = plan_cluster_info(cluster)
     predicted = {"iteration_s": None, "tflops_per_device": None, "throughput_pflops": None,
                  "peak_memory_bytes": None}

@@ -16,6 +16,7 @@ from ._intra_ilp import Formulation as Formulation
 from ._intra_ilp import SolveResult as SolveResult
 from ._intra_ilp import decode as decode
 from ._intra_ilp import formulate as formulate
+from ._intra_ilp import formulate_min_memory as formulate_min_memory
 from ._intra_ilp import solve_ilp as solve_ilp
 from ._intra_op import IntraOpInfeasible as IntraOpInfeasible
 from ._intra_op import IntraOpResult as IntraOpResult

@@ -13,10 +13,16 @@ tolerances see numbers near one.
 
 Memory (optional): M_t = sum_i s_owner(t)^i * bytes_t / shards_i(t) for every tensor;
 persistent tensors, the stash of the other microbatches in flight and the activations
-live at each candidate peak must fit. Memory
-enters in units of the budget (the right-hand side is 1): the solver's absolute
-feasibility tolerance (~1e-7) is then a relative one, whether the stage holds 40 GiB
-or, in a test, 40 bytes (in GiB units a 100-byte overshoot would count as fitting).
+live at each candidate peak must fit. Memory enters in units of the budget (the
+right-hand side is 1): the solver's absolute feasibility tolerance (~1e-7) is then a
+relative one, whether the stage holds 40 GiB or, in a test, 40 bytes (in GiB units a
+100-byte overshoot would count as fitting).
+
+The program is built as sparse matrices (numpy triplets, one block per node, edge or
+memory point) and handed to HiGHS whole through highspy. PuLP built one Python object
+per variable and per term, and its HiGHS layer added them one at a time: on a GPT
+layer's 24,000-column program that Python work took longer than the solve itself.
+CBC stays available through PuLP (`solver="cbc"`), fed the same matrices.
 """
 
 from __future__ import annotations
@@ -30,108 +36,243 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
-import pulp
+import scipy.sparse as sp
 
 from ._intra_problem import IntraOpProblem
 
-US = 1e6          # objective unit: microseconds
+US = 1e6          # objective unit of the time formulation: microseconds
 GIB = float(2 ** 30)
 SOLVERS = ("highs", "cbc")
 # Stop only when the optimum is proven (up to the solvers' absolute gap, 1e-6 us in
 # HiGHS): HiGHS's default relative gap, 1e-4, let it return plans up to 0.01% worse
 # than the optimum with status "optimal".
 MIP_REL_GAP = 0.0
+# A relaxation's strategy column counts as integral within this (HiGHS's own MIP
+# feasibility tolerance is 1e-6).
+INTEGRAL_TOL = 1e-9
 
 
-@dataclass
+@dataclass(frozen=True)
 class Formulation:
-    """The PuLP model and handles to its variables."""
+    """A mixed-integer program in column form, ready for any solver:
 
-    model: pulp.LpProblem
-    s: list[list[pulp.LpVariable]]
-    memory_budget_bytes: float | None
+        min c.x   s.t.  row_lower <= A x <= row_upper,  col_lower <= x <= col_upper,
+                        x_j integral where integer[j]
+
+    `s[v]` holds the column of each strategy of node v; one objective unit is `scale`
+    SI units (seconds for the time program, bytes for the memory one)."""
+
+    c: np.ndarray
+    col_lower: np.ndarray
+    col_upper: np.ndarray
+    integer: np.ndarray            # bool per column
+    A: sp.csc_matrix
+    row_lower: np.ndarray
+    row_upper: np.ndarray
+    s: tuple[np.ndarray, ...]
+    scale: float
+    memory_budget_bytes: float | None = None
+
+    @property
+    def num_cols(self) -> int:
+        return len(self.c)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.row_lower)
+
+    @property
+    def num_integer(self) -> int:
+        return int(self.integer.sum())
 
 
 @dataclass(frozen=True, slots=True)
 class SolveResult:
     status: str            # optimal | time_limit | infeasible | error
-    objective_s: float | None
+    objective: float | None   # in SI units: seconds (time program) or bytes (memory program)
     wall_s: float
     choice: tuple[int, ...] | None
     solver: str
 
+    @property
+    def objective_s(self) -> float | None:
+        """The time program's objective, in seconds."""
+        return self.objective
+
+
+class _Builder:
+    """Columns and rows accumulated as numpy blocks, assembled once."""
+
+    def __init__(self) -> None:
+        self.cost: list[np.ndarray] = []
+        self.lower: list[np.ndarray] = []
+        self.upper: list[np.ndarray] = []
+        self.integer: list[np.ndarray] = []
+        self.n_cols = 0
+        self.row_lo: list[np.ndarray] = []
+        self.row_hi: list[np.ndarray] = []
+        self.n_rows = 0
+        self.ti: list[np.ndarray] = []   # triplets: row, column, value
+        self.tj: list[np.ndarray] = []
+        self.tv: list[np.ndarray] = []
+
+    def columns(self, n: int, *, cost=0.0, upper=np.inf, integer: bool = False) -> np.ndarray:
+        idx = np.arange(self.n_cols, self.n_cols + n)
+        self.cost.append(np.broadcast_to(np.asarray(cost, float), (n,)))
+        self.lower.append(np.zeros(n))
+        self.upper.append(np.full(n, upper, float))
+        self.integer.append(np.full(n, integer))
+        self.n_cols += n
+        return idx
+
+    def rows(self, n: int, lower, upper, rows, cols, vals) -> None:
+        """`n` rows whose entries are (rows[k] local to this block, cols[k], vals[k])."""
+        self.row_lo.append(np.broadcast_to(np.asarray(lower, float), (n,)))
+        self.row_hi.append(np.broadcast_to(np.asarray(upper, float), (n,)))
+        self.ti.append(np.asarray(rows, np.int64) + self.n_rows)
+        self.tj.append(np.asarray(cols, np.int64))
+        self.tv.append(np.asarray(vals, float))
+        self.n_rows += n
+
+    def build(self, s, scale: float, budget: float | None) -> Formulation:
+        cat = lambda xs, dtype=float: np.concatenate(xs).astype(dtype) if xs else np.zeros(0, dtype)  # noqa: E731
+        A = sp.coo_matrix((cat(self.tv), (cat(self.ti, np.int64), cat(self.tj, np.int64))),
+                          shape=(self.n_rows, self.n_cols)).tocsc()   # sums repeated entries
+        A.eliminate_zeros()
+        return Formulation(cat(self.cost), cat(self.lower), cat(self.upper), cat(self.integer, bool), A,
+                           cat(self.row_lo), cat(self.row_hi), tuple(s), scale, budget)
+
+
+def dominated(problem: IntraOpProblem) -> list[np.ndarray]:
+    """Per node, which strategies no optimum needs: strategy i is dropped when another
+    strategy j of the same node is no worse in every coefficient the program gives i -
+    its own cost, its resharding cost against every spec of every neighbour, the bytes
+    of every tensor whose layout it fixes - and better in one of them (or, all equal,
+    earlier). Swapping i for j in any plan then raises neither the objective nor any
+    memory row, so the optimum survives; the relation is a strict partial order, so
+    every dropped strategy has a kept one that dominates it."""
+    features: list[list[np.ndarray]] = [[node.cost[:, None]] for node in problem.nodes]
+    for edge in problem.edges:
+        if not edge.cost.any():
+            continue
+        features[edge.src].append(edge.cost[edge.src_spec])                 # (k_src, specs)
+        features[edge.dst].append(edge.cost[:, edge.dst_spec].T)            # (k_dst, specs)
+    owned: dict[int, set[str]] = {}
+    for t in set(problem.persistent) | set(problem.stash) | {t for live in problem.live_sets for t in live}:
+        owned.setdefault(problem.node_of_tensor[t], set()).add(t)
+    for v, ts in owned.items():
+        features[v] += [problem.tensor_bytes(v, t)[:, None] for t in sorted(ts)]
+    out = []
+    for node, fs in zip(problem.nodes, features):
+        F = np.concatenate(fs, axis=1)                                       # (k, d), lower is better
+        le = (F[:, None, :] <= F[None, :, :]).all(-1)                        # le[j, i]: j no worse than i
+        lt = (F[:, None, :] < F[None, :, :]).any(-1)
+        earlier = np.arange(node.k)[:, None] < np.arange(node.k)[None, :]
+        out.append((le & (lt | earlier)).any(0))
+    return out
+
+
+def _strategy_columns(b: _Builder, problem: IntraOpProblem, costs: bool,
+                      drop: list[np.ndarray] | None = None) -> list[np.ndarray]:
+    """One binary column per strategy, with the one-hot row of each node; a dropped
+    strategy's column is fixed at zero (kept, so columns still index strategies)."""
+    s = []
+    for v, node in enumerate(problem.nodes):
+        upper = 1.0 if drop is None else np.where(drop[v], 0.0, 1.0)
+        cols = b.columns(node.k, cost=node.cost * US if costs else 0.0, upper=upper, integer=True)
+        b.rows(1, 1.0, 1.0, np.zeros(node.k), cols, np.ones(node.k))
+        s.append(cols)
+    return s
+
+
+def _edge_blocks(b: _Builder, problem: IntraOpProblem, s: list[np.ndarray],
+                 drop: list[np.ndarray]) -> None:
+    """Each edge's spec-pair columns e_pq and their transport rows (module doc), for the
+    spec pairs that kept strategies can meet."""
+    for edge in problem.edges:
+        if not edge.cost.any():
+            continue
+        used_p = np.unique(edge.src_spec[~drop[edge.src]])
+        used_q = np.unique(edge.dst_spec[~drop[edge.dst]])
+        P, Q = len(used_p), len(used_q)
+        e = b.columns(P * Q, cost=edge.cost[np.ix_(used_p, used_q)].ravel() * US)
+        keep_src, keep_dst = np.flatnonzero(~drop[edge.src]), np.flatnonzero(~drop[edge.dst])
+        p_row = np.searchsorted(used_p, edge.src_spec[keep_src])    # row of each kept producer strategy
+        q_row = np.searchsorted(used_q, edge.dst_spec[keep_dst])
+        # sum_q e_pq - sum_{i stores p} s_src,i = 0, then sum_p e_pq - sum_{j needs q} s_dst,j = 0
+        rows = np.concatenate([np.repeat(np.arange(P), Q), p_row, P + np.tile(np.arange(Q), P), P + q_row])
+        cols = np.concatenate([e, s[edge.src][keep_src], e, s[edge.dst][keep_dst]])
+        vals = np.concatenate([np.ones(P * Q), -np.ones(len(keep_src)), np.ones(P * Q), -np.ones(len(keep_dst))])
+        b.rows(P + Q, 0.0, 0.0, rows, cols, vals)
+
+
+def _memory_terms(problem: IntraOpProblem, s, tensor: str, unit_bytes: float) -> tuple[np.ndarray, np.ndarray]:
+    """Columns and coefficients of `tensor`'s per-device memory in units of `unit_bytes`."""
+    v = problem.node_of_tensor[tensor]
+    return s[v], problem.tensor_bytes(v, tensor) / unit_bytes
+
+
+def _memory_rows(b: _Builder, problem: IntraOpProblem, s, unit: float, multiplier: float,
+                 rhs: float, peak: np.ndarray | None = None) -> None:
+    """persistent + live(p) + (multiplier - 1) x stash <= rhs (or <= peak) at every
+    candidate peak p: one microbatch at its peak, the others in flight holding their
+    stash (the stage-memory rule of `costmodels.stage_memory`), so the stash's layout is
+    priced. Each live activation gets a column m_t = its memory, so a tensor live at many
+    points enters the matrix once."""
+    extra = max(multiplier - 1.0, 0.0)
+    pc, pv = [], []
+    for t in problem.persistent:
+        c, v = _memory_terms(problem, s, t, unit)
+        pc.append(c), pv.append(v)
+    if extra:
+        for t in problem.stash:
+            c, v = _memory_terms(problem, s, t, unit)
+            pc.append(c), pv.append(v * extra)
+    pc_all = np.concatenate(pc) if pc else np.zeros(0, np.int64)
+    pv_all = np.concatenate(pv) if pv else np.zeros(0)
+    acts = list(dict.fromkeys(t for live in problem.live_sets for t in live))
+    m = dict(zip(acts, b.columns(len(acts))))
+    for t in acts:
+        c, v = _memory_terms(problem, s, t, unit)
+        b.rows(1, 0.0, 0.0, np.zeros(len(c) + 1), np.concatenate([[m[t]], c]), np.concatenate([[1.0], -v]))
+    points = problem.live_sets or [[]]
+    for live in points:
+        cols = np.concatenate([pc_all, [m[t] for t in live]]).astype(np.int64)
+        vals = np.concatenate([pv_all, np.ones(len(live))])
+        if peak is not None:
+            cols, vals = np.append(cols, peak), np.append(vals, -1.0)
+        b.rows(1, -np.inf, rhs, np.zeros(len(cols)), cols, vals)
+
 
 def formulate(problem: IntraOpProblem, memory_budget_bytes: float | None = None,
               activation_multiplier: float = 1.0) -> Formulation:
-    """The ILP of `problem`; with a budget, persistent + multiplier x live activations must
-    fit at every candidate peak (the multiplier is how many microbatches 1F1B keeps in
-    flight on the stage, seed eq. 5)."""
-    model = pulp.LpProblem("intra_op", pulp.LpMinimize)
-    s = [[pulp.LpVariable(f"s{v}_{i}", cat="Binary") for i in range(node.k)] for v, node in enumerate(problem.nodes)]
-    # Expressions are built from (variable, coefficient) lists: PuLP's operator
-    # overloading allocates an object per term and dominated formulation time.
-    objective: list[tuple[pulp.LpVariable, float]] = []
-    for v, node in enumerate(problem.nodes):
-        model += _expr((x, 1.0) for x in s[v]) == 1, f"one_hot_{v}"
-        objective += [(x, float(c) * US) for c, x in zip(node.cost, s[v]) if c]
-    for n, edge in enumerate(problem.edges):
-        if not edge.cost.any():
-            continue
-        p_count = len(edge.specs)
-        src_of = [np.flatnonzero(edge.src_spec == p) for p in range(p_count)]
-        dst_of = [np.flatnonzero(edge.dst_spec == q) for q in range(p_count)]
-        used_p = [p for p in range(p_count) if len(src_of[p])]
-        used_q = [q for q in range(p_count) if len(dst_of[q])]
-        e = {(p, q): pulp.LpVariable(f"e{n}_{p}_{q}", lowBound=0) for p in used_p for q in used_q}
-        for p in used_p:
-            terms = [(e[p, q], 1.0) for q in used_q] + [(s[edge.src][i], -1.0) for i in src_of[p]]
-            model += _expr(terms) == 0, f"edge{n}_src{p}"
-        for q in used_q:
-            terms = [(e[p, q], 1.0) for p in used_p] + [(s[edge.dst][j], -1.0) for j in dst_of[q]]
-            model += _expr(terms) == 0, f"edge{n}_dst{q}"
-        objective += [(x, float(edge.cost[p, q]) * US) for (p, q), x in e.items() if edge.cost[p, q]]
-    model += _expr(objective)
+    """The time program of `problem`; with a budget, persistent + multiplier x live
+    activations must fit at every candidate peak (the multiplier is how many
+    microbatches 1F1B keeps in flight on the stage, seed eq. 5)."""
+    b = _Builder()
+    drop = dominated(problem)
+    s = _strategy_columns(b, problem, costs=True, drop=drop)
+    _edge_blocks(b, problem, s, drop)
     if memory_budget_bytes is not None:
-        _add_memory(model, problem, s, memory_budget_bytes, activation_multiplier)
-    return Formulation(model, s, memory_budget_bytes)
+        unit = memory_budget_bytes if memory_budget_bytes > 0 else GIB
+        _memory_rows(b, problem, s, unit, activation_multiplier, memory_budget_bytes / unit)
+    return b.build(s, 1.0 / US, memory_budget_bytes)
 
 
-def _expr(terms) -> pulp.LpAffineExpression:
-    """An affine expression from (variable, coefficient) pairs, summing repeats."""
-    out: dict = {}
-    for x, c in terms:
-        out[x] = out.get(x, 0.0) + c
-    return pulp.LpAffineExpression(list(out.items()))
-
-
-def memory_expression(problem: IntraOpProblem, s, tensor: str, unit_bytes: float = GIB):
-    """Per-device memory of `tensor` in units of `unit_bytes`, linear in its owner's s."""
-    return _expr(_memory_terms(problem, s, tensor, unit_bytes))
-
-
-def _memory_terms(problem: IntraOpProblem, s, tensor: str, unit_bytes: float):
-    v = problem.node_of_tensor[tensor]
-    return [(x, float(b) / unit_bytes) for b, x in zip(problem.tensor_bytes(v, tensor), s[v]) if b]
-
-
-def _add_memory(model: pulp.LpProblem, problem: IntraOpProblem, s, budget: float, multiplier: float = 1.0) -> None:
-    """persistent + live(p) + (multiplier - 1) x stash <= budget at every candidate peak p:
-    one microbatch at its peak, the others in flight holding their stash (the stage-memory
-    rule of `costmodels.stage_memory`), so the stash's layout is priced."""
-    unit = budget if budget > 0 else GIB
-    persistent = [term for t in problem.persistent for term in _memory_terms(problem, s, t, unit)]
-    persistent += [(x, c * max(multiplier - 1.0, 0.0)) for t in problem.stash
-                   for x, c in _memory_terms(problem, s, t, unit)]
-    acts = {t for live in problem.live_sets for t in live}
-    m = {}
-    for t in acts:
-        m[t] = pulp.LpVariable(f"mem_{len(m)}", lowBound=0)
-        terms = [(m[t], 1.0)] + [(x, -c) for x, c in _memory_terms(problem, s, t, unit)]
-        model += _expr(terms) == 0, f"mem_def_{len(m)}"
-    if not problem.live_sets:
-        model += _expr(persistent) <= budget / unit, "memory"
-    for i, live in enumerate(problem.live_sets):
-        model += _expr(persistent + [(m[t], 1.0) for t in live]) <= budget / unit, f"memory_{i}"
+def formulate_min_memory(problem: IntraOpProblem, activation_multiplier: float = 1.0) -> Formulation:
+    """The memory program: minimise the stage's peak bytes per device over all plans.
+    Measured in units of the fully replicated footprint, so the peak is near one
+    whatever the stage's size (see the module doc on memory units)."""
+    tensors = problem.graph.tensors
+    extra = max(activation_multiplier - 1.0, 0.0)
+    unit = (sum(tensors[t].nbytes for t in problem.persistent)
+            + extra * sum(tensors[t].nbytes for t in problem.stash)
+            + max((sum(problem.full_bytes(t) for t in live) for live in problem.live_sets), default=0)) or GIB
+    b = _Builder()
+    s = _strategy_columns(b, problem, costs=False)
+    peak = b.columns(1, cost=1.0)
+    _memory_rows(b, problem, s, unit, activation_multiplier, 0.0, peak=peak)
+    return b.build(s, float(unit), None)
 
 
 def solve_ilp(form: Formulation, solver: str = "highs", time_limit_s: float | None = None,
@@ -145,30 +286,18 @@ def solve_ilp(form: Formulation, solver: str = "highs", time_limit_s: float | No
     if solver not in SOLVERS:
         raise ValueError(f"unknown ILP solver {solver!r}; choose one of {', '.join(SOLVERS)}")
     gap = MIP_REL_GAP if mip_gap is None else mip_gap
-    options = {} if presolve else {"presolve": "off"}
-    backend = (_GuardedHiGHS(msg=False, timeLimit=time_limit_s, gapRel=gap, **options) if solver == "highs"
-               else pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=gap))
     t0 = time.perf_counter()
-    try:
-        with _native_stdout_silenced():
-            form.model.solve(backend)
-    except pulp.PulpSolverError as e:
-        return SolveResult("error", None, time.perf_counter() - t0, None, f"{solver}: {e}")
-    finally:
-        if isinstance(backend, _GuardedHiGHS):
-            backend.disarm()
+    if solver == "highs":
+        status, x, objective = _solve_highs(form, time_limit_s, gap, presolve)
+    else:
+        status, x, objective = _solve_cbc(form, time_limit_s, gap)
     wall = time.perf_counter() - t0
-    status = pulp.LpStatus.get(form.model.status, "Undefined")
-    sol = form.model.sol_status
-    if status == "Infeasible" or sol == pulp.LpSolutionInfeasible:
-        return SolveResult("infeasible", None, wall, None, solver)
-    choice = decode(form)
+    if status in ("infeasible", "error"):
+        return SolveResult(status, None, wall, None, solver)
+    choice = None if x is None else decode(form, x)
     if choice is None:
-        kind = "time_limit" if time_limit_s is not None else "error"
-        return SolveResult(kind, None, wall, None, solver)
-    optimal = status == "Optimal" and sol in (pulp.LpSolutionOptimal, None)
-    objective = pulp.value(form.model.objective)
-    return SolveResult("optimal" if optimal else "time_limit", (objective or 0.0) / US, wall, choice, solver)
+        return SolveResult("time_limit" if time_limit_s is not None else "error", None, wall, None, solver)
+    return SolveResult(status, objective * form.scale, wall, choice, solver)
 
 
 def hard_limit_s(time_limit_s: float) -> float:
@@ -176,28 +305,107 @@ def hard_limit_s(time_limit_s: float) -> float:
     return 2.0 * time_limit_s + 5.0
 
 
-class _GuardedHiGHS(pulp.HiGHS):
-    """PuLP's HiGHS with a watchdog: HiGHS 1.16 does not check its time limit
+def _solve_highs(form: Formulation, time_limit_s: float | None, gap: float,
+                 presolve: bool) -> tuple[str, np.ndarray | None, float | None]:
+    """HiGHS through highspy, the whole matrix in one call, relaxation first.
+
+    The LP relaxation of the time program is usually integral (the transport rows are
+    tight): a GPT layer on a 2x4 mesh solves as an LP in 0.3 s where the branch-and-
+    bound machinery (presolve, heuristics, the same LP) takes 1.3-1.8 s. An integral
+    optimum of the relaxation is optimal for the program, an infeasible relaxation means
+    an infeasible program; anything else goes on to the MIP solve."""
+    status, x, objective = _run_highs(form, time_limit_s, gap, presolve=False, relax=True)
+    if status == "infeasible":
+        return status, None, None
+    if status == "optimal" and np.abs(x[form.integer] - np.round(x[form.integer])).max(initial=0.0) <= INTEGRAL_TOL:
+        return status, x, objective
+    return _run_highs(form, time_limit_s, gap, presolve, relax=False)
+
+
+def _run_highs(form: Formulation, time_limit_s: float | None, gap: float, presolve: bool,
+               relax: bool) -> tuple[str, np.ndarray | None, float | None]:
+    """One HiGHS run under a watchdog: HiGHS 1.16 does not check its time limit
     everywhere (a memory-bounded layer MIP of gpt3-2.6b on 8 GPUs ran for 35 minutes
     against a 15 s limit inside `reproduce table5`, presolve off). Past
-    `hard_limit_s(timeLimit)` a timer thread cancels the solve through highspy's user
+    `hard_limit_s(time_limit_s)` a timer thread cancels the solve through highspy's user
     interrupt, which HiGHS polls in its simplex, IPM and MIP loops; the incumbent, if
     any, comes back as a time-limited result."""
+    import highspy
 
-    def createAndConfigureSolver(self, lp):
-        super().createAndConfigureSolver(lp)
-        self._timer = None
-        if self.timeLimit is not None:
-            highs = lp.solverModel
-            highs.HandleUserInterrupt = True
-            self._timer = threading.Timer(hard_limit_s(self.timeLimit), highs.cancelSolve)
-            self._timer.daemon = True
-            self._timer.start()
+    with _native_stdout_silenced():
+        h = highspy.Highs()
+        h.setOptionValue("output_flag", False)
+        h.setOptionValue("mip_rel_gap", float(gap))
+        if time_limit_s is not None:
+            h.setOptionValue("time_limit", float(time_limit_s))
+        if not presolve:
+            h.setOptionValue("presolve", "off")
+        A = form.A
+        integrality = np.zeros(form.num_cols, np.int32) if relax else form.integer.astype(np.int32)
+        h.passModel(form.num_cols, form.num_rows, A.nnz, int(highspy.MatrixFormat.kColwise),
+                    int(highspy.ObjSense.kMinimize), 0.0, form.c, form.col_lower, form.col_upper,
+                    form.row_lower, form.row_upper, A.indptr.astype(np.int32), A.indices.astype(np.int32),
+                    A.data, integrality)
+        timer = None
+        if time_limit_s is not None:
+            h.HandleUserInterrupt = True
+            timer = threading.Timer(hard_limit_s(time_limit_s), h.cancelSolve)
+            timer.daemon = True
+            timer.start()
+        try:
+            h.solve()
+        finally:
+            if timer is not None:
+                timer.cancel()
+    ms = highspy.HighsModelStatus
+    model_status = h.getModelStatus()
+    if model_status == ms.kInfeasible:
+        return "infeasible", None, None
+    info = h.getInfo()
+    feasible = info.primal_solution_status == 2       # kSolutionStatusFeasible
+    if model_status == ms.kOptimal and feasible:
+        return "optimal", np.asarray(h.getSolution().col_value), info.objective_function_value
+    if model_status in (ms.kTimeLimit, ms.kInterrupt, ms.kIterationLimit, ms.kSolutionLimit):
+        if feasible and not relax:
+            return "time_limit", np.asarray(h.getSolution().col_value), info.objective_function_value
+        return "time_limit", None, None
+    return "error", None, None
 
-    def disarm(self) -> None:
-        timer = getattr(self, "_timer", None)
-        if timer is not None:
-            timer.cancel()
+
+def _solve_cbc(form: Formulation, time_limit_s: float | None, gap: float
+               ) -> tuple[str, np.ndarray | None, float | None]:
+    """CBC through PuLP, given the same matrices (the independent second solver)."""
+    import pulp
+
+    model = pulp.LpProblem("intra_op", pulp.LpMinimize)
+    x = [pulp.LpVariable(f"x{j}", lowBound=float(lo), upBound=None if np.isinf(hi) else float(hi),
+                         cat="Integer" if integral else "Continuous")
+         for j, (lo, hi, integral) in enumerate(zip(form.col_lower, form.col_upper, form.integer))]
+    model += pulp.LpAffineExpression([(x[j], float(form.c[j])) for j in np.flatnonzero(form.c)])
+    rows = form.A.tocsr()
+    for r in range(form.num_rows):
+        lo, hi = form.row_lower[r], form.row_upper[r]
+        start, end = rows.indptr[r], rows.indptr[r + 1]
+        expr = pulp.LpAffineExpression([(x[j], float(v)) for j, v in zip(rows.indices[start:end], rows.data[start:end])])
+        if lo == hi:
+            model += expr == float(lo), f"r{r}"
+        else:
+            if np.isfinite(lo):
+                model += expr >= float(lo), f"r{r}_lo"
+            if np.isfinite(hi):
+                model += expr <= float(hi), f"r{r}_hi"
+    try:
+        model.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=gap))
+    except pulp.PulpSolverError:
+        return "error", None, None
+    status = pulp.LpStatus.get(model.status, "Undefined")
+    if status == "Infeasible" or model.sol_status == pulp.LpSolutionInfeasible:
+        return "infeasible", None, None
+    values = [v.value() for v in x]
+    if any(v is None for v in values):
+        return "time_limit", None, None
+    optimal = status == "Optimal" and model.sol_status in (pulp.LpSolutionOptimal, None)
+    return ("optimal" if optimal else "time_limit"), np.array(values, float), pulp.value(model.objective) or 0.0
 
 
 @contextlib.contextmanager
@@ -220,12 +428,6 @@ def _native_stdout_silenced() -> Iterator[None]:
             os.close(saved)
 
 
-def decode(form: Formulation) -> tuple[int, ...] | None:
-    """The chosen strategy index of every node, or None when the solver found none."""
-    out = []
-    for xs in form.s:
-        vals = [x.value() for x in xs]
-        if any(v is None for v in vals):
-            return None
-        out.append(int(np.argmax(vals)))
-    return tuple(out)
+def decode(form: Formulation, x: np.ndarray) -> tuple[int, ...]:
+    """The chosen strategy index of every node from a solution vector."""
+    return tuple(int(np.argmax(x[cols])) for cols in form.s)

@@ -15,12 +15,10 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-import pulp
-
 from alpasim.costmodels import CostModel
 from alpasim.graphs import OpGraph
 
-from ._intra_ilp import GIB, Formulation, formulate, memory_expression, solve_ilp
+from ._intra_ilp import GIB, formulate, formulate_min_memory, solve_ilp
 from ._intra_plan import IntraOpPlan, objective_s, realize
 from ._intra_problem import IntraOpProblem, build_problem
 from ._mesh import LogicalMesh
@@ -213,23 +211,5 @@ def _min_memory(problem: IntraOpProblem, solver: str, multiplier: float, time_li
                 mip_gap: float | None = None, presolve: bool = True):
     """Minimise the peak bytes. With a time limit or gap the incumbent's peak comes
     back: an achievable memory, perhaps a little above the least."""
-    form = formulate(problem)
-    model = pulp.LpProblem("min_memory", pulp.LpMinimize)
-    for name, c in form.model.constraints.items():
-        if name.startswith("one_hot"):
-            model += c, name
-    # Measured in units of the fully replicated footprint, so the peak is near one
-    # whatever the stage's size (see `_intra_ilp`'s note on memory units).
-    tensors = problem.graph.tensors
-    extra = max(multiplier - 1.0, 0.0)        # further microbatches in flight, each holding its stash
-    unit = (sum(tensors[t].nbytes for t in problem.persistent) + extra * sum(tensors[t].nbytes for t in problem.stash)
-            + max((sum(problem.full_bytes(t) for t in live) for live in problem.live_sets), default=0)) or GIB
-    peak = pulp.LpVariable("peak", lowBound=0)
-    model.setObjective(peak)
-    persistent = (pulp.lpSum(memory_expression(problem, form.s, t, unit) for t in problem.persistent)
-                  + extra * pulp.lpSum(memory_expression(problem, form.s, t, unit) for t in problem.stash))
-    for i, live in enumerate(problem.live_sets or [[]]):
-        acts = pulp.lpSum(memory_expression(problem, form.s, t, unit) for t in live)
-        model += persistent + acts <= peak, f"peak_{i}"
-    result = solve_ilp(Formulation(model, form.s, None), solver, time_limit_s, mip_gap, presolve)
-    return float(peak.value() or 0.0) * unit, result.choice
+    result = solve_ilp(formulate_min_memory(problem, multiplier), solver, time_limit_s, mip_gap, presolve)
+    return float(result.objective or 0.0), result.choice

@@ -95,20 +95,31 @@ class IntraOpProblem:
     notes: list[str] = field(default_factory=list)   # what the builder had to relax, and why
     stash: list[str] = field(default_factory=list)   # activations kept from forward to backward
     partials: dict[str, str] = field(default_factory=dict)   # partial-result name -> the op that makes it
+    # tensor_bytes per (node, tensor): the time, memory and dominance programs of one
+    # problem all ask for the same arrays.
+    _bytes: dict[tuple[int, str], np.ndarray] = field(default_factory=dict, repr=False, compare=False)
 
     def tensor_bytes(self, node: int, tensor: str) -> np.ndarray:
         """Per-device bytes of `tensor` under each strategy of `node` (a gradient's
         accumulator at its unreduced size where it is scattered once per iteration; an
         op's unreduced partial result: `partial_bytes` of the op's strategy)."""
+        key = (node, tensor)
+        cached = self._bytes.get(key)
+        if cached is not None:
+            return cached
         n = self.nodes[node]
         op = self.partials.get(tensor)
         if op is not None:
-            return np.array([partial_bytes(c[op]) for c in n.choices])
-        t = self.graph.tensors[tensor]
-        grad = t.role == "grad"
-        return np.array([t.nbytes / s[tensor].num_shards(self.mesh)
-                         * (accumulator_factor(self.graph, self.mesh, n.choices[i].get, tensor) if grad else 1.0)
-                         for i, s in enumerate(n.specs)])
+            out = np.array([partial_bytes(c[op]) for c in n.choices])
+        else:
+            t = self.graph.tensors[tensor]
+            grad = t.role == "grad"
+            out = np.array([t.nbytes / s[tensor].num_shards(self.mesh)
+                            * (accumulator_factor(self.graph, self.mesh, n.choices[i].get, tensor) if grad else 1.0)
+                            for i, s in enumerate(n.specs)])
+        out.flags.writeable = False        # shared by every formulation of this problem
+        self._bytes[key] = out
+        return out
 
 
     def full_bytes(self, tensor: str) -> float:

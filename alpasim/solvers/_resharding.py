@@ -98,7 +98,13 @@ def _placement(spec: ShardingSpec, axis: int, mesh: LogicalMesh) -> tuple[int, i
 
 
 def resharding_time_s(src: ShardingSpec, dst: ShardingSpec, nbytes: float, mesh: LogicalMesh) -> float:
-    return sum(c.time_s(mesh) for c in resharding_collectives(src, dst, nbytes, mesh))
+    return _resharding_time_s(src, dst, float(nbytes), mesh)
+
+
+@functools.lru_cache(maxsize=1 << 18)
+def _resharding_time_s(src: ShardingSpec, dst: ShardingSpec, nbytes: float, mesh: LogicalMesh) -> float:
+    # Called about 10^4 times per layer problem, mostly for pairs already seen.
+    return sum(c.time_s(mesh) for c in _resharding(src, dst, nbytes, mesh))
 
 
 def collectives_time_s(collectives: Sequence[Collective], mesh: LogicalMesh) -> float:

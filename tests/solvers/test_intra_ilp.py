@@ -11,6 +11,8 @@ from __future__ import annotations
 import itertools
 import math
 
+import numpy as np
+
 import pytest
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
@@ -290,21 +292,20 @@ def test_watchdog_cancels_a_solve_that_outruns_its_time_limit(monkeypatch):
     import random
     import time
 
-    import pulp
+    import scipy.sparse as sp
 
     from alpasim.solvers import _intra_ilp
 
     monkeypatch.setattr(_intra_ilp, "hard_limit_s", lambda limit: 0.5)
     rng = random.Random(1)
-    n = 120
-    prob = pulp.LpProblem("knapsack", pulp.LpMaximize)
-    x = [pulp.LpVariable(f"x{i}", cat="Binary") for i in range(n)]
-    prob += pulp.lpSum(rng.randint(1000, 100000) * v for v in x)
-    for _ in range(30):
-        prob += pulp.lpSum(rng.randint(1000, 100000) * v for v in x) <= 2_500_000
-    backend = _intra_ilp._GuardedHiGHS(msg=False, timeLimit=60.0, gapRel=0.0)
+    n, m = 120, 30
+    weights = np.array([[rng.randint(1000, 100000) for _ in range(n)] for _ in range(m)], float)
+    value = -np.array([rng.randint(1000, 100000) for _ in range(n)], float)   # maximise
+    form = _intra_ilp.Formulation(value, np.zeros(n), np.ones(n), np.ones(n, bool), sp.csc_matrix(weights),
+                                  np.full(m, -np.inf), np.full(m, 2_500_000.0),
+                                  tuple(np.array([j]) for j in range(n)), 1.0)
     t0 = time.perf_counter()
-    prob.solve(backend)
-    backend.disarm()
+    result = _intra_ilp.solve_ilp(form, "highs", time_limit_s=60.0)
     assert time.perf_counter() - t0 < 10.0
-    assert prob.sol_status == pulp.LpSolutionIntegerFeasible      # stopped with an incumbent, not proven
+    assert result.status == "time_limit"          # stopped with an incumbent, not proven
+    assert result.choice is not None and result.objective < 0

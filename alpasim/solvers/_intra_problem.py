@@ -44,6 +44,9 @@ from ._spec import ShardingSpec, all_specs
 from ._strategies import Strategy, enumerate_strategies
 
 PERSISTENT_ROLES = ("param", "optimizer_state", "grad")
+# Light ops that only make or re-lay-out a tensor; on leaves alone they are deferred
+# into their reader's group (`build_problem`).
+LAYOUT_PRIMS = frozenset({"full", "constant", "iota", "broadcast", "reshape", "convert", "transpose"})
 
 
 @dataclass
@@ -240,8 +243,14 @@ def build_problem(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel, *, w
     depth = _depths(graph)
     root_of: dict[str, str] = {}
     members: dict[str, list[str]] = {}
+    deferred: list = []
     for op in graph.ops:
-        produced = [graph.producer[t] for t in op.inputs if not _is_leaf(graph, t)]
+        produced = [graph.producer[t] for t in op.inputs
+                    if not _is_leaf(graph, t) and graph.producer[t].name in root_of]
+        if (not produced and op.prim in LAYOUT_PRIMS and op.name not in restrict
+                and graph.consumers.get(op.outputs[0])):
+            deferred.append(op)
+            continue
         if is_heavy(op) or not produced or op.name in restrict:
             root_of[op.name] = op.name
             members[op.name] = [op.name]
@@ -250,6 +259,14 @@ def build_problem(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel, *, w
         root = root_of[leader.name]
         root_of[op.name] = root
         members[root].append(op.name)
+    # A layout op on leaves only (a constant, a broadcast norm scale) joins the group of
+    # its first reader, after it, in the layout that reader needs: making it costs
+    # nothing in any layout, so it needs no decision (and no edge) of its own.
+    for op in reversed(deferred):
+        root = root_of[graph.consumers[op.outputs[0]][0].name]
+        root_of[op.name] = root
+        members[root].append(op.name)
+    deferred_names = {op.name for op in deferred}
 
     for root, names in members.items():
         n = len(strategies[root])
@@ -262,6 +279,20 @@ def build_problem(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel, *, w
                 op = graph.op_by_name[name]
                 if name == root:
                     s = strategies[name][i]
+                elif name in deferred_names:
+                    s = _lead(op, strategies[name], choices[i], graph, tensors, mesh, with_compute, microbatches)
+                    # Its readers in the group came first and found no spec for it: charge
+                    # any resharding to the layouts they read it in now.
+                    for reader in graph.consumers[op.outputs[0]]:
+                        got = choices[i].get(reader.name)
+                        if got is None:
+                            continue
+                        rscale = 1.0 / microbatches if reader.phase == "update" else 1.0
+                        for t, spec in zip(reader.inputs, got.in_specs):
+                            if t == op.outputs[0]:
+                                for c in resharding_collectives(s.out_specs[0], spec, tensors[t].nbytes, mesh):
+                                    inner[i].append((t, c))
+                                    cost[i] += c.time_s(mesh) * rscale
                 else:
                     s = _follow(op, strategies[name], specs[i], tensors, mesh, with_compute, microbatches)
                 choices[i][name] = s
@@ -320,6 +351,22 @@ def build_problem(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel, *, w
         node_of[name] = node_of[graph.op_by_name[op].outputs[0]]
     return IntraOpProblem(graph, mesh, with_compute, microbatches, nodes, edges, node_of, persistent,
                           live.live_sets() + points, loop_backs, strategies, notes, live.stash(), partials)
+
+
+def _lead(op, options: list[Strategy], chosen: Mapping[str, Strategy], graph: OpGraph,
+          tensors: Mapping[str, Tensor], mesh: LogicalMesh, with_compute: bool, microbatches: int) -> Strategy:
+    """A deferred layout op's strategy: the cheapest given the layouts its readers in
+    the group (already chosen) read its output in."""
+    out = op.outputs[0]
+    needs = [spec for reader in graph.consumers[out] if reader.name in chosen
+             for t, spec in zip(reader.inputs, chosen[reader.name].in_specs) if t == out]
+    best, best_cost = options[0], float("inf")
+    for s in options:
+        cost = s.cost_s(with_compute, microbatches) + sum(
+            resharding_time_s(s.out_specs[0], need, tensors[out].nbytes, mesh) for need in needs)
+        if cost < best_cost - 1e-15:
+            best, best_cost = s, cost
+    return best
 
 
 def _follow(op, options: list[Strategy], known: dict[str, ShardingSpec], tensors: Mapping[str, Tensor],

@@ -176,6 +176,12 @@ def _iota(p):
     return lax.broadcasted_iota(jnp.dtype(p.get("dtype", "int32")), tuple(p["shape"]), p["dimension"])
 
 
+@_lowers("constant")
+def _constant(p):
+    from alpasim.graphs import constant_array
+    return jnp.asarray(constant_array(p))
+
+
 @_lowers("full")
 def _full(p):
     return jnp.full(tuple(p["shape"]), p["value"], jnp.dtype(p.get("dtype", "float32")))
@@ -255,6 +261,20 @@ def _batch_norm_grad(p, dy, x, gamma):
 @_lowers("embedding")
 def _embedding(p, table, ids):
     return jnp.take(table, ids, axis=0)
+
+
+@_lowers("take_along")
+def _take_along(p, x, idx):
+    return jnp.take_along_axis(x, idx, axis=p["axis"])
+
+
+@_lowers("take_along_grad")
+def _take_along_grad(p, dy, idx):
+    """The transpose of take_along: dy scatter-added where the indices point."""
+    shape = list(dy.shape)
+    shape[p["axis"]] = p["size"]
+    _, vjp = jax.vjp(lambda x: jnp.take_along_axis(x, idx, axis=p["axis"]), jnp.zeros(shape, dy.dtype))
+    return vjp(dy)[0]
 
 
 @_lowers("embedding_grad")
@@ -473,11 +493,26 @@ def random_leaves(graph: OpGraph, seed: int = 0, scale: float = 0.02) -> dict[st
     return out
 
 
-def _index_bound(graph: OpGraph, name: str) -> int:
+def _index_bound(graph: OpGraph, name: str, depth: int = 0) -> int:
+    """The smallest bound the integer tensor `name`'s readers imply, following it
+    through reshapes, broadcasts and integer elementwise ops (an imported loss
+    normalises negative labels and reshapes them before its take_along)."""
     bounds = []
     for op in graph.consumers[name]:
         if op.prim in ("embedding", "embedding_grad") and op.inputs[1] == name:
             bounds.append(graph.tensors[op.inputs[0]].shape[0] if op.prim == "embedding" else op.param("vocab"))
         elif op.prim in ("softmax_cross_entropy", "softmax_cross_entropy_grad") and op.inputs[-1] == name:
             bounds.append(graph.tensors[op.inputs[-2]].shape[-1])
-    return max(1, min(bounds, default=2))
+        elif op.prim == "take_along" and op.inputs[1] == name:
+            bounds.append(graph.tensors[op.inputs[0]].shape[op.param("axis")])
+        elif op.prim == "take_along_grad" and op.inputs[1] == name:
+            bounds.append(op.param("size"))
+        elif (op.prim in ("reshape", "broadcast", "elementwise", "select") and depth < 8
+              and not graph.tensors[op.outputs[0]].is_float):
+            found = _index_bound(graph, op.outputs[0], depth + 1)
+            if found != UNBOUNDED:
+                bounds.append(found)
+    return max(1, min(bounds, default=UNBOUNDED if depth else 2))
+
+
+UNBOUNDED = -1

@@ -30,6 +30,9 @@ from ._clustering import assign_layers as assign_layers
 from ._clustering import cluster_ops as cluster_ops
 from ._clustering import received_bytes_matrix as received_bytes_matrix
 from ._jax_import import from_jax as from_jax
+from ._jax_import import values_as_tree as values_as_tree
+from ._prims_layout import constant_array as constant_array
+from ._prims_layout import constant_params as constant_params
 from ._jsonfile import read_json_file as read_json_file
 from ._jax_import import training_graph_from_jax as training_graph_from_jax
 from ._jax_values import JaxImportError as JaxImportError

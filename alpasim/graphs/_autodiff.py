@@ -357,6 +357,13 @@ def _embedding_vjp(c, op, cts, needs):
     return [c.b.one("embedding_grad", [cts[0], c.x(ids)], vocab=vocab, dtype=c.t(table).dtype), None]
 
 
+@_rule("take_along")
+def _take_along_vjp(c, op, cts, needs):
+    x, idx = op.inputs
+    axis = op.param("axis")
+    return [c.b.one("take_along_grad", [cts[0], c.x(idx)], axis=axis, size=c.t(x).shape[axis]), None]
+
+
 @_rule("softmax_cross_entropy")
 def _xent_vjp(c, op, cts, needs):
     logits, labels = op.inputs
@@ -373,7 +380,7 @@ def _gating_vjp(c, op, cts, needs):
     return [c.b.one("top2_gating_grad", [dcombine, c.x(op.inputs[0])], capacity=op.param("capacity"))]
 
 
-NO_INPUT_PRIMS = frozenset({"iota", "full"})
+NO_INPUT_PRIMS = frozenset({"iota", "full", "constant"})
 
 
 # ------------------------------------------------------------------- driver

@@ -41,7 +41,8 @@ from ._autodiff import AdamConfig, training_graph
 from ._batch import BatchError, mark_batch
 from ._builder import GraphBuilder
 from ._types import OpGraph, Tensor
-from ._jax_values import FOLD, JaxImportError, Splat, Value, dtype_name, py_scalar
+from ._jax_values import FOLD, JaxImportError, Random, Splat, Value, dtype_name, py_scalar
+from ._prims_layout import constant_params
 from ._jax_rules import ELEMENTWISE_FNS, HANDLERS, INLINE, PASSTHROUGH, SUPPORTED, out_aval
 
 
@@ -97,10 +98,15 @@ def _import(loss_fn: Callable[[Any, Any], Any], p_abs: Any, b_abs: Any, name: st
     if len(outs) != 1 or outs[0].shape != () or dtype_name(outs[0].dtype) not in ("float32", "float16", "bfloat16"):
         got = ", ".join(a.str_short() for a in outs)
         raise JaxImportError(f"loss_fn must return one scalar float loss, got ({got})")
-    unsupported = sorted(_unsupported(closed.jaxpr))
+    unsupported = _unsupported(closed.jaxpr)
+    flow = sorted(set(unsupported) & CONTROL_FLOW)
+    if flow:
+        raise JaxImportError(f"{flow[0]} at {unsupported[flow[0]] or 'an unknown line'}: data-dependent control "
+                             f"flow has no static graph; use lax.scan (unrolled) or jnp.where")
     if unsupported:
-        raise JaxImportError(f"unsupported JAX primitives: {', '.join(unsupported)}; alpasim maps only "
-                             f"these (nested calls are inlined): {', '.join(SUPPORTED)}")
+        where = "; ".join(f"{p} at {line}" if line else p for p, line in sorted(unsupported.items()))
+        raise JaxImportError(f"unsupported JAX primitives: {where}; alpasim maps only these (nested calls and "
+                             f"scans are inlined, PRNG code becomes graph inputs): {', '.join(SUPPORTED)}")
 
     b = GraphBuilder(name)
     leaves = []
@@ -128,7 +134,29 @@ def _import(loss_fn: Callable[[Any, Any], Any], p_abs: Any, b_abs: Any, name: st
             sizes[t.dtype] += t.size
     meta = {"family": "jax", "function": getattr(loss_fn, "__name__", repr(loss_fn)),
             "dtype": sizes.most_common(1)[0][0] if sizes else b.dtype(loss)}
-    return _finish(b, loss, meta)
+    n_params = len(jax.tree_util.tree_leaves(p_abs))
+    meta["param_leaves"], meta["batch_leaves"] = leaves[:n_params], leaves[n_params:]
+    if imp.split_params:
+        meta["stacked_params"] = {leaf: [parts[i] for i in sorted(parts)] for leaf, parts in imp.split_params.items()}
+    return _finish(b, loss, meta, set(imp.split_params))
+
+
+def values_as_tree(graph: OpGraph, tree: Any, values: dict[str, Any], part: str = "params") -> Any:
+    """`tree` (the params or batch pytree `from_jax` read) with each leaf replaced by the
+    value of its graph tensor in `values` (graph tensor name -> array); a stacked
+    parameter that a scan split comes back stacked. How a graph-side answer (random
+    leaves, a run's gradients) is handed to the user's own function."""
+    import jax
+
+    names = graph.meta.get(f"{'param' if part == 'params' else 'batch'}_leaves")
+    if names is None:
+        raise ValueError(f"graph {graph.name!r} records no {part} leaves (not imported by this version's from_jax)")
+    stacked = graph.meta.get("stacked_params", {})
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    if len(leaves) != len(names):
+        raise ValueError(f"{part} tree has {len(leaves)} leaves; graph {graph.name!r} was imported from {len(names)}")
+    out = [np.stack([np.asarray(values[p]) for p in stacked[n]]) if n in stacked else values[n] for n in names]
+    return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def training_graph_from_jax(loss_fn: Callable[[Any, Any], Any], params: Any, batch: Any, *, remat: bool = False,
@@ -165,6 +193,8 @@ def _path_name(path: Sequence[Any]) -> str:
 
 
 _BODY_KEYS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+# A captured constant travels inside the graph file (base64): tables up to this size.
+MAX_CONSTANT_ELEMENTS = 1 << 22
 
 
 def _body(eqn: Any) -> tuple[Any, list[Any]]:
@@ -179,16 +209,47 @@ def _body(eqn: Any) -> tuple[Any, list[Any]]:
     raise JaxImportError(f"{eqn.primitive.name}: no nested jaxpr among params {sorted(eqn.params)}")
 
 
-def _unsupported(jaxpr: Any) -> set[str]:
-    """Names of the primitives of `jaxpr` (nested calls included) that have no mapping."""
-    out: set[str] = set()
+# Primitives of PRNG code: they make `Random` values (`_jax_values.Random`), never ops.
+RANDOM_PRIMS = frozenset({"random_seed", "random_wrap", "random_unwrap", "random_fold_in", "random_split",
+                          "random_bits", "threefry2x32", "shift_right_logical", "shift_left",
+                          "bitcast_convert_type", "random_clone"})
+# Control flow alpasim's static graphs cannot express (scan is unrolled instead).
+CONTROL_FLOW = frozenset({"cond", "while", "switch"})
+
+
+def _random_dtype(dtype: Any) -> str:
+    import jax
+
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return "key"
+    name = np.dtype(dtype).name
+    return name if name in ("bool", "float32", "float16", "bfloat16", "int32") else "uint32"
+
+
+def _unsupported(jaxpr: Any) -> dict[str, str]:
+    """The primitives of `jaxpr` (nested calls included) that have no mapping, each
+    with the user's source line of its first use."""
+    out: dict[str, str] = {}
     for eqn in jaxpr.eqns:
         prim = eqn.primitive.name
         if prim in INLINE:
-            out |= _unsupported(_body(eqn)[0])
-        elif prim not in HANDLERS and prim not in ELEMENTWISE_FNS and prim not in PASSTHROUGH:
-            out.add(prim)
+            out = {**_unsupported(_body(eqn)[0]), **out}
+        elif prim == "scan":
+            out = {**_unsupported(eqn.params["jaxpr"].jaxpr), **out}
+        elif (prim not in HANDLERS and prim not in ELEMENTWISE_FNS and prim not in PASSTHROUGH
+              and prim not in RANDOM_PRIMS):
+            out.setdefault(prim, _source_line(eqn))
     return out
+
+
+def _source_line(eqn: Any) -> str:
+    """`file:line (function)` of the user code that made `eqn`, or ''."""
+    try:
+        from jax._src import source_info_util
+
+        return source_info_util.summarize(eqn.source_info)
+    except Exception:  # noqa: BLE001 - a private JAX API: the message only loses its location
+        return ""
 
 
 def _is_relu(eqn: Any) -> bool:
@@ -214,6 +275,12 @@ class _Importer:
         self._literal, self._dropvar = core.Literal, core.DropVar
         self._bcast: dict[str, tuple[str, tuple[int, ...]]] = {}  # broadcast output -> (source, dims)
         self._perm: dict[str, tuple[str, tuple[int, ...]]] = {}  # transpose output -> (source, perm)
+        self.split_params: dict[str, dict[int, str]] = {}   # stacked leaf -> iteration -> its parameter
+        self.concat_parts: dict[str, list[Value]] = {}   # last-axis concatenation -> its operands
+        self._random: dict[int, str] = {}      # id of a Random value -> the graph input it became
+        self._keep: list[Random] = []
+        self._scan_depth = 0
+        self._layer_base = 0
 
     # ------------------------------------------------------------ walking
     def inline(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Value]) -> list[Value]:
@@ -232,6 +299,12 @@ class _Importer:
 
     def _eqn(self, eqn: Any, ins: list[Value]) -> list[Value]:
         prim = eqn.primitive.name
+        if prim == "scan":
+            return self._scan(eqn, ins)
+        if prim not in INLINE and (prim in RANDOM_PRIMS or any(isinstance(v, Random) for v in ins)):
+            if not any(isinstance(v, str) for v in ins):    # keys, bits, masks: still random
+                return [Random(tuple(v.aval.shape), _random_dtype(v.aval.dtype)) for v in eqn.outvars]
+            ins = [self.materialize(v) if isinstance(v, Random) else v for v in ins]
         if prim in INLINE:
             if prim == "custom_jvp_call" and _is_relu(eqn):
                 return [self.ew("relu", ins, out_aval(eqn))]
@@ -246,21 +319,111 @@ class _Importer:
             return [self.ew(ELEMENTWISE_FNS[prim], ins, out_aval(eqn))]
         return HANDLERS[prim](self, eqn, ins)
 
+    def materialize(self, v: Random) -> str:
+        """The graph input a random value becomes where a graph op reads it (`Random`)."""
+        name = self._random.get(id(v))
+        if name is None:
+            if v.dtype == "key":
+                raise JaxImportError("a PRNG key reaches a graph op; only values drawn from keys (dropout masks) "
+                                     "can become graph inputs")
+            with self.b.scope(prefix=""):
+                t = Tensor(self.b.fresh("batch/random"), v.shape, v.dtype, "input")
+            self.b.add_tensor(t)
+            self.b.inputs.append(t.name)
+            self._random[id(v)] = name = t.name
+            self._keep.append(v)            # ids stay unique while the import runs
+        return name
+
+    # ------------------------------------------------------------ scan
+    def _scan(self, eqn: Any, ins: list[Value]) -> list[Value]:
+        """`lax.scan` unrolled: the body inlined once per iteration, each iteration one
+        layer of the graph (the outermost scan's; ops before it and after it are layers
+        of their own), so a layer stack under `nn.scan` reaches the planner as layers of
+        one kind. A stacked parameter the scan slices is split into one parameter per
+        iteration (`<leaf>/<i>`; `meta["stacked_params"]` maps them back), so each layer
+        owns its weights and a pipeline can cut between them."""
+        p = eqn.params
+        body, nc, ncar, length = p["jaxpr"], int(p["num_consts"]), int(p["num_carry"]), int(p["length"])
+        consts, carry, xs = ins[:nc], list(ins[nc:nc + ncar]), ins[nc + ncar:]
+        outer = self._scan_depth == 0
+        self._scan_depth += 1
+        steps: dict[int, list[Value]] = {}
+        try:
+            for i in (range(length - 1, -1, -1) if p["reverse"] else range(length)):
+                if outer:
+                    self.b.layer = self._layer_base + 1 + i
+                with self.b.scope(prefix=f"{self.b.prefix}scan{i}/"):
+                    outs = self.inline(body.jaxpr, body.consts, list(consts) + carry + [self._index(x, i) for x in xs])
+                carry, steps[i] = outs[:ncar], outs[ncar:]
+        finally:
+            self._scan_depth -= 1
+        if outer:
+            self._layer_base += length + 1
+            self.b.layer = self._layer_base
+        ys = [self._stack([steps[i][j] for i in range(length)]) for j in range(len(body.jaxpr.outvars) - ncar)]
+        return carry + ys
+
+    def _index(self, x: Value, i: int) -> Value:
+        """x[i] along the scanned axis: a splat's slice, one iteration's own parameter
+        (for a stacked parameter leaf), or a slice of a computed tensor."""
+        if isinstance(x, Splat):
+            return Splat(x.value, x.shape[1:], x.dtype)
+        if isinstance(x, Random):
+            return Random(x.shape[1:], x.dtype)
+        shape = self.b.shape(x)
+        t = self.b.tensors[x]
+        if t.role == "param":      # a leaf: no op makes a parameter
+            names = self.split_params.setdefault(x, {})
+            if i not in names:
+                with self.b.scope(prefix=""):     # named after the leaf, not the scope
+                    part = Tensor(self.b.fresh(f"{x}/{i}"), shape[1:], t.dtype, "param")
+                self.b.add_tensor(part)
+                names[i] = part.name
+            return names[i]
+        y = self.op("slice", [x], name="slice", start=(i,) + (0,) * (len(shape) - 1), limit=(i + 1,) + shape[1:])
+        return self.op("reshape", [y], shape=shape[1:])
+
+    def _stack(self, values: list[Value]) -> Value:
+        """The per-iteration outputs stacked on a new leading axis."""
+        if all(isinstance(v, Splat) for v in values) and len({v.value for v in values}) == 1:
+            v = values[0]
+            return Splat(v.value, (len(values),) + v.shape, v.dtype)
+        if all(isinstance(v, Random) for v in values):
+            return Random((len(values),) + values[0].shape, values[0].dtype)
+        values = [self.materialize(v) if isinstance(v, Random) else v for v in values]
+        xs = [self.reshape(self.tensor(v), (1,) + (v.shape if isinstance(v, Splat) else self.b.shape(v)))
+              for v in values]
+        while len(xs) > 1:  # the primitive takes at most 8 operands
+            xs = [self.op("concatenate", xs[k:k + 8], name="concatenate", axis=0) if len(xs[k:k + 8]) > 1
+                  else xs[k] for k in range(0, len(xs), 8)]
+        return xs[0]
+
     def _read(self, env: dict[Any, Value], atom: Any) -> Value:
         if isinstance(atom, self._literal):
+            if _random_dtype(atom.aval.dtype) in ("key", "uint32"):    # bit twiddling of PRNG code
+                return Random(tuple(atom.aval.shape), "uint32")
             dtype = dtype_name(atom.aval.dtype)
             return Splat(py_scalar(np.asarray(atom.val).item(), dtype), tuple(atom.aval.shape), dtype)
         return env[atom]
 
     def _const(self, c: Any) -> Value:
+        """A captured array: a splat when its elements are all equal, else a `constant`
+        op that carries its values (a RoPE table, a causal mask)."""
+        kind = _random_dtype(getattr(c, "dtype", np.asarray(c).dtype))
+        if kind in ("key", "uint32"):        # a captured PRNG key (or its raw data)
+            return Random(tuple(np.shape(c)), kind)
         arr = np.asarray(c)
         dtype = dtype_name(arr.dtype)
-        if arr.size == 0 or not np.all(arr == arr.flat[0]):
-            raise JaxImportError(f"loss_fn captures a constant array of shape {arr.shape} ({dtype}) whose "
-                                 f"elements differ; pass it in `batch` instead")
-        return Splat(py_scalar(arr.flat[0].item(), dtype), arr.shape, dtype)
+        if arr.size and np.all(arr == arr.flat[0]):
+            return Splat(py_scalar(arr.flat[0].item(), dtype), arr.shape, dtype)
+        if arr.size > MAX_CONSTANT_ELEMENTS:
+            raise JaxImportError(f"loss_fn captures a constant array of shape {arr.shape} ({dtype}), more than "
+                                 f"{MAX_CONSTANT_ELEMENTS} elements; pass it in `params` or `batch` instead")
+        return self.op("constant", [], name="constant", **constant_params(arr.astype(np.dtype(dtype))))
 
     def _check(self, eqn: Any, var: Any, val: Value) -> None:
+        if isinstance(val, Random):
+            return
         shape, dtype = (val.shape, val.dtype) if isinstance(val, Splat) else \
             (self.b.shape(val), self.b.dtype(val))
         want = (tuple(var.aval.shape), dtype_name(var.aval.dtype))
@@ -324,18 +487,26 @@ class _Importer:
 
 
 # ----------------------------------------------------------------- finish
-def _finish(b: GraphBuilder, loss: str, meta: dict[str, Any]) -> OpGraph:
-    """Drop ops that do not reach the loss, name the loss ``loss`` and build the graph."""
+def _finish(b: GraphBuilder, loss: str, meta: dict[str, Any], split: set[str] = frozenset()) -> OpGraph:
+    """Drop ops that do not reach the loss, number the layers left 0..n-1, drop stacked
+    parameters that were split per scan iteration, name the loss ``loss`` and build
+    the graph."""
     live, ops = {loss}, []
     for op in reversed(b.ops):
         if live.intersection(op.outputs):
             live.update(op.inputs)
             ops.append(op)
     ops.reverse()
+    whole = sorted(split & live)
+    if whole:
+        raise JaxImportError(f"parameter {whole[0]!r} is both scanned over and read whole; alpasim splits a "
+                             f"scanned parameter into one per iteration")
+    number = {layer: n for n, layer in enumerate(sorted({op.layer for op in ops}))}
+    ops = [op.replace(layer=number[op.layer]) for op in ops]
     rename = {loss: "loss"} if "loss" not in b.tensors else {}
     sub = lambda t: rename.get(t, t)  # noqa: E731
     ops = [op.replace(inputs=tuple(map(sub, op.inputs)), outputs=tuple(map(sub, op.outputs))) for op in ops]
     tensors = {sub(n): Tensor(sub(n), t.shape, t.dtype, t.role) for n, t in b.tensors.items()
-               if t.role != "activation" or n in live}
+               if (t.role != "activation" or n in live) and n not in split}
     return OpGraph(b.name, tensors, ops, b.inputs, [sub(loss)], meta)
 

@@ -141,9 +141,19 @@ def _max_pool(imp: _Importer, eqn: Any, ins: list[Value]) -> list[Value]:
 def _gather(imp: _Importer, eqn: Any, ins: list[Value]) -> list[Value]:
     # Only the row lookup table[ids] (jnp.take(table, ids, axis=0)) is an embedding.
     # Out-of-range ids (clipped or filled by JAX) are not modelled.
-    table, idx = (imp.tensor(v) for v in ins)
     dn, sizes = eqn.params["dimension_numbers"], tuple(eqn.params["slice_sizes"])
+    if isinstance(ins[1], Splat):
+        return [_static_gather(imp, eqn, imp.tensor(ins[0]), ins[1])]
+    table, idx = (imp.tensor(v) for v in ins)
     t_shape, i_shape = imp.b.shape(table), imp.b.shape(idx)
+    along = _take_along_axis(dn, sizes, len(t_shape), i_shape)
+    if along is not None:
+        return [imp.op("take_along", [table, imp.reshape(idx, i_shape[:-1])], name="take_along", axis=along)]
+    row = _row_lookup_with_column_start(imp, dn, sizes, t_shape, idx)
+    if row is not None:     # table[ids, 0:] (equinox's Embedding under vmap): the row index and a 0
+        ids = imp.reshape(row, i_shape[:-1])
+        out = imp.op("embedding", [table, ids], name="embedding")
+        return [imp.reshape(out, tuple(_aval(eqn).shape))]
     if not (len(t_shape) == 2 and i_shape[-1:] == (1,) and tuple(dn.offset_dims) == (len(i_shape) - 1,)
             and tuple(dn.collapsed_slice_dims) == (0,) and tuple(dn.start_index_map) == (0,)
             and not tuple(getattr(dn, "operand_batching_dims", ())) and sizes == (1, t_shape[1])):
@@ -151,6 +161,58 @@ def _gather(imp: _Importer, eqn: Any, ins: list[Value]) -> list[Value]:
                              f"got table {t_shape}, indices {i_shape}, {dn}, slice_sizes {sizes}")
     ids = imp.reshape(idx, i_shape[:-1])
     return [imp.op("embedding", [table, ids], name="embedding")]
+
+
+def _row_lookup_with_column_start(imp: _Importer, dn: Any, sizes: tuple[int, ...], t_shape: tuple[int, ...],
+                                  idx: str) -> str | None:
+    """The row ids of a 2-D gather whose index vector is (row, constant 0) and whose
+    slice is one whole row, else None. The index vector is a concatenation the
+    importer made from the ids and a splat (`_Importer.concat_parts`)."""
+    parts = imp.concat_parts.get(idx)
+    if (len(t_shape) != 2 or tuple(dn.start_index_map) != (0, 1) or tuple(dn.collapsed_slice_dims)
+            or getattr(dn, "operand_batching_dims", ()) or sizes != (1, t_shape[1]) or parts is None
+            or len(parts) != 2):
+        return None
+    rows, cols = parts
+    n = len(imp.b.shape(idx))
+    if (isinstance(rows, Splat) or not isinstance(cols, Splat) or cols.value != 0
+            or imp.b.shape(rows)[-1:] != (1,) or tuple(dn.offset_dims) != (n - 1, n)):
+        return None
+    return rows
+
+
+def _take_along_axis(dn: Any, sizes: tuple[int, ...], rank: int, i_shape: tuple[int, ...]) -> int | None:
+    """The axis of a gather that is `take_along_axis` (every other operand dim batched
+    with the same index dim, one index per position, nothing sliced), else None."""
+    if len(dn.start_index_map) != 1 or i_shape[-1:] != (1,) or len(i_shape) != rank + 1:
+        return None
+    (axis,) = dn.start_index_map
+    others = tuple(d for d in range(rank) if d != axis)
+    if (tuple(dn.collapsed_slice_dims) == (axis,) and not tuple(dn.offset_dims) and sizes == (1,) * rank
+            and tuple(getattr(dn, "operand_batching_dims", ())) == others
+            and tuple(getattr(dn, "start_indices_batching_dims", ())) == others):
+        return axis
+    return None
+
+
+def _static_gather(imp: _Importer, eqn: Any, x: str, index: Splat) -> str:
+    """A gather at constant indices (`x[..., 0]` through jnp.take): a slice, with the
+    collapsed dims reshaped away."""
+    dn, sizes = eqn.params["dimension_numbers"], tuple(eqn.params["slice_sizes"])
+    shape = imp.b.shape(x)
+    out = tuple(_aval(eqn).shape)
+    if index.shape[:-1] or getattr(dn, "operand_batching_dims", ()):
+        raise JaxImportError(f"gather at a constant index with index batch {index.shape[:-1]}: only a single "
+                             f"constant start maps to a slice ({dn})")
+    start = [0] * len(shape)
+    for d in dn.start_index_map:
+        start[d] = min(max(int(index.value), 0), shape[d] - sizes[d])   # JAX clamps the start
+    kept = [d for d in range(len(shape)) if d not in dn.collapsed_slice_dims]
+    if tuple(dn.offset_dims) != tuple(range(len(kept))) or tuple(sizes[d] for d in kept) != out:
+        raise JaxImportError(f"gather at a constant index with offset dims {dn.offset_dims}: only slices in "
+                             f"operand order map ({dn})")
+    y = _slice(imp, x, start, [s + n for s, n in zip(start, sizes)])
+    return imp.reshape(y, out)
 
 
 @_handles("convert_element_type")
@@ -204,10 +266,47 @@ def _slice(imp: _Importer, x: str, start: Sequence[int], limit: Sequence[int]) -
 
 @_handles("slice")
 def _slice_prim(imp: _Importer, eqn: Any, ins: list[Value]) -> list[Value]:
-    strides = eqn.params.get("strides")
-    if strides is not None and any(s != 1 for s in strides):
-        raise JaxImportError(f"slice with strides {strides}: only unit strides map to alpasim's slice")
-    return [_slice(imp, imp.tensor(ins[0]), eqn.params["start_indices"], eqn.params["limit_indices"])]
+    x = imp.tensor(ins[0])
+    start, limit = list(eqn.params["start_indices"]), list(eqn.params["limit_indices"])
+    strides = eqn.params.get("strides") or (1,) * len(start)
+    for axis, step in enumerate(strides):
+        if step != 1:   # x[..., a:b:s]: split the axis into (n / s, s) and take one column
+            x, start, limit = _strided(imp, x, axis, start, limit, int(step))
+    return [_slice(imp, x, start, limit)]
+
+
+def _strided(imp: _Importer, x: str, axis: int, start: list[int], limit: list[int], step: int):
+    """`x` with the strided slice along `axis` done (reshape, slice, reshape), and the
+    unit-stride starts and limits left for the other axes."""
+    shape = imp.b.shape(x)
+    n = shape[axis]
+    if n % step:
+        raise JaxImportError(f"slice with stride {step} along an axis of {n}: alpasim maps a strided slice "
+                             f"only where the stride divides the axis")
+    count = max(0, -(-(limit[axis] - start[axis]) // step))
+    q0, r0 = divmod(start[axis], step)
+    split = shape[:axis] + (n // step, step) + shape[axis + 1:]
+    y = imp.reshape(x, split)
+    lo = [0] * len(split)
+    hi = list(split)
+    lo[axis], hi[axis], lo[axis + 1], hi[axis + 1] = q0, q0 + count, r0, r0 + 1
+    y = _slice(imp, y, lo, hi)
+    y = imp.reshape(y, shape[:axis] + (count,) + shape[axis + 1:])
+    start, limit = list(start), list(limit)
+    start[axis], limit[axis] = 0, count
+    return y, start, limit
+
+
+@_handles("stack")
+def _stack(imp: _Importer, eqn: Any, ins: list[Value]) -> list[Value]:
+    axis = int(eqn.params["axis"])
+    out = tuple(_aval(eqn).shape)
+    unit = out[:axis] + (1,) + out[axis + 1:]
+    xs = [imp.reshape(imp.tensor(v), unit) for v in ins]
+    while len(xs) > 1:  # the primitive takes at most 8 operands
+        xs = [imp.op("concatenate", xs[i:i + 8], name="concatenate", axis=axis) if len(xs[i:i + 8]) > 1
+              else xs[i] for i in range(0, len(xs), 8)]
+    return xs
 
 
 @_handles("dynamic_slice")
@@ -240,6 +339,8 @@ def _concatenate(imp: _Importer, eqn: Any, ins: list[Value]) -> list[Value]:
     while len(xs) > 1:  # the primitive takes at most 8 operands
         xs = [imp.op("concatenate", xs[i:i + 8], name="concatenate", axis=axis) if len(xs[i:i + 8]) > 1
               else xs[i] for i in range(0, len(xs), 8)]
+    if axis == len(imp.b.shape(xs[0])) - 1:
+        imp.concat_parts[xs[0]] = list(ins)     # an index vector a gather may read
     return xs
 
 

@@ -44,7 +44,18 @@ def py_scalar(value: Any, dtype: str) -> bool | int | float:
     return float(np.float32(value))
 
 
-Value = str | Splat  # a tensor name or a splat
+@dataclass(frozen=True, slots=True, eq=False)
+class Random:
+    """A value computed from PRNG keys and constants only (dropout's key, its random
+    bits, the mask compared from them). It becomes a graph *input* of its shape where a
+    graph op first reads it (`_Importer.materialize`): the mask is data of the step,
+    drawn by whoever feeds the batch, and the backward reuses it as the forward's."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+
+Value = str | Splat | Random  # a tensor name, a splat, or a random value
 
 FOLD: dict[str, Callable[..., Any]] = {
     "neg": np.negative, "exp": np.exp, "log": np.log, "tanh": np.tanh, "sqrt": np.sqrt,

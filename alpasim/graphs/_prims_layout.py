@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import base64
 import math
 from collections.abc import Sequence
+
+import numpy as np
 
 from ._prim_core import LETTERS, Primitive, dimmap, letter_run, need, register
 
@@ -154,7 +157,28 @@ register(Primitive("iota", "data_movement",
                     lambda p, ins: [(tuple(p["shape"]), p.get("dtype", "int32"))],
                     lambda p, ins, outs: 0.0,
                     lambda p, ins, outs: dimmap([], [letter_run(outs[0].rank)], list(outs)), arity=(0,)))
+# A captured constant array (a RoPE table, a causal mask): its elements travel in the op's
+# `data` param (base64 of the C-order bytes, `constant_array` reads them back).
+register(Primitive("constant", "data_movement",
+                    lambda p, ins: [(tuple(p["shape"]), p["dtype"])],
+                    lambda p, ins, outs: 0.0,
+                    lambda p, ins, outs: dimmap([], [letter_run(outs[0].rank)], list(outs)), arity=(0,)))
 register(Primitive("full", "data_movement",
                     lambda p, ins: [(tuple(p["shape"]), p.get("dtype", "float32"))],
                     lambda p, ins, outs: 0.0,
                     lambda p, ins, outs: dimmap([], [letter_run(outs[0].rank)], list(outs)), arity=(0,)))
+
+
+def constant_params(arr: np.ndarray) -> dict:
+    """The params of a `constant` op holding `arr` (JSON-safe: the bytes in base64)."""
+    arr = np.ascontiguousarray(arr)
+    dtype = "bool" if arr.dtype == np.bool_ else arr.dtype.name
+    return {"shape": tuple(int(d) for d in arr.shape), "dtype": dtype,
+            "data": base64.b64encode(arr.astype(arr.dtype.newbyteorder("<")).tobytes()).decode("ascii")}
+
+
+def constant_array(params) -> np.ndarray:
+    """The array a `constant` op's params hold (`constant_params`)."""
+    get = params.get if hasattr(params, "get") else dict(params).get
+    dtype = np.dtype(np.bool_ if get("dtype") == "bool" else get("dtype")).newbyteorder("<")
+    return np.frombuffer(base64.b64decode(get("data")), dtype).reshape(tuple(get("shape"))).astype(dtype.newbyteorder("="))

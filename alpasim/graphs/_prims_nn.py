@@ -117,6 +117,51 @@ register(Primitive("embedding_grad", "embedding", _embedding_grad_infer,
                     lambda p, ins, outs: float(ins[0].size), _embedding_grad_dims, arity=(2,)))
 
 
+# take_along: out[..., k, ...] = x[..., idx[..., k, ...], ...] along `axis` (numpy's
+# take_along_axis; optax's integer-label cross-entropy picks each label's logit so).
+# The gathered axis is not sharded: each device would need every index's owner.
+def _take_along_infer(p, ins):
+    x, idx = ins
+    axis = int(p["axis"])
+    need(not idx.is_float and idx.rank == x.rank, f"take_along: indices {idx.shape} ({idx.dtype}) must be "
+                                                  f"integers of the rank of {x.shape}")
+    need(all(a == b for d, (a, b) in enumerate(zip(x.shape, idx.shape)) if d != axis),
+         f"take_along: indices {idx.shape} and operand {x.shape} differ off axis {axis}")
+    return [(idx.shape, x.dtype)]
+
+
+def _take_along_dims(p, ins, outs):
+    axis, rank = int(p["axis"]), ins[0].rank
+    full = letter_run(rank)
+    v, k = letter_run(2, rank)
+    x_term, i_term = full[:axis] + v + full[axis + 1:], full[:axis] + k + full[axis + 1:]
+    return dimmap([x_term, i_term], [i_term], list(ins) + list(outs), fixed=v + k)
+
+
+register(Primitive("take_along", "embedding", _take_along_infer,
+                    lambda p, ins, outs: 0.0, _take_along_dims, arity=(2,)))
+
+
+def _take_along_grad_infer(p, ins):
+    dy, idx = ins
+    need(dy.shape == idx.shape, f"take_along_grad: cotangent {dy.shape} vs indices {idx.shape}")
+    shape = list(dy.shape)
+    shape[int(p["axis"])] = int(p["size"])
+    return [(tuple(shape), dy.dtype)]
+
+
+def _take_along_grad_dims(p, ins, outs):
+    axis, rank = int(p["axis"]), ins[0].rank
+    full = letter_run(rank)
+    v, k = letter_run(2, rank)
+    i_term, x_term = full[:axis] + k + full[axis + 1:], full[:axis] + v + full[axis + 1:]
+    return dimmap([i_term, i_term], [x_term], list(ins) + list(outs), fixed=v + k)
+
+
+register(Primitive("take_along_grad", "embedding", _take_along_grad_infer,
+                    lambda p, ins, outs: float(ins[0].size), _take_along_grad_dims, arity=(2,)))
+
+
 def _xent_infer(p, ins):
     logits, labels = ins
     need(logits.shape[:-1] == labels.shape and not labels.is_float,

@@ -400,7 +400,11 @@ def stage_transfers(graph: OpGraph, layer_graphs: Sequence[OpGraph], chosen: dic
     stage_of = {layer: i for i, (first, last) in enumerate(ranges) for layer in range(first, last + 1)}
     readers: dict[str, dict[int, list]] = {}     # tensor -> receiving stage -> [(layer, feeds a gradient/update)]
     for op in graph.ops:
-        to_grad = op.phase == "update" or all(graph.tensors[o].role == "grad" for o in op.outputs)
+        # Only a sum into a gradient (or the update) may take the microbatches' total: an
+        # op that also reads per-microbatch data (embedding_grad reads the ids, a weight
+        # gradient reads the activations) needs each microbatch's cotangent.
+        summing = op.prim == "convert" or (op.prim == "elementwise" and op.param("fn") in ("add", "identity"))
+        to_grad = op.phase == "update" or (summing and all(graph.tensors[o].role == "grad" for o in op.outputs))
         for t in op.inputs:
             readers.setdefault(t, {}).setdefault(stage_of[op.layer], []).append((op.layer, to_grad))
     tied = set(graph.meta.get("tied_grads", ()))

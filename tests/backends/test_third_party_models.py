@@ -1,0 +1,122 @@
+"""Models written with flax (linen and nnx) and equinox are imported, saved, planned,
+simulated and run (`tests/graphs/jax_models.py` says what each one uses).
+
+Independent figures: the user's own function, evaluated by JAX at the same parameter
+and batch values (`values_as_tree` maps the graph's leaves back onto its pytrees), for
+the loss and for every gradient of a pipelined, sharded step; and, for the model with
+dropout (whose masks become graph inputs, so the user's own random draw is not the
+step's), `alpasim run`'s check against a single-device step of the graph.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("flax")
+pytest.importorskip("equinox")
+pytest.importorskip("optax")
+
+from alpasim.backends import run_local  # noqa: E402
+from alpasim.backends._lowering import lower_graph, random_leaves  # noqa: E402
+from alpasim.backends._stages import microbatch_inputs  # noqa: E402
+from alpasim.costmodels import get_cluster  # noqa: E402
+from alpasim.graphs import from_jax, load_graph, save_graph, values_as_tree  # noqa: E402
+from alpasim.solvers import plan_pipeline, planning_graph  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "graphs"))
+import jax_models  # noqa: E402
+
+needs_8 = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
+CLI = [sys.executable, "-m", "alpasim.cli"]
+ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-12))
+
+
+def _own_step(loss_fn, params, batch, graph, leaves, inputs):
+    """The user's function's loss and gradients at the graph's leaf values."""
+    p = jax.tree.map(jnp.asarray, values_as_tree(graph, params, leaves))
+    b = jax.tree.map(jnp.asarray, values_as_tree(graph, batch, inputs, "batch"))
+    return jax.value_and_grad(loss_fn)(p, b)
+
+
+@pytest.mark.parametrize("problem", ["flax_llama", "nnx", "equinox"])
+def test_imported_loss_and_gradients_equal_the_models_own(problem):
+    """The graph, lowered to JAX op by op, is the user's function: same loss, and JAX's
+    gradients of the one equal JAX's gradients of the other."""
+    loss_fn, params, batch = getattr(jax_models, f"{problem}_problem")()
+    graph = from_jax(loss_fn, params, batch, name=problem)
+    assert "batch_note" not in graph.meta           # the batch is marked: plannable at any microbatch
+    leaves = random_leaves(graph, 0)
+    loss, grads = _own_step(loss_fn, params, batch, graph, leaves, leaves)
+    forward = lower_graph(graph, ["loss"])
+    names = [p.name for p in graph.params]
+    step = jax.jit(jax.value_and_grad(lambda p, rest: forward({**rest, **p})["loss"]))
+    value, ours = step({n: leaves[n] for n in names}, {t: v for t, v in leaves.items() if t not in names})
+    assert float(value) == pytest.approx(float(loss), rel=1e-6)
+    worst = max(jax.tree.leaves(jax.tree.map(_rel, values_as_tree(graph, params, ours), grads)))
+    assert worst < 1e-5
+
+
+def test_the_llama_stack_is_one_layer_per_scan_step_with_its_own_weights():
+    loss_fn, params, batch = jax_models.flax_llama_problem()
+    graph = from_jax(loss_fn, params, batch, name="llama")
+    assert graph.num_layers == jax_models.L + 2        # embedding | one per scan iteration | head
+    stacked = graph.meta["stacked_params"]
+    assert all(len(parts) == jax_models.L for parts in stacked.values())
+    for leaf, parts in stacked.items():
+        assert {graph.tensors[p].shape for p in parts} == {graph.tensors[p].shape for p in parts[:1]}
+        assert leaf not in graph.tensors               # the stacked array itself is gone
+    prims = {op.prim for op in graph.ops}
+    assert {"take_along", "constant"} <= prims          # optax's label pick; RoPE tables and the mask
+
+
+@needs_8
+def test_flax_llama_pipelined_and_sharded_step_equals_the_models_own_gradients(tmp_path):
+    loss_fn, params, batch = jax_models.flax_llama_problem()
+    save_graph(from_jax(loss_fn, params, batch, name="llama"), tmp_path / "llama.json")
+    plan = plan_pipeline(str(tmp_path / "llama.json"), get_cluster("aws-p3.16xlarge", nodes=1), microbatches=2,
+                         pareto=False, shape_ok=lambda sh: sh.size == 4, views_of=lambda sh: [(2, 2)])
+    assert len(plan.stages) == 2
+    graph = planning_graph(plan.model)
+    result = run_local(plan, steps=1)
+    leaves = random_leaves(graph, 0)
+    inputs = {t: np.concatenate([microbatch_inputs(graph, 0, 0, m)[t] for m in range(plan.microbatches)])
+              for t in graph.inputs}
+    loss, grads = _own_step(loss_fn, params, batch, graph, leaves, inputs)
+    assert result.losses[0] == pytest.approx(float(loss), rel=1e-5)
+    ours = values_as_tree(graph, params, result.grads)
+    assert max(jax.tree.leaves(jax.tree.map(_rel, ours, grads))) < 1e-4
+
+
+@needs_8
+def test_a_flax_model_with_dropout_is_planned_simulated_and_run_by_the_cli(tmp_path):
+    graph_file, plan_file = tmp_path / "llama.json", tmp_path / "plan.json"
+    save_graph(from_jax(*jax_models.flax_llama_problem(dropout=True), name="llama"), graph_file)
+    masks = [t for t in load_graph(graph_file).inputs if t.startswith("batch/random")]
+    assert len(masks) == jax_models.L                  # one dropout mask per layer, an input of the step
+    env = {**ENV, "ALPASIM_CACHE_DIR": str(tmp_path / "cache")}
+    plan = subprocess.run([*CLI, "plan", "--model", str(graph_file), "--nodes", "1", "--devices-per-node", "4",
+                           "--microbatches", "2", "--out", str(plan_file), "--json"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert plan.returncode == 0, plan.stderr
+    assert json.loads(plan.stdout)["feasible"]
+    sim = subprocess.run([*CLI, "simulate", str(plan_file), "--json"], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert sim.returncode == 0, sim.stderr
+    run = subprocess.run([*CLI, "run", str(plan_file), "--json", "--profile-iters", "0"], capture_output=True,
+                         text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["numerics_ok"]

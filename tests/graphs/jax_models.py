@@ -1,0 +1,155 @@
+"""Third-party JAX models as users write them, for the importer's acceptance tests.
+
+* `FlaxLlama` (flax.linen): a Llama-shaped decoder - token embedding, a layer stack
+  under `nn.scan`, each layer RMSNorm, grouped-query attention (4 query heads sharing
+  2 key/value heads, `jnp.repeat`) with rotary embeddings whose cos/sin tables are
+  numpy constants captured by the function (interleaved pairs: strided slices and
+  `jnp.stack`), a causal mask (another captured constant), a SwiGLU MLP and dropout;
+  the loss is optax's integer-label cross-entropy (`take_along_axis`).
+* `NnxNet` (flax.nnx): embedding, two SwiGLU blocks held in an `nnx.List`, a biased head;
+  its parameters are the `nnx.State` that `nnx.split` gives.
+* `EqxNet` (equinox): `eqx.nn.Embedding`, `Linear`, `RMSNorm` and `Dropout` applied
+  per token under `jax.vmap` (the embedding becomes a two-index gather).
+
+Each `*_problem()` returns (loss_fn, params, batch) at global batch 8.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+V, D, H, KV, T, F, L = 128, 64, 4, 2, 16, 128, 2
+
+
+def rope_tables(seq: int, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
+    inv = 1.0 / (10000 ** (np.arange(0, head_dim, 2) / head_dim))
+    angles = np.outer(np.arange(seq), inv)
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def flax_llama_problem(dropout: bool = False, batch_size: int = 8):
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    cos, sin = rope_tables(T, D // H)
+    causal = np.tril(np.ones((T, T), bool))
+
+    def rope(x):                      # (batch, seq, heads, head_dim), interleaved pairs
+        x1, x2 = x[..., ::2], x[..., 1::2]
+        c, s = cos[None, :, None, :], sin[None, :, None, :]
+        return jnp.stack([x1 * c - x2 * s, x1 * s + x2 * c], -1).reshape(x.shape)
+
+    class Block(nn.Module):
+        deterministic: bool = True
+
+        @nn.compact
+        def __call__(self, x, _):
+            hd = D // H
+            h = nn.RMSNorm()(x)
+            q = rope(nn.DenseGeneral((H, hd), use_bias=False)(h))
+            k = rope(nn.DenseGeneral((KV, hd), use_bias=False)(h))
+            v = nn.DenseGeneral((KV, hd), use_bias=False)(h)
+            k, v = jnp.repeat(k, H // KV, axis=2), jnp.repeat(v, H // KV, axis=2)
+            att = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(hd)
+            att = jax.nn.softmax(jnp.where(causal, att, -1e9), -1)
+            o = jnp.einsum("bhqk,bkhd->bqhd", att, v)
+            x = x + nn.DenseGeneral(D, axis=(-2, -1), use_bias=False)(o)
+            h = nn.RMSNorm()(x)
+            y = nn.Dense(D, use_bias=False)(nn.silu(nn.Dense(F, use_bias=False)(h)) * nn.Dense(F, use_bias=False)(h))
+            return x + nn.Dropout(0.1, deterministic=self.deterministic)(y), None
+
+    class FlaxLlama(nn.Module):
+        deterministic: bool = True
+
+        @nn.compact
+        def __call__(self, ids):
+            x = nn.Embed(V, D)(ids)
+            stack = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
+                            length=L)
+            x, _ = stack(self.deterministic)(x, None)
+            return nn.Dense(V, use_bias=False)(nn.RMSNorm()(x))
+
+    model = FlaxLlama(deterministic=not dropout)
+    key = jax.random.PRNGKey(7)
+
+    def loss_fn(params, batch):
+        logits = model.apply({"params": params}, batch["ids"], rngs={"dropout": key})
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
+
+    ids = jnp.zeros((batch_size, T), jnp.int32)
+    params = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), ids)["params"])
+    return loss_fn, params, {"ids": ids, "labels": ids}
+
+
+def nnx_problem(batch_size: int = 8):
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    class SwiGLU(nnx.Module):
+        def __init__(self, rngs):
+            self.norm = nnx.RMSNorm(D, rngs=rngs)
+            self.gate = nnx.Linear(D, F, use_bias=False, rngs=rngs)
+            self.up = nnx.Linear(D, F, use_bias=False, rngs=rngs)
+            self.down = nnx.Linear(F, D, use_bias=False, rngs=rngs)
+
+        def __call__(self, x):
+            h = self.norm(x)
+            return x + self.down(nnx.silu(self.gate(h)) * self.up(h))
+
+    class NnxNet(nnx.Module):
+        def __init__(self, rngs):
+            self.emb = nnx.Embed(V, D, rngs=rngs)
+            self.blocks = nnx.List([SwiGLU(rngs) for _ in range(2)])
+            self.head = nnx.Linear(D, V, rngs=rngs)
+
+        def __call__(self, ids):
+            x = self.emb(ids)
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x)
+
+    graphdef, params = nnx.split(NnxNet(nnx.Rngs(0)))
+
+    def loss_fn(params, batch):
+        logits = nnx.merge(graphdef, params)(batch["ids"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
+
+    ids = jnp.zeros((batch_size, T), jnp.int32)
+    return loss_fn, params, {"ids": ids, "labels": ids}
+
+
+def equinox_problem(batch_size: int = 8):
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    class EqxNet(eqx.Module):
+        emb: eqx.nn.Embedding
+        mlp: eqx.nn.Linear
+        norm: eqx.nn.RMSNorm
+        head: eqx.nn.Linear
+        drop: eqx.nn.Dropout
+
+        def __init__(self, key):
+            k1, k2, k3 = jax.random.split(key, 3)
+            self.emb, self.mlp = eqx.nn.Embedding(V, D, key=k1), eqx.nn.Linear(D, D, key=k2)
+            self.norm, self.head = eqx.nn.RMSNorm(D), eqx.nn.Linear(D, V, key=k3)
+            self.drop = eqx.nn.Dropout(0.1, inference=True)
+
+        def __call__(self, ids):
+            x = jax.vmap(self.emb)(ids)
+            x = x + jax.vmap(self.drop)(jax.nn.silu(jax.vmap(self.mlp)(jax.vmap(self.norm)(x))))
+            return jax.vmap(self.head)(x)
+
+    params, static = eqx.partition(EqxNet(jax.random.PRNGKey(0)), eqx.is_array)
+
+    def loss_fn(params, batch):
+        logits = jax.vmap(eqx.combine(params, static))(batch["ids"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
+
+    ids = jnp.zeros((batch_size, T), jnp.int32)
+    return loss_fn, params, {"ids": ids, "labels": ids}

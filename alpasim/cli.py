@@ -1180,7 +1180,7 @@ def sweep(
         fail(f"--gpus must be at least 1, got {gpus}")
     if workers is not None and workers < 1:
         fail(f"--workers must be at least 1, got {workers}")
-    gr.resolve_model(model)  # an unknown model fails before any point is planned
+    gr.model_source(model)  # an unknown model or a bad graph file fails before any point is planned
     for v in values:
         ex.sweep_cluster(axis, v, gpus, cluster)  # a GPU count that is no whole number of nodes
     n = workers if workers is not None else min(os.cpu_count() or 1, len(values) * len(names))
@@ -1237,7 +1237,7 @@ def _print_sweep(report: Any, files: dict[str, str]) -> None:
 # --------------------------------------------------------------------- compare
 @app.command()
 def compare(
-    model: Annotated[str, typer.Option("--model", help="Zoo name or spec string.")],
+    model: Annotated[str, typer.Option("--model", help="Zoo name, spec string, model JSON or saved graph.")],
     cluster: ClusterOpt = "aws-p3.16xlarge",
     nodes: NodesOpt = None,
     devices_per_node: DpnOpt = None,
@@ -1255,7 +1255,7 @@ def compare(
 
     names = _method_list(methods)
     c = load_cluster(cluster, nodes, devices_per_node, inter_node_gbps, memory_gb)
-    gr.resolve_model(model)
+    gr.model_source(model)          # an unknown model or a bad graph file: one line, before planning
     if workers is not None and workers < 1:
         fail(f"--workers must be at least 1, got {workers}")
     t0 = time.perf_counter()
@@ -1276,7 +1276,7 @@ def compare(
             head = f"{row['throughput_pflops']:.3f} PFLOP/s, {row['iteration_s']:.2f} s / iteration"
             head += f", {ratio:.2f}x {ref}" if ratio is not None else ""
         else:
-            head = "out of memory"
+            head = "not planned"       # out of memory, or a method that does not take the model: the plan says
         out.print(f"  {row['method']:<12} {head} — {row['plan']}", markup=False, highlight=False, soft_wrap=True)
 
 

@@ -33,6 +33,8 @@ from ._memory import StageMemory as StageMemory
 from ._memory import per_device_bytes as per_device_bytes
 from ._memory import stage_memory as stage_memory
 from ._runtime import RunResult as RunResult
+from ._export import StageShardings as StageShardings
+from ._export import plan_shardings as plan_shardings
 from ._runtime import run_local as run_local
 from ._predict import core_share as core_share
 from ._predict import predict_run as predict_run

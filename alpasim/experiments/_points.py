@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from alpasim.costmodels import Cluster, get_cluster
+from alpasim.graphs import ModelSpecError, graph_digest, graph_to_json, read_graph_file
 from alpasim.simulator import simulate
 from alpasim.solvers import CACHE_VERSION, DiskCache, MegatronConfig, digest, plan_with_method
 
@@ -54,7 +55,7 @@ class Point:
         return self.cluster.num_devices
 
     def key(self) -> str:
-        return digest([RESULT_VERSION, CACHE_VERSION, self.model, self.cluster.to_json(), self.method,
+        return digest([RESULT_VERSION, CACHE_VERSION, model_key(self.model), self.cluster.to_json(), self.method,
                        str(self.microbatches), dataclasses.asdict(self.megatron) if self.megatron else None,
                        self.cross_mesh])
 
@@ -89,11 +90,24 @@ class Result:
         return cls(**{**d, "notes": tuple(d.get("notes", ()))})
 
 
+def model_key(model: str) -> Any:
+    """What a result's cache key records of its model: the spec string, or for a saved
+    graph its content digest (a path says nothing of what the file holds now)."""
+    graph = read_graph_file(model)
+    return model if graph is None else ["graph", graph_digest(graph_to_json(graph))]
+
+
 def run_point(point: Point, cache_enabled: bool = True) -> Result:
-    """Plan and simulate one point (no result cache; see `run_points`)."""
+    """Plan and simulate one point (no result cache; see `run_points`). A method that
+    does not take the model (Megatron-LM on a saved graph) is an infeasible row saying
+    why, not an error that loses the other methods' rows."""
     t0 = time.perf_counter()
-    plan = plan_with_method(point.method, point.model, point.cluster, microbatches=point.microbatches,
-                            megatron=point.megatron, cache=DiskCache(enabled=cache_enabled))
+    try:
+        plan = plan_with_method(point.method, point.model, point.cluster, microbatches=point.microbatches,
+                                megatron=point.megatron, cache=DiskCache(enabled=cache_enabled))
+    except ModelSpecError as e:
+        return Result(point.model, point.gpus, point.method, point.label, False, None, None, None, None,
+                      time.perf_counter() - t0, notes=(str(e),), plan={"feasible": False, "notes": [str(e)]})
     plan_s = time.perf_counter() - t0
     if not plan.feasible:
         return Result(point.model, point.gpus, point.method, point.label, False, None, None, None, None, plan_s,

@@ -226,19 +226,21 @@ def _random_dtype(dtype: Any) -> str:
     return name if name in ("bool", "float32", "float16", "bfloat16", "int32") else "uint32"
 
 
-def _unsupported(jaxpr: Any) -> dict[str, str]:
+def _unsupported(jaxpr: Any, outer: str = "") -> dict[str, str]:
     """The primitives of `jaxpr` (nested calls included) that have no mapping, each
-    with the user's source line of its first use."""
+    with the user's source line of its first use (inside library code, the line of the
+    call the user wrote, `outer`)."""
     out: dict[str, str] = {}
     for eqn in jaxpr.eqns:
         prim = eqn.primitive.name
+        line = _source_line(eqn) or outer
         if prim in INLINE:
-            out = {**_unsupported(_body(eqn)[0]), **out}
+            out = {**_unsupported(_body(eqn)[0], line), **out}
         elif prim == "scan":
-            out = {**_unsupported(eqn.params["jaxpr"].jaxpr), **out}
+            out = {**_unsupported(eqn.params["jaxpr"].jaxpr, line), **out}
         elif (prim not in HANDLERS and prim not in ELEMENTWISE_FNS and prim not in PASSTHROUGH
               and prim not in RANDOM_PRIMS):
-            out.setdefault(prim, _source_line(eqn))
+            out.setdefault(prim, line)
     return out
 
 

@@ -28,6 +28,7 @@ CBC stays available through PuLP (`solver="cbc"`), fed the same matrices.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 import threading
@@ -50,6 +51,10 @@ MIP_REL_GAP = 0.0
 # A relaxation's strategy column counts as integral within this (HiGHS's own MIP
 # feasibility tolerance is 1e-6).
 INTEGRAL_TOL = 1e-9
+# Relax-and-fix (`_solve_highs`): with a relative gap allowed and at most this many
+# nodes fractional in the relaxation, the rest are fixed and the small MIP left is
+# solved; its plan is kept when within the gap of the relaxation's bound.
+FIX_MAX_FRACTIONAL = 16
 
 
 @dataclass(frozen=True)
@@ -313,18 +318,40 @@ def _solve_highs(form: Formulation, time_limit_s: float | None, gap: float,
     tight): a GPT layer on a 2x4 mesh solves as an LP in 0.3 s where the branch-and-
     bound machinery (presolve, heuristics, the same LP) takes 1.3-1.8 s. An integral
     optimum of the relaxation is optimal for the program, an infeasible relaxation means
-    an infeasible program; anything else goes on to the MIP solve. Under a memory
-    budget the relaxation is mostly fractional (a GPT-3 2.6B layer: 23 of 34; an
-    imported Llama layer: 21 of 24, one relaxation alone 4 s), so those go to the MIP
-    directly."""
-    if form.memory_budget_bytes is not None:
+    an infeasible program. When the caller accepts a relative gap and only a few nodes
+    are fractional (`FIX_MAX_FRACTIONAL`), relax-and-fix: those nodes' small MIP, with the
+    rest fixed, is kept if within the gap of the relaxation's bound (so within the gap
+    of the optimum; an imported Llama layer's budgeted MIP: 2.3 s against 8.4 s).
+    Anything else goes on to the full MIP. An exact (gap 0) memory-budgeted program goes
+    to the MIP directly: its relaxation is mostly fractional."""
+    if form.memory_budget_bytes is not None and gap <= 0:
         return _run_highs(form, time_limit_s, gap, presolve, relax=False)
     status, x, objective = _run_highs(form, time_limit_s, gap, presolve=False, relax=True)
     if status == "infeasible":
         return status, None, None
-    if status == "optimal" and np.abs(x[form.integer] - np.round(x[form.integer])).max(initial=0.0) <= INTEGRAL_TOL:
-        return status, x, objective
+    if status == "optimal":
+        fractional = [cols for cols in form.s if np.abs(x[cols] - np.round(x[cols])).max() > INTEGRAL_TOL]
+        if not fractional:
+            return status, x, objective
+        if gap > 0 and len(fractional) <= FIX_MAX_FRACTIONAL:
+            fixed = _fix_integral(form, x)
+            status, xf, of = _run_highs(fixed, time_limit_s, gap / 2, presolve, relax=False)
+            if status == "optimal" and of <= objective * (1 + gap) + abs(objective) * 1e-12:
+                return status, xf, of
     return _run_highs(form, time_limit_s, gap, presolve, relax=False)
+
+
+def _fix_integral(form: Formulation, x: np.ndarray) -> Formulation:
+    """`form` with every node whose relaxed strategy columns are integral fixed to that
+    strategy: a small MIP over the fractional nodes only. Its optimum is a plan of the
+    whole program, and the relaxation's optimum bounds how far it can be from the best."""
+    lower, upper = form.col_lower.copy(), form.col_upper.copy()
+    for cols in form.s:
+        r = np.round(x[cols])
+        if np.abs(x[cols] - r).max() <= INTEGRAL_TOL:
+            lower[cols] = r
+            upper[cols] = np.minimum(r, upper[cols])
+    return dataclasses.replace(form, col_lower=lower, col_upper=upper)
 
 
 def _run_highs(form: Formulation, time_limit_s: float | None, gap: float, presolve: bool,

@@ -60,3 +60,20 @@ def test_megatron_refuses_a_saved_graph_and_names_the_methods_that_take_it(tmp_p
     save_graph(from_jax(gpt_loss, *gpt_shapes(**TF), name="g"), graph_file)
     with pytest.raises(ModelSpecError, match="other methods"):
         plan_with_method("megatron", str(graph_file), get_cluster("aws-p3.16xlarge", nodes=1))
+
+
+def test_compare_takes_a_saved_graph_and_says_why_megatron_does_not(tmp_path):
+    from alpasim.experiments import compare
+    from alpasim.experiments._points import Point
+
+    graph_file = tmp_path / "g.json"
+    save_graph(from_jax(gpt_loss, *gpt_shapes(**TF), name="g"), graph_file)
+    cluster = get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=2)
+    cmp = compare(str(graph_file), cluster, ["data_parallel", "megatron"], cache=False, workers=1)
+    dp, megatron = cmp.results
+    assert dp.feasible and dp.throughput_pflops > 0
+    assert not megatron.feasible and "saved graph" in megatron.notes[0]
+    # The result cache keys a graph by what the file holds, not by its path.
+    before = Point(str(graph_file), cluster, "data_parallel").key()
+    save_graph(from_jax(gpt_loss, *gpt_shapes(**{**TF, "H": 2 * TF["H"]}), name="g"), graph_file)
+    assert Point(str(graph_file), cluster, "data_parallel").key() != before

@@ -120,3 +120,36 @@ def test_a_flax_model_with_dropout_is_planned_simulated_and_run_by_the_cli(tmp_p
                          text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout)["numerics_ok"]
+
+
+@needs_8
+def test_exported_shardings_drive_jax_jit_of_the_models_own_step(tmp_path):
+    """`plan_shardings` gives, in the user's own pytrees, the layouts of a one-stage plan
+    on 8 devices; `jax.jit` of the user's `value_and_grad` takes them as they are, keeps
+    them on its parameters and returns the single-device gradients."""
+    from jax.sharding import NamedSharding
+
+    from alpasim.backends import plan_shardings
+
+    loss_fn, params, batch = jax_models.nnx_problem()
+    save_graph(from_jax(loss_fn, params, batch, name="nnx"), tmp_path / "nnx.json")
+    plan = plan_pipeline(str(tmp_path / "nnx.json"), get_cluster("aws-p3.16xlarge", nodes=1), microbatches=1,
+                         pareto=False, max_stages=1, shape_ok=lambda sh: sh.size == 8, views_of=lambda sh: [(2, 4)])
+    (stage,) = plan_shardings(plan, params, batch)
+    assert dict(stage.mesh.shape) == {"x": 2, "y": 4}
+    exported = jax.tree.leaves(stage.params)
+    assert len(exported) == len(jax.tree.leaves(params)) and all(isinstance(s, NamedSharding) for s in exported)
+    assert any(s.spec != jax.sharding.PartitionSpec(*([None] * len(s.spec))) for s in exported)   # sharded somewhere
+    graph = planning_graph(plan.model)
+    leaves = random_leaves(graph, 0)
+    p = jax.tree.map(jnp.asarray, values_as_tree(graph, params, leaves))
+    b = jax.tree.map(jnp.asarray, values_as_tree(graph, batch, microbatch_inputs(graph, 0, 0, 0), "batch"))
+    step = jax.jit(jax.value_and_grad(loss_fn), in_shardings=(stage.params, stage.batch),
+                   out_shardings=(None, stage.grads))
+    compiled = step.lower(p, b).compile()
+    got = jax.tree.leaves(compiled.input_shardings[0][0])
+    assert [s.spec for s in got] == [s.spec for s in exported]
+    loss, grads = step(p, b)
+    want_loss, want = jax.jit(jax.value_and_grad(loss_fn))(p, b)
+    assert float(loss) == pytest.approx(float(want_loss), rel=1e-5)
+    assert max(jax.tree.leaves(jax.tree.map(_rel, grads, want))) < 1e-4

@@ -45,7 +45,9 @@ def matmul_efficiency(flops: float, peak_flops_per_s: float) -> float:
     if flops <= 0:
         return 0.0
     f_half = peak_flops_per_s * HALF_EFFICIENCY_TIME_S
-    return MAX_MATMUL_EFFICIENCY * flops / (flops + f_half)
+    # MAX / (1 + F_half / F): each step is monotone under IEEE rounding, so a larger
+    # matmul never rounds to a lower efficiency (MAX * F / (F + F_half) can, by an ulp).
+    return MAX_MATMUL_EFFICIENCY / (1.0 + f_half / flops)
 
 
 def compute_time_s(flops: float, nbytes: float, dtype: str, device: Device, matmul: bool) -> float:

@@ -1,5 +1,5 @@
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from alpasim.costmodels import (
@@ -62,6 +62,7 @@ def test_elementwise_is_bandwidth_bound(p3):
 
 
 @given(a=st.floats(1, 1e15), b=st.floats(1, 1e15), peak=st.floats(1e12, 1e16))
+@example(a=999999999993.0, b=1000000000000.125, peak=1e12)     # F (F + F_half)^-1 fell by an ulp here
 def test_efficiency_rises_with_size_and_saturates(a, b, peak):
     lo, hi = sorted((a, b))
     assert 0 < matmul_efficiency(lo, peak) <= matmul_efficiency(hi, peak) < MAX_MATMUL_EFFICIENCY

@@ -370,7 +370,8 @@ def intra_report(model_name: str, mesh_shape: tuple[int, int], cluster: cm.Clust
 @app.command()
 def intra(
     model: Annotated[str, typer.Argument(help="Zoo name, spec string, model JSON or graph JSON.")],
-    mesh: Annotated[str, typer.Option("--mesh", help="Logical mesh shape, e.g. 2x4.")] = "1x8",
+    mesh: Annotated[Optional[str], typer.Option("--mesh", help="Logical mesh shape, e.g. 2x4 (default: one "
+                                                "node, 1 x devices per node).")] = None,
     cluster: ClusterOpt = "aws-p3.16xlarge",
     nodes: NodesOpt = None,
     devices_per_node: DpnOpt = None,
@@ -391,11 +392,12 @@ def intra(
         fail(f"--method {method!r}: choose one of {', '.join(INTRA_METHODS)}")
     if solver not in sv.SOLVERS:
         fail(f"--solver {solver!r}: choose one of {', '.join(sv.SOLVERS)}")
+    c = load_cluster(cluster, nodes, devices_per_node, inter_node_gbps, memory_gb)
+    mesh = mesh or f"1x{c.devices_per_node}"
     try:
         shape = sv.parse_mesh_shape(mesh)
     except ValueError as e:
         fail(str(e))
-    c = load_cluster(cluster, nodes, devices_per_node, inter_node_gbps, memory_gb)
     if shape[0] * shape[1] > c.num_devices:
         fail(f"--mesh {mesh} needs {shape[0] * shape[1]} devices; {c.name} has {c.num_devices}")
     if microbatches < 1:
@@ -1037,8 +1039,8 @@ def _print_run_memory(rows: list[dict[str, Any]]) -> None:
 @app.command()
 def reproduce(
     name: Annotated[str, typer.Argument(help="fig7a, fig7b, fig7c, fig8, fig9, fig11 or table5.")],
-    out_dir: Annotated[Path, typer.Option("--out", help="Directory for <name>.csv, .png and .md.")] = Path(
-        "out/reproduce"),
+    out_dir: Annotated[Path, typer.Option("--out-dir", "--out", help="Directory for <name>.csv, .png and .md "
+                                          "(--out: the older spelling).")] = Path("out/reproduce"),
     workers: Annotated[int, typer.Option("--workers", help="Points planned in parallel (processes).")] = 2,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Bypass the on-disk result and stage caches.")] = False,
     max_gpus: Annotated[Optional[int], typer.Option("--max-gpus", help="Only the points on at most N GPUs.")] = None,
@@ -1148,7 +1150,8 @@ def sweep(
                                                          "e.g. aws-p3.16xlarge,dgx-a100.")] = None,
     methods: Annotated[str, typer.Option("--methods", help="Comma-separated methods (dashes or underscores).")] = (
         "alpa,intra-only,inter-only,megatron"),
-    out_dir: Annotated[Path, typer.Option("--out", help="Directory for the CSV, markdown and PNG.")] = Path(
+    out_dir: Annotated[Path, typer.Option("--out-dir", "--out", help="Directory for the CSV, markdown and "
+                                                                     "PNG (--out: the older spelling).")] = Path(
         "out/sweep"),
     workers: Annotated[Optional[int], typer.Option("--workers", help="Points planned in parallel "
                                                    "(processes; default: one per CPU).")] = None,

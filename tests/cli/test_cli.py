@@ -113,6 +113,10 @@ def test_intra_method_and_memory_override():
     assert proc.returncode == 2 and "does not fit" in proc.stderr and "GiB per device" in proc.stderr
 
 
+def test_intra_mesh_defaults_to_one_node_of_the_cluster():
+    assert run_json("intra", "gpt3-350m", "--layers", "5", "--devices-per-node", "4")["mesh"] == [1, 4]
+
+
 @pytest.mark.parametrize("args, fragment", [
     (["intra", "gpt3-350m", "--mesh", "2by4"], "mesh shape"),
     (["intra", "gpt3-350m", "--mesh", "16x16"], "needs 256 devices"),

@@ -147,7 +147,7 @@ def test_sweep_clusters_per_axis():
 
 def test_cli_sweep_json(cache_dir, tmp_path):
     proc = run_cli(cache_dir, "sweep", "--model", TINY, "--gpus", "2", "--devices-per-node", "1,2",
-                   "--methods", "alpa,intra-only", "--out", str(tmp_path), "--workers", "1", "--json")
+                   "--methods", "alpa,intra-only", "--out-dir", str(tmp_path), "--workers", "1", "--json")
     assert proc.returncode == 0, proc.stderr
     r = json.loads(proc.stdout)
     assert (r["axis"], r["values"], r["methods"]) == ("devices_per_node", [1, 2], ["alpa", "intra_only"])

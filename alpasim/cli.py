@@ -1218,8 +1218,7 @@ def _print_sweep(report: Any, files: dict[str, str]) -> None:
     if gap:
         t.add_column("alpa / intra_only", justify="right")
     for v in report.values:
-        cells = ["OOM" if report.result(v, m).throughput_pflops is None
-                 else f"{report.result(v, m).throughput_pflops:.3f}" for m in report.methods]
+        cells = [ex.sweep_cell(report.result(v, m)) for m in report.methods]
         if gap:
             g = report.gap(v)
             cells.append("" if g is None else f"{g:.2f}x")

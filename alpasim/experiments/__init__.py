@@ -14,6 +14,7 @@ from ._sweep import AXES as SWEEP_AXES
 from ._sweep import SweepReport as SweepReport
 from ._sweep import sweep as sweep
 from ._sweep import sweep_cluster as sweep_cluster
+from ._sweep import sweep_cell as sweep_cell
 from ._reproduce import FIGURES as FIGURES
 from ._reproduce import Figure as Figure
 from ._reproduce import Report as Report

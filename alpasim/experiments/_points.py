@@ -77,6 +77,7 @@ class Result:
     cached: bool = False
     notes: tuple[str, ...] = ()
     plan: dict[str, Any] = field(default_factory=dict, compare=False)
+    refused: bool = False                    # the method does not take this model (notes say why)
 
     def to_json(self, with_plan: bool = False) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -107,7 +108,8 @@ def run_point(point: Point, cache_enabled: bool = True) -> Result:
                                 megatron=point.megatron, cache=DiskCache(enabled=cache_enabled))
     except ModelSpecError as e:
         return Result(point.model, point.gpus, point.method, point.label, False, None, None, None, None,
-                      time.perf_counter() - t0, notes=(str(e),), plan={"feasible": False, "notes": [str(e)]})
+                      time.perf_counter() - t0, notes=(str(e),), plan={"feasible": False, "notes": [str(e)]},
+                      refused=True)
     plan_s = time.perf_counter() - t0
     if not plan.feasible:
         return Result(point.model, point.gpus, point.method, point.label, False, None, None, None, None, plan_s,

@@ -157,7 +157,8 @@ class SweepReport:
         return f"{self.model} on {self.gpus} GPUs ({where})"
 
     def stem(self) -> str:
-        model = "".join(c if c.isalnum() or c in "-._" else "_" for c in self.model)
+        name = Path(self.model).stem if self.model.endswith(".json") else self.model   # a saved graph: its name
+        model = "".join(c if c.isalnum() or c in "-._" else "_" for c in name)
         return f"sweep-{model}-{self.axis}"
 
     def write(self, out_dir: str | Path) -> dict[str, str]:
@@ -182,10 +183,11 @@ class SweepReport:
         gap = "alpa" in self.methods and "intra_only" in self.methods
         head = [self.axis, *self.methods, *(["alpa / intra_only"] if gap else [])]
         lines = [f"# {self.title()}: {AXES[self.axis]}", "",
-                 "Simulated throughput, PFLOP/s (OOM: no plan fits in memory).", "",
+                 "Simulated throughput, PFLOP/s (OOM: no plan fits in memory; n/a: the method does not "
+                 "take this model).", "",
                  "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for v in self.values:
-            cells = [value_label(v)] + [_cell(r) for r in self._at(v)]
+            cells = [value_label(v)] + [sweep_cell(r) for r in self._at(v)]
             if gap:
                 g = self.gap(v)
                 cells.append("" if g is None else f"{g:.2f}x")
@@ -215,7 +217,7 @@ class SweepReport:
             color, marker = _STYLE.get(m, (f"C{j}", "o"))
             ys = [self.result(v, m).throughput_pflops for v in self.values]
             ax.plot(xs, [math.nan if y is None else y for y in ys], marker=marker, color=color, label=m)
-            oom = [x for x, y in zip(xs, ys) if y is None]
+            oom = [x for x, y, v in zip(xs, ys, self.values) if y is None and not self.result(v, m).refused]
             if oom:
                 ax.plot(oom, [0.0] * len(oom), linestyle="none", marker="x", markersize=9, color=color,
                         clip_on=False, label=f"{m} OOM")
@@ -242,8 +244,11 @@ class SweepReport:
         canvas.print_png(str(path))
 
 
-def _cell(r: Result) -> str:
-    return "OOM" if r.throughput_pflops is None else f"{r.throughput_pflops:.3f}"
+def sweep_cell(r: Result) -> str:
+    """A table cell: throughput, OOM, or n/a for a method that does not take the model."""
+    if r.throughput_pflops is not None:
+        return f"{r.throughput_pflops:.3f}"
+    return "n/a" if r.refused else "OOM"
 
 
 def sweep(model: str, gpus: int, axis: str, values: Sequence[Any], methods: Sequence[str], *,

@@ -77,3 +77,19 @@ def test_compare_takes_a_saved_graph_and_says_why_megatron_does_not(tmp_path):
     before = Point(str(graph_file), cluster, "data_parallel").key()
     save_graph(from_jax(gpt_loss, *gpt_shapes(**{**TF, "H": 2 * TF["H"]}), name="g"), graph_file)
     assert Point(str(graph_file), cluster, "data_parallel").key() != before
+
+
+def test_sweep_takes_a_saved_graph_and_marks_what_a_method_does_not_take(tmp_path):
+    from alpasim.experiments import sweep, sweep_cell
+
+    graph_file = tmp_path / "g.json"
+    save_graph(from_jax(gpt_loss, *gpt_shapes(**TF), name="g"), graph_file)
+    report = sweep(str(graph_file), 2, "devices_per_node", [1, 2], ["data_parallel", "megatron"], workers=1,
+                   cache=False)
+    for v in (1, 2):
+        assert report.result(v, "data_parallel").feasible
+        refused = report.result(v, "megatron")
+        assert refused.refused and sweep_cell(refused) == "n/a"
+    assert report.stem() == "sweep-g-devices_per_node"
+    files = report.write(tmp_path / "out")
+    assert "| n/a |" in Path(files["md"]).read_text()

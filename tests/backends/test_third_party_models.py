@@ -116,8 +116,8 @@ def test_a_flax_model_with_dropout_is_planned_simulated_and_run_by_the_cli(tmp_p
     sim = subprocess.run([*CLI, "simulate", str(plan_file), "--json"], capture_output=True, text=True, env=env,
                          timeout=120)
     assert sim.returncode == 0, sim.stderr
-    run = subprocess.run([*CLI, "run", str(plan_file), "--json", "--profile-iters", "0"], capture_output=True,
-                         text=True, env=env, timeout=600)
+    run = subprocess.run([*CLI, "run", str(plan_file), "--json", "--profile-iters", "0", "--steps", "1"],
+                         capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout)["numerics_ok"]
 

@@ -225,11 +225,15 @@ class StageInputs:
     leaves: dict[str, np.ndarray]
 
 
-def stage_inputs(plan: PipelinePlan, graph: OpGraph, seed: int = 0) -> StageInputs:
-    # The plan's recipe where it records one (older plans: the graph builder's default).
+def plan_training_graph(plan: PipelinePlan, graph: OpGraph) -> OpGraph:
+    """The training graph of `plan` (`graph` is `planning_graph(plan.model)`): its remat
+    and its precision recipe where it records one (older plans: the builder's default)."""
     recipe = {"precision": plan.model["precision"]} if "precision" in plan.model else {}
-    return StageInputs(build_training_graph(graph, remat=bool(plan.model.get("remat", True)), **recipe).graph,
-                       partition(graph, plan), random_leaves(graph, seed))
+    return build_training_graph(graph, remat=bool(plan.model.get("remat", True)), **recipe).graph
+
+
+def stage_inputs(plan: PipelinePlan, graph: OpGraph, seed: int = 0) -> StageInputs:
+    return StageInputs(plan_training_graph(plan, graph), partition(graph, plan), random_leaves(graph, seed))
 
 
 def lower_stage(plan: PipelinePlan, graph: OpGraph, stage_index: int, devices: Sequence[jax.Device], *,
@@ -318,7 +322,7 @@ def compiler_options(mesh: Mesh) -> dict[str, Any] | None:
     return None
 
 
-def _named(mesh: Mesh, spec: ShardingSpec | str) -> NamedSharding:
+def named_sharding(mesh: Mesh, spec: ShardingSpec | str) -> NamedSharding:
     spec = ShardingSpec.parse(spec) if isinstance(spec, str) else spec
     return NamedSharding(mesh, PartitionSpec(*spec.partition_spec(AXIS_NAMES)))
 
@@ -329,13 +333,13 @@ def _shardings(plan: PipelinePlan, train: OpGraph, ops: StageOps, k: int, intra:
     st = plan.stages[k]
     out: dict[str, NamedSharding] = {}
     for t, spec in intra.specs.items():
-        out[t] = _named(mesh, spec)
+        out[t] = named_sharding(mesh, spec)
     for p in ops.params:
-        out[p] = _named(mesh, st.param_specs.get(p, intra.specs[p]))
+        out[p] = named_sharding(mesh, st.param_specs.get(p, intra.specs[p]))
     for p in ops.params:
         g = ops.grads.get(p)
         own = p in ops.owned and g in intra.specs
-        out[f"{p}:grad"] = _named(mesh, intra.specs[g]) if own else out[p]
+        out[f"{p}:grad"] = named_sharding(mesh, intra.specs[g]) if own else out[p]
     for op in ops.adam.values():  # optimizer states the plan stores nowhere else: with their parameter
         for t in op.inputs[2:]:
             out.setdefault(t, out[op.inputs[0]])
@@ -351,9 +355,9 @@ def _boundary_layouts(plan: PipelinePlan, ops: StageOps, k: int, mesh: Mesh, out
     received = {*ops.acts_in, *ops.cts_in}
     for t in plan.transfers:
         if t["src_stage"] == k and t.get("src_spec") and t["tensor"] in sent:
-            out[t["tensor"]] = _named(mesh, t["src_spec"])
+            out[t["tensor"]] = named_sharding(mesh, t["src_spec"])
         if t["dst_stage"] == k and t.get("dst_spec") and t["tensor"] in received:
-            out[t["tensor"]] = _named(mesh, t["dst_spec"])
+            out[t["tensor"]] = named_sharding(mesh, t["dst_spec"])
     for t in (*ops.acts_in, *ops.acts_out, *ops.data, *ops.cts_in, *ops.cts_out, *ops.stash):
         if t not in out:
             raise ValueError(f"stage {k}: the plan gives no layout for boundary or stashed tensor {t!r}")
@@ -368,7 +372,7 @@ def _layer_shardings(plan: PipelinePlan, train: OpGraph, ops: StageOps, k: int, 
     and per layer the layout it reads every tensor in)."""
     st = plan.stages[k]
     first = st.layers[0]
-    layer_sh = {first + i: {t: _named(mesh, spec) for t, spec in specs.items()}
+    layer_sh = {first + i: {t: named_sharding(mesh, spec) for t, spec in specs.items()}
                 for i, specs in enumerate(st.layer_specs)}
     out: dict[str, NamedSharding] = {}
     for op in (*ops.forward, *ops.backward):
@@ -380,7 +384,7 @@ def _layer_shardings(plan: PipelinePlan, train: OpGraph, ops: StageOps, k: int, 
             if t not in out and t in layer_sh[op.layer]:
                 out[t] = layer_sh[op.layer][t]
     for p in ops.params:
-        out[p] = _named(mesh, st.param_specs[p]) if p in st.param_specs else out[p]
+        out[p] = named_sharding(mesh, st.param_specs[p]) if p in st.param_specs else out[p]
     for p in ops.params:
         g = ops.grads.get(p)
         out[f"{p}:grad"] = out[g] if p in ops.owned and g in out else out[p]

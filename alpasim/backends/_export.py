@@ -15,17 +15,17 @@ parameter name, as `by_name` always is.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from alpasim.graphs import build_training_graph
-from alpasim.solvers import PipelinePlan, ShardingSpec, planning_graph
+from alpasim.graphs import values_as_tree
+from alpasim.solvers import PipelinePlan, planning_graph
 
-from ._executable import AXIS_NAMES, stage_mesh
+from ._executable import named_sharding, plan_training_graph, stage_mesh
 
 
 @dataclass(frozen=True)
@@ -49,8 +49,7 @@ def plan_shardings(plan: PipelinePlan, params: Any = None, batch: Any = None,
     (default `jax.devices()`)."""
     devices = list(devices if devices is not None else jax.devices())
     graph = planning_graph(plan.model)
-    recipe = {"precision": plan.model["precision"]} if "precision" in plan.model else {}
-    train = build_training_graph(graph, remat=bool(plan.model.get("remat", True)), **recipe).graph
+    train = plan_training_graph(plan, graph)
     grad_of = {op.inputs[0]: op.inputs[1] for op in train.ops if op.prim == "adam"}
     names = [p.name for p in graph.params]
     out = []
@@ -60,43 +59,32 @@ def plan_shardings(plan: PipelinePlan, params: Any = None, batch: Any = None,
         for layer_specs in st.layer_specs or ():
             specs.update(layer_specs)
         specs.update(st.param_specs)
-        named = {t: _named(mesh, s) for t, s in specs.items()}
+        named = {t: named_sharding(mesh, s) for t, s in specs.items()}
         kinds = {"params": {p: named.get(p) for p in names},
                  "grads": {p: named.get(grad_of.get(p, ""), named.get(p)) if p in named else None for p in names},
                  "adam_m": {p: named.get(f"{p}:adam_m") for p in names},
                  "adam_v": {p: named.get(f"{p}:adam_v") for p in names}}
-        trees, split = {}, set()
-        for kind, by_param in kinds.items():
-            trees[kind] = by_param if params is None else _as_tree(graph, params, by_param, split)
+        split: set[str] = set()
+        trees = {kind: by_param if params is None else values_as_tree(graph, params, by_param,
+                                                                      combine=_stacked_layout(split))
+                 for kind, by_param in kinds.items()}
         inputs = {t: named.get(t) for t in graph.inputs}
         if batch is not None:
-            inputs = _as_tree(graph, batch, inputs, split, "batch_leaves")
+            inputs = values_as_tree(graph, batch, inputs, "batch")
         out.append(StageShardings(mesh, trees["params"], trees["grads"], trees["adam_m"], trees["adam_v"],
                                   inputs, named, tuple(sorted(split))))
     return out
 
 
-def _named(mesh: Mesh, text: str) -> NamedSharding:
-    return NamedSharding(mesh, PartitionSpec(*ShardingSpec.parse(text).partition_spec(AXIS_NAMES)))
-
-
-def _as_tree(graph, params: Any, by_param: dict[str, NamedSharding | None], split: set[str],
-             leaves: str = "param_leaves") -> Any:
-    """`by_param` in the structure of the user's `params`; a stacked leaf gets the
-    layout of its slices with an unsharded leading axis where they all agree."""
-    values = dict(by_param)
-    for leaf, parts in graph.meta.get("stacked_params", {}).items():
-        got = [by_param.get(p) for p in parts]
+def _stacked_layout(split: set[str]) -> Callable[[str, list[NamedSharding | None]], NamedSharding | None]:
+    """How `values_as_tree` combines a stacked leaf's slices: their common layout with
+    an unsharded leading axis; None (and the leaf named in `split`) where the stage
+    holds only some slices or they disagree."""
+    def combine(leaf: str, got: list[NamedSharding | None]) -> NamedSharding | None:
         if all(g is None for g in got):
-            values[leaf] = None
-        elif any(g is None for g in got) or len({g.spec for g in got}) > 1:
-            values[leaf] = None
+            return None
+        if any(g is None for g in got) or len({g.spec for g in got}) > 1:
             split.add(leaf)
-        else:
-            values[leaf] = NamedSharding(got[0].mesh, PartitionSpec(None, *got[0].spec))
-    _, treedef = jax.tree_util.tree_flatten(params)
-    order = graph.meta.get(leaves)
-    if order is None or len(order) != treedef.num_leaves:
-        raise ValueError(f"the tree has {treedef.num_leaves} leaves; graph {graph.name!r} was imported from "
-                         f"{'an unknown number' if order is None else len(order)}")
-    return jax.tree_util.tree_unflatten(treedef, [values.get(n) for n in order])
+            return None
+        return NamedSharding(got[0].mesh, PartitionSpec(None, *got[0].spec))
+    return combine

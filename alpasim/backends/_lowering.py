@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from alpasim.graphs import ELEMENTWISE, PRIMITIVES, Op, OpGraph
+from alpasim.graphs import ELEMENTWISE, PRIMITIVES, Op, OpGraph, constant_array
 
 F32 = jnp.float32
 Impl = Callable[..., Any]  # (params dict, *operands) -> array | tuple of arrays
@@ -178,7 +178,6 @@ def _iota(p):
 
 @_lowers("constant")
 def _constant(p):
-    from alpasim.graphs import constant_array
     return jnp.asarray(constant_array(p))
 
 
@@ -493,10 +492,15 @@ def random_leaves(graph: OpGraph, seed: int = 0, scale: float = 0.02) -> dict[st
     return out
 
 
-def _index_bound(graph: OpGraph, name: str, depth: int = 0) -> int:
-    """The smallest bound the integer tensor `name`'s readers imply, following it
-    through reshapes, broadcasts and integer elementwise ops (an imported loss
-    normalises negative labels and reshapes them before its take_along)."""
+def _index_bound(graph: OpGraph, name: str) -> int:
+    """The smallest bound the integer tensor `name`'s readers imply (2 when none does)."""
+    return max(1, min(_index_bounds(graph, name), default=2))
+
+
+def _index_bounds(graph: OpGraph, name: str, depth: int = 0) -> list[int]:
+    """Every bound `name`'s readers imply, following it through reshapes, broadcasts
+    and integer elementwise ops (an imported loss normalises negative labels and
+    reshapes them before its take_along)."""
     bounds = []
     for op in graph.consumers[name]:
         if op.prim in ("embedding", "embedding_grad") and op.inputs[1] == name:
@@ -509,10 +513,5 @@ def _index_bound(graph: OpGraph, name: str, depth: int = 0) -> int:
             bounds.append(op.param("size"))
         elif (op.prim in ("reshape", "broadcast", "elementwise", "select") and depth < 8
               and not graph.tensors[op.outputs[0]].is_float):
-            found = _index_bound(graph, op.outputs[0], depth + 1)
-            if found != UNBOUNDED:
-                bounds.append(found)
-    return max(1, min(bounds, default=UNBOUNDED if depth else 2))
-
-
-UNBOUNDED = -1
+            bounds += _index_bounds(graph, op.outputs[0], depth + 1)
+    return bounds

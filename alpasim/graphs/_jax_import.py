@@ -141,21 +141,30 @@ def _import(loss_fn: Callable[[Any, Any], Any], p_abs: Any, b_abs: Any, name: st
     return _finish(b, loss, meta, set(imp.split_params))
 
 
-def values_as_tree(graph: OpGraph, tree: Any, values: dict[str, Any], part: str = "params") -> Any:
+def values_as_tree(graph: OpGraph, tree: Any, values: dict[str, Any], part: str = "params",
+                   combine: Callable[[str, list[Any]], Any] | None = None) -> Any:
     """`tree` (the params or batch pytree `from_jax` read) with each leaf replaced by the
-    value of its graph tensor in `values` (graph tensor name -> array); a stacked
-    parameter that a scan split comes back stacked. How a graph-side answer (random
-    leaves, a run's gradients) is handed to the user's own function."""
+    value of its graph tensor in `values` (graph tensor name -> value); a stacked
+    parameter that a scan split comes back stacked (`combine(leaf, part values)`,
+    default `np.stack`). How a graph-side answer (random leaves, a run's gradients, a
+    plan's layouts) is handed to the user's own function."""
     import jax
 
     names = graph.meta.get(f"{'param' if part == 'params' else 'batch'}_leaves")
     if names is None:
         raise ValueError(f"graph {graph.name!r} records no {part} leaves (not imported by this version's from_jax)")
     stacked = graph.meta.get("stacked_params", {})
+    def stack(leaf: str, parts: list[Any]) -> Any:
+        missing = [p for p, v in zip(stacked[leaf], parts) if v is None]
+        if missing:
+            raise KeyError(missing[0])
+        return np.stack([np.asarray(v) for v in parts])
+
+    combine = combine or stack
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     if len(leaves) != len(names):
         raise ValueError(f"{part} tree has {len(leaves)} leaves; graph {graph.name!r} was imported from {len(names)}")
-    out = [np.stack([np.asarray(values[p]) for p in stacked[n]]) if n in stacked else values[n] for n in names]
+    out = [combine(n, [values.get(p) for p in stacked[n]]) if n in stacked else values[n] for n in names]
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -279,8 +288,7 @@ class _Importer:
         self._perm: dict[str, tuple[str, tuple[int, ...]]] = {}  # transpose output -> (source, perm)
         self.split_params: dict[str, dict[int, str]] = {}   # stacked leaf -> iteration -> its parameter
         self.concat_parts: dict[str, list[Value]] = {}   # last-axis concatenation -> its operands
-        self._random: dict[int, str] = {}      # id of a Random value -> the graph input it became
-        self._keep: list[Random] = []
+        self._random: dict[Random, str] = {}   # a random value (hashed by identity) -> the input it became
         self._scan_depth = 0
         self._layer_base = 0
 
@@ -323,7 +331,7 @@ class _Importer:
 
     def materialize(self, v: Random) -> str:
         """The graph input a random value becomes where a graph op reads it (`Random`)."""
-        name = self._random.get(id(v))
+        name = self._random.get(v)
         if name is None:
             if v.dtype == "key":
                 raise JaxImportError("a PRNG key reaches a graph op; only values drawn from keys (dropout masks) "
@@ -332,8 +340,7 @@ class _Importer:
                 t = Tensor(self.b.fresh("batch/random"), v.shape, v.dtype, "input")
             self.b.add_tensor(t)
             self.b.inputs.append(t.name)
-            self._random[id(v)] = name = t.name
-            self._keep.append(v)            # ids stay unique while the import runs
+            self._random[v] = name = t.name
         return name
 
     # ------------------------------------------------------------ scan
@@ -392,11 +399,19 @@ class _Importer:
             return Splat(v.value, (len(values),) + v.shape, v.dtype)
         if all(isinstance(v, Random) for v in values):
             return Random((len(values),) + values[0].shape, values[0].dtype)
-        values = [self.materialize(v) if isinstance(v, Random) else v for v in values]
-        xs = [self.reshape(self.tensor(v), (1,) + (v.shape if isinstance(v, Splat) else self.b.shape(v)))
-              for v in values]
-        while len(xs) > 1:  # the primitive takes at most 8 operands
-            xs = [self.op("concatenate", xs[k:k + 8], name="concatenate", axis=0) if len(xs[k:k + 8]) > 1
+        return self.stack([self.materialize(v) if isinstance(v, Random) else v for v in values], 0)
+
+    def stack(self, values: Sequence[Value], axis: int) -> str:
+        """`values` (tensors or splats of one shape) stacked on a new `axis`."""
+        shape = values[0].shape if isinstance(values[0], Splat) else self.b.shape(values[0])
+        unit = tuple(shape[:axis]) + (1,) + tuple(shape[axis:])
+        return self.concat([self.reshape(self.tensor(v), unit) for v in values], axis)
+
+    def concat(self, xs: Sequence[str], axis: int) -> str:
+        """`xs` concatenated along `axis`, in concatenate ops of at most 8 operands."""
+        xs = list(xs)
+        while len(xs) > 1:
+            xs = [self.op("concatenate", xs[k:k + 8], name="concatenate", axis=axis) if len(xs[k:k + 8]) > 1
                   else xs[k] for k in range(0, len(xs), 8)]
         return xs[0]
 

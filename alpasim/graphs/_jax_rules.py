@@ -299,14 +299,7 @@ def _strided(imp: _Importer, x: str, axis: int, start: list[int], limit: list[in
 
 @_handles("stack")
 def _stack(imp: _Importer, eqn: Any, ins: list[Value]) -> list[Value]:
-    axis = int(eqn.params["axis"])
-    out = tuple(_aval(eqn).shape)
-    unit = out[:axis] + (1,) + out[axis + 1:]
-    xs = [imp.reshape(imp.tensor(v), unit) for v in ins]
-    while len(xs) > 1:  # the primitive takes at most 8 operands
-        xs = [imp.op("concatenate", xs[i:i + 8], name="concatenate", axis=axis) if len(xs[i:i + 8]) > 1
-              else xs[i] for i in range(0, len(xs), 8)]
-    return xs
+    return [imp.stack(ins, int(eqn.params["axis"]))]
 
 
 @_handles("dynamic_slice")
@@ -335,13 +328,10 @@ def _split(imp: _Importer, eqn: Any, ins: list[Value]) -> list[Value]:
 @_handles("concatenate")
 def _concatenate(imp: _Importer, eqn: Any, ins: list[Value]) -> list[Value]:
     axis = int(eqn.params["dimension"])
-    xs = [imp.tensor(v) for v in ins]
-    while len(xs) > 1:  # the primitive takes at most 8 operands
-        xs = [imp.op("concatenate", xs[i:i + 8], name="concatenate", axis=axis) if len(xs[i:i + 8]) > 1
-              else xs[i] for i in range(0, len(xs), 8)]
-    if axis == len(imp.b.shape(xs[0])) - 1:
-        imp.concat_parts[xs[0]] = list(ins)     # an index vector a gather may read
-    return xs
+    out = imp.concat([imp.tensor(v) for v in ins], axis)
+    if axis == len(imp.b.shape(out)) - 1:
+        imp.concat_parts[out] = list(ins)     # an index vector a gather may read
+    return [out]
 
 
 @_handles("pad")

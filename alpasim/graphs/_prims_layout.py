@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import base64
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -177,8 +177,8 @@ def constant_params(arr: np.ndarray) -> dict:
             "data": base64.b64encode(arr.astype(arr.dtype.newbyteorder("<")).tobytes()).decode("ascii")}
 
 
-def constant_array(params) -> np.ndarray:
-    """The array a `constant` op's params hold (`constant_params`)."""
-    get = params.get if hasattr(params, "get") else dict(params).get
-    dtype = np.dtype(np.bool_ if get("dtype") == "bool" else get("dtype")).newbyteorder("<")
-    return np.frombuffer(base64.b64decode(get("data")), dtype).reshape(tuple(get("shape"))).astype(dtype.newbyteorder("="))
+def constant_array(params: Mapping) -> np.ndarray:
+    """The array a `constant` op's params (`op.attrs`) hold (`constant_params`)."""
+    dtype = np.dtype(np.bool_ if params["dtype"] == "bool" else params["dtype"]).newbyteorder("<")
+    data = np.frombuffer(base64.b64decode(params["data"]), dtype)
+    return data.reshape(tuple(params["shape"])).astype(dtype.newbyteorder("="))

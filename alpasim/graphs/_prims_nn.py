@@ -130,12 +130,17 @@ def _take_along_infer(p, ins):
     return [(idx.shape, x.dtype)]
 
 
-def _take_along_dims(p, ins, outs):
-    axis, rank = int(p["axis"]), ins[0].rank
+def _take_along_terms(axis: int, rank: int) -> tuple[str, str, str]:
+    """(operand letters, index letters, the two unshardable letters) of take_along and
+    its gradient: shared letters off `axis`, the gathered axis and the index axis apart."""
     full = letter_run(rank)
     v, k = letter_run(2, rank)
-    x_term, i_term = full[:axis] + v + full[axis + 1:], full[:axis] + k + full[axis + 1:]
-    return dimmap([x_term, i_term], [i_term], list(ins) + list(outs), fixed=v + k)
+    return full[:axis] + v + full[axis + 1:], full[:axis] + k + full[axis + 1:], v + k
+
+
+def _take_along_dims(p, ins, outs):
+    x_term, i_term, fixed = _take_along_terms(int(p["axis"]), ins[0].rank)
+    return dimmap([x_term, i_term], [i_term], list(ins) + list(outs), fixed=fixed)
 
 
 register(Primitive("take_along", "embedding", _take_along_infer,
@@ -151,11 +156,8 @@ def _take_along_grad_infer(p, ins):
 
 
 def _take_along_grad_dims(p, ins, outs):
-    axis, rank = int(p["axis"]), ins[0].rank
-    full = letter_run(rank)
-    v, k = letter_run(2, rank)
-    i_term, x_term = full[:axis] + k + full[axis + 1:], full[:axis] + v + full[axis + 1:]
-    return dimmap([i_term, i_term], [x_term], list(ins) + list(outs), fixed=v + k)
+    x_term, i_term, fixed = _take_along_terms(int(p["axis"]), ins[0].rank)
+    return dimmap([i_term, i_term], [x_term], list(ins) + list(outs), fixed=fixed)
 
 
 register(Primitive("take_along_grad", "embedding", _take_along_grad_infer,

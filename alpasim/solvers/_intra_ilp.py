@@ -33,7 +33,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -155,7 +155,10 @@ def dominated(problem: IntraOpProblem) -> list[np.ndarray]:
     of every tensor whose layout it fixes - and better in one of them (or, all equal,
     earlier). Swapping i for j in any plan then raises neither the objective nor any
     memory row, so the optimum survives; the relation is a strict partial order, so
-    every dropped strategy has a kept one that dominates it."""
+    every dropped strategy has a kept one that dominates it. Computed once per problem
+    (every budget's formulation asks)."""
+    if problem._dominated is not None:
+        return problem._dominated
     features: list[list[np.ndarray]] = [[node.cost[:, None]] for node in problem.nodes]
     for edge in problem.edges:
         if not edge.cost.any():
@@ -174,6 +177,7 @@ def dominated(problem: IntraOpProblem) -> list[np.ndarray]:
         lt = (F[:, None, :] < F[None, :, :]).any(-1)
         earlier = np.arange(node.k)[:, None] < np.arange(node.k)[None, :]
         out.append((le & (lt | earlier)).any(0))
+    problem._dominated = out
     return out
 
 
@@ -316,7 +320,8 @@ def _solve_highs(form: Formulation, time_limit_s: float | None, gap: float,
 
     The LP relaxation of the time program is usually integral (the transport rows are
     tight): a GPT layer on a 2x4 mesh solves as an LP in 0.3 s where the branch-and-
-    bound machinery (presolve, heuristics, the same LP) takes 1.3-1.8 s. An integral
+    bound machinery (presolve, heuristics, the same LP) takes 1.3-1.8 s (one-off
+    measurements, as are the Llama figures below). An integral
     optimum of the relaxation is optimal for the program, an infeasible relaxation means
     an infeasible program. When the caller accepts a relative gap and only a few nodes
     are fractional (`FIX_MAX_FRACTIONAL`), relax-and-fix: those nodes' small MIP, with the
@@ -325,29 +330,34 @@ def _solve_highs(form: Formulation, time_limit_s: float | None, gap: float,
     Anything else goes on to the full MIP (a tight memory budget makes the relaxation
     fractional more often than not: then the relaxation's time, a fraction of the
     MIP's, is spent in vain)."""
-    status, x, objective = _run_highs(form, time_limit_s, gap, presolve=False, relax=True)
+    deadline = None if time_limit_s is None else time.perf_counter() + time_limit_s
+
+    def left() -> float | None:         # the three runs share the caller's time limit
+        return None if deadline is None else max(deadline - time.perf_counter(), 1e-3)
+
+    status, x, objective = _run_highs(form, left(), gap, presolve=False, relax=True)
     if status == "infeasible":
         return status, None, None
     if status == "optimal":
-        fractional = [cols for cols in form.s if np.abs(x[cols] - np.round(x[cols])).max() > INTEGRAL_TOL]
-        if not fractional:
+        integral = [np.abs(x[cols] - np.round(x[cols])).max() <= INTEGRAL_TOL for cols in form.s]
+        if all(integral):
             return status, x, objective
-        if gap > 0 and len(fractional) <= FIX_MAX_FRACTIONAL:
-            fixed = _fix_integral(form, x)
-            status, xf, of = _run_highs(fixed, time_limit_s, gap / 2, presolve, relax=False)
+        if gap > 0 and integral.count(False) <= FIX_MAX_FRACTIONAL:
+            fixed = _fix_integral(form, x, integral)
+            status, xf, of = _run_highs(fixed, left(), gap / 2, presolve, relax=False)
             if status == "optimal" and of <= objective * (1 + gap) + abs(objective) * 1e-12:
                 return status, xf, of
-    return _run_highs(form, time_limit_s, gap, presolve, relax=False)
+    return _run_highs(form, left(), gap, presolve, relax=False)
 
 
-def _fix_integral(form: Formulation, x: np.ndarray) -> Formulation:
+def _fix_integral(form: Formulation, x: np.ndarray, integral: Sequence[bool]) -> Formulation:
     """`form` with every node whose relaxed strategy columns are integral fixed to that
     strategy: a small MIP over the fractional nodes only. Its optimum is a plan of the
     whole program, and the relaxation's optimum bounds how far it can be from the best."""
     lower, upper = form.col_lower.copy(), form.col_upper.copy()
-    for cols in form.s:
-        r = np.round(x[cols])
-        if np.abs(x[cols] - r).max() <= INTEGRAL_TOL:
+    for cols, fix in zip(form.s, integral):
+        if fix:
+            r = np.round(x[cols])
             lower[cols] = r
             upper[cols] = np.minimum(r, upper[cols])
     return dataclasses.replace(form, col_lower=lower, col_upper=upper)

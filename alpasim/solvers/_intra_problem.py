@@ -101,6 +101,7 @@ class IntraOpProblem:
     # tensor_bytes per (node, tensor): the time, memory and dominance programs of one
     # problem all ask for the same arrays.
     _bytes: dict[tuple[int, str], np.ndarray] = field(default_factory=dict, repr=False, compare=False)
+    _dominated: list[np.ndarray] | None = field(default=None, repr=False, compare=False)   # `_intra_ilp.dominated`
 
     def tensor_bytes(self, node: int, tensor: str) -> np.ndarray:
         """Per-device bytes of `tensor` under each strategy of `node` (a gradient's
@@ -280,19 +281,15 @@ def build_problem(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel, *, w
                 if name == root:
                     s = strategies[name][i]
                 elif name in deferred_names:
-                    s = _lead(op, strategies[name], choices[i], graph, tensors, mesh, with_compute, microbatches)
-                    # Its readers in the group came first and found no spec for it: charge
-                    # any resharding to the layouts they read it in now.
-                    for reader in graph.consumers[op.outputs[0]]:
-                        got = choices[i].get(reader.name)
-                        if got is None:
-                            continue
-                        rscale = 1.0 / microbatches if reader.phase == "update" else 1.0
-                        for t, spec in zip(reader.inputs, got.in_specs):
-                            if t == op.outputs[0]:
-                                for c in resharding_collectives(s.out_specs[0], spec, tensors[t].nbytes, mesh):
-                                    inner[i].append((t, c))
-                                    cost[i] += c.time_s(mesh) * rscale
+                    # Its readers in the group came first and found no spec for it: pick
+                    # its layout for them, and charge any resharding to theirs now.
+                    t = op.outputs[0]
+                    reads = _group_reads(t, choices[i], graph, microbatches)
+                    s = _lead(strategies[name], reads, tensors[t].nbytes, mesh, with_compute, microbatches)
+                    for spec, rscale in reads:
+                        for c in resharding_collectives(s.out_specs[0], spec, tensors[t].nbytes, mesh):
+                            inner[i].append((t, c))
+                            cost[i] += c.time_s(mesh) * rscale
                 else:
                     s = _follow(op, strategies[name], specs[i], tensors, mesh, with_compute, microbatches)
                 choices[i][name] = s
@@ -353,17 +350,23 @@ def build_problem(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel, *, w
                           live.live_sets() + points, loop_backs, strategies, notes, live.stash(), partials)
 
 
-def _lead(op, options: list[Strategy], chosen: Mapping[str, Strategy], graph: OpGraph,
-          tensors: Mapping[str, Tensor], mesh: LogicalMesh, with_compute: bool, microbatches: int) -> Strategy:
+def _group_reads(tensor: str, chosen: Mapping[str, Strategy], graph: OpGraph,
+                 microbatches: int) -> list[tuple[ShardingSpec, float]]:
+    """(layout, cost scale) of every read of `tensor` by the group's chosen ops (an
+    update reads once per iteration: its resharding counts 1/B per microbatch)."""
+    return [(spec, 1.0 / microbatches if reader.phase == "update" else 1.0)
+            for reader in graph.consumers[tensor] if reader.name in chosen
+            for t, spec in zip(reader.inputs, chosen[reader.name].in_specs) if t == tensor]
+
+
+def _lead(options: list[Strategy], reads: Sequence[tuple[ShardingSpec, float]], nbytes: float,
+          mesh: LogicalMesh, with_compute: bool, microbatches: int) -> Strategy:
     """A deferred layout op's strategy: the cheapest given the layouts its readers in
     the group (already chosen) read its output in."""
-    out = op.outputs[0]
-    needs = [spec for reader in graph.consumers[out] if reader.name in chosen
-             for t, spec in zip(reader.inputs, chosen[reader.name].in_specs) if t == out]
     best, best_cost = options[0], float("inf")
     for s in options:
         cost = s.cost_s(with_compute, microbatches) + sum(
-            resharding_time_s(s.out_specs[0], need, tensors[out].nbytes, mesh) for need in needs)
+            resharding_time_s(s.out_specs[0], need, nbytes, mesh) * scale for need, scale in reads)
         if cost < best_cost - 1e-15:
             best, best_cost = s, cost
     return best

@@ -17,6 +17,10 @@ from ._compute import compute_time_s as compute_time_s
 from ._compute import matmul_efficiency as matmul_efficiency
 from ._compute import op_time_s as op_time_s
 from ._compute import traffic_bytes as traffic_bytes
+from ._fusion import FUSIBLE_PRIMS as FUSIBLE_PRIMS
+from ._fusion import Fusion as Fusion
+from ._fusion import OpAccess as OpAccess
+from ._fusion import fuse as fuse
 from ._hardware import CLUSTER_SCHEMA as CLUSTER_SCHEMA
 from ._hardware import Cluster as Cluster
 from ._hardware import ClusterError as ClusterError

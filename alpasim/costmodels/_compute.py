@@ -8,9 +8,12 @@ their dtype, derated by `matmul_efficiency`; every other kind runs on the CUDA c
 (float32 peak, no derating) and is memory bound in practice — its elementwise FLOPs are
 a handful per byte (Williams, Waterman and Patterson, "Roofline", CACM 2009).
 
-Ignored: fusion (XLA fuses chains of elementwise ops so their intermediates never reach
-HBM; we charge each op its reads and writes), caches, wave quantisation, achievable
-(rather than peak) HBM bandwidth, and overlap between consecutive kernels.
+Fusion (`_fusion`): an op inside a fused kernel is charged the HBM bytes the kernel
+moves on its behalf (`OpAccess.nbytes`) instead of its own reads and writes, and only
+the kernel's first op pays the launch.
+
+Ignored: caches, wave quantisation, achievable (rather than peak) HBM bandwidth, and
+overlap between consecutive kernels.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from collections.abc import Mapping
 
 from alpasim.graphs import MATMUL_KINDS, Op, Tensor, op_bytes, op_flops, op_kind
 
+from ._fusion import OpAccess
 from ._hardware import Device
 
 # One CUDA kernel launch plus its minimal run time (a few microseconds on V100-H100).
@@ -50,8 +54,10 @@ def matmul_efficiency(flops: float, peak_flops_per_s: float) -> float:
     return MAX_MATMUL_EFFICIENCY / (1.0 + f_half / flops)
 
 
-def compute_time_s(flops: float, nbytes: float, dtype: str, device: Device, matmul: bool) -> float:
-    """Roofline seconds for a kernel of `flops` FLOPs moving `nbytes` (module docstring).
+def compute_time_s(flops: float, nbytes: float, dtype: str, device: Device, matmul: bool,
+                   launch: bool = True) -> float:
+    """Roofline seconds for a kernel of `flops` FLOPs moving `nbytes` (module docstring);
+    `launch=False`: a later member of a fused kernel, whose launch its first op paid.
 
     A kernel with neither FLOPs nor bytes (a view) costs nothing, not even a launch.
     """
@@ -67,7 +73,7 @@ def compute_time_s(flops: float, nbytes: float, dtype: str, device: Device, matm
     else:
         compute_s = flops / device.peak_flops_per_s("float32")
     memory_s = nbytes / device.memory_bandwidth_bytes_per_s
-    return max(compute_s, memory_s) + KERNEL_LAUNCH_OVERHEAD_S
+    return max(compute_s, memory_s) + (KERNEL_LAUNCH_OVERHEAD_S if launch else 0.0)
 
 
 def traffic_bytes(op: Op, tensors: Mapping[str, Tensor]) -> int:
@@ -92,13 +98,21 @@ def compute_dtype(op: Op, tensors: Mapping[str, Tensor]) -> str:
     return "float32" if "float32" in floats else floats[0]
 
 
-def op_time_s(op: Op, tensors: Mapping[str, Tensor], device: Device, num_shards: int = 1) -> float:
-    """Roofline seconds of `op` split evenly `num_shards` ways (one shard on `device`).
+def op_time_s(op: Op, tensors: Mapping[str, Tensor], device: Device, num_shards: int = 1,
+              access: OpAccess | None = None) -> float:
+    """Roofline seconds of `op` split evenly `num_shards` ways (one shard on `device`);
+    `access`: what the op is charged inside its fused kernel (`_fusion.fuse`), None for
+    an op priced on its own.
 
     Formula and what it ignores: module docstring. Each shard pays the launch overhead.
     """
+    check_shards(op, num_shards)
+    flops = op_flops(op, tensors) / num_shards
+    nbytes = (traffic_bytes(op, tensors) if access is None else access.nbytes) / num_shards
+    return compute_time_s(flops, nbytes, compute_dtype(op, tensors), device, op_kind(op) in MATMUL_KINDS,
+                          launch=access is None or access.launch)
+
+
+def check_shards(op: Op, num_shards: int) -> None:
     if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
         raise ValueError(f"op {op.name!r}: num_shards must be an integer >= 1, got {num_shards!r}")
-    flops = op_flops(op, tensors) / num_shards
-    nbytes = traffic_bytes(op, tensors) / num_shards
-    return compute_time_s(flops, nbytes, compute_dtype(op, tensors), device, op_kind(op) in MATMUL_KINDS)

@@ -16,6 +16,7 @@ from alpasim.graphs import Op, Tensor
 
 from ._collectives import MeshAxis, collective_time_s, mesh_axes
 from ._compute import op_time_s
+from ._fusion import OpAccess
 from ._hardware import Cluster, ClusterError, Device
 
 
@@ -29,8 +30,10 @@ class CostModel(Protocol):
     @property
     def device(self) -> Device: ...
 
-    def op_time_s(self, op: Op, tensors: Mapping[str, Tensor], num_shards: int = 1) -> float:
-        """Seconds of one shard of `op` when it is split evenly `num_shards` ways."""
+    def op_time_s(self, op: Op, tensors: Mapping[str, Tensor], num_shards: int = 1,
+                  access: OpAccess | None = None) -> float:
+        """Seconds of one shard of `op` when it is split evenly `num_shards` ways;
+        `access`: its charge inside a fused kernel (`fuse`), None when priced alone."""
         ...
 
     def collective_time_s(self, kind: str, nbytes: float, axes: Sequence[MeshAxis]) -> float:
@@ -52,8 +55,9 @@ class AnalyticCostModel:
     def device(self) -> Device:
         return self.cluster.device
 
-    def op_time_s(self, op: Op, tensors: Mapping[str, Tensor], num_shards: int = 1) -> float:
-        return op_time_s(op, tensors, self.cluster.device, num_shards)
+    def op_time_s(self, op: Op, tensors: Mapping[str, Tensor], num_shards: int = 1,
+                  access: OpAccess | None = None) -> float:
+        return op_time_s(op, tensors, self.cluster.device, num_shards, access)
 
     def collective_time_s(self, kind: str, nbytes: float, axes: Sequence[MeshAxis]) -> float:
         return collective_time_s(kind, nbytes, axes)

@@ -14,7 +14,8 @@ its last read, as PyTorch's autograd does, needs less, by at most the stashes of
 layers whose backward has finished). A forward result handed on (to the next
 layer or stage) lives to the end of the layer's forward; a cotangent handed back to the
 previous layer lives to the end of the layer's backward. An elementwise op (or a cast or
-reshape) whose operand dies there writes into that operand's buffer. A gradient made by
+reshape) whose operand dies there writes into that operand's buffer. A value that lives
+only inside one fused kernel (`_fusion`) is never allocated. A gradient made by
 a contraction or reduction is a buffer of its own at the op that makes it (it is then
 added into the persistent accumulator). An op whose sharding plan splits a loop it
 contracts or reduces over a mesh axis (a row-parallel matmul, a weight gradient summed
@@ -65,6 +66,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from alpasim.graphs import OpGraph
+
+from ._fusion import fuse
 
 PERSISTENT_ROLES = frozenset({"param", "grad", "optimizer_state"})
 # Ops that can write their result into an operand's buffer when that operand dies there
@@ -155,7 +158,9 @@ def liveness(graph: OpGraph) -> Liveness:
                 else:
                     last[t] = n - 1
                 break
-    return Liveness(order, {t: (first[t], last[t]) for t in first if t not in dropped}, boundary)
+    internal = fuse(graph).internal     # inside one fused kernel: never in device memory
+    return Liveness(order, {t: (first[t], last[t]) for t in first if t not in dropped and t not in internal},
+                    boundary)
 
 
 @dataclass(frozen=True, slots=True)

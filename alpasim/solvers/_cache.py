@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-CACHE_VERSION = "stage-costs/12"
+CACHE_VERSION = "stage-costs/13"
 
 
 def cache_dir() -> Path:

@@ -38,7 +38,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping
 
-from alpasim.costmodels import CostModel
+from alpasim.costmodels import CostModel, fuse
 from alpasim.graphs import Op, OpGraph, Tensor, is_weight_grad, op_dims, weight_grad_params
 
 from ._mesh import LogicalMesh
@@ -84,7 +84,7 @@ def data_parallel_restriction(graph: OpGraph, mesh: LogicalMesh, cost_model: Cos
     live = [a for a in (0, 1) if mesh.shape[a] > 1]
     restrict: dict[str, list[Strategy]] = {}
     for op in graph.ops:
-        options = [s for s in enumerate_strategies(op, graph.tensors, mesh, cost_model, allow_replicated_heavy=True)
+        options = [s for s in _options(op, graph, mesh, cost_model)
                    if not any(c.kind == "reduce_scatter" for c in s.collectives)]
         letters = batch[op.name]
         keep = [s for s in options if all(_axes_of(s).get(a) in letters for a in live)] if letters else \
@@ -112,7 +112,7 @@ def megatron_restriction(graph: OpGraph, mesh: LogicalMesh, cost_model: CostMode
                         must[1] = {term[d]}
         # Megatron-LM without sequence parallelism reduces tensor-parallel partial sums
         # with all-reduce only (a reduce-scatter would leave the sequence split).
-        options = [s for s in enumerate_strategies(op, graph.tensors, mesh, cost_model, allow_replicated_heavy=True)
+        options = [s for s in _options(op, graph, mesh, cost_model)
                    if not any(c.kind == "reduce_scatter" for c in s.collectives)]
         keep = [s for s in options if all(_axes_of(s).get(a) in letters for a, letters in must.items())]
         if 0 not in must and mesh.shape[0] > 1:
@@ -178,8 +178,11 @@ def _live(mesh: LogicalMesh) -> list[int]:
     return [a for a in (0, 1) if mesh.shape[a] > 1]
 
 
-def _options(op: Op, graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel) -> list[Strategy]:
-    return enumerate_strategies(op, graph.tensors, mesh, cost_model, allow_replicated_heavy=True)
+def _options(op: Op, graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel,
+             allow_replicated_heavy: bool = True) -> list[Strategy]:
+    """`enumerate_strategies` of `op`, priced in its fused kernel of `graph` as the ILP prices it."""
+    return enumerate_strategies(op, graph.tensors, mesh, cost_model, allow_replicated_heavy=allow_replicated_heavy,
+                                access=fuse(graph).of(op.name))
 
 
 def _sharded_on_all_axes(t: Tensor, mesh: LogicalMesh) -> list[ShardingSpec]:
@@ -288,8 +291,8 @@ def heuristic_restriction(graph: OpGraph, mesh: LogicalMesh, cost_model: CostMod
     leaf_specs = {t: [spec] for t, spec in current.items()}
     restrict: dict[str, list[Strategy]] = {}
     for op in graph.ops:
-        options = (enumerate_strategies(op, tensors, mesh, cost_model)
-                   or enumerate_strategies(op, tensors, mesh, cost_model, allow_replicated_heavy=True))
+        options = (_options(op, graph, mesh, cost_model, allow_replicated_heavy=False)
+                   or _options(op, graph, mesh, cost_model))
         best, best_cost = options[0], float("inf")
         for s in options:
             cost = s.comm_s + s.sync_s

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from alpasim.costmodels import CostModel
+from alpasim.costmodels import CostModel, fuse
 from alpasim.graphs import OpGraph
 
 from ._intra_problem import IntraOpProblem, partial_bytes, accumulator_factor
@@ -180,10 +180,11 @@ def reprice(plan: IntraOpPlan, graph: OpGraph, cost_model: CostModel, mesh: Logi
     if mesh.shape != plan.mesh.shape:
         raise ValueError(f"reprice: a {plan.mesh} plan cannot be priced on a {mesh} mesh")
     compute_s = update_s = forward_s = 0.0
+    fusion = fuse(graph)
     for op in graph.ops:
         s = plan.strategies[op.name]
         shards = mesh.axis_size(tuple(a for _, axes in s.loops for a in axes))
-        t = cost_model.op_time_s(op, graph.tensors, num_shards=shards)
+        t = cost_model.op_time_s(op, graph.tensors, num_shards=shards, access=fusion.of(op.name))
         if op.phase == "update":
             update_s += t
         else:

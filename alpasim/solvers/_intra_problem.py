@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from alpasim.costmodels import CostModel, liveness
+from alpasim.costmodels import CostModel, fuse, liveness
 from alpasim.graphs import OpGraph, Tensor, is_heavy
 
 from ._mesh import LogicalMesh
@@ -213,16 +213,18 @@ def build_problem(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel, *, w
     leaf_specs = leaf_specs or {}
     strategies: dict[str, list[Strategy]] = {}
     notes: list[str] = []
+    fusion = fuse(graph)
     for op in graph.ops:
         if op.name in restrict:
             strategies[op.name] = list(restrict[op.name])
         else:
-            strategies[op.name] = enumerate_strategies(op, tensors, mesh, cost_model,
+            strategies[op.name] = enumerate_strategies(op, tensors, mesh, cost_model, access=fusion.of(op.name),
                                                        allow_replicated_heavy=allow_replicated_heavy)
         if not strategies[op.name]:
             # No even split of this op uses every mesh axis (e.g. a 1x3 mesh and
             # power-of-two dimensions): let it replicate rather than fail, and say so.
-            strategies[op.name] = enumerate_strategies(op, tensors, mesh, cost_model, allow_replicated_heavy=True)
+            strategies[op.name] = enumerate_strategies(op, tensors, mesh, cost_model, allow_replicated_heavy=True,
+                                                       access=fusion.of(op.name))
             notes.append(f"{op.name}: no even split over every axis of the {mesh} mesh; "
                          f"it may run replicated on some axes")
 

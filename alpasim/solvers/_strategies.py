@@ -24,7 +24,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from alpasim.costmodels import CostModel
+from alpasim.costmodels import CostModel, OpAccess
 from alpasim.graphs import Op, Tensor, is_heavy, is_weight_grad, op_dims
 
 from ._mesh import LogicalMesh
@@ -69,8 +69,9 @@ def _spec_of(term: str, loops: Mapping[str, tuple[int, ...]]) -> ShardingSpec:
 
 
 def enumerate_strategies(op: Op, tensors: Mapping[str, Tensor], mesh: LogicalMesh, cost_model: CostModel,
-                         *, allow_replicated_heavy: bool = False) -> list[Strategy]:
-    """Every valid strategy of `op` on `mesh`, cheapest first among duplicates."""
+                         *, allow_replicated_heavy: bool = False, access: OpAccess | None = None) -> list[Strategy]:
+    """Every valid strategy of `op` on `mesh`, cheapest first among duplicates; `access`:
+    the op's charge in its fused kernel (`costmodels.fuse` of its graph)."""
     dm = op_dims(op, tensors)
     ins = [tensors[t] for t in op.inputs]
     outs = [tensors[t] for t in op.outputs]
@@ -92,7 +93,7 @@ def enumerate_strategies(op: Op, tensors: Mapping[str, Tensor], mesh: LogicalMes
         if not all(spec_fits(s, t.shape, mesh) for s, t in zip(in_specs + base_out, ins + outs)):
             continue
         loop_shards = mesh.axis_size(tuple(a for axes in loops.values() for a in axes))
-        compute_s = cost_model.op_time_s(op, tensors, num_shards=loop_shards)
+        compute_s = cost_model.op_time_s(op, tensors, num_shards=loop_shards, access=access)
         update = op.phase == "update"
         grads = tuple(is_weight_grad(op, k, tensors) for k in range(len(op.outputs)))
         for out_specs, collectives in _finish_outputs(dm.outputs, outs, base_out, loops, in_letters,

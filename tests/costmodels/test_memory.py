@@ -28,9 +28,12 @@ def test_forward_liveness_by_hand():
 def test_outputs_stay_live_to_the_end_of_the_forward():
     b = GraphBuilder("o")
     x = b.input("x", (4, 8))  # 128 bytes each, transposes copy (no in-place)
-    a = b.one("transpose", [x], perm=(1, 0))
-    e = b.one("transpose", [x], perm=(1, 0))
-    f = b.one("transpose", [e], perm=(1, 0))
+    with b.scope(layer=0):   # one layer each: no two of them fuse into one kernel
+        a = b.one("transpose", [x], perm=(1, 0))
+    with b.scope(layer=1):
+        e = b.one("transpose", [x], perm=(1, 0))
+    with b.scope(layer=2):
+        f = b.one("transpose", [e], perm=(1, 0))
     # ops: 0 a = x^T, 1 e = x^T, 2 f = e^T. x lives [0, 1], e [1, 2], f [2, 2]. As an
     # output a lives [0, 2]: step 1 holds x, a, e = 384. Otherwise a dies at 0: 256.
     assert activation_peak_bytes(b.build([a, f])) == 384
@@ -39,10 +42,13 @@ def test_outputs_stay_live_to_the_end_of_the_forward():
 
 def test_elementwise_ops_write_over_a_dying_operand():
     b = GraphBuilder("e")
-    x = b.input("x", (4, 8))       # 128 bytes
-    y = b.one("transpose", [x], perm=(1, 0))
-    z = b.ew("tanh", y)            # y is read again below: tanh cannot write over it
-    w = b.ew("add", z, y)          # z and y die here: the add writes over z
+    x = b.input("x", (4, 8))       # 128 bytes; one layer per op: no two of them fuse
+    with b.scope(layer=0):
+        y = b.one("transpose", [x], perm=(1, 0))
+    with b.scope(layer=1):
+        z = b.ew("tanh", y)        # y is read again below: tanh cannot write over it
+    with b.scope(layer=2):
+        w = b.ew("add", z, y)      # z and y die here: the add writes over z
     g = b.build([w])
     # ops: 0 y = x^T, 1 z = tanh(y), 2 w = z + y. x [0, 0], y [0, 2], z [1, 1] (its
     # buffer becomes w's), w [2, 2]. step 0: x + y = 256, step 1: y + z = 256, step 2:

@@ -18,7 +18,9 @@ fp16 activations):
   stage's backward is one program and the stashes are its arguments, so all of them
   stay live until it returns (`costmodels._stage_memory`). The paper stops at "one
   layer's activations"; we write out the points of a GPT layer's backward where it
-  peaks: the first backward op (the recomputed stash, the incoming cotangent 2sbh,
+  peaks: the first backward op (the recomputed stash less fc1's recomputed bias output,
+  8sbh/t, which lives only inside the kernel that fuses the recomputed GeLU with GeLU's
+  gradient (`costmodels._fusion`), the incoming cotangent 2sbh,
   fc2's input gradient 8sbh/t, fc2's weight gradient 8h^2/t); the softmax backward
   (with recomputation: layer input, its norm, Q and K, the probabilities, the residual
   cotangent, dProbs, dV and dScores, sbh(6 + 6/t) + 6as^2b/t; without it the held
@@ -33,7 +35,9 @@ fp16 activations):
   of its backward the dense fp16 table gradient 2Vh/t next to the incoming cotangent
   and the held stash; under recomputation the embedding is recomputed with the layer,
   so the layer stashes only the ids. The last layer also holds the head: the final
-  norm's input and output, the vocab-split logits 2sbV/t and the labels (all held);
+  norm's input and output, the vocab-split logits 2sbV/t and the labels (all held;
+  under remat less the block's recomputed output 2sbh, which lives only inside the
+  kernel that fuses the residual add with the recomputed final norm and its gradient);
   its peak is at the loss backward (+ dLogits, replicated over t since our loss op
   cannot split the vocabulary), at the logits' weight gradient (+ dLogits, the input
   gradient and the table's 2Vh/t), for t > 1 at the logits' input gradient, which
@@ -67,7 +71,10 @@ TOLERANCE = 0.03
 def _block(h, a, s, b, t, remat):
     sbh, as2b = s * b * h, a * s * s * b
     s_nr = sbh * (8 + 24 / t) + 2 * as2b / t
-    first_backward = s_nr + sbh * (2 + 8 / t) + 8 * h * h / t
+    # With remat the recomputed fc1 bias output (8sbh/t) is never allocated: it is read
+    # only by the recomputed GeLU and by GeLU's gradient, which fuse into one kernel.
+    recomputed = s_nr - (8 * sbh / t if remat else 0.0)
+    first_backward = recomputed + sbh * (2 + 8 / t) + 8 * h * h / t
     if remat:   # the layer input (held), its recomputed norm, Q, K and probabilities
         softmax_backward = sbh * (6 + 6 / t) + 6 * as2b / t
     else:       # the whole held stash + the residual cotangent, dV, dProbs and dScores
@@ -75,7 +82,7 @@ def _block(h, a, s, b, t, remat):
     # K's input gradient: the held stash, the residual cotangent, V's input gradient, K's
     # (and for t > 1 its unreduced partial), dQ and dK; with remat these are freed sooner.
     qkv_input_grad = 0.0 if remat else s_nr + sbh * (6 + 4 / t) + (2 * sbh if t > 1 else 0.0)
-    end_of_recompute = s_nr + 4 * sbh + (2 * sbh if t > 1 else 0.0) if remat else 0.0
+    end_of_recompute = recomputed + 4 * sbh + (2 * sbh if t > 1 else 0.0) if remat else 0.0
     return s_nr, (2 * sbh if remat else s_nr), max(first_backward, softmax_backward, end_of_recompute,
                                                      qkv_input_grad)
 
@@ -96,7 +103,10 @@ def closed_form(cfg, tp, pp, mbs, remat, bytes_per_param, microbatches, stage):
     if last:
         logits = 2 * s * b * V / t
         head_stash = logits + ids + (2 * sbh if remat else s_nr + 4 * sbh)
-        held = s_nr + logits + ids                  # with remat: recomputed, then held to the head's grads
+        # With remat: recomputed, then held to the head's grads, less the block's
+        # recomputed output (2sbh), which the recomputed final norm and its gradient
+        # read inside the kernel that fuses them with the residual add.
+        held = s_nr - (2 * sbh if remat else 0.0) + logits + ids
         head_peak = max(held + 4 * sbh + 2 * s * b * V,
                         held + 6 * sbh + 2 * s * b * V + table_grad,
                         held + 8 * sbh + 2 * s * b * V if t > 1 else 0.0,

@@ -47,6 +47,17 @@ PrecisionOpt = Annotated[str, typer.Option("--precision", help="Mixed-precision 
                                            "default), mixed (fp16 gradients: 16 B/param) or fp32.")]
 
 
+RecomputeOpt = Annotated[str, typer.Option("--recompute", help="What the backward recomputes besides --remat: "
+                                           "none (keep every value a gradient reads, as eager frameworks and "
+                                           "Megatron-LM do) or fusible (keep each layer's minimum cut, recompute "
+                                           "elementwise, layout, norm and softmax ops in the backward).")]
+
+
+def _check_recompute(name: str) -> None:
+    if name not in gr.RECOMPUTE_POLICIES:
+        fail(f"--recompute {name!r}: choose one of {', '.join(gr.RECOMPUTE_POLICIES)}")
+
+
 def _check_precision(name: str) -> None:
     if name not in gr.RECIPES:
         fail(f"--precision {name!r}: choose one of {', '.join(gr.RECIPES)}")
@@ -177,18 +188,18 @@ def _inter_node_text(c: cm.Cluster) -> str:
 
 # ----------------------------------------------------------------------- graph
 def graph_report(model: str, *, layers: int | None, remat: bool, batch: int | None,
-                 cluster: cm.Cluster | None, save: Path | None = None) -> dict[str, Any]:
+                 cluster: cm.Cluster | None, save: Path | None = None, recompute: str = "none") -> dict[str, Any]:
     """Everything `alpasim graph` shows, as one JSON-ready dict."""
     t0 = time.perf_counter()
     name, source = model_with_batch(model, batch)
     fwd = source if isinstance(source, gr.OpGraph) else gr.forward_graph(source, name=name)
-    built = gr.build_training_graph(fwd, layers=layers, remat=remat)
+    built = gr.build_training_graph(fwd, layers=layers, remat=remat, recompute=recompute)
     build_s = time.perf_counter() - t0
     g = built.graph
     if save is not None:
         gr.save_graph(g, save)
         err.print(f"wrote {save}", soft_wrap=True)
-    other = gr.build_training_graph(fwd, layers=layers, remat=not remat).graph
+    other = gr.build_training_graph(fwd, layers=layers, remat=not remat, recompute=recompute).graph
     flops = gr.flops_by_kind(g)
     flops_other = gr.flops_by_kind(other)
     mem = cm.training_memory(g)
@@ -202,6 +213,7 @@ def graph_report(model: str, *, layers: int | None, remat: bool, batch: int | No
         "flops_without_remat": flops_other if remat else flops,
         "flops_with_remat": flops if remat else flops_other,
         "remat": remat,
+        "recompute": recompute,
         "ops": gr.ops_by_phase(g),
         "layers": g.num_layers,
         "clustering": None if built.clustering is None else {
@@ -220,7 +232,8 @@ def graph_report(model: str, *, layers: int | None, remat: bool, batch: int | No
 def _cluster_view(g: gr.OpGraph, mem: cm.MemoryBreakdown, cluster: cm.Cluster, matmul_flops: float) -> dict[str, Any]:
     """What one device of the cluster would need, and an ideal-scaling time bound."""
     model = cm.AnalyticCostModel(cluster)
-    single_s = sum(model.op_time_s(op, g.tensors) for op in g.ops)
+    fusion = cm.fuse(g)
+    single_s = sum(model.op_time_s(op, g.tensors, access=fusion.of(op.name)) for op in g.ops)
     device_mem = cluster.device.memory_bytes
     states = mem.params_bytes + mem.grads_bytes + mem.optimizer_bytes
     return {
@@ -245,11 +258,13 @@ def graph(
     remat: Annotated[bool, typer.Option("--remat", help="Full activation rematerialisation.")] = False,
     batch: Annotated[Optional[int], typer.Option("--batch", help="Override the global batch.")] = None,
     save: Annotated[Optional[Path], typer.Option("--save", help="Write the training graph JSON here.")] = None,
+    recompute: RecomputeOpt = "none",
     as_json: JsonOpt = False,
 ) -> None:
     """Parameters, FLOPs per iteration, op counts per phase and layers of a training graph."""
+    _check_recompute(recompute)
     c = load_cluster(cluster, nodes, devices_per_node, inter_node_gbps, memory_gb) if cluster else None
-    report = graph_report(model, layers=layers, remat=remat, batch=batch, cluster=c, save=save)
+    report = graph_report(model, layers=layers, remat=remat, batch=batch, cluster=c, save=save, recompute=recompute)
     if as_json:
         emit_json(report)
         return
@@ -316,11 +331,11 @@ def _intra_solve(stage: gr.OpGraph, mesh: sv.LogicalMesh, model: cm.CostModel, m
 
 def intra_report(model_name: str, mesh_shape: tuple[int, int], cluster: cm.Cluster, *, layers: str | None,
                  batch: int, method: str, solver: str, time_limit: float | None, compute: bool,
-                 microbatches: int = 1, top: int = 12) -> dict[str, Any]:
+                 microbatches: int = 1, top: int = 12, recompute: str = "none") -> dict[str, Any]:
     """Solve one stage on one mesh and compare with the hand-designed assignments."""
     name, source = model_with_batch(model_name, batch)
     fwd = source if isinstance(source, gr.OpGraph) else gr.forward_graph(source, name=name)
-    graph = gr.build_training_graph(fwd).graph
+    graph = gr.build_training_graph(fwd, recompute=recompute).graph
     first, last = _parse_layers(layers, graph.num_layers)
     stage = gr.stage_graph(graph, first, last)
     mesh = sv.LogicalMesh.on_cluster(cluster, mesh_shape)
@@ -385,9 +400,11 @@ def intra(
     compute: Annotated[bool, typer.Option("--compute", help="Add compute time to the ILP objective.")] = False,
     microbatches: Annotated[int, typer.Option("--microbatches", help="Gradient-accumulation steps: weight "
                                               "gradients sync once per this many microbatches.")] = 1,
+    recompute: RecomputeOpt = "none",
     as_json: JsonOpt = False,
 ) -> None:
     """Shard one stage (layers i..j, one microbatch) on one logical mesh with the ILP."""
+    _check_recompute(recompute)
     if method not in INTRA_METHODS:
         fail(f"--method {method!r}: choose one of {', '.join(INTRA_METHODS)}")
     if solver not in sv.SOLVERS:
@@ -403,7 +420,7 @@ def intra(
     if microbatches < 1:
         fail(f"--microbatches must be at least 1, got {microbatches}")
     report = intra_report(model, shape, c, layers=layers, batch=batch, method=method, solver=solver,
-                          time_limit=time_limit, compute=compute, microbatches=microbatches)
+                          time_limit=time_limit, compute=compute, microbatches=microbatches, recompute=recompute)
     if as_json:
         emit_json(report)
         return
@@ -479,7 +496,8 @@ def _parse_microbatches(text: str) -> int | str:
 def make_plan(model: str, cluster: cm.Cluster, *, microbatches: str, remat: bool, layers: int | None,
               cache: bool, workers: int | None, ray: bool, ray_address: str | None, quiet: bool,
               max_stages: int = 16, epsilon: float = 1e-3,
-              cost_model: cm.CostModel | None = None, precision: str | None = None) -> sv.PipelinePlan:
+              cost_model: cm.CostModel | None = None, precision: str | None = None,
+              recompute: str = "none") -> sv.PipelinePlan:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     mb = _parse_microbatches(microbatches)
@@ -498,7 +516,7 @@ def make_plan(model: str, cluster: cm.Cluster, *, microbatches: str, remat: bool
             return sv.plan_pipeline(model, cluster, microbatches=mb, remat=remat, map_fn=map_fn,
                                     cache=sv.DiskCache(enabled=cache), progress=report, layers=layers,
                                     max_stages=max_stages, epsilon=epsilon, cost_model=cost_model,
-                                    precision=precision)
+                                    precision=precision, recompute=recompute)
     finally:
         close()
 
@@ -533,6 +551,7 @@ def plan(
                                                            "size per data-parallel replica.")] = None,
     cost_model: CostModelOpt = None,
     precision: PrecisionOpt = gr.DEFAULT_RECIPE,
+    recompute: RecomputeOpt = "none",
     as_json: JsonOpt = False,
 ) -> None:
     """Plan pipeline stages, submeshes and intra-op shardings for a model on a cluster.
@@ -545,6 +564,7 @@ def plan(
     c = load_cluster(cluster, nodes, devices_per_node, inter_node_gbps, memory_gb)
     model_costs = load_cost_model(cost_model, c)
     _check_precision(precision)
+    _check_recompute(recompute)
     if max_stages < 1 or epsilon < 0:
         fail("--max-stages must be at least 1 and --epsilon at least 0")
     name = method.strip().lower().replace("-", "_")
@@ -560,12 +580,13 @@ def plan(
     if name == "alpa":
         p = make_plan(model, c, microbatches=microbatches, remat=remat, layers=layers, cache=not no_cache,
                       workers=workers, ray=ray, ray_address=ray_address, quiet=as_json, max_stages=max_stages,
-                      epsilon=epsilon, cost_model=model_costs, precision=precision)
+                      epsilon=epsilon, cost_model=model_costs, precision=precision, recompute=recompute)
     else:
         config = sv.MegatronConfig(tp, pp, dp, microbatch_size) if given else None
         p = _baseline_plan(name, model, c, config, microbatches=microbatches, remat=remat, layers=layers,
                            cache=not no_cache, workers=workers, ray=ray, ray_address=ray_address, quiet=as_json,
-                           max_stages=max_stages, epsilon=epsilon, cost_model=model_costs, precision=precision)
+                           max_stages=max_stages, epsilon=epsilon, cost_model=model_costs, precision=precision,
+                           recompute=recompute)
         if not p.feasible:
             if out_path is not None:
                 p.save(out_path)
@@ -594,12 +615,13 @@ def plan(
 def _baseline_plan(method: str, model: str, cluster: cm.Cluster, config: sv.MegatronConfig | None, *,
                    microbatches: str, remat: bool, layers: int | None, cache: bool, workers: int | None, ray: bool,
                    ray_address: str | None, quiet: bool, max_stages: int, epsilon: float,
-                   cost_model: cm.CostModel | None = None, precision: str | None = None) -> sv.PipelinePlan:
+                   cost_model: cm.CostModel | None = None, precision: str | None = None,
+                   recompute: str = "none") -> sv.PipelinePlan:
     """`plan_with_method` for a baseline, with the options its restriction leaves open."""
     from rich.progress import Progress, TextColumn, TimeElapsedColumn
 
     mb = _parse_microbatches(microbatches)
-    kw: dict[str, Any] = {"remat": remat, "epsilon": epsilon, "precision": precision}
+    kw: dict[str, Any] = {"remat": remat, "epsilon": epsilon, "precision": precision, "recompute": recompute}
     if cost_model is not None:
         kw["cost_model"] = cost_model
     if layers is not None:

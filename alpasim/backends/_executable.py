@@ -226,10 +226,12 @@ class StageInputs:
 
 
 def plan_training_graph(plan: PipelinePlan, graph: OpGraph) -> OpGraph:
-    """The training graph of `plan` (`graph` is `planning_graph(plan.model)`): its remat
-    and its precision recipe where it records one (older plans: the builder's default)."""
+    """The training graph of `plan` (`graph` is `planning_graph(plan.model)`): its remat,
+    its recompute policy and its precision recipe where it records them (older plans:
+    the builder's defaults)."""
     recipe = {"precision": plan.model["precision"]} if "precision" in plan.model else {}
-    return build_training_graph(graph, remat=bool(plan.model.get("remat", True)), **recipe).graph
+    return build_training_graph(graph, remat=bool(plan.model.get("remat", True)),
+                                recompute=plan.model.get("recompute", "none"), **recipe).graph
 
 
 def stage_inputs(plan: PipelinePlan, graph: OpGraph, seed: int = 0) -> StageInputs:

@@ -89,10 +89,11 @@ import os
 from collections.abc import Sequence
 
 from alpasim.costmodels import CostModel
-from alpasim.graphs import build_training_graph, stage_graph
+from alpasim.graphs import stage_graph
 from alpasim.simulator import build_program, simulate
 from alpasim.solvers import IntraOpPlan, PipelinePlan, logical_mesh, planning_graph, reprice
 
+from ._executable import plan_training_graph
 from ._stage_profile import StageTimes
 from ._stages import stage_intra_plan
 
@@ -131,7 +132,7 @@ def predict_run(plan: PipelinePlan, *, cost_model: CostModel | None = None, runt
     if cost_model is not None:
         concurrency = int(meta.get("concurrency", meta.get("num_devices", 1)))
         cores = cores or os.cpu_count() or 1
-        train = build_training_graph(planning_graph(plan.model), remat=bool(plan.model.get("remat", True))).graph
+        train = plan_training_graph(plan, planning_graph(plan.model))
         times, rows = [], []
         for k, st in enumerate(plan.stages):
             intra = intra_plans[k] if intra_plans is not None else stage_intra_plan(plan, train, k)

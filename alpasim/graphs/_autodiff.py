@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from ._builder import GraphBuilder
 from ._precision import PrecisionRecipe, get_recipe
 from ._primitives import parse_einsum
+from ._recompute import RECOMPUTE_POLICIES, recompute_fusible
 from ._types import Op, OpGraph, Tensor
 
 HALF = frozenset({"float16", "bfloat16"})
@@ -401,8 +402,13 @@ def _needs_grad(fwd: OpGraph) -> set[str]:
 
 
 def training_graph(forward: OpGraph, *, remat: bool = False, optimizer: AdamConfig | None = None,
-                   name: str | None = None, precision: str | PrecisionRecipe | None = None) -> OpGraph:
+                   name: str | None = None, precision: str | PrecisionRecipe | None = None,
+                   recompute: str = "none") -> OpGraph:
     """Forward graph with a scalar loss -> forward + backward + Adam update graph.
+
+    `recompute`: "none" keeps every forward value a backward reads (eager frameworks,
+    Megatron-LM); "fusible" keeps each layer's minimum cut and recomputes cheap ops in
+    the backward (`_recompute`, as a fusing compiler does).
 
     `precision` names the recipe (`_precision`, default mixed-fp32grad): under it a
     half-precision parameter's gradient is cast to fp32 as the backward produces it,
@@ -415,6 +421,8 @@ def training_graph(forward: OpGraph, *, remat: bool = False, optimizer: AdamConf
             raise ValueError(f"graph {forward.name!r}: precision {recipe.name!r} trains float32 weights, but "
                              f"parameter {half[0]!r} is {forward.tensors[half[0]].dtype}; build the model with "
                              f"dtype=float32")
+    if recompute not in RECOMPUTE_POLICIES:
+        raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_POLICIES)}, got {recompute!r}")
     if len(forward.outputs) != 1 or forward.tensors[forward.outputs[0]].rank != 0:
         raise ValueError(f"graph {forward.name!r}: a training graph needs exactly one scalar output (the loss), "
                          f"got outputs {list(forward.outputs)}")
@@ -478,7 +486,8 @@ def training_graph(forward: OpGraph, *, remat: bool = False, optimizer: AdamConf
                     if b.tensors[ct[t]].dtype != want:
                         ct[t] = b.one("convert", [ct[t]], name=f"{t}:grad_cast", dtype=want)
 
-    return _append_updates(b, forward, ct, optimizer, loss, recipe, carried)
+    graph = _append_updates(b, forward, ct, optimizer, loss, recipe, carried)
+    return recompute_fusible(graph) if recompute == "fusible" else graph
 
 
 # An op's output k that is parameter p's gradient (or a contribution to it) carries the

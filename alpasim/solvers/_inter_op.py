@@ -147,8 +147,9 @@ def plan_pipeline(model: str | ModelSource, cluster: Cluster, *, microbatches: i
                   num_stages: int | None = None, relabel: Callable[[OpGraph], OpGraph] | None = None,
                   pareto: bool = True, price_boundaries: bool = True,
                   cost_model: CostModel | None = None, precision: str | None = None,
-                  microbatch_multiple: int = 1) -> PipelinePlan:
-    """Plan `model` on `cluster`; `layers` re-clusters the forward ops into that many
+                  microbatch_multiple: int = 1, recompute: str = "none") -> PipelinePlan:
+    """Plan `model` on `cluster`; `recompute` is the training graph's policy for what
+    the backward recomputes (`graphs.training_graph`); `layers` re-clusters the forward ops into that many
     layers with the eq. 6 DP instead of the zoo's blocks (planning units).
 
     The other keywords make the baselines of `_methods` out of the same search:
@@ -200,7 +201,7 @@ def plan_pipeline(model: str | ModelSource, cluster: Cluster, *, microbatches: i
             fwd = planning_units(fwd)
         else:
             fwd = assign_layers(fwd, layers)[0]
-        graph = build_training_graph(fwd, remat=remat, precision=recipe.name).graph
+        graph = build_training_graph(fwd, remat=remat, precision=recipe.name, recompute=recompute).graph
         report = (lambda done, total: progress(f"B={b}", done, total)) if progress else None
         s_max = min(max_stages, graph.num_layers, cluster.num_devices)
         costs = build_stage_costs(graph, cluster, b, max_stages=s_max, map_fn=map_fn, cache=cache,
@@ -364,7 +365,8 @@ def _assemble_plan(source: ModelSource, dtype: str, cluster: Cluster, best: Cand
     batch = source.global_batch
     model = {"name": source.name, "family": source.family, "params": best.graph.num_params(),
              "flops_per_iteration": flops, "global_batch": batch, "microbatch_size": batch // b,
-             "layers": best.graph.num_layers, "remat": remat, "precision": recipe.name,
+             "layers": best.graph.num_layers, "remat": remat, "recompute": best.graph.meta.get("recompute", "none"),
+             "precision": recipe.name,
              "dtype": dtype, "bytes_per_param": recipe.bytes_per_param(dtype), "source": source.record()}
     cl = plan_cluster_info(cluster)
     transfers = stage_transfers(best.graph, costs.layer_graphs, chosen, [(s.first, s.last) for s in dp.stages])

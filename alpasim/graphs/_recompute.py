@@ -1,0 +1,141 @@
+"""Recompute-fusible: stash the least, recompute cheap ops inside the backward.
+
+A backward reads forward values: a matmul's weight gradient its input, a GeLU's
+gradient its input, a division's gradient both operands. Kept as they are, those reads
+make the stash depend on how finely the model is written: a built-in GeLU is one op
+whose gradient reads its input, while `jax.nn.gelu` traced into the graph is ten ops
+whose gradients read six full-size intermediates. A compiler that fuses the backward
+(torch.compile's min-cut partitioner, Chen et al. 2016's checkpointing applied to cheap
+ops) instead keeps a minimum set of tensors and recomputes the rest inside the
+backward's fused kernels, where recomputing an elementwise chain costs no extra memory
+traffic.
+
+`recompute_fusible(graph)` does that per layer, as a minimum cut:
+
+* **Recomputable**: a forward value of the layer made by an elementwise, layout,
+  normalisation or softmax op (`RECOMPUTABLE_PRIMS`) from values that are themselves
+  recomputable or kept. Reductions, contractions, gathers and the loss are never
+  recomputed (a reduction would reread its whole input; a matmul is the expensive
+  work), so their outputs are kept when the backward needs them.
+* **Free**: parameters, constants and values another layer's backward keeps anyway.
+* **Cut**: the set of kept values of least total bytes from which every value the
+  layer's backward reads is free, kept, or recomputable (max-flow/min-cut over a
+  split-node graph, networkx). Ties go to values the backward reads directly, so a
+  one-op built-in kernel whose output is needed keeps that output rather than its input.
+* **Rewrite**: every value the backward reads and the cut does not keep is recomputed by
+  copies of its forward ops (``<op>:recompute``, phase backward, ``remat=True``) placed
+  just before their first reader, and the backward reads the copies.
+
+The result is a training graph like any other: liveness, fusion pricing, the solvers
+and the JAX runtime read it as it is, so what is priced is what runs. Full
+rematerialisation (`remat=True`) already recomputes whole layers; this pass then only
+touches what remat keeps (the language-model head).
+"""
+
+from __future__ import annotations
+
+from ._types import Op, OpGraph, Tensor
+
+RECOMPUTE_POLICIES = ("none", "fusible")
+RECOMPUTABLE_PRIMS = frozenset({
+    "elementwise", "broadcast", "reshape", "transpose", "convert", "bias_add", "slice", "pad", "concatenate",
+    "iota", "full", "layer_norm", "softmax",
+})
+# Capacity units per byte: the low units break ties toward values the backward reads.
+_SCALE = 1 << 8
+
+
+def recompute_fusible(graph: OpGraph) -> OpGraph:
+    """`graph` (a training graph) with each layer's stash cut to its minimum (module doc)."""
+    import networkx as nx
+
+    producer, consumers, tensors = graph.producer, graph.consumers, graph.tensors
+    fwd_of = {t: op for t, op in producer.items() if op.phase == "forward"}
+    # Forward values read by each layer's backward, and by any other layer's.
+    read_by: dict[int, set[str]] = {}
+    for op in graph.ops:
+        if op.phase == "backward":
+            for t in op.inputs:
+                if t in fwd_of:
+                    read_by.setdefault(op.layer, set()).add(t)
+    kept_elsewhere = {t for layer, ts in read_by.items() for t in ts if fwd_of[t].layer != layer}
+
+    def recomputable(t: str, layer: int) -> bool:
+        p = fwd_of.get(t)
+        return p is not None and p.layer == layer and p.prim in RECOMPUTABLE_PRIMS and t not in kept_elsewhere
+
+    def free(t: str) -> bool:
+        return t not in producer or producer[t].prim == "constant" or t in kept_elsewhere
+
+    plans: dict[int, set[str]] = {}           # layer -> values its backward recomputes
+    for layer, needed in read_by.items():
+        wanted = {t for t in needed if fwd_of[t].layer == layer and recomputable(t, layer)}
+        if not wanted:
+            continue
+        g = nx.DiGraph()
+        seen: set[str] = set()
+        stack = list(wanted)
+        while stack:
+            t = stack.pop()
+            if t in seen:
+                continue
+            seen.add(t)
+            # ("in", t) on the source side: t is made by the forward; ("out", t) on the
+            # sink side: t is there in the backward. Cutting in -> out keeps t.
+            direct = t in needed
+            if free(t):
+                g.add_edge("src", ("in", t))
+                g.add_edge(("in", t), ("out", t), capacity=0)
+                continue
+            g.add_edge(("in", t), ("out", t), capacity=tensors[t].nbytes * _SCALE + (0 if direct else 1))
+            if direct:
+                g.add_edge(("out", t), "sink")
+            if recomputable(t, layer):
+                for u in producer[t].inputs:
+                    g.add_edge(("out", u), ("in", t))
+                    stack.append(u)
+            else:
+                g.add_edge("src", ("in", t))
+        if "sink" not in g or "src" not in g:
+            continue
+        _, (reach, _) = nx.minimum_cut(g, "src", "sink")
+        kept = {t for t in seen if ("in", t) in reach and ("out", t) not in reach}
+        recompute = {t for t in seen if ("out", t) not in reach and t not in kept}
+        if recompute & needed:
+            plans[layer] = recompute
+    return _rewrite(graph, plans, fwd_of) if plans else graph
+
+
+def _rewrite(graph: OpGraph, plans: dict[int, set[str]], fwd_of: dict[str, Op]) -> OpGraph:
+    tensors = dict(graph.tensors)
+    copies: dict[tuple[int, str], str] = {}
+    ops: list[Op] = []
+    names = set(graph.op_by_name)
+
+    def value(t: str, layer: int) -> str:
+        if t not in plans[layer]:
+            return t
+        key = (layer, t)
+        if key not in copies:
+            op = fwd_of[t]
+            ins = tuple(value(u, layer) for u in op.inputs)
+            outs = tuple(f"{x}:recompute" for x in op.outputs)
+            for x, y in zip(op.outputs, outs):
+                src = tensors[x]
+                tensors[y] = Tensor(y, src.shape, src.dtype, src.role)
+            name = f"{op.name}:recompute"
+            while name in names:
+                name += "'"
+            names.add(name)
+            ops.append(op.replace(name=name, inputs=ins, outputs=outs, phase="backward", layer=layer,
+                                  origin=op.name, remat=True))
+            for x, y in zip(op.outputs, outs):
+                copies[(layer, x)] = y
+        return copies[key]
+
+    for op in graph.ops:
+        if op.phase == "backward" and op.layer in plans and any(t in plans[op.layer] for t in op.inputs):
+            op = op.replace(inputs=tuple(value(t, op.layer) for t in op.inputs))
+        ops.append(op)
+    meta = {**graph.meta, "recompute": "fusible"}
+    return graph.replace(tensors=tensors, ops=ops, meta=meta)

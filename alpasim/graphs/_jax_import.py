@@ -39,6 +39,7 @@ import numpy as np
 
 from ._autodiff import AdamConfig, training_graph
 from ._batch import BatchError, mark_batch
+from ._blocks import block_layers
 from ._builder import GraphBuilder
 from ._types import OpGraph, Tensor
 from ._jax_values import FOLD, JaxImportError, Random, Splat, Value, dtype_name, py_scalar
@@ -70,6 +71,18 @@ def from_jax(loss_fn: Callable[[Any, Any], Any], params: Any, batch: Any, *, nam
         return mark_batch(graph, _import(loss_fn, p_abs, doubled, name), size, 2 * size)
     except Exception as e:  # noqa: BLE001 - any failure of the second trace leaves the graph unmarked
         return graph.replace(meta={**graph.meta, "batch_note": f"batch not marked: {type(e).__name__}: {e}"})
+
+
+def _unit_insertion(old: Sequence[int], new: Sequence[int]) -> tuple[int, ...] | None:
+    """Where each axis of `old` lands in `new` when `new` only inserts size-1 axes."""
+    dims, j = [], 0
+    for i, n in enumerate(new):
+        if j < len(old) and old[j] == n:
+            dims.append(i)
+            j += 1
+        elif n != 1:
+            return None
+    return tuple(dims) if j == len(old) else None
 
 
 def _doubled(b_abs: Any, axis: int) -> tuple[int, Any]:
@@ -485,7 +498,14 @@ class _Importer:
         src = self._bcast.get(x, (None,))[0]
         if src is not None and self.b.shape(src) == shape:  # undo a broadcast that only added unit axes
             return src
-        return self.op("reshape", [x], shape=shape)
+        out = self.op("reshape", [x], shape=shape)
+        dims = _unit_insertion(self.b.shape(x), shape)
+        if dims is not None:
+            # Adding unit axes is a broadcast: one that follows composes with it, so a
+            # bias reaches its add as one broadcast of the parameter, and its gradient
+            # is the reduction that makes it (not a reshape of one).
+            self._bcast[out] = (x, dims)
+        return out
 
     def ew(self, fn: str, ins: Sequence[Value], out: tuple[tuple[int, ...], str]) -> Value:
         """`fn` of `ins`, of (shape, dtype) `out`; folded when all operands are splats."""
@@ -520,6 +540,12 @@ def _finish(b: GraphBuilder, loss: str, meta: dict[str, Any], split: set[str] = 
                              f"scanned parameter into one per iteration")
     number = {layer: n for n, layer in enumerate(sorted({op.layer for op in ops}))}
     ops = [op.replace(layer=number[op.layer]) for op in ops]
+    if len(number) == 1:    # no scan: a loop over blocks is read from the parameter paths
+        blocks = block_layers(ops, b.tensors)
+        if blocks is not None:
+            ops, copies = blocks
+            b.tensors.update(copies)
+            live.update(copies)
     rename = {loss: "loss"} if "loss" not in b.tensors else {}
     sub = lambda t: rename.get(t, t)  # noqa: E731
     ops = [op.replace(inputs=tuple(map(sub, op.inputs)), outputs=tuple(map(sub, op.outputs))) for op in ops]

@@ -131,11 +131,16 @@ def _take_along_infer(p, ins):
 
 
 def _take_along_terms(axis: int, rank: int) -> tuple[str, str, str]:
-    """(operand letters, index letters, the two unshardable letters) of take_along and
-    its gradient: shared letters off `axis`, the gathered axis and the index axis apart."""
+    """(operand letters, index letters, the unshardable letter) of take_along and its
+    gradient: shared letters off `axis`, the gathered axis and the index axis apart.
+
+    The gathered axis may be split, as Megatron-LM's vocabulary-parallel cross-entropy
+    splits the logits: each device picks the entries its slice holds (zero elsewhere)
+    and the partial results are summed (take_along), or each scatters into its own
+    slice (the gradient). The index axis is not split."""
     full = letter_run(rank)
     v, k = letter_run(2, rank)
-    return full[:axis] + v + full[axis + 1:], full[:axis] + k + full[axis + 1:], v + k
+    return full[:axis] + v + full[axis + 1:], full[:axis] + k + full[axis + 1:], k
 
 
 def _take_along_dims(p, ins, outs):

@@ -153,3 +153,53 @@ def equinox_problem(batch_size: int = 8):
 
     ids = jnp.zeros((batch_size, T), jnp.int32)
     return loss_fn, params, {"ids": ids, "labels": ids}
+
+
+def flax_gpt_problem(hidden: int = 64, layers: int = 2, heads: int = 4, seq: int = 16, vocab: int = 128,
+                     batch_size: int = 8, dtype: str = "float32"):
+    """A GPT written in flax.linen with the layout of the built-in `gpt3` family
+    (`graphs._transformer`): learned positions, pre-LN blocks with biased Q/K/V
+    projections into heads, a causal softmax, GeLU MLP of 4x hidden, a final LayerNorm
+    and the head tied to the token embedding (`Embed.attend`); optax's integer-label
+    cross-entropy. `gpt3:hidden=...,layers=...` of the same numbers is the same model."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    dt = jnp.dtype(dtype)
+    d = hidden // heads
+    causal = np.tril(np.ones((seq, seq), bool))
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.LayerNorm(epsilon=1e-5, dtype=dt, param_dtype=dt)(x)
+            q, k, v = (nn.DenseGeneral((heads, d), dtype=dt, param_dtype=dt)(h) for _ in range(3))
+            att = jnp.einsum("bqnd,bknd->bnqk", q, k) / np.sqrt(d).astype(dt)
+            att = jax.nn.softmax(jnp.where(causal, att, jnp.finfo(dt).min), -1)
+            o = jnp.einsum("bnqk,bknd->bqnd", att, v)
+            x = x + nn.DenseGeneral(hidden, axis=(-2, -1), dtype=dt, param_dtype=dt)(o)
+            h = nn.LayerNorm(epsilon=1e-5, dtype=dt, param_dtype=dt)(x)
+            h = nn.Dense(4 * hidden, dtype=dt, param_dtype=dt)(h)
+            return x + nn.Dense(hidden, dtype=dt, param_dtype=dt)(nn.gelu(h))
+
+    class FlaxGPT(nn.Module):
+        @nn.compact
+        def __call__(self, ids):
+            wte = nn.Embed(vocab, hidden, dtype=dt, param_dtype=dt)
+            wpe = self.param("wpe", nn.initializers.normal(0.02), (seq, hidden), dt)
+            x = wte(ids) + wpe[None]
+            for _ in range(layers):
+                x = Block()(x)
+            return wte.attend(nn.LayerNorm(epsilon=1e-5, dtype=dt, param_dtype=dt)(x))
+
+    model = FlaxGPT()
+
+    def loss_fn(params, batch):
+        logits = model.apply({"params": params}, batch["ids"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
+
+    ids = jnp.zeros((batch_size, seq), jnp.int32)
+    params = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), ids)["params"])
+    return loss_fn, params, {"ids": ids, "labels": ids}

@@ -181,9 +181,10 @@ def min_memory_bytes(problem: IntraOpProblem, solver: str = "highs", activation_
 
 def min_memory_choice(problem: IntraOpProblem, solver: str = "highs", activation_multiplier: float = 1.0,
                       slack: float = 1e-3, mip_gap: float | None = None,
-                      time_limit_s: float | None = None,
-                      presolve: bool = True) -> tuple[float, IntraOpResult | None]:
-    """(least memory, the fastest plan within `slack` of it): two solves, memory first.
+                      time_limit_s: float | None = None, presolve: bool = True,
+                      refine_time_limit_s: float | None = None) -> tuple[float, IntraOpResult | None]:
+    """(least memory, the fastest plan within `slack` of it): two solves, memory first;
+    `refine_time_limit_s` bounds the second (default `time_limit_s`).
 
     One weighted objective (memory + tiny x time) would be the textbook lexicographic
     trick, but proving its optimum takes HiGHS minutes; two small solves take seconds.
@@ -196,7 +197,8 @@ def min_memory_choice(problem: IntraOpProblem, solver: str = "highs", activation
     try:
         fast = solve_problem(problem, memory_budget_bytes=least * (1 + slack) + 1.0,
                              activation_multiplier=activation_multiplier, solver=solver, mip_gap=mip_gap,
-                             time_limit_s=time_limit_s, presolve=presolve)
+                             time_limit_s=time_limit_s if refine_time_limit_s is None else refine_time_limit_s,
+                             presolve=presolve)
     except (IntraOpInfeasible, RuntimeError):
         if choice is None:
             return least, None

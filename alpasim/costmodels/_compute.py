@@ -23,7 +23,7 @@ from collections.abc import Mapping
 
 from alpasim.graphs import MATMUL_KINDS, Op, Tensor, op_bytes, op_flops, op_kind
 
-from ._fusion import OpAccess
+from ._fusion import VIEW_PRIMS as FREE_PRIMS, OpAccess
 from ._hardware import Device
 
 # One CUDA kernel launch plus its minimal run time (a few microseconds on V100-H100).
@@ -35,8 +35,6 @@ MAX_MATMUL_EFFICIENCY = 0.7
 # The half-efficiency size therefore scales with the peak: ~1 GFLOP on a V100 in fp16,
 # ~2.5 GFLOP on an A100, ~8 GFLOP on an H100.
 HALF_EFFICIENCY_TIME_S = 8e-6
-# Ops whose output is a view of their input: no kernel, no traffic.
-FREE_PRIMS = frozenset({"reshape"})
 
 
 def matmul_efficiency(flops: float, peak_flops_per_s: float) -> float:

@@ -37,13 +37,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from alpasim.graphs import OpGraph
+from alpasim.graphs import RECOMPUTABLE_PRIMS, OpGraph
 
-FUSIBLE_PRIMS = frozenset({
-    "elementwise", "broadcast", "reshape", "transpose", "convert", "bias_add", "reduce", "slice", "pad",
-    "concatenate", "iota", "full", "softmax", "softmax_grad", "layer_norm", "layer_norm_grad",
-    "softmax_cross_entropy", "softmax_cross_entropy_grad",
-})
+# What the backward may recompute is fusible; so are reductions, the gradient kernels
+# of the normalisation and softmax ops, and the loss.
+FUSIBLE_PRIMS = RECOMPUTABLE_PRIMS | {
+    "reduce", "softmax_grad", "layer_norm_grad", "softmax_cross_entropy", "softmax_cross_entropy_grad",
+}
+# Ops whose output is a view of their input: no kernel, no traffic.
 VIEW_PRIMS = frozenset({"reshape"})
 
 
@@ -172,8 +173,8 @@ def _fuse(graph: OpGraph) -> Fusion:
                     internal.add(t)
             access[name] = OpAccess(nbytes, first)
             first = False
-        for name in names:   # a view of an internal tensor is internal too
+        for name in names:   # a view of an internal tensor is internal too (in order: views of views)
             op = graph.op_by_name[name]
-            if op.prim in VIEW_PRIMS and root(op.outputs[0]) in internal and not read_outside(op.outputs[0], k):
+            if op.prim in VIEW_PRIMS and op.inputs[0] in internal and not read_outside(op.outputs[0], k):
                 internal.add(op.outputs[0])
     return Fusion(kernels, kernel_of, access, frozenset(internal))

@@ -6,8 +6,13 @@ in this process have already started it with one device.
 
 from __future__ import annotations
 
+import pytest
+
 from alpasim.costmodels import COLLECTIVE_KINDS, OP_CLASSES, ProfiledCostModel, get_cluster
 from alpasim.graphs import GraphBuilder
+
+# Measures time or starts a Ray cluster: runs alone, after the others (tests/conftest.py).
+pytestmark = pytest.mark.serial
 
 
 def test_quick_profile_writes_a_loadable_model(quick_profile):

@@ -27,6 +27,8 @@ from alpasim.backends import (RayRuntimeError, check_numerics, compare_collectiv
 from alpasim.simulator import Send, build_program
 
 ray = pytest.importorskip("ray")
+# Measures time or starts a Ray cluster: runs alone, after the others (tests/conftest.py).
+pytestmark = pytest.mark.serial
 
 RTOL = 1e-6
 STEPS = 2

@@ -33,6 +33,9 @@ from alpasim.costmodels import ProfiledCostModel, get_cluster
 from alpasim.simulator import Send, build_program, simulate, synthetic_plan
 from alpasim.solvers import plan_pipeline
 
+# Measures time or starts a Ray cluster: runs alone, after the others (tests/conftest.py).
+pytestmark = pytest.mark.serial
+
 TINY_GPT = "gpt3:hidden=64,layers=2,heads=4,seq=16,vocab=128,batch=8,dtype=fp32"
 SMALL_GPT = "gpt3:hidden=256,layers=4,heads=8,seq=64,vocab=512,batch=16,dtype=fp32"
 VIEWS = {2: [(1, 2)], 4: [(2, 2)]}

@@ -221,6 +221,7 @@ def test_cli_compare_matches_the_sweep(cache_dir, report):
     assert len(lines) == 2 and "intra_only" in lines[1] and "x alpa" in lines[1]
 
 
+@pytest.mark.serial
 def test_cli_sweep_on_ray_matches_the_local_pool(tmp_path, cache_dir):
     """`--ray` plans the points as Ray tasks on a local one-machine cluster (started and
     stopped by the command); with a fresh cache every point is really planned there,

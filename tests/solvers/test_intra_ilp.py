@@ -285,6 +285,7 @@ def test_weight_update_sharding_on_data_parallel_mlp() -> None:
     assert sharded.plan.memory.optimizer_bytes == pytest.approx(after.memory.optimizer_bytes)
 
 
+@pytest.mark.serial
 def test_watchdog_cancels_a_solve_that_outruns_its_time_limit(monkeypatch):
     """HiGHS does not check its own time limit everywhere; the watchdog interrupts it.
     Here the watchdog is set far below HiGHS's own limit, on a knapsack MIP that takes

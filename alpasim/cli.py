@@ -493,30 +493,35 @@ def _parse_microbatches(text: str) -> int | str:
         fail(f"--microbatches {text!r}: a positive integer or 'auto'")
 
 
-def make_plan(model: str, cluster: cm.Cluster, *, microbatches: str, remat: bool, layers: int | None,
-              cache: bool, workers: int | None, ray: bool, ray_address: str | None, quiet: bool,
-              max_stages: int = 16, epsilon: float = 1e-3,
-              cost_model: cm.CostModel | None = None, precision: str | None = None,
-              recompute: str = "none") -> sv.PipelinePlan:
+def make_plan(model: str, cluster: cm.Cluster, method: str = "alpa", *, microbatches: str = "auto",
+              layers: int | None = None, max_stages: int | None = None, megatron: sv.MegatronConfig | None = None,
+              cache: bool = True, workers: int | None = None, ray: bool = False, ray_address: str | None = None,
+              quiet: bool = False, **options) -> sv.PipelinePlan:
+    """`solvers.plan_model` with a progress display and the chosen worker pool;
+    `options` are the planner's common options (remat, epsilon, cost_model, precision,
+    recompute). An option the method's record does not accept is a one-line error."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    m = sv.get_method(method)
+    for flag, key, value in (("--layers", "layers", layers), ("--max-stages", "max_stages", max_stages)):
+        if value is not None and key not in m.accepts:
+            fail(f"{flag} does not apply to --method {m.cli_name} (its search sets it)")
     mb = _parse_microbatches(microbatches)
     map_fn, close = _plan_map(workers, ray, ray_address)
-    progress = Progress(TextColumn("stage costs {task.description}"), BarColumn(), MofNCompleteColumn(),
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=err, transient=True, disable=quiet)
     tasks: dict[str, Any] = {}
 
     def report(label: str, done: int, total: int) -> None:
         if label not in tasks:
-            tasks[label] = progress.add_task(label, total=total)
+            tasks[label] = progress.add_task(f"{m.cli_name}: {label}", total=total)
         progress.update(tasks[label], completed=done)
 
     try:
         with progress:
-            return sv.plan_pipeline(model, cluster, microbatches=mb, remat=remat, map_fn=map_fn,
-                                    cache=sv.DiskCache(enabled=cache), progress=report, layers=layers,
-                                    max_stages=max_stages, epsilon=epsilon, cost_model=cost_model,
-                                    precision=precision, recompute=recompute)
+            return sv.plan_model(model, cluster, m.name, microbatches=mb, layers=layers, max_stages=max_stages,
+                                 megatron=megatron, map_fn=map_fn, cache=sv.DiskCache(enabled=cache),
+                                 progress=report, **options)
     finally:
         close()
 
@@ -538,12 +543,13 @@ def plan(
     workers: Annotated[Optional[int], typer.Option("--workers", help="Local processes filling the table.")] = None,
     ray: Annotated[bool, typer.Option("--ray", help="Fill the stage-cost table with Ray tasks.")] = False,
     ray_address: Annotated[Optional[str], typer.Option("--ray-address", help="Ray cluster address.")] = None,
-    max_stages: Annotated[int, typer.Option("--max-stages", help="Deepest pipeline considered.")] = 16,
+    max_stages: Annotated[Optional[int], typer.Option("--max-stages", help="Deepest pipeline considered "
+                                                      f"(default {sv.DEFAULT_MAX_STAGES}).")] = None,
     epsilon: Annotated[float, typer.Option("--epsilon", help="Relative gap between bottlenecks tried.")] = 1e-3,
     run_simulation: Annotated[bool, typer.Option("--simulate", help="Also simulate the plan (1F1B) and show "
                                                  "the timeline metrics.")] = False,
     method: Annotated[str, typer.Option("--method", help="alpa, or a baseline: " + ", ".join(
-        m.replace("_", "-") for m in sv.METHODS if m != "alpa") + ".")] = "alpa",
+        m.cli_name for m in sv.METHODS.values() if m.name != "alpa") + ".")] = "alpa",
     tp: Annotated[Optional[int], typer.Option("--tp", help="Megatron tensor-parallel degree.")] = None,
     pp: Annotated[Optional[int], typer.Option("--pp", help="Megatron pipeline-parallel degree.")] = None,
     dp: Annotated[Optional[int], typer.Option("--dp", help="Megatron data-parallel degree.")] = None,
@@ -565,36 +571,34 @@ def plan(
     model_costs = load_cost_model(cost_model, c)
     _check_precision(precision)
     _check_recompute(recompute)
-    if max_stages < 1 or epsilon < 0:
+    if (max_stages is not None and max_stages < 1) or epsilon < 0:
         fail("--max-stages must be at least 1 and --epsilon at least 0")
-    name = method.strip().lower().replace("-", "_")
-    if name not in sv.METHODS:
-        fail(f"--method {method!r}: choose one of {', '.join(m.replace('_', '-') for m in sv.METHODS)}")
+    try:
+        m = sv.get_method(method)
+    except sv.UnknownMethodError:
+        fail(f"--method {method!r}: choose one of {', '.join(x.cli_name for x in sv.METHODS.values())}")
+    name = m.name
     degrees = {"--tp": tp, "--pp": pp, "--dp": dp, "--microbatch-size": microbatch_size}
     given = [k for k, v in degrees.items() if v is not None]
-    if given and name != "megatron":
+    if given and "megatron" not in m.accepts:
         fail(f"{', '.join(given)} only apply to --method megatron")
     if given and len(given) != len(degrees):
         fail(f"--method megatron takes all of --tp, --pp, --dp and --microbatch-size together (missing "
              f"{', '.join(k for k in degrees if k not in given)})")
-    if name == "alpa":
-        p = make_plan(model, c, microbatches=microbatches, remat=remat, layers=layers, cache=not no_cache,
-                      workers=workers, ray=ray, ray_address=ray_address, quiet=as_json, max_stages=max_stages,
-                      epsilon=epsilon, cost_model=model_costs, precision=precision, recompute=recompute)
-    else:
-        config = sv.MegatronConfig(tp, pp, dp, microbatch_size) if given else None
-        p = _baseline_plan(name, model, c, config, microbatches=microbatches, remat=remat, layers=layers,
-                           cache=not no_cache, workers=workers, ray=ray, ray_address=ray_address, quiet=as_json,
-                           max_stages=max_stages, epsilon=epsilon, cost_model=model_costs, precision=precision,
-                           recompute=recompute)
-        if not p.feasible:
-            if out_path is not None:
-                p.save(out_path)
-                err.print(f"wrote {out_path}", soft_wrap=True)
-            if as_json:
-                emit_json(p.to_json())
-                return
-            fail(f"{name}: no feasible plan: {'; '.join(p.notes) or 'infeasible'}")
+    config = sv.MegatronConfig(tp, pp, dp, microbatch_size) if given else None
+    p = make_plan(model, c, name, microbatches=microbatches, layers=layers, max_stages=max_stages, megatron=config,
+                  cache=not no_cache, workers=workers, ray=ray, ray_address=ray_address, quiet=as_json,
+                  remat=remat, epsilon=epsilon, cost_model=model_costs, precision=precision, recompute=recompute)
+    if not p.feasible:
+        if name == "alpa":   # Alpa finding nothing is an error, with or without --json
+            fail("; ".join(p.notes) or "infeasible")
+        if out_path is not None:
+            p.save(out_path)
+            err.print(f"wrote {out_path}", soft_wrap=True)
+        if as_json:
+            emit_json(p.to_json())
+            return
+        fail(f"{name}: no feasible plan: {'; '.join(p.notes) or 'infeasible'}")
     if out_path is not None:
         p.save(out_path)
         err.print(f"wrote {out_path}", soft_wrap=True)
@@ -604,52 +608,18 @@ def plan(
         return
     print_plan(p)
     if name != "alpa":
-        config = p.search.get("megatron")
-        out.print(f"method {name}: {sv.METHODS[name]}" + (
+        config = p.search.megatron
+        out.print(f"method {name}: {m.summary}" + (
             f"; tp={config['tp']} pp={config['pp']} dp={config['dp']} microbatch size "
             f"{config['microbatch_size']}" if config else ""))
     if report is not None:
         print_simulation(report)
 
 
-def _baseline_plan(method: str, model: str, cluster: cm.Cluster, config: sv.MegatronConfig | None, *,
-                   microbatches: str, remat: bool, layers: int | None, cache: bool, workers: int | None, ray: bool,
-                   ray_address: str | None, quiet: bool, max_stages: int, epsilon: float,
-                   cost_model: cm.CostModel | None = None, precision: str | None = None,
-                   recompute: str = "none") -> sv.PipelinePlan:
-    """`plan_with_method` for a baseline, with the options its restriction leaves open."""
-    from rich.progress import Progress, TextColumn, TimeElapsedColumn
-
-    mb = _parse_microbatches(microbatches)
-    kw: dict[str, Any] = {"remat": remat, "epsilon": epsilon, "precision": precision, "recompute": recompute}
-    if cost_model is not None:
-        kw["cost_model"] = cost_model
-    if layers is not None:
-        if method in ("inter_only", "equal_operator", "megatron"):
-            fail(f"--layers does not apply to --method {method} (it sets the layers itself)")
-        kw["layers"] = layers
-    if method in ("pp_dp", "equal_layer", "equal_operator"):
-        kw["max_stages"] = max_stages
-    map_fn, close = _plan_map(workers, ray, ray_address)
-    progress = Progress(TextColumn("{task.description}"), TimeElapsedColumn(), console=err, transient=True,
-                        disable=quiet)
-    task = progress.add_task(f"planning {method}")
-
-    def report(label: str, done: int, total: int) -> None:
-        progress.update(task, description=f"{method}: {label} ({done}/{total})")
-
-    try:
-        with progress:
-            return sv.plan_with_method(method, model, cluster, microbatches=mb, megatron=config, map_fn=map_fn,
-                                       cache=sv.DiskCache(enabled=cache), progress=report, **kw)
-    finally:
-        close()
-
-
 def print_plan(p: sv.PipelinePlan) -> None:
     m, c, pr = p.model, p.cluster, p.predicted
-    title = (f"{m['name']} ({_fmt_count(m['params'])} params) on {c['nodes']} x {c['devices_per_node']} "
-             f"{c['device']} — {len(p.stages)} stages, {p.microbatches} microbatches of {m['microbatch_size']}")
+    title = (f"{m.name} ({_fmt_count(m.params)} params) on {c.nodes} x {c.devices_per_node} "
+             f"{c.device} — {len(p.stages)} stages, {p.microbatches} microbatches of {m.microbatch_size}")
     t = Table(title=title)
     for col in ("stage", "layers", "submesh", "devices", "logical mesh", "time / microbatch", "memory / device",
                 "in flight"):
@@ -661,8 +631,9 @@ def print_plan(p: sv.PipelinePlan) -> None:
                   str(s.inflight_microbatches))
     out.print(t)
     if all(s.memory for s in p.stages):
-        mt = Table(title=f"memory per device by term ({m.get('precision', gr.DEFAULT_RECIPE)}: "
-                         f"{m.get('bytes_per_param', '?')} B/param; stash x microbatches in flight)")
+        mt = Table(title=f"memory per device by term ({m.precision or gr.DEFAULT_RECIPE}: "
+                         f"{m.bytes_per_param if m.bytes_per_param is not None else '?'} B/param; "
+                         f"stash x microbatches in flight)")
         for col in ("stage", "params", "grads", "optimizer", "stash", "working set", "buffers", "total"):
             mt.add_column(col)
         for i, s in enumerate(p.stages):
@@ -678,15 +649,15 @@ def print_plan(p: sv.PipelinePlan) -> None:
         for h in s.heavy_ops[:3]:
             ht.add_row(str(i), h["op"], h["equation"], h["strategy"], h["output"])
     out.print(ht)
-    out.print(f"predicted iteration {pr['iteration_s']:.2f} s, {pr['tflops_per_device']:.1f} TFLOP/s per device, "
-              f"{pr['throughput_pflops']:.3f} PFLOP/s in all, peak memory {_fmt_bytes(pr['peak_memory_bytes'])} "
-              f"per device, bubble {pr['bubble_fraction']:.1%}")
+    out.print(f"predicted iteration {pr.iteration_s:.2f} s, {pr.tflops_per_device:.1f} TFLOP/s per device, "
+              f"{pr.throughput_pflops:.3f} PFLOP/s in all, peak memory {_fmt_bytes(pr.peak_memory_bytes)} "
+              f"per device, bubble {pr.bubble_fraction or 0.0:.1%}")
     sr = p.search
-    out.print(f"search: {sr['seconds']:.1f} s, {sr['ilp_solves']} intra-op jobs, {sr['cache_hits']} cache hits, "
-              f"B tried {sr['microbatch_candidates']}")
+    out.print(f"search: {sr.seconds:.1f} s, {sr.ilp_solves} intra-op jobs, {sr.cache_hits} cache hits, "
+              f"B tried {list(sr.microbatch_candidates)}")
     for r in p.runner_ups:
-        when = f"{r['iteration_s']:.2f} s" if r["iteration_s"] is not None else "no plan fits"
-        out.print(f"  runner-up B={r['microbatches']}: {when} ({len(r['stages'])} stages)")
+        when = f"{r.iteration_s:.2f} s" if r.iteration_s is not None else "no plan fits"
+        out.print(f"  runner-up B={r.microbatches}: {when} ({len(r.stages)} stages)")
 
 
 # -------------------------------------------------------------------- simulate
@@ -749,9 +720,10 @@ def simulate(
             fail(f"{plan_file}: the plan records no cluster spec to bind --cost-model to")
         model = load_cost_model(cost_model, base)
         cluster = model.cluster
-        if p.search.get("cost_model", {}).get("digest") != model.digest:
+        priced_by = p.search.cost_model
+        if priced_by is None or priced_by.digest != model.digest:
             model_note = (f"stage times come from the plan (priced by "
-                          f"{p.search.get('cost_model', {}).get('name', 'the analytic model')}); only cross-mesh "
+                          f"{priced_by.name if priced_by else 'the analytic model'}); only cross-mesh "
                           f"links use {cost_model}")
     report = simulation_report(p, schedule, chunks=chunks, cross_mesh=cross_mesh, trace=trace, gantt=gantt,
                                memory_png=memory_png, cluster=cluster)
@@ -760,7 +732,7 @@ def simulate(
     if as_json:
         emit_json(report)
         return
-    print_simulation(report, title=f"{plan_file}: {p.model.get('name', '?')}")
+    print_simulation(report, title=f"{plan_file}: {p.model.name}")
 
 
 def print_simulation(r: dict[str, Any], title: str = "simulation") -> None:
@@ -988,7 +960,7 @@ def run(
     if as_json:
         emit_json(report)
     else:
-        print_run(report, title=f"{plan_file}: {p.model.get('name', '?')}")
+        print_run(report, title=f"{plan_file}: {p.model.name}")
     if not report["numerics_ok"]:
         fail(f"numerics mismatch against one device: worst gradient rel. error {report['max_rel_grad_err']:.2e} "
              f"({report['worst_param']}) > {report['grad_tol']:.1e} or loss error {report['max_abs_loss_err']:.2e} "

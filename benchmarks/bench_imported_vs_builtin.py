@@ -72,8 +72,8 @@ def main() -> None:
             p = sv.plan_pipeline(source if isinstance(source, str) else gr.model_source(source), node,
                                  cache=sv.DiskCache(enabled=False))
             walls[label] = time.perf_counter() - t0
-            print(f"plan {label:9s} {walls[label]:6.1f} s, {p.model['layers']} layers, "
-                  f"{p.search['ilp_solves']} ILP jobs, predicted {p.predicted['iteration_s'] * 1e3:.2f} ms")
+            print(f"plan {label:9s} {walls[label]:6.1f} s, {p.model.layers} layers, "
+                  f"{p.search.ilp_solves} ILP jobs, predicted {p.predicted.iteration_s * 1e3:.2f} ms")
         print(f"plan time ratio imported / built-in {walls['imported'] / walls['built-in']:.2f} "
               f"(load average {os.getloadavg()[0]:.2f})")
 

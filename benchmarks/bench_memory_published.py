@@ -62,7 +62,7 @@ def main() -> None:
             st = max(plan.stages, key=lambda s: s.memory_bytes)
             m = st.memory
             states = m["params_bytes"] + m["grads_bytes"] + m["optimizer_bytes"]
-            tflops = plan.predicted["tflops_per_device"]
+            tflops = plan.predicted.tflops_per_device
             print(f"{name:>6} {tp:>2} {pp:>2} {dp:>3} {mbs:>3}  {st.memory_bytes / GIB:6.1f} GiB  "
                   f"{'yes' if st.memory_bytes <= 80e9 else 'NO':>4}  {states / GIB:5.1f} GiB "
                   f"{m['stash_bytes'] / GIB:6.2f} x {m['inflight']:<3} {m['transient_bytes'] / GIB:5.2f} GiB  "

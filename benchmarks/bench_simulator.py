@@ -26,7 +26,7 @@ def main() -> None:
                           params_bytes=4e9, activation_bytes=50e6, sync_s=0.05, hidden_shape=(4, 1024, 2560),
                           specs=("RRR", "RRR"))
     print(f"{STAGES} stages on 2 x 8 GPUs, {MICROBATCHES} microbatches, eq. 2: "
-          f"{plan.predicted['iteration_s']:.3f} s")
+          f"{plan.predicted.iteration_s:.3f} s")
     for schedule, free in (("1f1b", False), ("1f1b", True), ("gpipe", False), ("interleaved", False)):
         t0 = time.perf_counter()
         tl = simulate(plan, schedule, chunks=2, free_communication=free)  # program + routes + engine

@@ -48,9 +48,9 @@ def main() -> None:
                 print(f"{name:<14}{gpus:>5}{time.perf_counter() - t0:>9.1f}  infeasible: {e}")
                 continue
             s, p = plan.search, plan.predicted
-            print(f"{name:<14}{gpus:>5}{s['seconds']:>9.1f}{s['ilp_solves']:>6}{s['cache_hits']:>6}"
-                  f"{plan.microbatches:>6}{len(plan.stages):>7}{p['throughput_pflops']:>9.3f}"
-                  f"{p['tflops_per_device']:>12.1f}", flush=True)
+            print(f"{name:<14}{gpus:>5}{s.seconds:>9.1f}{s.ilp_solves:>6}{s.cache_hits:>6}"
+                  f"{plan.microbatches:>6}{len(plan.stages):>7}{p.throughput_pflops:>9.3f}"
+                  f"{p.tflops_per_device:>12.1f}", flush=True)
 
 
 if __name__ == "__main__":

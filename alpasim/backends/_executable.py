@@ -90,7 +90,7 @@ from ._stages import StagePart, partition, stage_intra_plan
 AXIS_NAMES = ("x", "y")
 CONSTRAINED_PRIMS = ("einsum", "conv2d", "conv2d_input_grad", "conv2d_filter_grad")
 HALF_DTYPES = ("float16", "bfloat16")
-# The precision recipe a plan records (`plan.model["precision"]`); plans from before the
+# The precision recipe a plan records (`plan.model.precision`); plans from before the
 # recipes existed ran what "mixed-fp32grad" now names.
 DEFAULT_PRECISION = "mixed-fp32grad"
 
@@ -229,9 +229,8 @@ def plan_training_graph(plan: PipelinePlan, graph: OpGraph) -> OpGraph:
     """The training graph of `plan` (`graph` is `planning_graph(plan.model)`): its remat,
     its recompute policy and its precision recipe where it records them (older plans:
     the builder's defaults)."""
-    recipe = {"precision": plan.model["precision"]} if "precision" in plan.model else {}
-    return build_training_graph(graph, remat=bool(plan.model.get("remat", True)),
-                                recompute=plan.model.get("recompute", "none"), **recipe).graph
+    recipe = {"precision": plan.model.precision} if plan.model.precision is not None else {}
+    return build_training_graph(graph, remat=plan.model.remat, recompute=plan.model.recompute, **recipe).graph
 
 
 def stage_inputs(plan: PipelinePlan, graph: OpGraph, seed: int = 0) -> StageInputs:
@@ -270,8 +269,8 @@ def lower_stage(plan: PipelinePlan, graph: OpGraph, stage_index: int, devices: S
                                                                                         np.float32)
             states[t] = jax.device_put(init, shardings[t])
 
-    remat = bool(plan.model.get("remat", True))
-    precision = str(plan.model.get("precision", DEFAULT_PRECISION))
+    remat = plan.model.remat
+    precision = plan.model.precision or DEFAULT_PRECISION
     acc_dtypes = {p: accumulation_dtype(train.tensors[p].dtype, train.tensors[ops.adam[p].inputs[1]].dtype,
                                         precision) for p in ops.grads}
     acc = {}
@@ -356,10 +355,10 @@ def _boundary_layouts(plan: PipelinePlan, ops: StageOps, k: int, mesh: Mesh, out
     sent = {*ops.acts_out, *ops.cts_out, *ops.grads.values()}
     received = {*ops.acts_in, *ops.cts_in}
     for t in plan.transfers:
-        if t["src_stage"] == k and t.get("src_spec") and t["tensor"] in sent:
-            out[t["tensor"]] = named_sharding(mesh, t["src_spec"])
-        if t["dst_stage"] == k and t.get("dst_spec") and t["tensor"] in received:
-            out[t["tensor"]] = named_sharding(mesh, t["dst_spec"])
+        if t.src_stage == k and t.src_spec and t.tensor in sent:
+            out[t.tensor] = named_sharding(mesh, t.src_spec)
+        if t.dst_stage == k and t.dst_spec and t.tensor in received:
+            out[t.tensor] = named_sharding(mesh, t.dst_spec)
     for t in (*ops.acts_in, *ops.acts_out, *ops.data, *ops.cts_in, *ops.cts_out, *ops.stash):
         if t not in out:
             raise ValueError(f"stage {k}: the plan gives no layout for boundary or stashed tensor {t!r}")

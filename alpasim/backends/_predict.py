@@ -192,6 +192,6 @@ def _serial_step_s(plan: PipelinePlan, times: Sequence[tuple[float, float, float
               for st, (f, b, u) in zip(plan.stages, times, strict=True)]
     priced = dataclasses.replace(plan, stages=stages)
     if cluster is not None:
-        priced = dataclasses.replace(priced, cluster={**plan.cluster, "spec": cluster.to_json()})
+        priced = dataclasses.replace(priced, cluster=dataclasses.replace(plan.cluster, spec=cluster.to_json()))
     program = build_program(priced, plan.schedule)
     return simulate(priced, program, cluster=cluster, executors=1, dispatch_s=dispatch_s).iteration_s

@@ -151,7 +151,7 @@ def measured_timeline(plan: PipelinePlan, program: Program, events: list[Event],
     memory = [[(0.0, b)] for b in params_bytes]
     links = tuple(sorted({(e.track, 0) for e in events if e.kind == "send"}))
     return Timeline(program.schedule, program.microbatches, program.chunks, "device_put", meshes, step_s, events,
-                    memory, links, sent_bytes, 0.0, plan.predicted.get("iteration_s"), notes=(note,), wall_s=step_s)
+                    memory, links, sent_bytes, 0.0, plan.predicted.iteration_s, notes=(note,), wall_s=step_s)
 
 
 def params_bytes_per_device(stage: StageExecutable) -> float:

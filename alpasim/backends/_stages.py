@@ -102,12 +102,12 @@ def stage_intra_plan(plan: PipelinePlan, train: OpGraph, k: int) -> IntraOpPlan:
     st = plan.stages[k]
     cluster = plan_cluster(plan)
     if cluster is None:
-        raise ValueError(f"plan cluster {plan.cluster.get('name')!r} is unknown; cannot rebuild stage {k}'s mesh")
+        raise ValueError(f"plan cluster {plan.cluster.name!r} is unknown; cannot rebuild stage {k}'s mesh")
     sub = stage_graph(train, *st.layers)
     fixed = {p: [ShardingSpec.parse(text)] for p, text in st.param_specs.items() if p in sub.tensors}
     for t in plan.transfers:
-        if t["dst_stage"] == k and t.get("dst_spec") and t["tensor"] in sub.inputs:
-            fixed[t["tensor"]] = [ShardingSpec.parse(t["dst_spec"])]
+        if t.dst_stage == k and t.dst_spec and t.tensor in sub.inputs:
+            fixed[t.tensor] = [ShardingSpec.parse(t.dst_spec)]
     mesh = logical_mesh(cluster, list(st.devices), tuple(st.logical_mesh))
     return solve_intra_op(sub, mesh, AnalyticCostModel(cluster), with_compute=True,
                           microbatches=plan.microbatches, leaf_specs=fixed,

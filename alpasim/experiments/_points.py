@@ -115,9 +115,9 @@ def run_point(point: Point, cache_enabled: bool = True) -> Result:
         return Result(point.model, point.gpus, point.method, point.label, False, None, None, None, None, plan_s,
                       notes=plan.notes, plan=plan.to_json())
     timeline = simulate(plan, plan.schedule, cluster=point.cluster, cross_mesh=point.cross_mesh)
-    flops = plan.model["flops_per_iteration"]
+    flops = plan.model.flops_per_iteration
     return Result(point.model, point.gpus, point.method, point.label, True, flops / timeline.iteration_s / 1e15,
-                  plan.predicted["throughput_pflops"], timeline.iteration_s, plan.predicted["iteration_s"], plan_s,
+                  plan.predicted.throughput_pflops, timeline.iteration_s, plan.predicted.iteration_s, plan_s,
                   notes=plan.notes, plan=plan.to_json())
 
 

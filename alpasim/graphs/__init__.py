@@ -15,6 +15,8 @@ from ._batch import batch_size as batch_size
 from ._batch import mark_batch as mark_batch
 from ._batch import resize_batch as resize_batch
 from ._build import BuiltGraph as BuiltGraph
+from ._source import JaxModel as JaxModel
+from ._source import ModelLike as ModelLike
 from ._source import ModelSource as ModelSource
 from ._source import graph_digest as graph_digest
 from ._source import model_source as model_source

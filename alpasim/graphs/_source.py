@@ -3,7 +3,7 @@
 The planner needs a model at every microbatch size it tries, and a plan must be able
 to rebuild exactly the graph it was priced on wherever it is taken. `ModelSource`
 gives both: `forward(microbatch_size, dtype)` is the forward graph of one microbatch,
-and `record()` is what a plan stores (`plan.model["source"]`) so that
+and `record()` is what a plan stores (`plan.model.source`) so that
 `source_from_record` rebuilds the same source anywhere:
 
 - zoo: ``{"kind": "zoo", "spec": "gpt3-2.6b"}``; the graph is rebuilt from the spec.
@@ -19,9 +19,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 from ._batch import batch_size, resize_batch
 from ._build import read_graph_file
@@ -86,10 +87,36 @@ def graph_source(graph: OpGraph, name: str | None = None) -> ModelSource:
     return ModelSource(name or graph.name, str(graph.meta.get("family", "graph")), int(batch), dtype, graph=graph)
 
 
-def model_source(spec: str | ModelConfig | OpGraph | ModelSource) -> ModelSource:
-    """The source of a zoo name, spec string, model JSON, graph file or graph."""
+@dataclass(frozen=True)
+class JaxModel:
+    """A user's JAX model as the planner takes it from Python: `loss_fn(params, batch)`
+    with example `params` and `batch` (pytrees of arrays or `jax.ShapeDtypeStruct`s,
+    only shapes and dtypes are read); `batch_axis` is the batch axis of every batch
+    leaf. It is imported with `graphs.from_jax` (traced at the batch and at twice it,
+    so the graph is resized to any microbatch exactly) and planned as that graph."""
+
+    loss_fn: Callable[[Any, Any], Any]
+    params: Any
+    batch: Any
+    name: str = "imported"
+    batch_axis: int | None = 0
+
+    def graph(self) -> OpGraph:
+        from ._jax_import import from_jax
+
+        return from_jax(self.loss_fn, self.params, self.batch, name=self.name, batch_axis=self.batch_axis)
+
+
+# What the planner accepts as a model (`model_source`).
+ModelLike = Union[str, ModelConfig, OpGraph, "ModelSource", JaxModel]
+
+
+def model_source(spec: ModelLike) -> ModelSource:
+    """The source of a zoo name, spec string, model JSON, graph file, graph or JAX model."""
     if isinstance(spec, ModelSource):
         return spec
+    if isinstance(spec, JaxModel):
+        return graph_source(spec.graph(), spec.name)
     if isinstance(spec, OpGraph):
         return graph_source(spec)
     graph = read_graph_file(spec.strip()) if isinstance(spec, str) else None
@@ -98,18 +125,16 @@ def model_source(spec: str | ModelConfig | OpGraph | ModelSource) -> ModelSource
     return ModelSource.zoo(*resolve_model(spec))
 
 
-def source_from_record(model: dict) -> ModelSource:
-    """The source a plan's `model` field was made from (module doc); plans from before
-    `source` existed name a zoo model in `model["name"]`."""
-    rec = model.get("source")
+def source_from_record(rec: dict | None, name: str) -> ModelSource:
+    """The source a plan's `model.source` record was made from (module doc); plans from
+    before `source` existed (`rec` None) name a zoo model in `name`."""
     if rec and rec.get("kind") == "zoo" and isinstance(rec.get("config"), dict):
-        return ModelSource.zoo(str(rec.get("spec", model["name"])),
-                               model_from_json(rec["config"], "the plan's model config"))
+        return ModelSource.zoo(str(rec.get("spec", name)), model_from_json(rec["config"], "the plan's model config"))
     if not rec or rec.get("kind") == "zoo":
-        return model_source(str((rec or {}).get("spec", model["name"])))
+        return model_source(str((rec or {}).get("spec", name)))
     if rec.get("kind") != "graph" or not isinstance(rec.get("graph"), dict):
         raise GraphFormatError(f"plan model source {rec.get('kind')!r}: expected 'zoo' or 'graph' with its graph")
     if graph_digest(rec["graph"]) != rec.get("digest"):
         raise GraphFormatError("the plan's embedded graph does not match its digest (edited after planning?)")
-    return graph_source(graph_from_json(rec["graph"], "the plan's graph"), str(model.get("name")))
+    return graph_source(graph_from_json(rec["graph"], "the plan's graph"), name)
 

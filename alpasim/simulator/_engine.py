@@ -78,11 +78,11 @@ def stage_phase_s(stage: PipelineStage, microbatches: int) -> tuple[float, float
 def plan_cluster(plan: PipelinePlan) -> Cluster | None:
     """The cluster a plan was made for: its recorded `spec`, else the named preset resized."""
     info = plan.cluster
-    if info.get("spec"):
-        return Cluster.from_json(info["spec"])
-    overrides = {k: info.get(k) for k in ("nodes", "devices_per_node", "inter_node_gbps")}
+    if info.spec:
+        return Cluster.from_json(info.spec)
     try:
-        return get_cluster(str(info.get("name")), **overrides)
+        return get_cluster(info.name, nodes=info.nodes, devices_per_node=info.devices_per_node,
+                           inter_node_gbps=info.inter_node_gbps)
     except UnknownPresetError:
         return None
 
@@ -321,7 +321,7 @@ def simulate(plan: PipelinePlan, schedule: str | Program = "1f1b", *, chunks: in
     if cluster is None:
         cluster = plan_cluster(plan)
         if cluster is None and not free_communication:
-            raise ValueError(f"plan cluster {plan.cluster.get('name')!r} is no preset and the plan records no "
+            raise ValueError(f"plan cluster {plan.cluster.name!r} is no preset and the plan records no "
                              "'spec'; pass a cluster or use free communication")
     routes, links = route_transfers(program, plan, cluster, cross_mesh)
     engine = _Engine(plan, program, routes, links, free_communication, executors, dispatch_s)
@@ -339,5 +339,5 @@ def simulate(plan: PipelinePlan, schedule: str | Program = "1f1b", *, chunks: in
         notes = (note,)
     return Timeline(program.schedule, program.microbatches, program.chunks, cross_mesh, meshes, max(ends),
                     engine.events, engine.memory, tuple((links.names[i], links.nodes[i]) for i in used),
-                    engine.cross_bytes, engine.inter_bytes, plan.predicted.get("iteration_s"),
+                    engine.cross_bytes, engine.inter_bytes, plan.predicted.iteration_s,
                     free_communication, notes, time.perf_counter() - t0)

@@ -38,7 +38,7 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 
-from alpasim.solvers import PipelinePlan, PlanFormatError
+from alpasim.solvers import PipelinePlan, PlanFormatError, PlanTransfer
 
 from ._program import (
     WHOLE_ITERATION,
@@ -105,20 +105,10 @@ def interleaved_order(num_stages: int, microbatches: int, stage: int, chunks: in
 
 
 # ------------------------------------------------------------------- transfers
-def _plan_transfer(i: int, t: dict, num_stages: int) -> StageTransfer:
-    """A plan's transfer record as a `StageTransfer`; missing optional fields defaulted."""
-    try:
-        src, dst = int(t["src_stage"]), int(t["dst_stage"])
-        if not (0 <= src < num_stages and 0 <= dst < num_stages) or src == dst:
-            raise ValueError(f"stages {src} -> {dst} are not two of the plan's {num_stages}")
-        return StageTransfer(str(t.get("tensor", f"transfer{i}")), tuple(t.get("shape", ())),
-                             str(t.get("dtype", "")), float(t["nbytes"]), src, dst,
-                             str(t.get("direction", "forward" if dst > src else "backward")),
-                             bool(t.get("per_iteration", False)), t.get("src_spec"), t.get("dst_spec"))
-    except KeyError as e:
-        raise PlanFormatError(f"plan transfers[{i}]: missing field {e.args[0]!r}") from None
-    except (TypeError, ValueError) as e:
-        raise PlanFormatError(f"plan transfers[{i}]: {e}") from None
+def _plan_transfer(t: PlanTransfer) -> StageTransfer:
+    """A plan's transfer (validated when the plan was made or read) in the program."""
+    return StageTransfer(t.tensor, t.shape, t.dtype, t.nbytes, t.src_stage, t.dst_stage, t.direction,
+                         t.per_iteration, t.src_spec, t.dst_spec)
 
 
 def _boundary_tensors(base: Sequence[StageTransfer]) -> list[StageTransfer]:
@@ -137,7 +127,7 @@ def _boundary_tensors(base: Sequence[StageTransfer]) -> list[StageTransfer]:
 def stage_transfers(plan: PipelinePlan, chunks: int = 1) -> tuple[StageTransfer, ...]:
     """Every cross-mesh tensor of one iteration, with chunks and control messages (module doc)."""
     S, v = len(plan.stages), chunks
-    base = [_plan_transfer(i, t, S) for i, t in enumerate(plan.transfers)]
+    base = [_plan_transfer(t) for t in plan.transfers]
     boundary = _boundary_tensors(base)
     out: list[StageTransfer] = []
     for t in base:

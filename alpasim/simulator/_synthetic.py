@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from alpasim.costmodels import Cluster
-from alpasim.solvers import PipelinePlan, PipelineStage, pipeline_latency_s
+from alpasim.solvers import (PipelinePlan, PipelineStage, PlanCluster, PlanModel, Prediction, SearchStats, PlanTransfer,
+                             pipeline_latency_s)
 
 
 def synthetic_plan(forward_s: Sequence[float], backward_s: Sequence[float], microbatches: int, *,
@@ -40,14 +41,11 @@ def synthetic_plan(forward_s: Sequence[float], backward_s: Sequence[float], micr
             nbytes *= n
         for i in range(len(stages) - 1):
             for src, dst, direction in ((i, i + 1, "forward"), (i + 1, i, "backward")):
-                transfers.append({"tensor": f"boundary{i}/{direction}", "shape": list(hidden_shape),
-                                  "dtype": dtype, "nbytes": nbytes, "src_stage": src, "dst_stage": dst,
-                                  "direction": direction, "per_iteration": False,
-                                  "src_spec": specs[0], "dst_spec": specs[1]})
-    info = {"name": "synthetic", "nodes": 1, "devices_per_node": d * len(stages)}
+                transfers.append(PlanTransfer(f"boundary{i}/{direction}", nbytes, src, dst, tuple(hidden_shape), dtype,
+                                          direction, False, specs[0], specs[1]))
+    info = PlanCluster("synthetic", 1, d * len(stages))
     if cluster is not None:
-        info = {"name": cluster.name, "nodes": cluster.nodes, "devices_per_node": cluster.devices_per_node,
-                "spec": cluster.to_json()}
-    predicted = {"iteration_s": pipeline_latency_s([s.time_s for s in stages], microbatches)}
-    return PipelinePlan({"name": "synthetic"}, info, "synthetic", True, microbatches, tuple(stages), predicted, {},
-                        transfers=tuple(transfers))
+        info = PlanCluster(cluster.name, cluster.nodes, cluster.devices_per_node, spec=cluster.to_json())
+    predicted = Prediction(pipeline_latency_s([s.time_s for s in stages], microbatches))
+    return PipelinePlan(PlanModel("synthetic", "synthetic", microbatches), info, "synthetic", True, microbatches,
+                        tuple(stages), predicted, SearchStats(), transfers=tuple(transfers))

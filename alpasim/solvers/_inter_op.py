@@ -33,7 +33,8 @@ from alpasim.graphs import (
 )
 
 from ._cache import DiskCache
-from ._pipeline_plan import PipelinePlan, PipelineStage, plan_cluster_info
+from ._pipeline_plan import (CostModelRef, PipelinePlan, PipelineStage, PlanModel, Prediction, RunnerUp, SearchStats,
+                             PlanTransfer, plan_cluster_info)
 from ._stage_costs import (
     LayerOption,
     StageCosts,
@@ -109,15 +110,17 @@ def planning_units(fwd: OpGraph) -> OpGraph:
     return fwd.replace(ops=ops)
 
 
-def planning_graph(model: dict) -> OpGraph:
+def planning_graph(model: PlanModel) -> OpGraph:
     """The forward graph a plan was made from, rebuilt from its `model` field: one
     microbatch (`microbatch_size`) of the model, labelled in planning units; re-clustered
     with the eq. 6 DP when the plan's layer count says `--layers` was given. Executors
     use it so that a stage's layer range names the same ops the planner costed."""
-    source = source_from_record(model)
-    recipe = get_recipe(model.get("precision"))
-    fwd = planning_units(source.forward(int(model["microbatch_size"]), recipe.weight_dtype(source.dtype)))
-    layers = int(model.get("layers", fwd.num_layers))
+    if model.microbatch_size is None:
+        raise ValueError(f"the plan of {model.name} records no microbatch size (an infeasible plan?)")
+    source = source_from_record(model.source, model.name)
+    recipe = get_recipe(model.precision)
+    fwd = planning_units(source.forward(model.microbatch_size, recipe.weight_dtype(source.dtype)))
+    layers = model.layers if model.layers is not None else fwd.num_layers
     return fwd if layers == fwd.num_layers else assign_layers(fwd, layers)[0]
 
 
@@ -162,7 +165,7 @@ def plan_pipeline(model: str | ModelSource, cluster: Cluster, *, microbatches: i
 
     `cost_model` (None: analytic) prices every stage; its cluster replaces `cluster`
     (see `build_stage_costs`), so the plan records the cluster the model priced, and
-    `search["cost_model"]` records the model's name and digest.
+    `search.cost_model` records the model's name and digest.
 
     `precision` names the mixed-precision recipe (`graphs.RECIPES`, default
     mixed-fp32grad), recorded as `model["precision"]`; `fp32` builds the model in
@@ -243,12 +246,10 @@ def plan_pipeline(model: str | ModelSource, cluster: Cluster, *, microbatches: i
             # Going up made microbatches only smaller, and nothing fit even at the
             # smallest: larger microbatches need more memory, so none fits.
             break
-    search = {"seconds": time.perf_counter() - t0, "ilp_solves": jobs, "cache_hits": hits,
-              "microbatch_candidates": sorted(c.microbatches for c in candidates),
-              "dp_bottlenecks_evaluated": best.dp.candidates_evaluated}
-    if cost_model is not None:
-        search["cost_model"] = {"name": getattr(cost_model, "name", type(cost_model).__name__),
-                                "digest": cost_model_key(cost_model)}
+    priced_by = None if cost_model is None else CostModelRef(getattr(cost_model, "name", type(cost_model).__name__),
+                                                              cost_model_key(cost_model))
+    search = SearchStats(time.perf_counter() - t0, jobs, hits, tuple(sorted(c.microbatches for c in candidates)),
+                         int(best.dp.candidates_evaluated), priced_by)
     if not best.dp.stages:
         need, why = min((memory_bound(c, cluster.num_devices) for c in candidates), key=lambda x: x[0])
         raise PlanInfeasible(
@@ -303,7 +304,8 @@ def _least_first_stage(costs: StageCosts, last: int, shape: int, depth: int, mic
 
 
 def _assemble_plan(source: ModelSource, dtype: str, cluster: Cluster, best: Candidate,
-                   candidates: Sequence[Candidate], search: dict, remat: bool, method: str, recipe) -> PipelinePlan:
+                   candidates: Sequence[Candidate], search: SearchStats, remat: bool, method: str,
+                   recipe) -> PipelinePlan:
     costs, dp, b = best.costs, best.dp, best.microbatches
     shapes = [costs.shapes[st.shape] for st in dp.stages]
     placed = place_submeshes(shapes, cluster.nodes, cluster.devices_per_node)
@@ -349,25 +351,15 @@ def _assemble_plan(source: ModelSource, dtype: str, cluster: Cluster, best: Cand
                                     tuple(layer_specs) if all(layer_specs) else ()))
     flops = flops_by_kind(best.graph)["matmul"] * b
     iteration = dp.latency_s
-    predicted = {
-        "iteration_s": iteration,
-        "tflops_per_device": flops / iteration / cluster.num_devices / 1e12,
-        "throughput_pflops": flops / iteration / 1e15,
-        "peak_memory_bytes": max(s.memory_bytes for s in stages),
-        "bubble_fraction": bubble_fraction([s.time_s for s in stages], b),
-    }
-    runner_ups = []
-    for c in candidates:
-        if c is best:
-            continue
-        runner_ups.append({"microbatches": c.microbatches, "iteration_s": c.dp.latency_s if c.dp.stages else None,
-                           "stages": [[s.first, s.last, str(c.costs.shapes[s.shape])] for s in c.dp.stages]})
+    predicted = Prediction(iteration, flops / iteration / cluster.num_devices / 1e12, flops / iteration / 1e15,
+                           max(s.memory_bytes for s in stages), bubble_fraction([s.time_s for s in stages], b))
+    runner_ups = [RunnerUp(c.microbatches, c.dp.latency_s if c.dp.stages else None,
+                           tuple((s.first, s.last, str(c.costs.shapes[s.shape])) for s in c.dp.stages))
+                  for c in candidates if c is not best]
     batch = source.global_batch
-    model = {"name": source.name, "family": source.family, "params": best.graph.num_params(),
-             "flops_per_iteration": flops, "global_batch": batch, "microbatch_size": batch // b,
-             "layers": best.graph.num_layers, "remat": remat, "recompute": best.graph.meta.get("recompute", "none"),
-             "precision": recipe.name,
-             "dtype": dtype, "bytes_per_param": recipe.bytes_per_param(dtype), "source": source.record()}
+    model = PlanModel(source.name, source.family, batch, best.graph.num_params(), flops, batch // b,
+                      best.graph.num_layers, remat, best.graph.meta.get("recompute", "none"), recipe.name, dtype,
+                      recipe.bytes_per_param(dtype), source.record())
     cl = plan_cluster_info(cluster)
     transfers = stage_transfers(best.graph, costs.layer_graphs, chosen, [(s.first, s.last) for s in dp.stages])
     return PipelinePlan(model, cl, method, True, b, tuple(stages), predicted, search, "1f1b", tuple(runner_ups),
@@ -391,7 +383,7 @@ def stage_memory_of(costs: StageCosts, first: int, last: int, view: int, opts: S
 
 
 def stage_transfers(graph: OpGraph, layer_graphs: Sequence[OpGraph], chosen: dict[int, LayerOption],
-                    ranges: Sequence[tuple[int, int]]) -> tuple[dict, ...]:
+                    ranges: Sequence[tuple[int, int]]) -> tuple[PlanTransfer, ...]:
     """Every activation or cotangent one stage produces and another reads, with the
     layout the sender's plan produces it in and the layout the receiver's plan reads it
     in (what cross-mesh resharding needs). One record per (tensor, receiving stage).
@@ -422,11 +414,10 @@ def stage_transfers(graph: OpGraph, layer_graphs: Sequence[OpGraph], chosen: dic
                     continue
                 first = min(l for l, _ in reads)
                 dst_graph = layer_graphs[first]
-                out.append({
-                    "tensor": t, "shape": list(tensor.shape), "dtype": tensor.dtype, "nbytes": tensor.nbytes,
-                    "src_stage": src, "dst_stage": dst, "direction": "forward" if dst > src else "backward",
-                    "per_iteration": all(to_grad for _, to_grad in reads) or t in tied,
-                    "src_spec": chosen[layer].output_specs[k] if chosen[layer].output_specs else None,
-                    "dst_spec": (chosen[first].input_specs[dst_graph.inputs.index(t)]
-                                 if chosen[first].input_specs else None)})
+                out.append(PlanTransfer(
+                    t, tensor.nbytes, src, dst, tuple(tensor.shape), tensor.dtype,
+                    "forward" if dst > src else "backward",
+                    all(to_grad for _, to_grad in reads) or t in tied,
+                    chosen[layer].output_specs[k] if chosen[layer].output_specs else None,
+                    chosen[first].input_specs[dst_graph.inputs.index(t)] if chosen[first].input_specs else None))
     return tuple(out)

@@ -23,8 +23,12 @@ megatron                  Megatron-LM: tensor x pipeline x data degrees and the
                           configuration, or the best of its grid
 ========================  ========================================================
 
-Infeasible is a result here, not an error: `plan_with_method` returns a plan with
-`feasible` false and the reason in `notes`, so a sweep can mark the point out of memory.
+Each method is one `Method` record in `METHODS`: the restriction it solves layers
+under, the stage and layer structure it imposes, and the options a user may set for it.
+`plan_model` is the one entry, for every method and every model source.
+
+Infeasible is a result here, not an error: `plan_model` returns a plan with `feasible`
+false and the reason in `notes`, so a sweep can mark the point out of memory.
 """
 
 from __future__ import annotations
@@ -35,33 +39,100 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from alpasim.costmodels import Cluster
-from alpasim.graphs import (ModelSource, ModelSpecError, OpGraph, assign_layers, forward_graph, model_source,
-                            resolve_model)
+from alpasim.graphs import (ModelLike, ModelSource, ModelSpecError, OpGraph, assign_layers, forward_graph,
+                            model_source)
 
 from ._inter_op import PlanInfeasible, plan_pipeline, planning_units
-from ._pipeline_plan import PipelinePlan, plan_cluster_info
+from ._pipeline_plan import PipelinePlan, PlanModel, Prediction, SearchStats, plan_cluster_info
 from ._submesh import SubmeshShape
 
-METHODS: dict[str, str] = {
-    "alpa": "intra-op ILP inside stages + stage-mesh DP (Alpa)",
-    "intra_only": "one stage on all devices, intra-op ILP only",
-    "inter_only": "pipeline only, one device per stage",
-    "pp_dp": "pipeline + data parallelism (PipeDream/DAPPLE space)",
-    "equal_layer": "stage-mesh DP with equal layers per stage",
-    "equal_operator": "stage-mesh DP over layers of equal operator counts",
-    "data_parallel": "data parallelism on all devices",
-    "zero2": "ZeRO-2 data parallelism on all devices",
-    "zero3": "ZeRO-3 data parallelism on all devices",
-    "heuristic": "shard every tensor's largest dimension, propagate",
-    "deepspeed_moe": "DeepSpeed-MoE: expert parallelism + ZeRO data parallelism",
-    "megatron": "Megatron-LM: tensor x pipeline x data parallel grid",
-}
-SINGLE_STAGE_RESTRICTIONS = ("data_parallel", "zero2", "zero3", "heuristic", "deepspeed_moe")
-DATA_PARALLEL_RESTRICTIONS = ("data_parallel", "zero2", "zero3", "deepspeed_moe")
+# Options every method takes (`plan_pipeline` keywords), and those only some do.
+COMMON_OPTIONS = frozenset({"microbatches", "remat", "recompute", "precision", "cost_model", "epsilon", "cache",
+                            "map_fn", "progress", "price_boundaries", "pareto"})
+METHOD_OPTIONS = ("layers", "max_stages", "megatron")
+
+
+class UnknownMethodError(ValueError):
+    """A method name no registry record has."""
+
+
+@dataclass(frozen=True, slots=True)
+class Method:
+    """One planning method: which part of the search it keeps (module doc) and which
+    of `METHOD_OPTIONS` a user may set for it. Everything that is known about a method
+    is here; the planner, the CLI and the experiments read it."""
+
+    name: str
+    summary: str
+    restriction: str | None = None       # intra-op baseline every layer is solved under (None: the full ILP)
+    single_stage: bool = False           # one stage on all devices
+    whole_samples: bool = False          # every device takes whole samples of each microbatch (DeepSpeed)
+    equal_layers: bool = False           # stages of equal layer counts
+    one_device_stages: bool = False      # pipeline only: as many layers as devices, one device per stage
+    equal_operator: bool = False         # layers of equal operator counts (no clustering)
+    zoo_only: bool = False               # its layouts are written for the zoo's transformer blocks
+    accepts: frozenset[str] = frozenset({"layers", "max_stages"})
+
+    @property
+    def cli_name(self) -> str:
+        return self.name.replace("_", "-")
+
+    def search_options(self, cluster: Cluster) -> dict:
+        """`plan_pipeline`'s keywords for this method's part of the search."""
+        kw: dict = {}
+        if self.single_stage:
+            kw["max_stages"] = 1
+        if self.restriction is not None:
+            kw["restriction"] = self.restriction
+        if self.whole_samples:
+            kw["microbatch_multiple"] = cluster.num_devices
+        if self.equal_layers:
+            kw["equal_layers"] = True
+        if self.one_device_stages:
+            n = cluster.num_devices
+            kw.update(shape_ok=lambda sh: sh.size == 1, max_stages=n, relabel=lambda fwd: _at_least_layers(fwd, n))
+        if self.equal_operator:
+            # Equal-operator cuts make every layer distinct (nothing to reuse), so each is
+            # solved for its fastest plan only.
+            kw.update(relabel=equal_operator_layers, pareto=False)
+        return kw
+
+
+_SINGLE = frozenset({"layers"})
+METHODS: dict[str, Method] = {m.name: m for m in (
+    Method("alpa", "intra-op ILP inside stages + stage-mesh DP (Alpa)"),
+    Method("intra_only", "one stage on all devices, intra-op ILP only", single_stage=True, accepts=_SINGLE),
+    Method("inter_only", "pipeline only, one device per stage", one_device_stages=True, accepts=frozenset()),
+    Method("pp_dp", "pipeline + data parallelism (PipeDream/DAPPLE space)", restriction="data_parallel"),
+    Method("equal_layer", "stage-mesh DP with equal layers per stage", equal_layers=True),
+    Method("equal_operator", "stage-mesh DP over layers of equal operator counts", equal_operator=True,
+           accepts=frozenset({"max_stages"})),
+    Method("data_parallel", "data parallelism on all devices", restriction="data_parallel", single_stage=True,
+           whole_samples=True, accepts=_SINGLE),
+    Method("zero2", "ZeRO-2 data parallelism on all devices", restriction="zero2", single_stage=True,
+           whole_samples=True, accepts=_SINGLE),
+    Method("zero3", "ZeRO-3 data parallelism on all devices", restriction="zero3", single_stage=True,
+           whole_samples=True, accepts=_SINGLE),
+    Method("heuristic", "shard every tensor's largest dimension, propagate", restriction="heuristic",
+           single_stage=True, accepts=_SINGLE),
+    Method("deepspeed_moe", "DeepSpeed-MoE: expert parallelism + ZeRO data parallelism",
+           restriction="deepspeed_moe", single_stage=True, whole_samples=True, accepts=_SINGLE),
+    Method("megatron", "Megatron-LM: tensor x pipeline x data parallel grid", restriction="megatron",
+           equal_layers=True, zoo_only=True, accepts=frozenset({"megatron"})),
+)}
 # Megatron-LM's grid (Narayanan et al. 2021): tensor parallelism inside a node only,
 # microbatch sizes per data-parallel replica.
 MEGATRON_TP = (1, 2, 4, 8)
 MEGATRON_MICROBATCH_SIZES = (1, 2, 4, 8)
+
+
+def get_method(name: str) -> Method:
+    """The registry record of `name` ("equal-layer" and "equal_layer" alike)."""
+    key = name.strip().lower().replace("-", "_")
+    if key not in METHODS:
+        raise UnknownMethodError(f"unknown method {name!r}; choose one of "
+                                 f"{', '.join(m.cli_name for m in METHODS.values())}")
+    return METHODS[key]
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,50 +153,45 @@ class MegatronConfig:
         return f"tp={self.tp} pp={self.pp} dp={self.dp} mbs={self.microbatch_size}"
 
 
-def plan_with_method(method: str, model: str, cluster: Cluster, *, microbatches: int | str = "auto",
-                     megatron: MegatronConfig | None = None, **kw) -> PipelinePlan:
-    """Plan `model` on `cluster` with `method` (see the module doc); `kw` goes to
-    `plan_pipeline` (cache, map_fn, progress, remat, epsilon, max_stages)."""
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
-    source = model_source(model)
-    if method == "megatron" and source.config is None:
-        raise ModelSpecError(f"{source.name}: Megatron-LM's layouts are written for the zoo's transformer blocks; "
-                             f"a saved graph plans with the other methods")
+def plan_model(model: ModelLike, cluster: Cluster, method: str = "alpa", *, layers: int | None = None,
+               max_stages: int | None = None, megatron: MegatronConfig | None = None, **options) -> PipelinePlan:
+    """The one planner entry: `model` (a zoo name, spec string or graph file path, a
+    `ModelSource`, an `OpGraph`, or a `graphs.JaxModel` — a JAX loss function with
+    example arguments) on `cluster` with `method` (a `METHODS` name).
+
+    `layers` (re-cluster into that many layers), `max_stages` and `megatron` (one
+    explicit Megatron-LM configuration; without it the best of its grid) apply to the
+    methods whose record accepts them, and are refused for the others. `options` are
+    `COMMON_OPTIONS` (`plan_pipeline`'s). A method that finds nothing that fits returns
+    an infeasible plan whose `notes` say why."""
+    m = get_method(method)
+    unknown = set(options) - COMMON_OPTIONS
+    if unknown:
+        raise TypeError(f"plan_model: unknown option {sorted(unknown)[0]!r}; the options are "
+                        f"{', '.join(sorted(COMMON_OPTIONS | set(METHOD_OPTIONS)))}")
+    for key, value in (("layers", layers), ("max_stages", max_stages), ("megatron", megatron)):
+        if value is not None and key not in m.accepts:
+            raise ValueError(f"{key} does not apply to method {m.cli_name} (its search sets it)")
+    source = _zoo_source(model) if m.zoo_only else model_source(model)
     try:
-        if method == "megatron":
+        if m.name == "megatron":
+            options.pop("microbatches", None)     # Megatron's microbatch size sets the count
             if megatron is not None:
-                return megatron_plan(model, cluster, megatron, **kw)
-            return megatron_grid(model, cluster, **kw)
-        return plan_pipeline(source, cluster, microbatches=microbatches, method=method,
-                             **_method_options(method, cluster), **kw)
+                return megatron_plan(source, cluster, megatron, **options)
+            return megatron_grid(source, cluster, **options)
+        kw = {**options, **m.search_options(cluster)}
+        if layers is not None:
+            kw["layers"] = layers
+        if max_stages is not None and not m.single_stage:
+            kw["max_stages"] = max_stages
+        return plan_pipeline(source, cluster, method=m.name, **kw)
     except PlanInfeasible as e:
-        return infeasible_plan(source, cluster, method, str(e))
+        return infeasible_plan(source, cluster, m.name, str(e))
 
 
-def _method_options(method: str, cluster: Cluster) -> dict:
-    n = cluster.num_devices
-    if method == "alpa":
-        return {}
-    if method == "intra_only":
-        return {"max_stages": 1}
-    if method in DATA_PARALLEL_RESTRICTIONS:
-        # Every device takes whole samples of each microbatch (DeepSpeed's contract).
-        return {"max_stages": 1, "restriction": method, "microbatch_multiple": n}
-    if method in SINGLE_STAGE_RESTRICTIONS:
-        return {"max_stages": 1, "restriction": method}
-    if method == "pp_dp":
-        return {"restriction": "data_parallel"}
-    if method == "equal_layer":
-        return {"equal_layers": True}
-    if method == "inter_only":
-        return {"shape_ok": lambda sh: sh.size == 1, "max_stages": n,
-                "relabel": lambda fwd: _at_least_layers(fwd, n)}
-    if method == "equal_operator":
-        # Equal-operator cuts make every layer distinct (nothing to reuse), so each is
-        # solved for its fastest plan only.
-        return {"relabel": equal_operator_layers, "pareto": False}
-    raise AssertionError(method)
+def plan_with_method(method: str, model: ModelLike, cluster: Cluster, **kw) -> PipelinePlan:
+    """`plan_model` with the method first (the older spelling)."""
+    return plan_model(model, cluster, method, **kw)
 
 
 def _at_least_layers(fwd: OpGraph, layers: int) -> OpGraph:
@@ -162,11 +228,12 @@ def megatron_configs(num_devices: int, devices_per_node: int, num_blocks: int, g
     return out
 
 
-def megatron_plan(model: str, cluster: Cluster, config: MegatronConfig, **kw) -> PipelinePlan:
+def megatron_plan(model: ModelLike, cluster: Cluster, config: MegatronConfig, **kw) -> PipelinePlan:
     """One Megatron-LM configuration: `pp` stages of equal blocks (embedding with the
     first, head with the last), each on `dp x tp` devices viewed as a (dp, tp) mesh
     with Megatron's layouts (`megatron_restriction`), B = batch / (mbs x dp)."""
-    name, cfg = resolve_model(model)
+    source = _zoo_source(model)
+    cfg = source.config
     n = cluster.num_devices
     if config.tp * config.pp * config.dp != n:
         raise ValueError(f"Megatron {config}: tp x pp x dp = {config.tp * config.pp * config.dp}, the cluster has "
@@ -182,20 +249,19 @@ def megatron_plan(model: str, cluster: Cluster, config: MegatronConfig, **kw) ->
         return [(config.dp, config.tp)] if shape.size == size else []
 
     try:
-        plan = plan_pipeline(model, cluster, microbatches=b, method="megatron", restriction="megatron",
+        plan = plan_pipeline(source, cluster, microbatches=b, method="megatron", restriction="megatron",
                              shape_ok=lambda sh: sh.size == size, views_of=views_of, equal_layers=True,
                              num_stages=config.pp, relabel=lambda fwd: fwd, **kw)
     except PlanInfeasible as e:
-        return infeasible_plan(ModelSource.zoo(name, cfg), cluster, "megatron", str(e),
-                               {"megatron": _config_json(config)})
-    search = dict(plan.search, megatron=_config_json(config))
-    return dataclasses.replace(plan, search=search)
+        return infeasible_plan(source, cluster, "megatron", str(e), SearchStats(megatron=_config_json(config)))
+    return dataclasses.replace(plan, search=dataclasses.replace(plan.search, megatron=_config_json(config)))
 
 
-def megatron_grid(model: str, cluster: Cluster, *, progress: Callable | None = None, **kw) -> PipelinePlan:
+def megatron_grid(model: ModelLike, cluster: Cluster, *, progress: Callable | None = None, **kw) -> PipelinePlan:
     """The best configuration of Megatron-LM's grid (the paper grid-searches it too);
     every configuration tried is listed in `search.megatron_grid`."""
-    name, cfg = resolve_model(model)
+    source = _zoo_source(model)
+    name, cfg = source.name, source.config
     blocks = forward_graph(dataclasses.replace(cfg, batch=1), name=name).num_layers
     grid = megatron_configs(cluster.num_devices, cluster.devices_per_node, blocks, cfg.batch)
     best: PipelinePlan | None = None
@@ -203,16 +269,23 @@ def megatron_grid(model: str, cluster: Cluster, *, progress: Callable | None = N
     for i, config in enumerate(grid):
         if progress is not None:
             progress(f"megatron {config}", i, len(grid))
-        plan = megatron_plan(model, cluster, config, **kw)
-        tried.append({**_config_json(config), "iteration_s": plan.predicted.get("iteration_s"),
-                      "feasible": plan.feasible})
-        if plan.feasible and (best is None or plan.predicted["iteration_s"] < best.predicted["iteration_s"]):
+        plan = megatron_plan(source, cluster, config, **kw)
+        tried.append({**_config_json(config), "iteration_s": plan.predicted.iteration_s, "feasible": plan.feasible})
+        if plan.feasible and (best is None or plan.predicted.iteration_s < best.predicted.iteration_s):
             best = plan
     if best is None:
-        return infeasible_plan(ModelSource.zoo(name, cfg), cluster, "megatron",
+        return infeasible_plan(source, cluster, "megatron",
                                f"no Megatron-LM configuration of {name} fits {cluster.num_devices} devices "
-                               f"({len(grid)} tried)", {"megatron_grid": tried})
-    return dataclasses.replace(best, search=dict(best.search, megatron_grid=tried))
+                               f"({len(grid)} tried)", SearchStats(megatron_grid=tuple(tried)))
+    return dataclasses.replace(best, search=dataclasses.replace(best.search, megatron_grid=tuple(tried)))
+
+
+def _zoo_source(model: ModelLike) -> ModelSource:
+    source = model_source(model)
+    if source.config is None:
+        raise ModelSpecError(f"{source.name}: Megatron-LM's layouts are written for the zoo's transformer blocks; "
+                             f"a saved graph plans with the other methods")
+    return source
 
 
 def _config_json(config: MegatronConfig) -> dict:
@@ -220,16 +293,14 @@ def _config_json(config: MegatronConfig) -> dict:
 
 
 def infeasible_plan(source: ModelSource, cluster: Cluster, method: str, reason: str,
-                    search: dict | None = None) -> PipelinePlan:
+                    search: SearchStats | None = None) -> PipelinePlan:
     """A plan that records why nothing fits (out of memory, usually)."""
-    model = {"name": source.name, "family": source.family, "global_batch": source.global_batch}
-    cl = plan_cluster_info(cluster)
-    predicted = {"iteration_s": None, "tflops_per_device": None, "throughput_pflops": None,
-                 "peak_memory_bytes": None}
-    return PipelinePlan(model, cl, method, False, 0, (), predicted, dict(search or {}), notes=(reason,))
+    model = PlanModel(source.name, source.family, source.global_batch)
+    return PipelinePlan(model, plan_cluster_info(cluster), method, False, 0, (), Prediction(),
+                        search or SearchStats(), notes=(reason,))
 
 
 def throughput_pflops(plan: PipelinePlan) -> float | None:
     """The plan's predicted PFLOP/s, None when it is infeasible."""
-    value = plan.predicted.get("throughput_pflops") if plan.feasible else None
+    value = plan.predicted.throughput_pflops if plan.feasible else None
     return None if value is None or not math.isfinite(value) else float(value)

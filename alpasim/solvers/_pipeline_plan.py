@@ -9,21 +9,130 @@ every parameter (mesh axis names "x" and "y").
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from alpasim.graphs import read_json_file
 
+from ._records import PlanFormatError, Record
+
 PLAN_SCHEMA = "alpasim.plan/1"
+TRANSFER_DIRECTIONS = ("forward", "backward")
 
 
-class PlanFormatError(ValueError):
-    """A plan file that is not valid JSON, has the wrong schema or a bad field."""
+@dataclass(frozen=True, slots=True)
+class PlanModel(Record):
+    """What was planned: the model's source (to rebuild the priced graph anywhere), its
+    size, and the training recipe it was priced with. An infeasible plan records only
+    the first three fields."""
+
+    name: str
+    family: str
+    global_batch: int
+    params: int | None = None
+    flops_per_iteration: float | None = None   # einsum + conv FLOPs per iteration, recomputation included
+    microbatch_size: int | None = None
+    layers: int | None = None                  # planning units the stages' layer ranges index
+    remat: bool = True
+    recompute: str = "none"                    # graphs.RECOMPUTE_POLICIES
+    precision: str | None = None               # None: a plan from before recipes (the default one)
+    dtype: str | None = None
+    bytes_per_param: float | None = None
+    source: dict[str, Any] | None = None       # graphs.ModelSource.record(); None: `name` is a zoo spec
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class PipelineStage:
+@dataclass(frozen=True, slots=True)
+class PlanCluster(Record):
+    """The cluster planned for: DESIGN.md's summary, and its full `spec`
+    (`costmodels.Cluster.to_json`) so a plan file simulates on its own."""
+
+    name: str
+    nodes: int
+    devices_per_node: int
+    device: str | None = None
+    inter_node_gbps: float | None = None
+    device_memory_bytes: float | None = None
+    spec: dict[str, Any] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction(Record):
+    """The planner's prediction for one iteration; all None (null) for an infeasible plan."""
+
+    omit_none: ClassVar[bool] = False
+
+    iteration_s: float | None = None
+    tflops_per_device: float | None = None
+    throughput_pflops: float | None = None
+    peak_memory_bytes: float | None = None
+    bubble_fraction: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class CostModelRef(Record):
+    """The cost model a plan was priced with: its name and content digest."""
+
+    name: str
+    digest: str
+
+
+@dataclass(frozen=True, slots=True)
+class SearchStats(Record):
+    """How the plan was found."""
+
+    seconds: float = 0.0
+    ilp_solves: int = 0                        # intra-op jobs solved (not taken from the cache)
+    cache_hits: int = 0
+    microbatch_candidates: tuple[int, ...] = ()
+    dp_bottlenecks_evaluated: int = 0
+    cost_model: CostModelRef | None = None     # None: the analytic model
+    megatron: dict[str, int] | None = None     # the Megatron-LM configuration (tp, pp, dp, microbatch_size)
+    megatron_grid: tuple[dict[str, Any], ...] | None = None   # every configuration tried, when grid-searched
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerUp(Record):
+    """The best plan at another microbatch count: its stages as [first, last, submesh]."""
+
+    microbatches: int
+    iteration_s: float | None
+    stages: tuple[tuple[int, int, str], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PlanTransfer(Record):
+    """A tensor one stage produces and another reads, with the layout the sender's plan
+    makes it in and the layout the receiver's plan reads it in (None when unknown).
+    `per_iteration`: it moves once per iteration (a sum over microbatches), not once
+    per microbatch. `nbytes` is the whole, unsharded tensor."""
+
+    tensor: str
+    nbytes: float
+    src_stage: int
+    dst_stage: int
+    shape: tuple[int, ...] = ()
+    dtype: str = ""
+    direction: str = ""                        # "" in old files: from the stage order
+    per_iteration: bool = False
+    src_spec: str | None = None
+    dst_spec: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.src_stage == self.dst_stage or min(self.src_stage, self.dst_stage) < 0:
+            raise ValueError(f"stages {self.src_stage} -> {self.dst_stage} are not two stages")
+        if not self.direction:
+            object.__setattr__(self, "direction", "forward" if self.dst_stage > self.src_stage else "backward")
+        if self.direction not in TRANSFER_DIRECTIONS:
+            raise ValueError(f"direction {self.direction!r} is not one of {', '.join(TRANSFER_DIRECTIONS)}")
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineStage(Record):
     """One pipeline stage: its layers, devices, meshes, intra-op choices and costs."""
 
     layers: tuple[int, int]                 # first, last (inclusive)
@@ -39,7 +148,7 @@ class PipelineStage:
     activation_bytes: float = 0.0           # one microbatch
     option: int = 0                         # which Pareto plan of the layers
     param_specs: dict[str, str] = field(default_factory=dict)
-    heavy_ops: tuple[dict, ...] = ()
+    heavy_ops: tuple[dict[str, Any], ...] = ()   # {op, equation, strategy, output}
     forward_s: float = 0.0                  # per microbatch: the forward share of compute_s
     backward_s: float = 0.0                 # per microbatch: backward (with recomputation)
     stash_bytes: float = 0.0                # per device: what each further microbatch in flight holds
@@ -53,31 +162,34 @@ class PipelineStage:
     # each). Executors run these layouts as they are; empty for plans from before.
     layer_specs: tuple[dict[str, str], ...] = ()
 
-    def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["layers"], d["devices"] = list(self.layers), list(self.devices)
-        d["submesh"], d["logical_mesh"] = list(self.submesh), list(self.logical_mesh)
-        d["heavy_ops"] = list(self.heavy_ops)
-        d["layer_specs"] = [dict(x) for x in self.layer_specs]
-        return d
+    def __post_init__(self) -> None:
+        if self.layers[0] > self.layers[1] or self.layers[0] < 0:
+            raise ValueError(f"layers {list(self.layers)} are not a range [first, last]")
 
 
-@dataclass(frozen=True)
-class PipelinePlan:
-    model: dict[str, Any]                   # name, params, flops_per_iteration, global batch
-    cluster: dict[str, Any]                 # name, nodes, devices_per_node
+@dataclass(frozen=True, slots=True)
+class PipelinePlan(Record):
+    """Stages on submeshes, microbatches, what was predicted and how it was found."""
+
+    model: PlanModel
+    cluster: PlanCluster
     method: str
     feasible: bool
     microbatches: int
     stages: tuple[PipelineStage, ...]
-    predicted: dict[str, Any]               # iteration_s, tflops_per_device, throughput_pflops, peak_memory_bytes
-    search: dict[str, Any]                  # seconds, ilp_solves, cache_hits, ...
+    predicted: Prediction
+    search: SearchStats
     schedule: str = "1f1b"
-    runner_ups: tuple[dict, ...] = ()
+    runner_ups: tuple[RunnerUp, ...] = ()
     notes: tuple[str, ...] = ()
-    # Tensors that cross stages: {tensor, shape, dtype, nbytes, src_stage, dst_stage,
-    # direction ("forward" | "backward"), per_iteration, src_spec, dst_spec}.
-    transfers: tuple[dict, ...] = ()
+    transfers: tuple[PlanTransfer, ...] = ()    # tensors that cross stages
+
+    def __post_init__(self) -> None:
+        n = len(self.stages)
+        for i, t in enumerate(self.transfers):
+            if max(t.src_stage, t.dst_stage) >= n:
+                raise ValueError(f"transfers[{i}]: stages {t.src_stage} -> {t.dst_stage} are not two of the "
+                                 f"plan's {n}")
 
     @property
     def num_devices(self) -> int:
@@ -94,23 +206,16 @@ class PipelinePlan:
         return out
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "schema": PLAN_SCHEMA, "model": self.model, "cluster": self.cluster, "method": self.method,
-            "feasible": self.feasible, "microbatches": self.microbatches, "schedule": self.schedule,
-            "stages": [s.to_json() for s in self.stages], "predicted": self.predicted, "search": self.search,
-            "runner_ups": list(self.runner_ups), "notes": list(self.notes), "transfers": list(self.transfers),
-        }
+        return {"schema": PLAN_SCHEMA, **Record.to_json(self)}
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1))
 
 
-def plan_cluster_info(cluster) -> dict[str, Any]:
-    """The plan's `cluster` field: the summary DESIGN.md lists plus the full `spec`, so a
-    plan file can be simulated on its own."""
-    return {"name": cluster.name, "nodes": cluster.nodes, "devices_per_node": cluster.devices_per_node,
-            "device": cluster.device.name, "inter_node_gbps": cluster.inter_node.bandwidth_gbps,
-            "device_memory_bytes": cluster.device.memory_bytes, "spec": cluster.to_json()}
+def plan_cluster_info(cluster) -> PlanCluster:
+    """The plan's `cluster` field for a `costmodels.Cluster`."""
+    return PlanCluster(cluster.name, cluster.nodes, cluster.devices_per_node, cluster.device.name,
+                       cluster.inter_node.bandwidth_gbps, cluster.device.memory_bytes, cluster.to_json())
 
 
 def _spec_to_partition(text: str) -> list:
@@ -126,30 +231,8 @@ def plan_from_json(data: Any, source: str = "<plan JSON>") -> PipelinePlan:
         raise PlanFormatError(f"{source}: top level must be a JSON object")
     if data.get("schema") != PLAN_SCHEMA:
         raise PlanFormatError(f"{source}: field 'schema' is {data.get('schema')!r}, expected {PLAN_SCHEMA!r}")
-    try:
-        stages = []
-        for i, s in enumerate(data["stages"]):
-            try:
-                stages.append(PipelineStage(
-                    tuple(s["layers"]), tuple(s["devices"]), tuple(s["submesh"]), tuple(s["logical_mesh"]),
-                    float(s["time_s"]), float(s["memory_bytes"]), int(s["inflight_microbatches"]),
-                    float(s.get("compute_s", 0.0)), float(s.get("sync_s", 0.0)), float(s.get("params_bytes", 0.0)),
-                    float(s.get("activation_bytes", 0.0)), int(s.get("option", 0)), dict(s.get("param_specs", {})),
-                    tuple(s.get("heavy_ops", ())), float(s.get("forward_s", 0.0)), float(s.get("backward_s", 0.0)),
-                    float(s.get("stash_bytes", 0.0)), float(s.get("boundary_s", 0.0)), dict(s.get("memory", {})),
-                    tuple(dict(x) for x in s.get("layer_specs", ()))))
-            except KeyError as e:
-                raise PlanFormatError(f"{source}: stages[{i}]: missing field {e.args[0]!r}") from None
-            except (TypeError, ValueError) as e:
-                raise PlanFormatError(f"{source}: stages[{i}]: {e}") from None
-        return PipelinePlan(dict(data["model"]), dict(data["cluster"]), str(data["method"]), bool(data["feasible"]),
-                            int(data["microbatches"]), tuple(stages), dict(data["predicted"]), dict(data["search"]),
-                            str(data.get("schedule", "1f1b")), tuple(data.get("runner_ups", ())),
-                            tuple(data.get("notes", ())), tuple(data.get("transfers", ())))
-    except KeyError as e:
-        raise PlanFormatError(f"{source}: missing field {e.args[0]!r}") from None
-    except (TypeError, ValueError) as e:
-        raise PlanFormatError(f"{source}: {e}") from None
+    body = {k: v for k, v in data.items() if k != "schema"}
+    return PipelinePlan.from_json(body, f"{source}:")
 
 
 def load_plan(path: str | Path) -> PipelinePlan:

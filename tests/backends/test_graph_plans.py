@@ -19,7 +19,7 @@ from alpasim.backends import check_numerics, reference_step, run_local
 from alpasim.costmodels import get_cluster
 from alpasim.graphs import GraphFormatError, ModelSpecError, from_jax, graph_digest, graph_to_json, load_graph, save_graph
 from alpasim.simulator import simulate
-from alpasim.solvers import load_plan, plan_pipeline, plan_with_method, planning_graph
+from alpasim.solvers import PlanModel, load_plan, plan_pipeline, plan_with_method, planning_graph
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "graphs"))
 from test_jax_import import TF, gpt_loss, gpt_shapes  # noqa: E402
@@ -33,9 +33,9 @@ def test_an_imported_model_is_planned_simulated_and_run_from_its_plan_alone(tmp_
     save_graph(from_jax(gpt_loss, *gpt_shapes(**{**TF, "B": 8}), name="my_gpt"), graph_file)
     plan = plan_pipeline(str(graph_file), get_cluster("aws-p3.16xlarge", nodes=1), microbatches=2, layers=2,
                          pareto=False, shape_ok=lambda sh: sh.size == 4, views_of=lambda sh: [(2, 2)])
-    src = plan.model["source"]
+    src = plan.model.source
     assert src["kind"] == "graph" and src["digest"] == graph_digest(graph_to_json(load_graph(graph_file)))
-    assert plan.model["global_batch"] == 8 and plan.model["microbatch_size"] == 4 and len(plan.stages) == 2
+    assert plan.model.global_batch == 8 and plan.model.microbatch_size == 4 and len(plan.stages) == 2
     # The microbatch graph the plan was priced on: the saved graph at half its batch.
     mb = planning_graph(plan.model)
     assert mb.tensors["batch/ids"].shape == (4, TF["T"]) and mb.num_layers == 2
@@ -43,7 +43,7 @@ def test_an_imported_model_is_planned_simulated_and_run_from_its_plan_alone(tmp_
     edited = json.loads(json.dumps(plan.to_json()))   # a copy: to_json shares the plan's own dicts
     edited["model"]["source"]["graph"]["tensors"][0]["shape"][0] += 1
     with pytest.raises(GraphFormatError, match="does not match its digest"):
-        planning_graph(edited["model"])   # `alpasim run` prints it as its one-line error (exit 2)
+        planning_graph(PlanModel.from_json(edited["model"]))   # `alpasim run` prints it as its one-line error (exit 2)
 
     moved = tmp_path / "elsewhere" / "plan.json"
     moved.parent.mkdir()

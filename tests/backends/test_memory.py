@@ -92,7 +92,7 @@ def test_a_donated_argument_is_held_until_the_program_returns():
 @pytest.mark.parametrize("remat", [True, False])
 def test_one_stage_measured_state_and_stash_equal_the_arrays(remat):
     plan = one_stage_plan(TINY_GPT, remat)
-    assert len(plan.stages) == 1 and plan.model["remat"] == remat
+    assert len(plan.stages) == 1 and plan.model.remat == remat
     result = run_local(plan, steps=1)
     (stage,) = result.stages
     m = stage_memory(stage, plan.stages[0].inflight_microbatches)
@@ -221,7 +221,7 @@ def test_backward_runs_its_layers_one_after_another(small_plan):
     memory is within 20 % of the plan's, and its backward holds no more than two
     layers' working sets beyond the stash (it held six)."""
     plan = small_plan("wresnet")
-    assert plan.model.get("remat", True)
+    assert plan.model.remat
     graph = planning_graph(plan.model)
     st = plan.stages[0]
     assert st.layers[1] - st.layers[0] >= 3, "needs a stage of several layers"

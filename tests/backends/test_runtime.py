@@ -146,7 +146,7 @@ def test_half_precision_step_is_checked_against_its_own_rounding_noise():
     plan = plan_pipeline("gpt3:hidden=64,layers=2,heads=4,seq=16,vocab=128,batch=8", get_cluster("aws-p3.16xlarge",
                          nodes=1), microbatches=2, pareto=False, shape_ok=lambda sh: sh.size in views,
                          views_of=lambda sh: views[sh.size], max_stages=3)
-    assert plan.model["dtype"] == "float16" and len(plan.stages) >= 2
+    assert plan.model.dtype == "float16" and len(plan.stages) >= 2
     result = run_local(plan, steps=1)
     ref = reference_step(plan)
     assert ref.half_precision and ref.noise_grad_err > 1e-4, ref.noise_grad_err

@@ -20,7 +20,7 @@ from alpasim.simulator import (
     simulate,
     synthetic_plan,
 )
-from alpasim.solvers import PlanFormatError
+from alpasim.solvers import PlanFormatError, PlanTransfer
 
 times = st.floats(min_value=1e-3, max_value=10.0, allow_nan=False, allow_infinity=False)
 
@@ -228,9 +228,7 @@ def test_local_all_gather_moves_fewer_bytes_across_nodes_than_send_recv(two_node
 
 def test_per_iteration_tensors_move_once_before_the_gradient_sync(two_nodes):
     plan = synthetic_plan([1.0] * 2, [1.0] * 2, 3, devices_per_stage=2, cluster=two_nodes, hidden_shape=(8,))
-    tied = {"tensor": "embedding:grad", "shape": [64, 32], "dtype": "float32", "nbytes": 64 * 32 * 4.0,
-            "src_stage": 1, "dst_stage": 0, "direction": "backward", "per_iteration": True,
-            "src_spec": "RR", "dst_spec": "RR"}
+    tied = PlanTransfer("embedding:grad", 64 * 32 * 4.0, 1, 0, (64, 32), "float32", "backward", True, "RR", "RR")
     plan = dataclasses.replace(plan, transfers=(*plan.transfers, tied))
     tl = simulate(plan, "1f1b")
     program_sends = [e for e in tl.events if e.kind == "send" and e.name == "embedding:grad"]

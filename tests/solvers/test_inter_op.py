@@ -48,12 +48,12 @@ def _check_plan(plan, cluster):
     assert plan.stages[0].layers[0] == 0
     for a, b in zip(plan.stages, plan.stages[1:]):
         assert b.layers[0] == a.layers[1] + 1                       # contiguous layers
-    assert plan.stages[-1].layers[1] == plan.model["layers"] - 1
+    assert plan.stages[-1].layers[1] == plan.model.layers - 1
     for s in plan.stages:
         assert s.memory_bytes <= cluster.device.memory_bytes         # fits a 16 GB V100
         assert s.logical_mesh[0] * s.logical_mesh[1] == len(s.devices)
-    assert plan.feasible and plan.predicted["iteration_s"] > 0
-    assert plan.predicted["peak_memory_bytes"] <= GB16
+    assert plan.feasible and plan.predicted.iteration_s > 0
+    assert plan.predicted.peak_memory_bytes <= GB16
 
 
 def test_gpt3_1_3b_on_two_nodes(cache):
@@ -69,7 +69,7 @@ def test_gpt3_1_3b_on_two_nodes(cache):
             assert s.logical_mesh[1] in (1, 4)
     # A plan round-trips through JSON exactly.
     assert plan_from_json(json.loads(json.dumps(plan.to_json()))) == plan
-    tflops = plan.predicted["tflops_per_device"]
+    tflops = plan.predicted.tflops_per_device
     assert 5 < tflops < 125  # below the V100's fp16 peak, above nonsense
 
 
@@ -80,18 +80,18 @@ def _check_transfers(plan):
     for s in plan.stages:
         assert s.forward_s > 0 and s.backward_s > s.forward_s          # backward recomputes (remat)
         assert s.forward_s + s.backward_s == pytest.approx(s.compute_s)
-    per_microbatch = [t for t in plan.transfers if not t["per_iteration"]]
-    pairs = {(t["src_stage"], t["dst_stage"]) for t in per_microbatch}
+    per_microbatch = [t for t in plan.transfers if not t.per_iteration]
+    pairs = {(t.src_stage, t.dst_stage) for t in per_microbatch}
     n = len(plan.stages)
     assert pairs == {(i, i + 1) for i in range(n - 1)} | {(i + 1, i) for i in range(n - 1)}
-    mb = plan.model["microbatch_size"]
+    mb = plan.model.microbatch_size
     for t in plan.transfers:
-        assert (t["direction"] == "forward") == (t["dst_stage"] > t["src_stage"])
-        assert ShardingSpec.parse(t["src_spec"]).rank == len(t["shape"])
-        assert ShardingSpec.parse(t["dst_spec"]).rank == len(t["shape"])
-        if not t["per_iteration"]:
-            assert t["shape"][0] == mb                                   # activations of one microbatch
-            assert t["nbytes"] == 2 * mb * 1024 * 2048                   # (b, s, h) fp16 of GPT-3 1.3B
+        assert (t.direction == "forward") == (t.dst_stage > t.src_stage)
+        assert ShardingSpec.parse(t.src_spec).rank == len(t.shape)
+        assert ShardingSpec.parse(t.dst_spec).rank == len(t.shape)
+        if not t.per_iteration:
+            assert t.shape[0] == mb                                   # activations of one microbatch
+            assert t.nbytes == 2 * mb * 1024 * 2048                   # (b, s, h) fp16 of GPT-3 1.3B
 
 
 def test_second_run_is_served_from_the_cache(cache):
@@ -99,9 +99,9 @@ def test_second_run_is_served_from_the_cache(cache):
     model = "gpt3:hidden=192,layers=3,heads=4,seq=64,vocab=512,batch=16"   # planned nowhere else in the module
     first = plan_pipeline(model, cluster, microbatches=4, cache=cache)
     again = plan_pipeline(model, cluster, microbatches=4, cache=cache)
-    assert first.search["ilp_solves"] > 0 and again.search["ilp_solves"] == 0
-    assert again.search["cache_hits"] >= first.search["ilp_solves"]
-    assert again.predicted["iteration_s"] == pytest.approx(first.predicted["iteration_s"])
+    assert first.search.ilp_solves > 0 and again.search.ilp_solves == 0
+    assert again.search.cache_hits >= first.search.ilp_solves
+    assert again.predicted.iteration_s == pytest.approx(first.predicted.iteration_s)
 
 
 def test_model_that_fits_nowhere_says_how_much_memory():
@@ -143,9 +143,14 @@ def test_bad_plan_files(tmp_path):
     p.write_text('{"schema": "alpasim.plan/0"}')
     with pytest.raises(PlanFormatError, match="'schema'"):
         load_plan(p)
-    p.write_text('{"schema": "alpasim.plan/1", "model": {}, "cluster": {}, "method": "alpa", "feasible": true, '
-                 '"microbatches": 2, "stages": [{"layers": [0, 1]}], "predicted": {}, "search": {}}')
-    with pytest.raises(PlanFormatError, match=r"stages\[0\]: missing field 'devices'"):
+    good = {"schema": "alpasim.plan/1", "model": {"name": "m", "family": "gpt3", "global_batch": 8},
+            "cluster": {"name": "c", "nodes": 1, "devices_per_node": 1}, "method": "alpa", "feasible": True,
+            "microbatches": 2, "stages": [{"layers": [0, 1]}], "predicted": {}, "search": {}}
+    p.write_text(json.dumps(good))
+    with pytest.raises(PlanFormatError, match=r"p.json: stages\[0\]: missing field 'devices'"):
+        load_plan(p)
+    p.write_text(json.dumps({**good, "model": {}}))
+    with pytest.raises(PlanFormatError, match=r"p.json: model: missing field 'name'"):
         load_plan(p)
 
 
@@ -164,6 +169,7 @@ def test_partition_spec_export(cache):
                 assert entry is None or entry in ("x", "y") or entry == ["x", "y"]
 
 
+@pytest.mark.serial
 def test_stage_table_on_ray(tmp_path):
     from alpasim.backends import ray_map_fn, ray_shutdown
 
@@ -174,7 +180,7 @@ def test_stage_table_on_ray(tmp_path):
         remote = plan_pipeline(model, cluster, microbatches=2, map_fn=ray_map_fn(num_cpus=2))
     finally:
         ray_shutdown()
-    assert remote.predicted["iteration_s"] == pytest.approx(local.predicted["iteration_s"])
+    assert remote.predicted.iteration_s == pytest.approx(local.predicted.iteration_s)
     assert [s.layers for s in remote.stages] == [s.layers for s in local.stages]
 
 
@@ -201,7 +207,7 @@ def test_plan_records_its_precision_recipe_and_breakdown(cache):
     cluster = get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=2)
     for recipe, per_param in (("mixed-fp32grad", 18), ("mixed", 16)):
         plan = plan_pipeline(SMALL, cluster, microbatches=4, precision=recipe, cache=cache)
-        assert plan.model["precision"] == recipe and plan.model["bytes_per_param"] == per_param
+        assert plan.model.precision == recipe and plan.model.bytes_per_param == per_param
         again = plan_from_json(json.loads(json.dumps(plan.to_json())))
         for st, back in zip(plan.stages, again.stages):
             m = back.memory

@@ -168,6 +168,6 @@ def test_tied_embedding_copy_is_counted_once_per_stage_and_has_its_own_states(ca
                            megatron=MegatronConfig(1, 2, 1, 4), cache=cache)
     one = plan_with_method("megatron", MODEL, get_cluster("dgx-a100", nodes=1, devices_per_node=1, memory_gb=1e5),
                            megatron=MegatronConfig(1, 1, 1, 4), cache=cache)
-    assert one.stages[0].memory["params_bytes"] == pytest.approx(2 * one.model["params"])
-    assert states(one.stages[0]) == pytest.approx(per_param * one.model["params"])
-    assert sum(states(st) for st in two.stages) == pytest.approx(per_param * (one.model["params"] + table))
+    assert one.stages[0].memory["params_bytes"] == pytest.approx(2 * one.model.params)
+    assert states(one.stages[0]) == pytest.approx(per_param * one.model.params)
+    assert sum(states(st) for st in two.stages) == pytest.approx(per_param * (one.model.params + table))

@@ -65,9 +65,9 @@ def test_search_spaces_shape_the_plans(plans, cluster):
 def test_alpa_is_never_worse_than_a_restriction_of_its_space(plans):
     """Same B, and every method below searches a subset of Alpa's plans (up to the
     planning ILPs' 0.1% gap)."""
-    alpa = plans["alpa"].predicted["iteration_s"]
+    alpa = plans["alpa"].predicted.iteration_s
     for method in ("intra_only", "inter_only", "pp_dp", "equal_layer", "data_parallel", "zero2", "zero3"):
-        assert alpa <= plans[method].predicted["iteration_s"] * (1 + 2e-3), method
+        assert alpa <= plans[method].predicted.iteration_s * (1 + 2e-3), method
 
 
 def test_megatron_explicit_configuration(cluster, tmp_path):
@@ -75,7 +75,7 @@ def test_megatron_explicit_configuration(cluster, tmp_path):
     plan = plan_with_method("megatron", TINY, cluster, megatron=config, cache=DiskCache(root=tmp_path))
     assert plan.feasible and len(plan.stages) == 2 and _covers(plan, 4)
     assert plan.microbatches == 32 // (8 * 1)
-    assert plan.search["megatron"] == {"tp": 2, "pp": 2, "dp": 1, "microbatch_size": 8}
+    assert plan.search.megatron == {"tp": 2, "pp": 2, "dp": 1, "microbatch_size": 8}
     # Equal blocks per stage (embedding with the first block, head with the last) ...
     assert [s.layers for s in plan.stages] == [(0, 1), (2, 3)]
     for s in plan.stages:

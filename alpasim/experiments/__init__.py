@@ -1,4 +1,5 @@
-"""Experiments: the paper's figures and tables in simulation, and what-if sweeps."""
+"""Experiments: the paper's figures and tables in simulation, what-if sweeps, and the
+reports each `alpasim` command prints (graph, intra-op, simulation, run), as JSON-ready dicts."""
 
 from ._points import DEFAULT_CLUSTER as DEFAULT_CLUSTER
 from ._points import Point as Point
@@ -24,3 +25,15 @@ from ._reproduce import ratio as ratio
 from ._reproduce import reproduce as reproduce
 from ._reproduce import scaling_efficiency as scaling_efficiency
 from ._sweep import value_label as value_label
+from ._errors import ReportError as ReportError
+from ._graph_report import cluster_json as cluster_json
+from ._graph_report import graph_report as graph_report
+from ._graph_report import model_with_batch as model_with_batch
+from ._intra_report import INTRA_METHODS as INTRA_METHODS
+from ._intra_report import intra_report as intra_report
+from ._intra_report import parse_layers as parse_layers
+from ._run_report import RUNTIMES as RUNTIMES
+from ._run_report import cpu_devices_for as cpu_devices_for
+from ._run_report import run_report as run_report
+from ._run_report import simulation_report as simulation_report
+from ._run_report import write_outputs as write_outputs

@@ -172,15 +172,15 @@ def test_half_precision_gradients_accumulate_in_float32():
 @needs_8
 def test_run_exits_1_after_its_report_on_a_numerics_mismatch(tmp_path, monkeypatch, capsys):
     import alpasim.backends as backends
-    from alpasim import cli
+    from alpasim.cli.run import run
 
     path = tmp_path / "plan.json"
     one_stage_plan(TINY_GPT, remat=True).save(path)
     real = backends.check_numerics
     monkeypatch.setattr(backends, "check_numerics", lambda *a: {**real(*a), "numerics_ok": False})
     with pytest.raises(SystemExit) as e:
-        cli.run(path, steps=1, profile_iters=0, as_json=True, runtime="local", seed=0, cost_model=None, trace=None,
-                gantt=None, ray_address=None)
+        run(path, steps=1, profile_iters=0, as_json=True, runtime="local", seed=0, cost_model=None, trace=None,
+            gantt=None, ray_address=None)
     assert e.value.code == 1
     got = capsys.readouterr()
     assert '"numerics_ok": false' in got.out and got.err.strip().count("\n") == 0 and "numerics" in got.err

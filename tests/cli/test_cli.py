@@ -36,6 +36,14 @@ def test_graph_json_matches_the_acceptance_closed_forms():
     assert rr["memory"]["activations_peak_bytes"] < r["memory"]["activations_peak_bytes"]
 
 
+def test_every_command_takes_the_model_as_model():
+    small = "gpt3:hidden=64,layers=2,heads=4,seq=16,vocab=64,batch=2"
+    by_option, positional = run_json("graph", "--model", small), run_json("graph", small)
+    by_option.pop("build_s"), positional.pop("build_s")
+    assert by_option == positional and by_option["params"] > 0
+    assert run_json("intra", "--model", small, "--mesh", "1x2", "--batch", "2")["layers"] == [1, 1]
+
+
 def test_graph_with_cluster_layers_and_batch():
     r = run_json("graph", "wresnet-1b", "--cluster", "aws-p3.16xlarge", "--nodes", "2", "--layers", "8",
                  "--batch", "64")
@@ -69,6 +77,13 @@ def test_graph_save_round_trips(tmp_path):
     (["graph", "gpt3-1.3b", "--cluster", "aws-p3.16xlarge", "--nodes", "0"], "nodes"),
     (["graph", "gpt3-1.3b", "--batch", "0"], "batch"),
     (["graph", "missing.json"], "missing.json"),
+    (["graph"], "no model given: pass --model"),
+    (["graph", "gpt3-1.3b", "--model", "gpt3-2.6b"], "two models given"),
+    (["intra", "--model", "gpt3-1.3b", "--layers", "99"], "the model has layers 0..23"),
+    (["plan", "--model", "gpt3-1.3b", "--method", "zero2", "--max-stages", "2"],
+     "--max-stages does not apply to --method zero2"),
+    (["plan", "--model", "gpt3-1.3b", "--method", "inter-only", "--layers", "4"],
+     "--layers does not apply to --method inter-only"),
 ])
 def test_user_errors_are_one_line_and_exit_2(args, fragment):
     proc = run(*args)

@@ -1,0 +1,5 @@
+"""`python -m alpasim.cli`: the `alpasim` command."""
+
+from alpasim.cli import main
+
+main()

@@ -1,0 +1,181 @@
+"""What every `alpasim` command shares: the Typer app, the consoles, the options spelled
+the same everywhere, loading clusters and cost models, one-line errors and the entry point."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Any, NoReturn, Optional
+
+import typer
+from rich.console import Console
+
+from alpasim import costmodels as cm
+from alpasim import experiments as ex
+from alpasim import graphs as gr
+from alpasim import solvers as sv
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Plan, simulate and run Alpa-style parallel training.")
+out = Console()
+err = Console(stderr=True)
+
+USER_ERRORS = (gr.UnknownModelError, gr.ModelSpecError, gr.GraphFormatError, gr.GraphError, gr.BatchError,
+               cm.ClusterError, cm.UnknownPresetError, sv.IntraOpInfeasible, sv.ShardingError,
+               sv.PlanInfeasible, sv.PlanFormatError, cm.ProfileFormatError, ex.ReportError)
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
+ClusterOpt = Annotated[str, typer.Option("--cluster", help="Preset name or cluster JSON file.")]
+NodesOpt = Annotated[Optional[int], typer.Option("--nodes", help="Override the number of nodes.")]
+DpnOpt = Annotated[Optional[int], typer.Option("--devices-per-node", help="Override devices per node.")]
+GbpsOpt = Annotated[Optional[float], typer.Option("--inter-node-gbps", help="Override inter-node bandwidth.")]
+MemOpt = Annotated[Optional[float], typer.Option("--memory-gb", help="Override device memory (GiB).")]
+CostModelOpt = Annotated[Optional[Path], typer.Option("--cost-model", help="A profiled cost model JSON "
+                                                      "(`alpasim profile`) instead of the analytic model.")]
+PrecisionOpt = Annotated[str, typer.Option("--precision", help="Mixed-precision recipe: mixed-fp32grad (fp16 "
+                                           "weights, fp32 gradients, master and Adam: 18 B/param, Megatron-LM's "
+                                           "default), mixed (fp16 gradients: 16 B/param) or fp32.")]
+RecomputeOpt = Annotated[str, typer.Option("--recompute", help="What the backward recomputes besides --remat: "
+                                           "none (keep every value a gradient reads, as eager frameworks and "
+                                           "Megatron-LM do) or fusible (keep each layer's minimum cut, recompute "
+                                           "elementwise, layout, norm and softmax ops in the backward).")]
+
+ModelArg = Annotated[Optional[str], typer.Argument(help="Zoo name, spec string, model JSON or graph JSON "
+                                                   "(or give it as --model).", show_default=False)]
+ModelOpt = Annotated[Optional[str], typer.Option("--model", help="Zoo name, spec string, model JSON or graph JSON.")]
+
+
+def one_model(positional: str | None, option: str | None) -> str:
+    """The model of a command that takes it as `--model` (every command's spelling) or,
+    as before, positionally: exactly one of the two."""
+    if positional is not None and option is not None and positional != option:
+        fail(f"two models given ({positional!r} and --model {option!r}); give one")
+    model = option if option is not None else positional
+    if model is None:
+        fail("no model given: pass --model NAME (a zoo name, spec string, model JSON or graph JSON)")
+    return model
+
+
+def check_recompute(name: str) -> None:
+    if name not in gr.RECOMPUTE_POLICIES:
+        fail(f"--recompute {name!r}: choose one of {', '.join(gr.RECOMPUTE_POLICIES)}")
+
+
+def check_precision(name: str) -> None:
+    if name not in gr.RECIPES:
+        fail(f"--precision {name!r}: choose one of {', '.join(gr.RECIPES)}")
+
+
+def fail(message: str, code: int = 2) -> NoReturn:
+    err.print(f"alpasim: error: {message}", markup=False, highlight=False, soft_wrap=True)
+    raise SystemExit(code)
+
+
+def emit_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2) + "\n")
+
+
+def load_cluster(spec: str, nodes: int | None = None, devices_per_node: int | None = None,
+                 inter_node_gbps: float | None = None, memory_gb: float | None = None) -> cm.Cluster:
+    """A preset by name or a cluster JSON file, with command-line overrides applied."""
+    overrides = {"nodes": nodes, "devices_per_node": devices_per_node,
+                 "inter_node_gbps": inter_node_gbps, "memory_gb": memory_gb}
+    if spec.endswith(".json") or Path(spec).is_file():
+        data = gr.read_json_file(spec, cm.ClusterError)
+        try:
+            cluster = cm.Cluster.from_json(data)
+        except cm.ClusterError as e:
+            raise cm.ClusterError(f"{spec}: {e}") from None
+        return cluster.with_overrides(**overrides)
+    return cm.get_cluster(spec, **overrides)
+
+
+def load_cost_model(path: Path | None, cluster: cm.Cluster) -> cm.ProfiledCostModel | None:
+    """The profile at `path` bound to `cluster` (its intra-node link becomes the measured one)."""
+    return None if path is None else cm.ProfiledCostModel.load(path, cluster)
+
+
+def fmt_count(x: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g}{unit}"
+    return f"{x:.3g}"
+
+
+def fmt_flops(x: float) -> str:
+    for unit, scale in (("EFLOP", 1e18), ("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9)):
+        if x >= scale:
+            return f"{x / scale:.3f} {unit}"
+    return f"{x:.3g} FLOP"
+
+
+def fmt_bytes(x: float) -> str:
+    for unit, scale in (("TiB", 2 ** 40), ("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if x >= scale:
+            return f"{x / scale:.2f} {unit}"
+    return f"{x:.0f} B"
+
+
+def plan_map(workers: int | None, ray: bool, ray_address: str | None):
+    """(map function, closer): a Ray map, a local process pool, or plain map."""
+    if ray or ray_address:
+        from alpasim import backends
+
+        return backends.ray_map_fn(ray_address, workers), backends.ray_shutdown
+    from concurrent.futures import ProcessPoolExecutor
+
+    n = workers if workers is not None else (os.cpu_count() or 1)
+    if n <= 1:
+        return map, lambda: None
+    pool = ProcessPoolExecutor(n)
+    return (lambda fn, items: pool.map(fn, items)), (lambda: pool.shutdown(cancel_futures=True))
+
+
+def parse_microbatches(text: str) -> int | str:
+    """--microbatches: a number, or 'auto' to search B jointly."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        fail(f"--microbatches {text!r}: a positive integer or 'auto'")
+
+
+def number_list(option: str, text: str, kind: type) -> list:
+    """`10,25,50` as numbers of `kind`; a malformed list is a user error."""
+    items = [t.strip() for t in text.split(",")]
+    try:
+        values = [kind(t) for t in items]
+    except ValueError:
+        fail(f"{option} {text!r}: expected comma-separated {'integers' if kind is int else 'numbers'}, "
+             "e.g. 10,25,50")
+    if any(not v > 0 for v in values):
+        fail(f"{option} {text!r}: every value must be positive")
+    return values
+
+
+def method_list(text: str) -> list[str]:
+    try:
+        return list(dict.fromkeys(ex.method_name(m) for m in text.split(",")))
+    except ValueError as e:
+        fail(f"--methods: {e}")
+
+
+def ensure_cpu_devices(n: int) -> None:
+    """Ask XLA for `n` virtual CPU devices — possible only before jax is imported; an
+    XLA_FLAGS that already sets a count wins (the device check then says what is short)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "jax" not in sys.modules and "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+def main() -> None:
+    """Console-script entry point: user errors become one line and exit status 2."""
+    try:
+        app()
+    except USER_ERRORS as e:
+        fail(str(e))
+    except ValueError as e:  # validation errors from configs and specs
+        fail(str(e))

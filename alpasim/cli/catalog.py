@@ -1,0 +1,59 @@
+"""`alpasim models` and `alpasim clusters`: what the zoo and the cluster presets hold."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from rich.table import Table
+
+from alpasim import costmodels as cm
+from alpasim import graphs as gr
+from alpasim.experiments import cluster_json
+
+from ._common import JsonOpt, app, emit_json, fmt_bytes, fmt_count, out
+
+
+@app.command()
+def models(as_json: JsonOpt = False) -> None:
+    """List the model zoo (the paper's GPT-3, GShard MoE and Wide-ResNet sizes)."""
+    rows = []
+    for name in gr.model_names():
+        _, cfg = gr.resolve_model(name)
+        g = gr.forward_graph(name)
+        rows.append({"name": name, "family": cfg.family, "params": g.num_params(),
+                     "paper_gpus": gr.PAPER_GPUS.get(name), "config": dataclasses.asdict(cfg)})
+    if as_json:
+        emit_json({"models": rows})
+        return
+    t = Table(title="alpasim model zoo (global batch as in the paper)")
+    for col in ("name", "family", "params", "paper GPUs", "configuration"):
+        t.add_column(col)
+    for r in rows:
+        cfg = ", ".join(f"{k}={v}" for k, v in r["config"].items())
+        t.add_row(r["name"], r["family"], fmt_count(r["params"]), str(r["paper_gpus"] or ""), cfg)
+    out.print(t)
+    out.print("Custom sizes: a spec such as 'gpt3:hidden=4096,layers=32,heads=32' or 'gpt3-1.3b:batch=16'.")
+
+
+@app.command()
+def clusters(as_json: JsonOpt = False) -> None:
+    """List the cluster presets with their devices and links."""
+    presets = [cm.get_cluster(n) for n in cm.list_presets()]
+    if as_json:
+        emit_json({"clusters": [cluster_json(c) for c in presets]})
+        return
+    t = Table(title="alpasim cluster presets")
+    for col in ("name", "nodes x devices", "device", "memory", "fp16 peak", "intra-node", "inter-node"):
+        t.add_column(col)
+    for c in presets:
+        d = c.device
+        t.add_row(c.name, f"{c.nodes} x {c.devices_per_node}", d.name, fmt_bytes(d.memory_bytes),
+                  f"{d.peak_flops_per_s('float16') / 1e12:.0f} TFLOP/s",
+                  f"{c.intra_node.bandwidth_gbps:g} Gb/s", _inter_node_text(c))
+    out.print(t)
+    out.print("Override any of them: --nodes, --devices-per-node, --inter-node-gbps, --memory-gb.")
+
+
+def _inter_node_text(c: cm.Cluster) -> str:
+    nics = getattr(c, "nics_per_node", 1)
+    return f"{nics} x {c.inter_node.bandwidth_gbps:g} Gb/s per node"

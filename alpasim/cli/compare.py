@@ -1,0 +1,60 @@
+"""`alpasim compare`: every method on one model and cluster, side by side."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Optional
+
+import typer
+
+from alpasim import graphs as gr
+
+from ._common import (
+    ClusterOpt, DpnOpt, GbpsOpt, JsonOpt, MemOpt, NodesOpt, app, emit_json, err, fail, load_cluster, method_list,
+    out,
+)
+
+
+@app.command()
+def compare(
+    model: Annotated[str, typer.Option("--model", help="Zoo name, spec string, model JSON or saved graph.")],
+    cluster: ClusterOpt = "aws-p3.16xlarge",
+    nodes: NodesOpt = None,
+    devices_per_node: DpnOpt = None,
+    inter_node_gbps: GbpsOpt = None,
+    memory_gb: MemOpt = None,
+    methods: Annotated[str, typer.Option("--methods", help="Comma-separated methods; the first is the "
+                                         "reference.")] = "alpa,megatron,intra-only",
+    workers: Annotated[Optional[int], typer.Option("--workers", help="Methods planned in parallel "
+                                                   "(processes).")] = None,
+    no_cache: Annotated[bool, typer.Option("--no-cache", help="Bypass the on-disk result and stage caches.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Several methods on one model and cluster: simulated throughput, plan, ratio to the first."""
+    from alpasim import experiments as ex
+
+    names = method_list(methods)
+    c = load_cluster(cluster, nodes, devices_per_node, inter_node_gbps, memory_gb)
+    gr.model_source(model)          # an unknown model or a bad graph file: one line, before planning
+    if workers is not None and workers < 1:
+        fail(f"--workers must be at least 1, got {workers}")
+    t0 = time.perf_counter()
+
+    def progress(done: int, total: int, r: Any) -> None:
+        err.print(f"[{done}/{total} {time.perf_counter() - t0:6.0f} s] {r.method} planned in {r.plan_s:.1f} s",
+                  markup=False, highlight=False)
+
+    cmp = ex.compare(model, c, names, cache=not no_cache, workers=workers, progress=progress)
+    if as_json:
+        emit_json(cmp.to_json())
+        return
+    ref = cmp.reference.method
+    out.print(f"{model} on {c.nodes} x {c.devices_per_node} {c.device.name} ({c.name}), simulated:", soft_wrap=True)
+    for row in cmp.rows():
+        ratio = row["ratio_to_" + ref]
+        if row["feasible"]:
+            head = f"{row['throughput_pflops']:.3f} PFLOP/s, {row['iteration_s']:.2f} s / iteration"
+            head += f", {ratio:.2f}x {ref}" if ratio is not None else ""
+        else:
+            head = "not planned"       # out of memory, or a method that does not take the model: the plan says
+        out.print(f"  {row['method']:<12} {head} — {row['plan']}", markup=False, highlight=False, soft_wrap=True)

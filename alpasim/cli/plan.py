@@ -1,0 +1,188 @@
+"""`alpasim plan`: stages, submeshes and shardings of a model on a cluster, by any method."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.table import Table
+
+from alpasim import costmodels as cm
+from alpasim import graphs as gr
+from alpasim import solvers as sv
+from alpasim.experiments import simulation_report
+
+from ._common import (
+    ClusterOpt, CostModelOpt, DpnOpt, GbpsOpt, JsonOpt, MemOpt, NodesOpt, PrecisionOpt, RecomputeOpt, app,
+    check_precision, check_recompute, emit_json, err, fail, fmt_bytes, fmt_count, load_cluster, load_cost_model,
+    out, parse_microbatches, plan_map,
+)
+from .simulate import print_simulation
+
+
+def make_plan(model: str, cluster: cm.Cluster, method: str = "alpa", *, microbatches: str = "auto",
+              layers: int | None = None, max_stages: int | None = None, megatron: sv.MegatronConfig | None = None,
+              cache: bool = True, workers: int | None = None, ray: bool = False, ray_address: str | None = None,
+              quiet: bool = False, **options) -> sv.PipelinePlan:
+    """`solvers.plan_model` with a progress display and the chosen worker pool;
+    `options` are the planner's common options (remat, epsilon, cost_model, precision,
+    recompute). An option the method's record does not accept is a one-line error."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    m = sv.get_method(method)
+    for flag, key, value in (("--layers", "layers", layers), ("--max-stages", "max_stages", max_stages)):
+        if value is not None and key not in m.accepts:
+            fail(f"{flag} does not apply to --method {m.cli_name} (its search sets it)")
+    mb = parse_microbatches(microbatches)
+    map_fn, close = plan_map(workers, ray, ray_address)
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), console=err, transient=True, disable=quiet)
+    tasks: dict[str, Any] = {}
+
+    def report(label: str, done: int, total: int) -> None:
+        if label not in tasks:
+            tasks[label] = progress.add_task(f"{m.cli_name}: {label}", total=total)
+        progress.update(tasks[label], completed=done)
+
+    try:
+        with progress:
+            return sv.plan_model(model, cluster, m.name, microbatches=mb, layers=layers, max_stages=max_stages,
+                                 megatron=megatron, map_fn=map_fn, cache=sv.DiskCache(enabled=cache),
+                                 progress=report, **options)
+    finally:
+        close()
+
+
+@app.command()
+def plan(
+    model: Annotated[str, typer.Option("--model", help="Zoo name, spec string or model JSON.")],
+    cluster: ClusterOpt = "aws-p3.16xlarge",
+    nodes: NodesOpt = None,
+    devices_per_node: DpnOpt = None,
+    inter_node_gbps: GbpsOpt = None,
+    memory_gb: MemOpt = None,
+    microbatches: Annotated[str, typer.Option("--microbatches", help="Number of microbatches B, or 'auto' to "
+                                              "search B jointly.")] = "auto",
+    layers: Annotated[Optional[int], typer.Option("--layers", help="Re-cluster into L layers (eq. 6 DP).")] = None,
+    remat: Annotated[bool, typer.Option("--remat/--no-remat", help="Activation rematerialisation.")] = True,
+    out_path: Annotated[Optional[Path], typer.Option("--out", help="Write the plan JSON here.")] = None,
+    no_cache: Annotated[bool, typer.Option("--no-cache", help="Bypass the on-disk stage-cost cache.")] = False,
+    workers: Annotated[Optional[int], typer.Option("--workers", help="Local processes filling the table.")] = None,
+    ray: Annotated[bool, typer.Option("--ray", help="Fill the stage-cost table with Ray tasks.")] = False,
+    ray_address: Annotated[Optional[str], typer.Option("--ray-address", help="Ray cluster address.")] = None,
+    max_stages: Annotated[Optional[int], typer.Option("--max-stages", help="Deepest pipeline considered "
+                                                      f"(default {sv.DEFAULT_MAX_STAGES}).")] = None,
+    epsilon: Annotated[float, typer.Option("--epsilon", help="Relative gap between bottlenecks tried.")] = 1e-3,
+    run_simulation: Annotated[bool, typer.Option("--simulate", help="Also simulate the plan (1F1B) and show "
+                                                 "the timeline metrics.")] = False,
+    method: Annotated[str, typer.Option("--method", help="alpa, or a baseline: " + ", ".join(
+        m.cli_name for m in sv.METHODS.values() if m.name != "alpa") + ".")] = "alpa",
+    tp: Annotated[Optional[int], typer.Option("--tp", help="Megatron tensor-parallel degree.")] = None,
+    pp: Annotated[Optional[int], typer.Option("--pp", help="Megatron pipeline-parallel degree.")] = None,
+    dp: Annotated[Optional[int], typer.Option("--dp", help="Megatron data-parallel degree.")] = None,
+    microbatch_size: Annotated[Optional[int], typer.Option("--microbatch-size", help="Megatron microbatch "
+                                                           "size per data-parallel replica.")] = None,
+    cost_model: CostModelOpt = None,
+    precision: PrecisionOpt = gr.DEFAULT_RECIPE,
+    recompute: RecomputeOpt = "none",
+    as_json: JsonOpt = False,
+) -> None:
+    """Plan pipeline stages, submeshes and intra-op shardings for a model on a cluster.
+
+    `--method` picks Alpa (default) or a baseline; `--method megatron --tp T --pp P --dp D
+    --microbatch-size K` prices one explicit Megatron-LM configuration (without them, the
+    best of Megatron's grid). A baseline that does not fit is a result, not an error:
+    the table output prints why and exits 2, `--json` prints the plan with `feasible`
+    false and exits 0 (Alpa finding no plan stays an error: exit 2 either way)."""
+    c = load_cluster(cluster, nodes, devices_per_node, inter_node_gbps, memory_gb)
+    model_costs = load_cost_model(cost_model, c)
+    check_precision(precision)
+    check_recompute(recompute)
+    if (max_stages is not None and max_stages < 1) or epsilon < 0:
+        fail("--max-stages must be at least 1 and --epsilon at least 0")
+    try:
+        m = sv.get_method(method)
+    except sv.UnknownMethodError:
+        fail(f"--method {method!r}: choose one of {', '.join(x.cli_name for x in sv.METHODS.values())}")
+    name = m.name
+    degrees = {"--tp": tp, "--pp": pp, "--dp": dp, "--microbatch-size": microbatch_size}
+    given = [k for k, v in degrees.items() if v is not None]
+    if given and "megatron" not in m.accepts:
+        fail(f"{', '.join(given)} only apply to --method megatron")
+    if given and len(given) != len(degrees):
+        fail(f"--method megatron takes all of --tp, --pp, --dp and --microbatch-size together (missing "
+             f"{', '.join(k for k in degrees if k not in given)})")
+    config = sv.MegatronConfig(tp, pp, dp, microbatch_size) if given else None
+    p = make_plan(model, c, name, microbatches=microbatches, layers=layers, max_stages=max_stages, megatron=config,
+                  cache=not no_cache, workers=workers, ray=ray, ray_address=ray_address, quiet=as_json,
+                  remat=remat, epsilon=epsilon, cost_model=model_costs, precision=precision, recompute=recompute)
+    if not p.feasible:
+        if name == "alpa":   # Alpa finding nothing is an error, with or without --json
+            fail("; ".join(p.notes) or "infeasible")
+        if out_path is not None:
+            p.save(out_path)
+            err.print(f"wrote {out_path}", soft_wrap=True)
+        if as_json:
+            emit_json(p.to_json())
+            return
+        fail(f"{name}: no feasible plan: {'; '.join(p.notes) or 'infeasible'}")
+    if out_path is not None:
+        p.save(out_path)
+        err.print(f"wrote {out_path}", soft_wrap=True)
+    report = simulation_report(p, p.schedule) if run_simulation else None
+    if as_json:
+        emit_json(p.to_json() if report is None else {**p.to_json(), "simulation": report})
+        return
+    print_plan(p)
+    if name != "alpa":
+        config = p.search.megatron
+        out.print(f"method {name}: {m.summary}" + (
+            f"; tp={config['tp']} pp={config['pp']} dp={config['dp']} microbatch size "
+            f"{config['microbatch_size']}" if config else ""))
+    if report is not None:
+        print_simulation(report)
+
+
+def print_plan(p: sv.PipelinePlan) -> None:
+    m, c, pr = p.model, p.cluster, p.predicted
+    title = (f"{m.name} ({fmt_count(m.params)} params) on {c.nodes} x {c.devices_per_node} "
+             f"{c.device} — {len(p.stages)} stages, {p.microbatches} microbatches of {m.microbatch_size}")
+    t = Table(title=title)
+    for col in ("stage", "layers", "submesh", "devices", "logical mesh", "time / microbatch", "memory / device",
+                "in flight"):
+        t.add_column(col)
+    for i, s in enumerate(p.stages):
+        devs = f"{s.devices[0]}..{s.devices[-1]}" if len(s.devices) > 1 else str(s.devices[0])
+        t.add_row(str(i), f"{s.layers[0]}..{s.layers[1]}", f"{s.submesh[0]}x{s.submesh[1]}", devs,
+                  f"{s.logical_mesh[0]}x{s.logical_mesh[1]}", f"{s.time_s * 1e3:.1f} ms", fmt_bytes(s.memory_bytes),
+                  str(s.inflight_microbatches))
+    out.print(t)
+    if all(s.memory for s in p.stages):
+        mt = Table(title=f"memory per device by term ({m.precision or gr.DEFAULT_RECIPE}: "
+                         f"{m.bytes_per_param if m.bytes_per_param is not None else '?'} B/param; "
+                         f"stash x microbatches in flight)")
+        for col in ("stage", "params", "grads", "optimizer", "stash", "working set", "buffers", "total"):
+            mt.add_column(col)
+        for i, s in enumerate(p.stages):
+            mem = s.memory
+            mt.add_row(str(i), *(fmt_bytes(mem[k]) for k in ("params_bytes", "grads_bytes", "optimizer_bytes")),
+                       f"{fmt_bytes(mem['stash_bytes'])} x {mem['inflight']}", fmt_bytes(mem["transient_bytes"]),
+                       fmt_bytes(mem["buffer_bytes"]), fmt_bytes(mem["total_bytes"]))
+        out.print(mt)
+    ht = Table(title="heaviest ops of each distinct layer kind in a stage")
+    for col in ("stage", "op", "equation", "loops", "output spec"):
+        ht.add_column(col)
+    for i, s in enumerate(p.stages):
+        for h in s.heavy_ops[:3]:
+            ht.add_row(str(i), h["op"], h["equation"], h["strategy"], h["output"])
+    out.print(ht)
+    out.print(f"predicted iteration {pr.iteration_s:.2f} s, {pr.tflops_per_device:.1f} TFLOP/s per device, "
+              f"{pr.throughput_pflops:.3f} PFLOP/s in all, peak memory {fmt_bytes(pr.peak_memory_bytes)} "
+              f"per device, bubble {pr.bubble_fraction or 0.0:.1%}")
+    sr = p.search
+    out.print(f"search: {sr.seconds:.1f} s, {sr.ilp_solves} intra-op jobs, {sr.cache_hits} cache hits, "
+              f"B tried {list(sr.microbatch_candidates)}")
+    for r in p.runner_ups:
+        when = f"{r.iteration_s:.2f} s" if r.iteration_s is not None else "no plan fits"
+        out.print(f"  runner-up B={r.microbatches}: {when} ({len(r.stages)} stages)")

@@ -1,0 +1,81 @@
+"""`alpasim reproduce`: one of the paper's figures or tables, in simulation."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+
+from ._common import JsonOpt, app, emit_json, err, fail, out, plan_map
+
+
+@app.command()
+def reproduce(
+    name: Annotated[str, typer.Argument(help="fig7a, fig7b, fig7c, fig8, fig9, fig11 or table5.")],
+    out_dir: Annotated[Path, typer.Option("--out-dir", "--out", help="Directory for <name>.csv, .png and .md "
+                                          "(--out: the older spelling).")] = Path("out/reproduce"),
+    workers: Annotated[int, typer.Option("--workers", help="Points planned in parallel (processes).")] = 2,
+    no_cache: Annotated[bool, typer.Option("--no-cache", help="Bypass the on-disk result and stage caches.")] = False,
+    max_gpus: Annotated[Optional[int], typer.Option("--max-gpus", help="Only the points on at most N GPUs.")] = None,
+    ray: Annotated[bool, typer.Option("--ray", help="Plan the points as Ray tasks.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Reproduce one of the paper's figures or tables in simulation (CSV + PNG + markdown)."""
+    from alpasim import experiments as ex
+
+    if name not in ex.FIGURES:
+        fail(f"unknown figure {name!r}; choose one of {', '.join(ex.FIGURES)}")
+    if workers < 1:
+        fail(f"--workers must be at least 1, got {workers}")
+    if max_gpus is not None and max_gpus < 1:
+        fail(f"--max-gpus must be at least 1, got {max_gpus}")
+    points = ex.figure_points(name, max_gpus)
+    if not points:
+        fail(f"{name} has no points on at most {max_gpus} GPUs")
+    t0 = time.perf_counter()
+
+    def progress(done: int, total: int, r: ex.Result) -> None:
+        what = f"{r.throughput_pflops:.3f} PFLOPS" if r.feasible else "out of memory"
+        err.print(f"[{done}/{total} {time.perf_counter() - t0:6.0f} s] {r.model} on {r.gpus} GPUs, "
+                  f"{r.label or r.method}: {what} (planned in {r.plan_s:.1f} s)", markup=False, highlight=False,
+                  soft_wrap=True)
+
+    map_fn, close = plan_map(workers, True, None) if ray else (None, lambda: None)
+    try:
+        report = ex.reproduce(name, out_dir, workers=workers, cache=not no_cache, map_fn=map_fn,
+                              progress=progress, points=points)
+    except OSError as e:
+        fail(f"cannot write {out_dir}: {e.strerror or e}")
+    finally:
+        close()
+    if as_json:
+        emit_json(report.to_json())
+        return
+    _print_reproduction(report)
+
+
+def _print_reproduction(report) -> None:
+    from alpasim.experiments._report import summary_rows
+
+    plan_time = report.name == "table5"
+    t = Table(title=report.title)
+    for col in ("model", "GPUs", "method", "planning time" if plan_time else "PFLOPS"):
+        t.add_column(col)
+    for p in report.points_json():
+        value = (f"{p['plan_s']:.1f} s" if plan_time else
+                 f"{p['throughput_pflops']:.3f}" if p["feasible"] else "× (out of memory)")
+        t.add_row(p["model"], str(p["gpus"]), p.get("label") or p["method"], value)
+    out.print(t)
+    s = Table(title="summary (ours vs the paper)")
+    for col in ("ratio", "ours", "paper"):
+        s.add_column(col)
+    for row in summary_rows(report):
+        s.add_row(*row)
+    out.print(s)
+    cached = sum(r.cached for r in report.results)
+    out.print(f"{len(report.results)} points ({cached} cached) in {report.wall_s:.1f} s; wrote "
+              + ", ".join(report.files.values()))

@@ -1,0 +1,86 @@
+"""`alpasim simulate`: one iteration of a plan file in the discrete-event simulator."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.table import Table
+
+from alpasim import simulator as sim
+from alpasim import solvers as sv
+from alpasim.experiments import simulation_report
+
+from ._common import CostModelOpt, JsonOpt, app, emit_json, err, fail, fmt_bytes, load_cost_model, out
+
+
+@app.command()
+def simulate(
+    plan_file: Annotated[Path, typer.Argument(help="A plan JSON written by `alpasim plan --out`.")],
+    schedule: Annotated[str, typer.Option("--schedule", help="1f1b, gpipe or interleaved.")] = "1f1b",
+    chunks: Annotated[int, typer.Option("--chunks", help="Model chunks per mesh (interleaved only).")] = 2,
+    cross_mesh: Annotated[str, typer.Option("--cross-mesh", help="Cross-mesh resharding: local_all_gather, "
+                                            "send_recv or signal.")] = "local_all_gather",
+    trace: Annotated[Optional[Path], typer.Option("--trace", help="Write a Chrome trace JSON (Perfetto).")] = None,
+    gantt: Annotated[Optional[Path], typer.Option("--gantt", help="Write a Gantt chart PNG.")] = None,
+    memory_png: Annotated[Optional[Path], typer.Option("--memory-png", help="Write memory over time PNG.")] = None,
+    cost_model: CostModelOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Simulate one training iteration of a plan: iteration time, bubbles, memory, traffic.
+
+    With `--cost-model`, transfers between meshes use the profile's measured link
+    inside a node; stage compute and sync times stay those the plan was priced with
+    (re-plan with `--cost-model` to re-price them; a note says when the plan's model
+    differs)."""
+    if schedule not in sim.SCHEDULES:
+        fail(f"--schedule {schedule!r}: choose one of {', '.join(sim.SCHEDULES)}")
+    if cross_mesh not in sim.CROSS_MESH_METHODS:
+        fail(f"--cross-mesh {cross_mesh!r}: choose one of {', '.join(sim.CROSS_MESH_METHODS)}")
+    if chunks < 1:
+        fail(f"--chunks must be at least 1, got {chunks}")
+    p = sv.load_plan(plan_file)
+    cluster, model_note = None, None
+    if cost_model is not None:
+        base = sim.plan_cluster(p)
+        if base is None:
+            fail(f"{plan_file}: the plan records no cluster spec to bind --cost-model to")
+        model = load_cost_model(cost_model, base)
+        cluster = model.cluster
+        priced_by = p.search.cost_model
+        if priced_by is None or priced_by.digest != model.digest:
+            model_note = (f"stage times come from the plan (priced by "
+                          f"{priced_by.name if priced_by else 'the analytic model'}); only cross-mesh "
+                          f"links use {cost_model}")
+    report = simulation_report(p, schedule, chunks=chunks, cross_mesh=cross_mesh, trace=trace, gantt=gantt,
+                               memory_png=memory_png, cluster=cluster)
+    if model_note is not None:
+        report["notes"] = [*report["notes"], model_note]
+    if as_json:
+        emit_json(report)
+        return
+    print_simulation(report, title=f"{plan_file}: {p.model.name}")
+
+
+def print_simulation(r: dict[str, Any], title: str = "simulation") -> None:
+    sched = r["schedule"] + (f", {r['chunks']} chunks" if r["schedule"] == "interleaved" else "")
+    t = Table(title=f"{title} — {sched}, {r['microbatches']} microbatches, cross-mesh {r['cross_mesh']}")
+    for col in ("mesh", "devices", "compute", "sync", "communication", "idle", "peak memory / device"):
+        t.add_column(col)
+    peaks = r["peak_memory_bytes"]
+    for m in r["meshes"]:
+        devs = m["devices"]
+        t.add_row(str(m["stage"]), f"{devs[0]}..{devs[-1]}" if len(devs) > 1 else str(devs[0]),
+                  f"{m['compute_s']:.3f} s", f"{m['sync_s']:.3f} s", f"{m['comm_s']:.3f} s", f"{m['idle_s']:.3f} s",
+                  fmt_bytes(max(peaks[d] for d in devs)))
+    out.print(t)
+    pred = r["predicted_iteration_s"]
+    vs = f" (plan predicted {pred:.3f} s, eq. 2)" if pred else ""
+    out.print(f"simulated iteration {r['iteration_s']:.3f} s{vs}, bubble {r['bubble_fraction']:.1%}, "
+              f"cross-mesh traffic {fmt_bytes(r['cross_mesh_bytes'])} ({fmt_bytes(r['inter_node_bytes'])} "
+              f"between nodes); simulated in {r['wall_s']:.2f} s")
+    for note in r["notes"]:
+        err.print(f"note: {note}", markup=False)
+    for key, path in r["outputs"].items():
+        out.print(f"wrote {key.replace('_', ' ')}: {path}", soft_wrap=True)

@@ -11,7 +11,7 @@ import pytest
 from alpasim.costmodels import COLLECTIVE_KINDS, OP_CLASSES, ProfiledCostModel, get_cluster
 from alpasim.graphs import GraphBuilder
 
-# Measures time or starts a Ray cluster: runs alone, after the others (tests/conftest.py).
+# Measures time or starts a Ray cluster: `make test` runs these alone, before the others.
 pytestmark = pytest.mark.serial
 
 

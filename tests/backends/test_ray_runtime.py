@@ -27,7 +27,7 @@ from alpasim.backends import (RayRuntimeError, check_numerics, compare_collectiv
 from alpasim.simulator import Send, build_program
 
 ray = pytest.importorskip("ray")
-# Measures time or starts a Ray cluster: runs alone, after the others (tests/conftest.py).
+# Measures time or starts a Ray cluster: `make test` runs these alone, before the others.
 pytestmark = pytest.mark.serial
 
 RTOL = 1e-6

@@ -33,7 +33,7 @@ from alpasim.costmodels import ProfiledCostModel, get_cluster
 from alpasim.simulator import Send, build_program, simulate, synthetic_plan
 from alpasim.solvers import plan_pipeline
 
-# Measures time or starts a Ray cluster: runs alone, after the others (tests/conftest.py).
+# Measures time or starts a Ray cluster: `make test` runs these alone, before the others.
 pytestmark = pytest.mark.serial
 
 TINY_GPT = "gpt3:hidden=64,layers=2,heads=4,seq=16,vocab=128,batch=8,dtype=fp32"

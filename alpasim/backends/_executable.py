@@ -229,8 +229,8 @@ def plan_training_graph(plan: PipelinePlan, graph: OpGraph) -> OpGraph:
     """The training graph of `plan` (`graph` is `planning_graph(plan.model)`): its remat,
     its recompute policy and its precision recipe where it records them (older plans:
     the builder's defaults)."""
-    recipe = {"precision": plan.model.precision} if plan.model.precision is not None else {}
-    return build_training_graph(graph, remat=plan.model.remat, recompute=plan.model.recompute, **recipe).graph
+    return build_training_graph(graph, remat=plan.model.remat, recompute=plan.model.recompute,
+                                precision=plan.model.precision).graph
 
 
 def stage_inputs(plan: PipelinePlan, graph: OpGraph, seed: int = 0) -> StageInputs:

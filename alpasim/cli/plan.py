@@ -31,9 +31,9 @@ def make_plan(model: str, cluster: cm.Cluster, method: str = "alpa", *, microbat
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     m = sv.get_method(method)
-    for flag, key, value in (("--layers", "layers", layers), ("--max-stages", "max_stages", max_stages)):
-        if value is not None and key not in m.accepts:
-            fail(f"{flag} does not apply to --method {m.cli_name} (its search sets it)")
+    refused = m.refused(layers=layers, max_stages=max_stages)
+    if refused is not None:
+        fail(f"--{refused.replace('_', '-')} does not apply to --method {m.cli_name} (its search sets it)")
     mb = parse_microbatches(microbatches)
     map_fn, close = plan_map(workers, ray, ray_address)
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -117,19 +117,16 @@ def plan(
     p = make_plan(model, c, name, microbatches=microbatches, layers=layers, max_stages=max_stages, megatron=config,
                   cache=not no_cache, workers=workers, ray=ray, ray_address=ray_address, quiet=as_json,
                   remat=remat, epsilon=epsilon, cost_model=model_costs, precision=precision, recompute=recompute)
+    if not p.feasible and name == "alpa":   # Alpa finding nothing is an error, with or without --json
+        fail("; ".join(p.notes) or "infeasible")
+    if out_path is not None:
+        p.save(out_path)
+        err.print(f"wrote {out_path}", soft_wrap=True)
     if not p.feasible:
-        if name == "alpa":   # Alpa finding nothing is an error, with or without --json
-            fail("; ".join(p.notes) or "infeasible")
-        if out_path is not None:
-            p.save(out_path)
-            err.print(f"wrote {out_path}", soft_wrap=True)
         if as_json:
             emit_json(p.to_json())
             return
         fail(f"{name}: no feasible plan: {'; '.join(p.notes) or 'infeasible'}")
-    if out_path is not None:
-        p.save(out_path)
-        err.print(f"wrote {out_path}", soft_wrap=True)
     report = simulation_report(p, p.schedule) if run_simulation else None
     if as_json:
         emit_json(p.to_json() if report is None else {**p.to_json(), "simulation": report})

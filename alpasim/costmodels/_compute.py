@@ -23,7 +23,7 @@ from collections.abc import Mapping
 
 from alpasim.graphs import MATMUL_KINDS, Op, Tensor, op_bytes, op_flops, op_kind
 
-from ._fusion import VIEW_PRIMS as FREE_PRIMS, OpAccess
+from ._fusion import VIEW_PRIMS, OpAccess
 from ._hardware import Device
 
 # One CUDA kernel launch plus its minimal run time (a few microseconds on V100-H100).
@@ -80,7 +80,7 @@ def traffic_bytes(op: Op, tensors: Mapping[str, Tensor]) -> int:
     A lookup reads only the gathered rows, not the whole table: ids + 2 * output
     (read the rows, write the result).
     """
-    if op.prim in FREE_PRIMS:
+    if op.prim in VIEW_PRIMS:
         return 0
     if op.prim == "embedding":
         _, ids = op.inputs

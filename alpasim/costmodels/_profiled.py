@@ -65,8 +65,8 @@ from typing import Any
 from alpasim.graphs import Op, Tensor, op_flops, op_kind
 
 from ._collectives import COLLECTIVE_KINDS, MeshAxis, _check_bytes, collective_time_s, mesh_axes
-from ._compute import FREE_PRIMS, check_shards, traffic_bytes
-from ._fusion import OpAccess
+from ._compute import check_shards, traffic_bytes
+from ._fusion import VIEW_PRIMS, OpAccess
 from ._hardware import Cluster, Device, Link
 
 PROFILE_SCHEMA = "alpasim.costmodel/1"
@@ -174,7 +174,7 @@ class ProfiledCostModel:
     def op_time_s(self, op: Op, tensors: Mapping[str, Tensor], num_shards: int = 1,
                   access: OpAccess | None = None) -> float:
         check_shards(op, num_shards)
-        if op.prim in FREE_PRIMS:
+        if op.prim in VIEW_PRIMS:
             return 0.0
         flops = op_flops(op, tensors) / num_shards
         # `access` (the op's charge in a fused kernel) is not used: the fits come from

@@ -77,6 +77,10 @@ class Method:
     def cli_name(self) -> str:
         return self.name.replace("_", "-")
 
+    def refused(self, **given) -> str | None:
+        """The first of `given` (`METHOD_OPTIONS` by name) that is set but not accepted."""
+        return next((key for key, value in given.items() if value is not None and key not in self.accepts), None)
+
     def search_options(self, cluster: Cluster) -> dict:
         """`plan_pipeline`'s keywords for this method's part of the search."""
         kw: dict = {}
@@ -169,9 +173,9 @@ def plan_model(model: ModelLike, cluster: Cluster, method: str = "alpa", *, laye
     if unknown:
         raise TypeError(f"plan_model: unknown option {sorted(unknown)[0]!r}; the options are "
                         f"{', '.join(sorted(COMMON_OPTIONS | set(METHOD_OPTIONS)))}")
-    for key, value in (("layers", layers), ("max_stages", max_stages), ("megatron", megatron)):
-        if value is not None and key not in m.accepts:
-            raise ValueError(f"{key} does not apply to method {m.cli_name} (its search sets it)")
+    refused = m.refused(layers=layers, max_stages=max_stages, megatron=megatron)
+    if refused is not None:
+        raise ValueError(f"{refused} does not apply to method {m.cli_name} (its search sets it)")
     source = _zoo_source(model) if m.zoo_only else model_source(model)
     try:
         if m.name == "megatron":
@@ -182,7 +186,7 @@ def plan_model(model: ModelLike, cluster: Cluster, method: str = "alpa", *, laye
         kw = {**options, **m.search_options(cluster)}
         if layers is not None:
             kw["layers"] = layers
-        if max_stages is not None and not m.single_stage:
+        if max_stages is not None:
             kw["max_stages"] = max_stages
         return plan_pipeline(source, cluster, method=m.name, **kw)
     except PlanInfeasible as e:
@@ -249,9 +253,9 @@ def megatron_plan(model: ModelLike, cluster: Cluster, config: MegatronConfig, **
         return [(config.dp, config.tp)] if shape.size == size else []
 
     try:
-        plan = plan_pipeline(source, cluster, microbatches=b, method="megatron", restriction="megatron",
-                             shape_ok=lambda sh: sh.size == size, views_of=views_of, equal_layers=True,
-                             num_stages=config.pp, relabel=lambda fwd: fwd, **kw)
+        plan = plan_pipeline(source, cluster, microbatches=b, method="megatron", shape_ok=lambda sh: sh.size == size,
+                             views_of=views_of, num_stages=config.pp, relabel=lambda fwd: fwd,
+                             **METHODS["megatron"].search_options(cluster), **kw)
     except PlanInfeasible as e:
         return infeasible_plan(source, cluster, "megatron", str(e), SearchStats(megatron=_config_json(config)))
     return dataclasses.replace(plan, search=dataclasses.replace(plan.search, megatron=_config_json(config)))

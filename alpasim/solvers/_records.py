@@ -38,7 +38,6 @@ class Record:
     that declares `extra: dict[str, Any]` keeps unknown keys there."""
 
     __slots__ = ()
-    __dataclass_fields__: ClassVar[dict]
 
     # An optional field (default None) that is None is left out of the JSON, as older
     # files have it; a record whose readers expect every key says False.
@@ -57,8 +56,9 @@ class Record:
     @classmethod
     def from_json(cls, data: Any, where: str = "") -> Record:
         where = where or cls.__name__
+        here = where.rstrip(":")          # the record's own path in messages (`_join`)
         if not isinstance(data, Mapping):
-            raise PlanFormatError(f"{where.rstrip(':')}: expected a JSON object, got {_shown(data)}")
+            raise PlanFormatError(f"{here}: expected a JSON object, got {_shown(data)}")
         hints = _hints(cls)
         kwargs: dict[str, Any] = {}
         names = set()
@@ -69,16 +69,16 @@ class Record:
             if f.name in data:
                 kwargs[f.name] = _convert(data[f.name], hints[f.name], _join(where, f.name))
             elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise PlanFormatError(f"{where.rstrip(':')}: missing field {f.name!r}")
+                raise PlanFormatError(f"{here}: missing field {f.name!r}")
         unknown = {k: v for k, v in data.items() if k not in names}
         if "extra" in hints:
             kwargs["extra"] = unknown
         elif unknown:
-            raise PlanFormatError(f"{where.rstrip(':')}: unknown field {next(iter(unknown))!r}")
+            raise PlanFormatError(f"{here}: unknown field {next(iter(unknown))!r}")
         try:
             return cls(**kwargs)
         except (TypeError, ValueError) as e:
-            raise PlanFormatError(f"{where.rstrip(':')}: {e}") from None
+            raise PlanFormatError(f"{here}: {e}") from None
 
 
 def _join(where: str, name: str) -> str:

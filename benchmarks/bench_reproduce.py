@@ -6,9 +6,9 @@ hit. The issue asks for cold under 10 minutes on the 2-core dev machine and warm
 seconds.
 
     .venv/bin/python benchmarks/bench_reproduce.py [--figure fig7a] [--max-gpus N] [--workers 2]
-        [--out DIR] [--cache-dir DIR]
+        [--out-dir DIR] [--cache-dir DIR]
 
-`--out` keeps the figure's files (e.g. `docs/figures`); `--cache-dir` names a new,
+`--out-dir` keeps the figure's files (e.g. `docs/figures`); `--cache-dir` names a new,
 empty cache directory to fill instead of a temporary one (so the cold run also warms a
 cache that later commands can use).
 """
@@ -43,15 +43,15 @@ def main() -> None:
     ap.add_argument("--figure", default="fig7a")
     ap.add_argument("--max-gpus", type=int)
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--out")
+    ap.add_argument("--out-dir")
     ap.add_argument("--cache-dir")
     args = ap.parse_args()
     if args.cache_dir and os.path.exists(args.cache_dir) and os.listdir(args.cache_dir):
         sys.exit(f"--cache-dir {args.cache_dir} is not empty: a cold run needs an empty cache")
     with tempfile.TemporaryDirectory(prefix="alpasim-bench-") as tmp:
         env = {**os.environ, "ALPASIM_CACHE_DIR": args.cache_dir or os.path.join(tmp, "cache")}
-        cmd = [sys.executable, "-m", "alpasim.cli", "reproduce", args.figure, "--out",
-               args.out or os.path.join(tmp, "out"), "--workers", str(args.workers)]
+        cmd = [sys.executable, "-m", "alpasim.cli", "reproduce", args.figure, "--out-dir",
+               args.out_dir or os.path.join(tmp, "out"), "--workers", str(args.workers)]
         if args.max_gpus:
             cmd += ["--max-gpus", str(args.max_gpus)]
         for what in ("cold", "warm"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Annotated, Any, NoReturn, Optional
 
@@ -71,6 +72,45 @@ def check_precision(name: str) -> None:
 def fail(message: str, code: int = 2) -> NoReturn:
     err.print(f"alpasim: error: {message}", markup=False, highlight=False, soft_wrap=True)
     raise SystemExit(code)
+
+
+def _probe_dir(directory: Path, option: str, path: Path) -> None:
+    """Create `directory` (and its parents) and write and delete a file in it: the only
+    check that holds for root, read-only mounts and ACLs alike."""
+    if directory.exists() and not directory.is_dir():
+        fail(f"{option} {path}: {directory} is not a directory")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".alpasim-probe-"):
+            pass
+    except OSError as e:
+        fail(f"{option} {path}: cannot write in {directory}: {e.strerror or e}")
+
+
+def writable_file(path: Path | None, option: str) -> None:
+    """Refuse, before any work starts, an output file that could not be written: a
+    directory, or a place where no file can be created (missing parents are made)."""
+    if path is None:
+        return
+    if path.is_dir():
+        fail(f"{option} {path}: is a directory; {option} names a file")
+    _probe_dir(path.parent if str(path.parent) else Path("."), option, path)
+
+
+def writable_dir(path: Path, option: str) -> None:
+    """Refuse, before any work starts, an output directory that is a file or cannot be
+    written (it is created if missing)."""
+    if path.exists() and not path.is_dir():
+        fail(f"{option} {path}: is a file; {option} names a directory")
+    _probe_dir(path, option, path)
+
+
+def write_text(path: Path, text: str, option: str) -> None:
+    """Write an output file; a failure (the disk filled after the check) is one line."""
+    try:
+        path.write_text(text)
+    except OSError as e:
+        fail(f"{option} {path}: cannot write: {e.strerror or e}")
 
 
 def emit_json(obj: Any) -> None:

@@ -11,10 +11,10 @@ from rich.table import Table
 from alpasim.experiments import graph_report
 
 from ._common import (
-    ModelArg, ModelOpt, one_model,
-    DpnOpt, GbpsOpt, JsonOpt, MemOpt, NodesOpt, RecomputeOpt, app, check_recompute, emit_json, err, fmt_bytes,
-    fmt_count, fmt_flops, load_cluster, out,
+    ModelArg, ModelOpt, one_model, DpnOpt, GbpsOpt, JsonOpt, MemOpt, NodesOpt, RecomputeOpt, app, check_recompute,
+    emit_json, err, fmt_bytes, fmt_count, fmt_flops, load_cluster, out, writable_file,
 )
+
 
 
 @app.command()
@@ -36,6 +36,7 @@ def graph(
     """Parameters, FLOPs per iteration, op counts per phase and layers of a training graph."""
     model = one_model(model_arg, model_opt)
     check_recompute(recompute)
+    writable_file(save, "--save")
     c = load_cluster(cluster, nodes, devices_per_node, inter_node_gbps, memory_gb) if cluster else None
     report = graph_report(model, layers=layers, remat=remat, batch=batch, cluster=c, save=save, recompute=recompute)
     if save is not None:

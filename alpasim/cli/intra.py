@@ -8,7 +8,7 @@ import typer
 from rich.table import Table
 
 from alpasim import solvers as sv
-from alpasim.experiments import INTRA_METHODS, intra_report
+from alpasim.experiments import DEFAULT_MICROBATCH_SIZE, INTRA_METHODS, intra_report
 
 from ._common import (
     ModelArg, ModelOpt, one_model,
@@ -29,17 +29,21 @@ def intra(
     inter_node_gbps: GbpsOpt = None,
     memory_gb: MemOpt = None,
     layers: Annotated[Optional[str], typer.Option("--layers", help="Layer range i:j (default: a middle layer).")] = None,
-    batch: Annotated[int, typer.Option("--batch", help="Microbatch size the stage runs on.")] = 8,
+    batch: Annotated[Optional[int], typer.Option("--batch", help="Global batch (default: the model's own); the "
+                                                 "stage runs on one microbatch of it.")] = None,
     method: Annotated[str, typer.Option("--method", help="alpa (the ILP), data_parallel or megatron.")] = "alpa",
     solver: Annotated[str, typer.Option("--solver", help="highs or cbc.")] = "highs",
     time_limit: Annotated[Optional[float], typer.Option("--time-limit", help="ILP time limit, seconds.")] = None,
     compute: Annotated[bool, typer.Option("--compute", help="Add compute time to the ILP objective.")] = False,
-    microbatches: Annotated[int, typer.Option("--microbatches", help="Gradient-accumulation steps: weight "
-                                              "gradients sync once per this many microbatches.")] = 1,
+    microbatches: Annotated[Optional[int], typer.Option("--microbatches", help="Gradient-accumulation steps: "
+                                                        "the stage runs on --batch / this many samples and weight "
+                                                        "gradients sync once per this many microbatches (default: "
+                                                        "the fewest that make microbatches of at most "
+                                                        f"{DEFAULT_MICROBATCH_SIZE} samples).")] = None,
     recompute: RecomputeOpt = "none",
     as_json: JsonOpt = False,
 ) -> None:
-    """Shard one stage (layers i..j, one microbatch) on one logical mesh with the ILP."""
+    """Shard one stage (layers i..j, one microbatch of the global --batch) on one logical mesh with the ILP."""
     model = one_model(model_arg, model_opt)
     check_recompute(recompute)
     if method not in INTRA_METHODS:
@@ -54,7 +58,9 @@ def intra(
         fail(str(e))
     if shape[0] * shape[1] > c.num_devices:
         fail(f"--mesh {mesh} needs {shape[0] * shape[1]} devices; {c.name} has {c.num_devices}")
-    if microbatches < 1:
+    if batch is not None and batch < 1:
+        fail(f"--batch must be at least 1, got {batch}")
+    if microbatches is not None and microbatches < 1:
         fail(f"--microbatches must be at least 1, got {microbatches}")
     report = intra_report(model, shape, c, layers=layers, batch=batch, method=method, solver=solver,
                           time_limit=time_limit, compute=compute, microbatches=microbatches, recompute=recompute)
@@ -65,7 +71,8 @@ def intra(
 
 
 def _print_intra(r: dict[str, Any]) -> None:
-    head = (f"{r['model']} layers {r['layers'][0]}..{r['layers'][1]}, microbatch {r['batch']}, "
+    head = (f"{r['model']} layers {r['layers'][0]}..{r['layers'][1]}, batch {r['batch']} as {r['microbatches']} "
+            f"microbatches of {r['microbatch_size']}, "
             f"{r['mesh'][0]}x{r['mesh'][1]} mesh of {r['cluster']} — {r['method']} ({r['solver']}, {r['status']})")
     t = Table(title=head)
     for col in ("op", "loops", "inputs", "output", "GFLOP"):

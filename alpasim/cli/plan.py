@@ -16,8 +16,9 @@ from alpasim.experiments import simulation_report
 from ._common import (
     ClusterOpt, CostModelOpt, DpnOpt, GbpsOpt, JsonOpt, MemOpt, NodesOpt, PrecisionOpt, RecomputeOpt, app,
     check_precision, check_recompute, emit_json, err, fail, fmt_bytes, fmt_count, load_cluster, load_cost_model,
-    out, parse_microbatches, plan_map,
+    out, parse_microbatches, plan_map, writable_file,
 )
+
 from .simulate import print_simulation
 
 
@@ -95,6 +96,7 @@ def plan(
     best of Megatron's grid). A baseline that does not fit is a result, not an error:
     the table output prints why and exits 2, `--json` prints the plan with `feasible`
     false and exits 0 (Alpa finding no plan stays an error: exit 2 either way)."""
+    writable_file(out_path, "--out")
     c = load_cluster(cluster, nodes, devices_per_node, inter_node_gbps, memory_gb)
     model_costs = load_cost_model(cost_model, c)
     check_precision(precision)

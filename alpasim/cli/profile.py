@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 
-from ._common import JsonOpt, app, emit_json, ensure_cpu_devices, err, fail, out
+from ._common import JsonOpt, app, emit_json, ensure_cpu_devices, err, fail, out, writable_file
 
 
 @app.command()
@@ -27,6 +27,7 @@ def profile(
     The JSON it writes is what `plan --cost-model` and `simulate --cost-model` read.
     Collectives need at least two devices; on a CPU it asks XLA for 8 virtual devices
     unless XLA_FLAGS sets a count or `--cpu-devices` another."""
+    writable_file(out_path, "--out")
     if cpu_devices is None:
         ensure_cpu_devices(8)
     else:

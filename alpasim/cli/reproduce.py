@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -9,15 +10,16 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-
-from ._common import JsonOpt, app, emit_json, err, fail, out, plan_map
+from ._common import JsonOpt, app, emit_json, err, fail, out, plan_map, writable_dir, writable_file, write_text
 
 
 @app.command()
 def reproduce(
     name: Annotated[str, typer.Argument(help="fig7a, fig7b, fig7c, fig8, fig9, fig11 or table5.")],
-    out_dir: Annotated[Path, typer.Option("--out-dir", "--out", help="Directory for <name>.csv, .png and .md "
-                                          "(--out: the older spelling).")] = Path("out/reproduce"),
+    out_dir: Annotated[Path, typer.Option("--out-dir", help="Directory for <name>.csv, .png and .md.")] = Path(
+        "out/reproduce"),
+    out_path: Annotated[Optional[Path], typer.Option("--out", help="Also write the JSON report (what --json "
+                                                     "prints) to this file.")] = None,
     workers: Annotated[int, typer.Option("--workers", help="Points planned in parallel (processes).")] = 2,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Bypass the on-disk result and stage caches.")] = False,
     max_gpus: Annotated[Optional[int], typer.Option("--max-gpus", help="Only the points on at most N GPUs.")] = None,
@@ -36,6 +38,8 @@ def reproduce(
     points = ex.figure_points(name, max_gpus)
     if not points:
         fail(f"{name} has no points on at most {max_gpus} GPUs")
+    writable_dir(out_dir, "--out-dir")
+    writable_file(out_path, "--out")
     t0 = time.perf_counter()
 
     def progress(done: int, total: int, r: ex.Result) -> None:
@@ -52,6 +56,8 @@ def reproduce(
         fail(f"cannot write {out_dir}: {e.strerror or e}")
     finally:
         close()
+    if out_path is not None:
+        write_text(out_path, json.dumps(report.to_json(), indent=2) + "\n", "--out")
     if as_json:
         emit_json(report.to_json())
         return

@@ -12,7 +12,9 @@ from alpasim import simulator as sim
 from alpasim import solvers as sv
 from alpasim.experiments import RUNTIMES, cpu_devices_for, run_report
 
-from ._common import CostModelOpt, JsonOpt, app, emit_json, ensure_cpu_devices, fail, fmt_bytes, load_cost_model, out
+from ._common import (
+    CostModelOpt, JsonOpt, app, emit_json, ensure_cpu_devices, fail, fmt_bytes, load_cost_model, out, writable_file,
+)
 
 
 @app.command()
@@ -50,6 +52,8 @@ def run(
         fail(f"--steps must be at least 1, got {steps}")
     if profile_iters < 0:
         fail(f"--profile-iters must be 0 or more, got {profile_iters}")
+    writable_file(trace, "--trace")
+    writable_file(gantt, "--gantt")
     p = sv.load_plan(plan_file)
     if not p.feasible or not p.stages:
         why = "; ".join(p.notes) or ("it has no stages" if not p.stages else "it is marked feasible: false")

@@ -12,7 +12,7 @@ from alpasim import simulator as sim
 from alpasim import solvers as sv
 from alpasim.experiments import simulation_report
 
-from ._common import CostModelOpt, JsonOpt, app, emit_json, err, fail, fmt_bytes, load_cost_model, out
+from ._common import CostModelOpt, JsonOpt, app, emit_json, err, fail, fmt_bytes, load_cost_model, out, writable_file
 
 
 @app.command()
@@ -40,6 +40,8 @@ def simulate(
         fail(f"--cross-mesh {cross_mesh!r}: choose one of {', '.join(sim.CROSS_MESH_METHODS)}")
     if chunks < 1:
         fail(f"--chunks must be at least 1, got {chunks}")
+    for path, option in ((trace, "--trace"), (gantt, "--gantt"), (memory_png, "--memory-png")):
+        writable_file(path, option)
     p = sv.load_plan(plan_file)
     cluster, model_note = None, None
     if cost_model is not None:

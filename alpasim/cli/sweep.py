@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -13,7 +14,10 @@ from rich.table import Table
 from alpasim import costmodels as cm
 from alpasim import graphs as gr
 
-from ._common import JsonOpt, app, emit_json, err, fail, method_list, number_list, out, plan_map
+from ._common import (
+    JsonOpt, app, emit_json, err, fail, method_list, number_list, out, plan_map, writable_dir, writable_file,
+    write_text,
+)
 
 
 def _point_progress(t0: float):
@@ -39,9 +43,10 @@ def sweep(
                                                          "e.g. aws-p3.16xlarge,dgx-a100.")] = None,
     methods: Annotated[str, typer.Option("--methods", help="Comma-separated methods (dashes or underscores).")] = (
         "alpa,intra-only,inter-only,megatron"),
-    out_dir: Annotated[Path, typer.Option("--out-dir", "--out", help="Directory for the CSV, markdown and "
-                                                                     "PNG (--out: the older spelling).")] = Path(
+    out_dir: Annotated[Path, typer.Option("--out-dir", help="Directory for the CSV, markdown and PNG.")] = Path(
         "out/sweep"),
+    out_path: Annotated[Optional[Path], typer.Option("--out", help="Also write the JSON report (what --json "
+                                                     "prints) to this file.")] = None,
     workers: Annotated[Optional[int], typer.Option("--workers", help="Points planned in parallel "
                                                    "(processes; default: one per CPU).")] = None,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Bypass the on-disk result and stage caches.")] = False,
@@ -72,6 +77,8 @@ def sweep(
         fail(f"--gpus must be at least 1, got {gpus}")
     if workers is not None and workers < 1:
         fail(f"--workers must be at least 1, got {workers}")
+    writable_dir(out_dir, "--out-dir")
+    writable_file(out_path, "--out")
     gr.model_source(model)  # an unknown model or a bad graph file fails before any point is planned
     for v in values:
         ex.sweep_cluster(axis, v, gpus, cluster)  # a GPU count that is no whole number of nodes
@@ -86,8 +93,13 @@ def sweep(
         files = report.write(out_dir)
     except OSError as e:
         fail(f"cannot write {out_dir}: {e.strerror or e}")
+    if out_path is not None:
+        files["json"] = str(out_path)
+    doc = {**report.to_json(), "files": files}
+    if out_path is not None:
+        write_text(out_path, json.dumps(doc, indent=2) + "\n", "--out")
     if as_json:
-        emit_json({**report.to_json(), "files": files})
+        emit_json(doc)
         return
     _print_sweep(report, files)
 

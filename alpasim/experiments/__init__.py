@@ -29,6 +29,7 @@ from ._errors import ReportError as ReportError
 from ._graph_report import cluster_json as cluster_json
 from ._graph_report import graph_report as graph_report
 from ._graph_report import model_with_batch as model_with_batch
+from ._intra_report import DEFAULT_MICROBATCH_SIZE as DEFAULT_MICROBATCH_SIZE
 from ._intra_report import INTRA_METHODS as INTRA_METHODS
 from ._intra_report import intra_report as intra_report
 from ._intra_report import parse_layers as parse_layers

@@ -14,22 +14,24 @@ from alpasim import graphs as gr
 from ._errors import ReportError
 
 
-def model_with_batch(model: str, batch: int | None) -> tuple[str, Any]:
-    """(name, config or graph) for a model, its batch overridden when asked."""
+def model_with_batch(model: str, batch: int | None, label: str | None = None) -> tuple[str, Any]:
+    """(name, config or graph) for a model, its batch overridden when asked; `label`
+    names the batch in errors (default "--batch N")."""
+    label = label or f"--batch {batch}"
     if model.endswith(".json") and Path(model).is_file():
         fwd = gr.load_forward(model)
         if batch is not None and batch != gr.model_source(fwd).global_batch:
             try:
                 fwd = gr.resize_batch(fwd, batch)
             except gr.BatchError as e:
-                raise ReportError(f"--batch {batch}: {e}") from None
+                raise ReportError(f"{label}: {e}") from None
         return fwd.name, fwd
     name, cfg = gr.resolve_model(model)
     if batch is not None:
         try:
             cfg = dataclasses.replace(cfg, batch=batch)
         except ValueError as e:
-            raise ReportError(f"--batch {batch}: {e}") from None
+            raise ReportError(f"{label}: {e}") from None
     return name, cfg
 
 

@@ -14,6 +14,22 @@ from ._graph_report import model_with_batch
 
 
 INTRA_METHODS = ("alpa", *sv.BASELINES)
+# Samples per microbatch when `alpasim intra` is given no --microbatches: the
+# microbatch `intra --batch` used to mean, small enough that one layer of the zoo's
+# largest models fits one device.
+DEFAULT_MICROBATCH_SIZE = 8
+
+
+def split_batch(global_batch: int, microbatches: int | None) -> tuple[int, int]:
+    """(microbatches, samples per microbatch) of a global batch: `microbatches` as given
+    (it must divide the batch), or the fewest whose microbatch holds at most
+    DEFAULT_MICROBATCH_SIZE samples."""
+    if microbatches is None:
+        microbatches = next(m for m in range(1, global_batch + 1)
+                            if global_batch % m == 0 and global_batch // m <= DEFAULT_MICROBATCH_SIZE)
+    if global_batch % microbatches:
+        raise ReportError(f"--microbatches {microbatches} does not divide the global batch {global_batch}")
+    return microbatches, global_batch // microbatches
 
 
 def parse_layers(text: str | None, num_layers: int) -> tuple[int, int]:
@@ -41,10 +57,15 @@ def _intra_solve(stage: gr.OpGraph, mesh: sv.LogicalMesh, model: cm.CostModel, m
 
 
 def intra_report(model_name: str, mesh_shape: tuple[int, int], cluster: cm.Cluster, *, layers: str | None,
-                 batch: int, method: str, solver: str, time_limit: float | None, compute: bool,
-                 microbatches: int = 1, top: int = 12, recompute: str = "none") -> dict[str, Any]:
-    """Solve one stage on one mesh and compare with the hand-designed assignments."""
-    name, source = model_with_batch(model_name, batch)
+                 batch: int | None, method: str, solver: str, time_limit: float | None, compute: bool,
+                 microbatches: int | None = None, top: int = 12, recompute: str = "none") -> dict[str, Any]:
+    """Solve one stage, on one microbatch of the global `batch` (None: the model's own),
+    on one mesh and compare with the hand-designed assignments."""
+    if batch is None:
+        batch = gr.model_source(model_name).global_batch
+    microbatches, size = split_batch(batch, microbatches)
+    name, source = model_with_batch(model_name, size, f"a microbatch of {size} (--batch {batch} over "
+                                                      f"{microbatches} microbatches)")
     fwd = source if isinstance(source, gr.OpGraph) else gr.forward_graph(source, name=name)
     graph = gr.build_training_graph(fwd, recompute=recompute).graph
     first, last = parse_layers(layers, graph.num_layers)
@@ -68,7 +89,7 @@ def intra_report(model_name: str, mesh_shape: tuple[int, int], cluster: cm.Clust
                           "fits": r.plan.memory.total_bytes <= budget}
     heavy = sorted((op for op in stage.ops if gr.is_heavy(op)), key=lambda o: -gr.op_flops(o, stage.tensors))
     return {
-        "model": name, "layers": [first, last], "batch": batch, "mesh": list(mesh_shape),
+        "model": name, "layers": [first, last], "batch": batch, "microbatch_size": size, "mesh": list(mesh_shape),
         "cluster": cluster.name, "method": method, "solver": result.solver,
         "status": result.status, "time_limited": result.time_limited,
         "microbatches": microbatches, "objective_s": result.objective_s,

@@ -25,9 +25,11 @@ pytest.importorskip("flax")
 pytest.importorskip("equinox")
 pytest.importorskip("optax")
 
-from alpasim.backends import run_local  # noqa: E402
+from alpasim.backends import hlo_collectives, run_local  # noqa: E402
+from alpasim.backends._executable import plan_training_graph  # noqa: E402
+from alpasim.backends._hlo import PLANNED_KINDS  # noqa: E402
 from alpasim.backends._lowering import lower_graph, random_leaves  # noqa: E402
-from alpasim.backends._stages import microbatch_inputs  # noqa: E402
+from alpasim.backends._stages import microbatch_inputs, stage_intra_plan  # noqa: E402
 from alpasim.costmodels import get_cluster  # noqa: E402
 from alpasim.graphs import from_jax, load_graph, save_graph, values_as_tree  # noqa: E402
 from alpasim.solvers import plan_pipeline, planning_graph, planning_units  # noqa: E402
@@ -126,7 +128,8 @@ def test_a_flax_model_with_dropout_is_planned_simulated_and_run_by_the_cli(tmp_p
 def test_exported_shardings_drive_jax_jit_of_the_models_own_step(tmp_path):
     """`plan_shardings` gives, in the user's own pytrees, the layouts of a one-stage plan
     on 8 devices; `jax.jit` of the user's `value_and_grad` takes them as they are, keeps
-    them on its parameters and returns the single-device gradients."""
+    them on its parameters, compiles to collectives within the runtime check's band of the
+    plan's, and returns the single-device gradients."""
     from jax.sharding import NamedSharding
 
     from alpasim.backends import plan_shardings
@@ -151,6 +154,14 @@ def test_exported_shardings_drive_jax_jit_of_the_models_own_step(tmp_path):
     compiled = step.lower(p, b).compile()
     got = jax.tree.leaves(compiled.input_shardings[0][0])
     assert [s.spec for s in got] == [s.spec for s in exported]
+    # The compiled collectives against the plan's, as the runtime's HLO check holds them
+    # (totals in the band of tests/backends/test_runtime.py). XLA propagates its own
+    # layouts between the pinned parameters, so this is a band, not equality.
+    intra = stage_intra_plan(plan, plan_training_graph(plan, graph), 0)
+    predicted = sum(pc.collective.nbytes for pc in intra.collectives
+                    if intra.mesh.axis_size(pc.collective.axes) > 1 and pc.collective.kind in PLANNED_KINDS)
+    measured = sum(c.nbytes for c in hlo_collectives(compiled.as_text()) if c.kind in PLANNED_KINDS)
+    assert predicted > 0 and 1 / 3 <= measured / predicted <= 1.5, (measured, predicted)
     loss, grads = step(p, b)
     want_loss, want = jax.jit(jax.value_and_grad(loss_fn))(p, b)
     assert float(loss) == pytest.approx(float(want_loss), rel=1e-5)

@@ -84,6 +84,13 @@ def test_graph_save_round_trips(tmp_path):
      "--max-stages does not apply to --method zero2"),
     (["plan", "--model", "gpt3-1.3b", "--method", "inter-only", "--layers", "4"],
      "--layers does not apply to --method inter-only"),
+    # Output paths are checked before the work: these would otherwise plan for a minute.
+    (["plan", "--model", "gpt3-39b", "--out", "/tmp"], "--out /tmp: is a directory"),
+    (["plan", "--model", "gpt3-39b", "--out", "/proc/version/plan.json"], "/proc/version is not a directory"),
+    (["graph", "gpt3-1.3b", "--save", "/proc/graph.json"], "--save /proc/graph.json: cannot write in /proc"),
+    (["simulate", "missing-plan.json", "--gantt", "/tmp"], "--gantt /tmp: is a directory"),
+    (["sweep", "--model", "gpt3-1.3b", "--gpus", "8", "--memory-gb", "16", "--out-dir", "/proc/version"],
+     "--out-dir /proc/version: is a file"),
 ])
 def test_user_errors_are_one_line_and_exit_2(args, fragment):
     proc = run(*args)
@@ -126,6 +133,23 @@ def test_intra_method_and_memory_override():
     assert all(s.strip("R") == "" for p, s in dp["specs"].items() if p.endswith("/w_fc1"))
     proc = run("intra", "gpt3-1.3b", "--mesh", "1x8", "--memory-gb", "0.01")
     assert proc.returncode == 2 and "does not fit" in proc.stderr and "GiB per device" in proc.stderr
+
+
+def test_intra_batch_is_the_global_batch():
+    """`--batch` is the global batch everywhere: with --microbatches 4 the stage runs on
+    a quarter of it (same compute and activations as the whole of a quarter-size batch),
+    and without --microbatches on microbatches of at most 8 samples."""
+    args = ("intra", "gpt3-350m", "--mesh", "1x4", "--layers", "5", "--method", "data_parallel")
+    split, whole = run_json(*args, "--batch", "32", "--microbatches", "4"), run_json(*args, "--batch", "8")
+    assert (split["batch"], split["microbatches"], split["microbatch_size"]) == (32, 4, 8)
+    assert (whole["batch"], whole["microbatches"], whole["microbatch_size"]) == (8, 1, 8)
+    assert split["compute_s"] == pytest.approx(whole["compute_s"], rel=1e-9)
+    assert split["memory"]["activations_peak_bytes"] == whole["memory"]["activations_peak_bytes"]
+    assert split["sync_s"] == pytest.approx(whole["sync_s"], rel=1e-9)     # once per iteration either way
+    own = run_json(*args)
+    assert (own["batch"], own["microbatches"], own["microbatch_size"]) == (1024, 128, 8)
+    proc = run(*args, "--batch", "12", "--microbatches", "5")
+    assert proc.returncode == 2 and "does not divide the global batch 12" in proc.stderr
 
 
 def test_intra_mesh_defaults_to_one_node_of_the_cluster():

@@ -172,10 +172,11 @@ def test_cli_json_prints_one_object(tiny_report, cache_dir, tmp_path, monkeypatc
 
     monkeypatch.setattr(ex, "figure_points", lambda name, max_gpus=None: [
         p for p in tiny_points() if max_gpus is None or p.gpus <= max_gpus])
-    res = CliRunner().invoke(app, ["reproduce", "fig7a", "--out", str(tmp_path), "--json", "--workers", "1",
-                                   "--max-gpus", "1"])
+    res = CliRunner().invoke(app, ["reproduce", "fig7a", "--out-dir", str(tmp_path), "--json", "--workers", "1",
+                                   "--max-gpus", "1", "--out", str(tmp_path / "report.json")])
     assert res.exit_code == 0, res.output
     d = json.loads(res.stdout)                                  # progress went to stderr
+    assert json.loads((tmp_path / "report.json").read_text()) == d
     assert d["name"] == "fig7a" and len(d["points"]) == 3 and "alpa_over_best_megatron_1" in d["summary"]
     assert d["paper"]["alpa_over_best_megatron_1"] == 1.0
     assert (tmp_path / "fig7a.md").is_file()
@@ -185,6 +186,8 @@ def test_cli_json_prints_one_object(tiny_report, cache_dir, tmp_path, monkeypatc
     (["reproduce", "fig99"], "choose one of fig7a, fig7b, fig7c, fig8, fig9, fig11, table5"),
     (["reproduce", "fig7a", "--max-gpus", "0"], "--max-gpus"),
     (["reproduce", "fig7a", "--workers", "0"], "--workers"),
+    (["reproduce", "fig7a", "--out", "/tmp"], "--out /tmp: is a directory"),
+    (["reproduce", "fig7a", "--out-dir", "/proc/version"], "--out-dir /proc/version: is a file"),
 ])
 def test_cli_user_errors_are_one_line(args, needle):
     proc = subprocess.run([sys.executable, "-m", "alpasim.cli", *args], capture_output=True, text=True, timeout=120)

@@ -147,9 +147,11 @@ def test_sweep_clusters_per_axis():
 
 def test_cli_sweep_json(cache_dir, tmp_path):
     proc = run_cli(cache_dir, "sweep", "--model", TINY, "--gpus", "2", "--devices-per-node", "1,2",
-                   "--methods", "alpa,intra-only", "--out-dir", str(tmp_path), "--workers", "1", "--json")
+                   "--methods", "alpa,intra-only", "--out-dir", str(tmp_path), "--workers", "1", "--json",
+                   "--out", str(tmp_path / "report.json"))
     assert proc.returncode == 0, proc.stderr
     r = json.loads(proc.stdout)
+    assert json.loads((tmp_path / "report.json").read_text()) == r and r["files"]["json"].endswith("report.json")
     assert (r["axis"], r["values"], r["methods"]) == ("devices_per_node", [1, 2], ["alpa", "intra_only"])
     assert len(r["rows"]) == 4 and len(r["alpa_plans"]) == 2
     # One node of two GPUs: every plan stays inside NVLink, faster than two nodes.
@@ -227,7 +229,7 @@ def test_cli_sweep_on_ray_matches_the_local_pool(tmp_path, cache_dir):
     stopped by the command); with a fresh cache every point is really planned there,
     and the numbers equal an in-process sweep's."""
     proc = run_cli(tmp_path / "cache", "sweep", "--model", TINY, "--gpus", "2", "--devices-per-node", "1,2",
-                   "--methods", "alpa,intra-only", "--ray", "--workers", "2", "--out", str(tmp_path / "out"),
+                   "--methods", "alpa,intra-only", "--ray", "--workers", "2", "--out-dir", str(tmp_path / "out"),
                    "--json", timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = {(row["value"], row["method"]): row for row in json.loads(proc.stdout)["rows"]}

@@ -51,8 +51,8 @@ from ._submesh import place_submeshes
 
 GIB = 2 ** 30
 INF = math.inf
-# Relative gap between evaluated bottlenecks t_max (the paper's epsilon, unit-free):
-# the DP's answer is within about B * epsilon * t_max of the optimum.
+# Relative width of the stage DP's bottleneck windows (the paper's epsilon, unit-free):
+# the DP's answer is at most (1 + epsilon) times the optimum (`_stage_dp`).
 DEFAULT_EPSILON = 1e-3
 # Deeper pipelines than this are never worth it on the paper's clusters (each stage would
 # hold a handful of layers on a few devices), and the DP's cost grows with the depth.

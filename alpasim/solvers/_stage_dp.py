@@ -8,10 +8,16 @@ layers k..L-1 into s stages on exactly d devices with every stage <= t_max (eq. 
     F(s, k, d) = min_{k <= i, shape: size <= d}  t(k..i, shape, s) + F(s-1, i+1, d - size)
 
 and T*(t_max) = min_s F(s, 0, D) + (B - 1) t_max (eq. 4). Candidate bottlenecks are the
-table's finite costs in increasing order; one is evaluated only if it exceeds the last
-evaluated by a relative gap `epsilon` (the paper's epsilon, made relative so it is
-unit-free), and the enumeration stops once B * t_max >= T* (no larger bottleneck can
-win). `t(k..i, shape, s)` depends on s, the number of stages from this one to the end,
+table's finite costs in increasing order, taken in windows (the paper's epsilon, made
+relative so it is unit-free): a window starts at the smallest candidate c not yet
+covered and evaluates the largest candidate at most c (1 + epsilon). Every candidate
+t then has an evaluated t_max in [t, t (1 + epsilon)]; at the optimum's bottleneck t*
+the DP finds a sum no larger than the optimum's with a bottleneck at most
+t* (1 + epsilon), so the answer is within a factor (1 + epsilon) of T*. (Evaluating
+each window's smallest candidate, as a plain skip does, can miss that: a plan whose
+bottleneck lies inside the window is only seen at the next window's start, where the
+sum alone is minimised.) The enumeration stops once B * c >= the best T so far (no
+bottleneck of c or more can win). `t(k..i, shape, s)` depends on s, the number of stages from this one to the end,
 because 1F1B keeps min(s, B) microbatches of this stage's activations in flight (eq. 5).
 
 Optionally the boundaries between stages are priced too (`boundary[k, d]`: seconds
@@ -90,14 +96,14 @@ def stage_dp(cost: np.ndarray, sizes: Sequence[int], num_devices: int, microbatc
     sizes = np.asarray(sizes, dtype=int)
     finite = _bottleneck_candidates(cost, boundary)
     best = DPResult(INF, (), INF, 0)
-    last_tried = -INF
     evaluated = 0
-    for t_max in finite:
-        if microbatches * t_max >= best.latency_s:
+    start = 0
+    while start < len(finite):
+        if microbatches * finite[start] >= best.latency_s:
             break
-        if t_max < last_tried * (1 + epsilon):
-            continue
-        last_tried = t_max
+        # The window's last candidate: every candidate of the window is within (1 + eps) below it.
+        end = max(start, int(np.searchsorted(finite, finite[start] * (1 + epsilon), side="right")) - 1)
+        t_max, start = finite[end], end + 1
         evaluated += 1
         total, stages = _solve_fixed(cost, sizes, num_devices, s_max, t_max, boundary, devices_per_node)
         if stages is None:

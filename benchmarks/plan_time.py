@@ -1,56 +1,98 @@
-"""Planning time for the paper's weak-scaling points (Table 4 models on 1..64 GPUs).
+"""Cold planning time of the issue's six configurations, and whether the plans moved.
 
-For each (model, GPUs) of Figure 7 on aws-p3.16xlarge it plans from scratch (no disk
-cache unless --cache) and prints planning seconds, intra-op jobs (each a few ILP
-solves), cache hits, the chosen number of microbatches and stages, and the predicted
-throughput. Alpa reports 2,393 s for GPT-3 39B on 64 GPUs (its Table 5).
+For each configuration it plans from scratch (no disk cache unless --cache) on
+aws-p3.16xlarge, with a process pool of its own (--workers, default one per CPU), and
+prints the planning wall time, the CPU time of this process and its workers together,
+the ILP solves and cache hits, the chosen microbatches and stages, and the predicted
+iteration time. With a baseline file (default `benchmarks/plan_time_baseline.json`,
+written by `--record` from an earlier commit) it also prints the baseline's predicted
+iteration time and the change: a faster planner must not find worse plans. Alpa
+reports 2,393 s for GPT-3 39B on 64 GPUs (its Table 5).
 
-    .venv/bin/python benchmarks/plan_time.py [--family gpt3|moe|wresnet|all] [--max-gpus N]
-        [--microbatches auto|B] [--cache] [--workers N]
+    .venv/bin/python benchmarks/plan_time.py [--cases gpt3-2.6b@8 ...] [--workers N]
+        [--cache] [--record FILE] [--baseline FILE]
+
+The imported case is `tests/graphs/jax_models.flax_gpt_problem` with 32 layers of
+hidden 1024 (GPT-3 350M's width), traced by `graphs.from_jax`; the trace is not timed.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import resource
+import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 
-from alpasim.costmodels import get_cluster
-from alpasim.graphs import PAPER_GPUS
-from alpasim.solvers import DiskCache, PlanInfeasible, plan_pipeline
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests" / "graphs"))
+
+from alpasim.costmodels import get_cluster  # noqa: E402
+from alpasim.solvers import DiskCache, PlanInfeasible, plan_pipeline  # noqa: E402
+
+CASES = ("gpt3-2.6b@8", "gpt3-6.7b@16", "gpt3-39b@64", "moe-10b@16", "wresnet-6.8b@32", "imported-gpt-32l@8")
+BASELINE = HERE / "plan_time_baseline.json"
+
+
+def model_source(name: str):
+    if name != "imported-gpt-32l":
+        return name
+    from jax_models import flax_gpt_problem
+
+    from alpasim.graphs import from_jax, model_source as source_of
+
+    fn, params, batch = flax_gpt_problem(hidden=1024, layers=32, heads=16, seq=512, vocab=8192, batch_size=32,
+                                         dtype="float16")
+    return source_of(from_jax(fn, params, batch, name=name))
+
+
+def cpu_s() -> float:
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--family", default="gpt3")
-    ap.add_argument("--max-gpus", type=int, default=64)
-    ap.add_argument("--microbatches", default="auto")
-    ap.add_argument("--cache", action="store_true")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", nargs="*", default=list(CASES), help="MODEL@GPUS, e.g. gpt3-39b@64")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
-    ap.add_argument("--models", nargs="*")
+    ap.add_argument("--cache", action="store_true", help="use the disk cache (warm figures)")
+    ap.add_argument("--record", type=Path, help="write the predicted iteration times here (a new baseline)")
+    ap.add_argument("--baseline", type=Path, default=BASELINE)
     args = ap.parse_args()
-    names = args.models or [n for n, g in PAPER_GPUS.items()
-                            if (args.family == "all" or n.startswith(args.family)) and g <= args.max_gpus]
-    mb = args.microbatches if args.microbatches == "auto" else int(args.microbatches)
-    print(f"{'model':<14}{'GPUs':>5}{'plan s':>9}{'jobs':>6}{'hits':>6}{'B':>6}{'stages':>7}{'PFLOP/s':>9}"
-          f"{'TFLOP/s/GPU':>12}")
-    with ProcessPoolExecutor(args.workers) as pool:
-        for name in names:
-            gpus = PAPER_GPUS[name]
-            nodes, per_node = max(1, gpus // 8), min(gpus, 8)
-            cluster = get_cluster("aws-p3.16xlarge", nodes=nodes, devices_per_node=per_node)
-            t0 = time.perf_counter()
-            try:
-                plan = plan_pipeline(name, cluster, microbatches=mb, cache=DiskCache(enabled=args.cache),
+    before = json.loads(args.baseline.read_text()) if args.baseline.is_file() and not args.record else {}
+    print(f"load average {os.getloadavg()[0]:.2f} at start; {args.workers} workers")
+    print(f"{'case':<20}{'wall s':>8}{'CPU s':>8}{'ILPs':>6}{'hits':>6}{'B':>5}{'stages':>7}"
+          f"{'iteration ms':>14}{'before ms':>11}{'change':>9}")
+    recorded = {}
+    for case in args.cases:
+        name, _, gpus_text = case.partition("@")
+        gpus = int(gpus_text)
+        cluster = get_cluster("aws-p3.16xlarge", nodes=max(1, gpus // 8), devices_per_node=min(gpus, 8))
+        source = model_source(name)
+        c0, t0 = cpu_s(), time.perf_counter()
+        try:
+            with ProcessPoolExecutor(args.workers) as pool:
+                plan = plan_pipeline(source, cluster, cache=DiskCache(enabled=args.cache),
                                      map_fn=lambda f, items: pool.map(f, items))
-            except PlanInfeasible as e:
-                print(f"{name:<14}{gpus:>5}{time.perf_counter() - t0:>9.1f}  infeasible: {e}")
-                continue
-            s, p = plan.search, plan.predicted
-            print(f"{name:<14}{gpus:>5}{s.seconds:>9.1f}{s.ilp_solves:>6}{s.cache_hits:>6}"
-                  f"{plan.microbatches:>6}{len(plan.stages):>7}{p.throughput_pflops:>9.3f}"
-                  f"{p.tflops_per_device:>12.1f}", flush=True)
+        except PlanInfeasible as e:
+            print(f"{case:<20}{time.perf_counter() - t0:>8.1f}  infeasible: {e}", flush=True)
+            continue
+        wall, cpu = time.perf_counter() - t0, cpu_s() - c0
+        s, it = plan.search, plan.predicted.iteration_s
+        recorded[case] = it
+        old = before.get(case)
+        change = f"{(it / old - 1) * 100:+8.2f}%" if old else f"{'':>9}"
+        print(f"{case:<20}{wall:>8.1f}{cpu:>8.1f}{s.ilp_solves:>6}{s.cache_hits:>6}{plan.microbatches:>5}"
+              f"{len(plan.stages):>7}{it * 1e3:>14.2f}{old * 1e3 if old else float('nan'):>11.2f}{change}",
+              flush=True)
+    print(f"load average {os.getloadavg()[0]:.2f} at the end")
+    if args.record:
+        args.record.write_text(json.dumps(recorded, indent=2) + "\n")
+        print(f"wrote {args.record}")
 
 
 if __name__ == "__main__":

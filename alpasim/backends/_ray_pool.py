@@ -8,6 +8,7 @@ hanging the planner.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -15,18 +16,30 @@ from typing import Any
 RAY_TASK_TIMEOUT_S = 600.0
 
 
-def ray_map_fn(address: str | None = None, num_cpus: int | None = None) -> Callable[[Callable, Iterable], Iterator]:
+def ray_map_fn(address: str | None = None, workers: int | None = None) -> Callable[[Callable, Iterable], Iterator]:
+    """A map over Ray tasks. Without an address (and no RAY_ADDRESS) it starts a local
+    cluster of `workers` CPUs; with one it connects to that cluster, whose resources
+    are its own, and `workers` caps the tasks in flight instead (None: all at once)."""
     import ray
 
+    address = address or os.environ.get("RAY_ADDRESS") or None
     if not ray.is_initialized():
-        ray.init(address=address, num_cpus=num_cpus, ignore_reinit_error=True, log_to_driver=False,
-                 include_dashboard=False)
+        if address:
+            ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
+        else:
+            ray.init(num_cpus=workers, ignore_reinit_error=True, log_to_driver=False, include_dashboard=False)
+    in_flight = workers if address else None
 
     def map_fn(fn: Callable[[Any], Any], items: Iterable[Any]) -> Iterator[Any]:
         remote = ray.remote(fn)
-        refs = [remote.remote(item) for item in items]
-        for ref in refs:
-            yield ray.get(ref, timeout=RAY_TASK_TIMEOUT_S)
+        items = list(items)
+        limit = len(items) if in_flight is None else max(1, in_flight)
+        refs = [remote.remote(item) for item in items[:limit]]
+        for i in range(len(items)):
+            if i + limit < len(items):
+                refs.append(remote.remote(items[i + limit]))
+            yield ray.get(refs[i], timeout=RAY_TASK_TIMEOUT_S)
+            refs[i] = None          # let Ray free the result
 
     return map_fn
 

@@ -33,6 +33,7 @@ timeout, an exception in a stage) is not retried: it is a bug, reported as is.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -62,7 +63,7 @@ class RayRuntimeError(RuntimeError):
 def run_ray(plan: PipelinePlan, *, steps: int = 1, seed: int = 0, address: str | None = None,
             timeout_s: float = 120.0, schedule: str | None = None,
             on_step: Callable[[int, list], None] | None = None, program: Program | None = None,
-            profile_iters: int = 0) -> RunResult:
+            profile_iters: int = 0, platform: str = "auto") -> RunResult:
     """Train `steps` iterations of `plan` with one Ray actor per mesh.
 
     `address=None` uses the Ray cluster this process is connected to, or starts a local
@@ -75,6 +76,7 @@ def run_ray(plan: PipelinePlan, *, steps: int = 1, seed: int = 0, address: str |
     import ray
 
     program = runnable_program(plan, schedule, program)
+    address = address or os.environ.get("RAY_ADDRESS") or None
     started = not ray.is_initialized()
     if started:
         local = {} if address else {"include_dashboard": False}
@@ -82,8 +84,10 @@ def run_ray(plan: PipelinePlan, *, steps: int = 1, seed: int = 0, address: str |
     graph = planning_graph(plan.model)
     meshes = None
     try:
+        platform = actor_platform(ray, plan, platform)
         meshes = _Meshes(ray, plan, program, partition(graph, plan),
-                         stage_inputs(plan, graph, seed).train.meta.get("tied_grads", []), seed, timeout_s)
+                         stage_inputs(plan, graph, seed).train.meta.get("tied_grads", []), seed, timeout_s,
+                         platform)
         profile = meshes.profile(profile_iters) if profile_iters else []
         losses, times, grads, timeline = [], [], {}, None
         for step in range(steps):
@@ -98,7 +102,8 @@ def run_ray(plan: PipelinePlan, *, steps: int = 1, seed: int = 0, address: str |
                                          "measured: ray runtime, one actor per mesh")
             if on_step is not None:
                 on_step(step, list(meshes.actors))
-        return RunResult(losses, grads, times, timeline, list(meshes.stages), program, meshes.restarts, profile)
+        return RunResult(losses, grads, times, timeline, list(meshes.stages), program, meshes.restarts, profile,
+                         platform)
     finally:
         if meshes is not None:
             meshes.close()
@@ -106,14 +111,40 @@ def run_ray(plan: PipelinePlan, *, steps: int = 1, seed: int = 0, address: str |
             ray.shutdown()
 
 
-def _actor_options(mesh_size: int) -> dict[str, Any]:
+PLATFORMS = ("auto", "gpu", "cpu")
+
+
+def actor_platform(ray, plan: PipelinePlan, platform: str) -> str:
+    """"gpu" or "cpu" for the mesh actors. The plan's devices are accelerators (every
+    cluster preset is a GPU machine), so "auto" asks Ray for GPUs wherever the Ray
+    cluster has any and runs on virtual CPU devices only where it has none (a laptop,
+    CI); "gpu" insists and fails at once, naming the shortfall, where one mesh needs
+    more GPUs than the Ray cluster holds; "cpu" is what the caller asked for."""
+    if platform not in PLATFORMS:
+        raise RayRuntimeError(f"platform {platform!r}: choose one of {', '.join(PLATFORMS)}")
+    if platform == "cpu":
+        return "cpu"
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    need = max(len(st.devices) for st in plan.stages)
+    if platform == "auto":
+        return "gpu" if gpus else "cpu"
+    if gpus < need:
+        raise RayRuntimeError(f"a mesh of the plan needs {need} GPUs; the Ray cluster has {gpus}")
+    return "gpu"
+
+
+def _actor_options(mesh_size: int, platform: str = "cpu") -> dict[str, Any]:
     """Ray options of one mesh's actor: a process of its own that sees `mesh_size` devices.
 
-    Here those are virtual CPU devices, so the actor reserves no CPU (the meshes share
-    the host's cores, as in the local runtime) and sets XLA's device count in its
-    environment. On a GPU cluster the same actor would ask for `num_gpus=mesh_size`
-    instead and drop the two variables; nothing else changes.
+    On "gpu" the actor asks Ray for `mesh_size` GPUs (Ray sets CUDA_VISIBLE_DEVICES to
+    them, so JAX's devices in the actor are exactly its mesh) and one CPU. On "cpu" the
+    devices are virtual CPU devices: the actor reserves no CPU (the meshes share the
+    host's cores, as in the local runtime) and sets XLA's device count in its
+    environment.
     """
+    if platform == "gpu":
+        return {"num_cpus": 1, "num_gpus": mesh_size, "max_concurrency": MAX_CONCURRENCY,
+                "runtime_env": {"env_vars": {"JAX_PLATFORMS": "cuda"}}}
     env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={mesh_size}", "JAX_PLATFORMS": "cpu"}
     return {"num_cpus": 0, "max_concurrency": MAX_CONCURRENCY, "runtime_env": {"env_vars": env}}
 
@@ -130,8 +161,9 @@ class _Meshes:
     """The actors of one run, their last checkpoint, and how to replace one."""
 
     def __init__(self, ray, plan: PipelinePlan, program: Program, parts: list, tied: list[str], seed: int,
-                 timeout_s: float) -> None:
+                 timeout_s: float, platform: str = "cpu") -> None:
         self.ray, self.plan, self.program, self.seed, self.timeout_s = ray, plan, program, seed, timeout_s
+        self.platform = platform
         self.payloads = _payloads(program, tied)
         self.owners = {p: part.index for part in parts for p in part.owned}
         self.readers = {p: tuple(part.index for part in parts if p in part.params) for p in self.owners}
@@ -146,7 +178,7 @@ class _Meshes:
 
     # ------------------------------------------------------------- actors
     def spawn(self, k: int):
-        options = _actor_options(len(self.plan.stages[k].devices))
+        options = _actor_options(len(self.plan.stages[k].devices), self.platform)
         return self.worker_cls.options(**options).remote(self.plan, k, self.seed)
 
     def load(self, ks) -> None:

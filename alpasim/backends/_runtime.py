@@ -60,6 +60,7 @@ class RunResult:
     program: Program
     restarts: list[dict] = field(default_factory=list)  # ray: {"step", "mesh", "restart_s"} per restarted actor
     stage_profile: list[StageTimes] = field(default_factory=list)  # each stage timed alone, before step 1
+    actor_platform: str | None = None       # ray: "gpu" or "cpu", what the mesh actors ran on
 
     @property
     def measured_step_s(self) -> float:

@@ -3,11 +3,14 @@ the same everywhere, loading clusters and cost models, one-line errors and the e
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
+from collections.abc import Callable, Iterator
 from typing import Annotated, Any, NoReturn, Optional
 
 import typer
@@ -43,6 +46,11 @@ RecomputeOpt = Annotated[str, typer.Option("--recompute", help="What the backwar
                                            "Megatron-LM do) or fusible (keep each layer's minimum cut, recompute "
                                            "elementwise, layout, norm and softmax ops in the backward).")]
 
+RayOpt = Annotated[bool, typer.Option("--ray", help="Plan as Ray tasks (a local one-machine cluster, started "
+                                      "and stopped here, unless --ray-address or RAY_ADDRESS names one).")]
+RayAddressOpt = Annotated[Optional[str], typer.Option("--ray-address", help="Plan on this existing Ray cluster "
+                                                     "(e.g. ray://head:10001 or auto); --workers then caps the "
+                                                     "tasks in flight.")]
 ModelArg = Annotated[Optional[str], typer.Argument(help="Zoo name, spec string, model JSON or graph JSON "
                                                    "(or give it as --model).", show_default=False)]
 ModelOpt = Annotated[Optional[str], typer.Option("--model", help="Zoo name, spec string, model JSON or graph JSON.")]
@@ -158,19 +166,37 @@ def fmt_bytes(x: float) -> str:
     return f"{x:.0f} B"
 
 
-def plan_map(workers: int | None, ray: bool, ray_address: str | None):
-    """(map function, closer): a Ray map, a local process pool, or plain map."""
+@contextlib.contextmanager
+def plan_map(workers: int | None, ray: bool, ray_address: str | None) -> Iterator[Callable]:
+    """The map function planning runs on, for a `with` block: Ray tasks, a local pool
+    of `solvers.worker_pool` processes (which die with this one; an exception or
+    Ctrl-C in the block kills them at once instead of waiting for their jobs), or
+    plain map for one worker."""
     if ray or ray_address:
         from alpasim import backends
 
-        return backends.ray_map_fn(ray_address, workers), backends.ray_shutdown
-    from concurrent.futures import ProcessPoolExecutor
-
+        try:
+            yield backends.ray_map_fn(ray_address, workers)
+        finally:
+            backends.ray_shutdown()
+        return
     n = workers if workers is not None else (os.cpu_count() or 1)
     if n <= 1:
-        return map, lambda: None
-    pool = ProcessPoolExecutor(n)
-    return (lambda fn, items: pool.map(fn, items)), (lambda: pool.shutdown(cancel_futures=True))
+        yield map
+        return
+    pool = sv.worker_pool(n)
+    try:
+        yield pool.map
+    except BaseException:
+        pool.close(now=True)
+        raise
+    pool.close()
+
+
+def points_map(workers: int | None, ray: bool, ray_address: str | None) -> contextlib.AbstractContextManager:
+    """For commands that plan whole points (`sweep`, `reproduce`, `compare`): Ray's map
+    when asked, else None (the points' own `worker_pool`)."""
+    return plan_map(workers, True, ray_address) if ray or ray_address else contextlib.nullcontext(None)
 
 
 def parse_microbatches(text: str) -> int | str:
@@ -211,10 +237,29 @@ def ensure_cpu_devices(n: int) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 
+class Interrupted(BaseException):
+    """Ctrl-C (SIGINT) or SIGTERM, raised in the main thread by `main`'s handler. Not
+    a KeyboardInterrupt, which click would turn into "Aborted!" and exit 1: this one
+    passes through click, stops the worker pools on its way (`plan_map`) and ends as
+    one line and exit status 130 (128 + SIGINT) or 143 (SIGTERM)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise Interrupted(signum)
+
+
 def main() -> None:
     """Console-script entry point: user errors become one line and exit status 2."""
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         app()
+    except Interrupted as e:
+        fail("interrupted" if e.signum == signal.SIGINT else "terminated", code=128 + e.signum)
     except USER_ERRORS as e:
         fail(str(e))
     except ValueError as e:  # validation errors from configs and specs

@@ -10,8 +10,8 @@ import typer
 from alpasim import graphs as gr
 
 from ._common import (
-    ClusterOpt, DpnOpt, GbpsOpt, JsonOpt, MemOpt, NodesOpt, app, emit_json, err, fail, load_cluster, method_list,
-    out,
+    ClusterOpt, DpnOpt, GbpsOpt, JsonOpt, MemOpt, NodesOpt, RayAddressOpt, RayOpt, app, emit_json, err, fail,
+    load_cluster, method_list, out, points_map,
 )
 
 
@@ -28,6 +28,8 @@ def compare(
     workers: Annotated[Optional[int], typer.Option("--workers", help="Methods planned in parallel "
                                                    "(processes).")] = None,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Bypass the on-disk result and stage caches.")] = False,
+    ray: RayOpt = False,
+    ray_address: RayAddressOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Several methods on one model and cluster: simulated throughput, plan, ratio to the first."""
@@ -44,7 +46,8 @@ def compare(
         err.print(f"[{done}/{total} {time.perf_counter() - t0:6.0f} s] {r.method} planned in {r.plan_s:.1f} s",
                   markup=False, highlight=False)
 
-    cmp = ex.compare(model, c, names, cache=not no_cache, workers=workers, progress=progress)
+    with points_map(workers, ray, ray_address) as map_fn:
+        cmp = ex.compare(model, c, names, cache=not no_cache, workers=workers, progress=progress, map_fn=map_fn)
     if as_json:
         emit_json(cmp.to_json())
         return

@@ -16,7 +16,7 @@ from alpasim.experiments import simulation_report
 from ._common import (
     ClusterOpt, CostModelOpt, DpnOpt, GbpsOpt, JsonOpt, MemOpt, NodesOpt, PrecisionOpt, RecomputeOpt, app,
     check_precision, check_recompute, emit_json, err, fail, fmt_bytes, fmt_count, load_cluster, load_cost_model,
-    out, parse_microbatches, plan_map, writable_file,
+    out, parse_microbatches, plan_map, RayAddressOpt, RayOpt, writable_file,
 )
 
 from .simulate import print_simulation
@@ -36,7 +36,6 @@ def make_plan(model: str, cluster: cm.Cluster, method: str = "alpa", *, microbat
     if refused is not None:
         fail(f"--{refused.replace('_', '-')} does not apply to --method {m.cli_name} (its search sets it)")
     mb = parse_microbatches(microbatches)
-    map_fn, close = plan_map(workers, ray, ray_address)
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=err, transient=True, disable=quiet)
     tasks: dict[str, Any] = {}
@@ -46,13 +45,10 @@ def make_plan(model: str, cluster: cm.Cluster, method: str = "alpa", *, microbat
             tasks[label] = progress.add_task(f"{m.cli_name}: {label}", total=total)
         progress.update(tasks[label], completed=done)
 
-    try:
-        with progress:
-            return sv.plan_model(model, cluster, m.name, microbatches=mb, layers=layers, max_stages=max_stages,
-                                 megatron=megatron, map_fn=map_fn, cache=sv.DiskCache(enabled=cache),
-                                 progress=report, **options)
-    finally:
-        close()
+    with plan_map(workers, ray, ray_address) as map_fn, progress:
+        return sv.plan_model(model, cluster, m.name, microbatches=mb, layers=layers, max_stages=max_stages,
+                             megatron=megatron, map_fn=map_fn, cache=sv.DiskCache(enabled=cache),
+                             progress=report, **options)
 
 
 @app.command()
@@ -70,11 +66,13 @@ def plan(
     out_path: Annotated[Optional[Path], typer.Option("--out", help="Write the plan JSON here.")] = None,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Bypass the on-disk stage-cost cache.")] = False,
     workers: Annotated[Optional[int], typer.Option("--workers", help="Local processes filling the table.")] = None,
-    ray: Annotated[bool, typer.Option("--ray", help="Fill the stage-cost table with Ray tasks.")] = False,
-    ray_address: Annotated[Optional[str], typer.Option("--ray-address", help="Ray cluster address.")] = None,
+    ray: RayOpt = False,
+    ray_address: RayAddressOpt = None,
     max_stages: Annotated[Optional[int], typer.Option("--max-stages", help="Deepest pipeline considered "
                                                       f"(default {sv.DEFAULT_MAX_STAGES}).")] = None,
-    epsilon: Annotated[float, typer.Option("--epsilon", help="Relative gap between bottlenecks tried.")] = 1e-3,
+    epsilon: Annotated[float, typer.Option("--epsilon", help="Relative width of the bottleneck windows the "
+                                               "stage DP evaluates: the plan is within (1 + epsilon) of the "
+                                               "optimum over the stage cost table.")] = 1e-3,
     run_simulation: Annotated[bool, typer.Option("--simulate", help="Also simulate the plan (1F1B) and show "
                                                  "the timeline metrics.")] = False,
     method: Annotated[str, typer.Option("--method", help="alpa, or a baseline: " + ", ".join(
@@ -101,7 +99,7 @@ def plan(
     model_costs = load_cost_model(cost_model, c)
     check_precision(precision)
     check_recompute(recompute)
-    if (max_stages is not None and max_stages < 1) or epsilon < 0:
+    if (max_stages is not None and max_stages < 1) or not epsilon >= 0:   # `not >=`: NaN too
         fail("--max-stages must be at least 1 and --epsilon at least 0")
     try:
         m = sv.get_method(method)

@@ -10,7 +10,10 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from ._common import JsonOpt, app, emit_json, err, fail, out, plan_map, writable_dir, writable_file, write_text
+from ._common import (
+    JsonOpt, RayAddressOpt, RayOpt, app, emit_json, err, fail, out, points_map, writable_dir, writable_file,
+    write_text,
+)
 
 
 @app.command()
@@ -23,7 +26,8 @@ def reproduce(
     workers: Annotated[int, typer.Option("--workers", help="Points planned in parallel (processes).")] = 2,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Bypass the on-disk result and stage caches.")] = False,
     max_gpus: Annotated[Optional[int], typer.Option("--max-gpus", help="Only the points on at most N GPUs.")] = None,
-    ray: Annotated[bool, typer.Option("--ray", help="Plan the points as Ray tasks.")] = False,
+    ray: RayOpt = False,
+    ray_address: RayAddressOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Reproduce one of the paper's figures or tables in simulation (CSV + PNG + markdown)."""
@@ -48,14 +52,12 @@ def reproduce(
                   f"{r.label or r.method}: {what} (planned in {r.plan_s:.1f} s)", markup=False, highlight=False,
                   soft_wrap=True)
 
-    map_fn, close = plan_map(workers, True, None) if ray else (None, lambda: None)
     try:
-        report = ex.reproduce(name, out_dir, workers=workers, cache=not no_cache, map_fn=map_fn,
-                              progress=progress, points=points)
+        with points_map(workers, ray, ray_address) as map_fn:
+            report = ex.reproduce(name, out_dir, workers=workers, cache=not no_cache, map_fn=map_fn,
+                                  progress=progress, points=points)
     except OSError as e:
         fail(f"cannot write {out_dir}: {e.strerror or e}")
-    finally:
-        close()
     if out_path is not None:
         write_text(out_path, json.dumps(report.to_json(), indent=2) + "\n", "--out")
     if as_json:

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from alpasim import simulator as sim
 from alpasim import solvers as sv
-from alpasim.experiments import RUNTIMES, cpu_devices_for, run_report
+from alpasim.experiments import RAY_PLATFORMS, RUNTIMES, cpu_devices_for, run_report
 
 from ._common import (
     CostModelOpt, JsonOpt, app, emit_json, ensure_cpu_devices, fail, fmt_bytes, load_cost_model, out, writable_file,
@@ -30,6 +30,10 @@ def run(
     gantt: Annotated[Optional[Path], typer.Option("--gantt", help="Write the measured Gantt chart PNG.")] = None,
     ray_address: Annotated[Optional[str], typer.Option("--ray-address", help="Ray cluster address (default: "
                                                        "start a local one).")] = None,
+    platform: Annotated[str, typer.Option("--platform", help="--runtime ray: what the mesh actors run on: auto "
+                                          "(the plan's GPUs where the Ray cluster has GPUs, else virtual CPU "
+                                          "devices), gpu (num_gpus per mesh; fails if the cluster has too few) or "
+                                          "cpu.")] = "auto",
     profile_iters: Annotated[int, typer.Option("--profile-iters", help="Time each compiled stage alone this many "
                                                "times before the run (Alpa's stage profiling); 0 skips it.")] = 5,
     as_json: JsonOpt = False,
@@ -48,6 +52,10 @@ def run(
     XLA_FLAGS already sets a count."""
     if runtime not in RUNTIMES:
         fail(f"--runtime {runtime!r}: choose one of {', '.join(RUNTIMES)}")
+    if platform not in RAY_PLATFORMS:
+        fail(f"--platform {platform!r}: choose one of {', '.join(RAY_PLATFORMS)}")
+    if platform != "auto" and runtime != "ray":
+        fail("--platform applies to --runtime ray (the local runtime runs on the devices JAX sees)")
     if steps < 1:
         fail(f"--steps must be at least 1, got {steps}")
     if profile_iters < 0:
@@ -66,6 +74,7 @@ def run(
         model = load_cost_model(cost_model, base)
     ensure_cpu_devices(cpu_devices_for(p))
     report = run_report(p, runtime=runtime, steps=steps, seed=seed, cost_model=model, ray_address=ray_address,
+                        ray_platform=platform,
                         trace=trace, gantt=gantt, profile_iters=profile_iters)
     if as_json:
         emit_json(report)

@@ -15,7 +15,7 @@ from alpasim import costmodels as cm
 from alpasim import graphs as gr
 
 from ._common import (
-    JsonOpt, app, emit_json, err, fail, method_list, number_list, out, plan_map, writable_dir, writable_file,
+    JsonOpt, app, emit_json, err, fail, method_list, number_list, out, points_map, RayOpt, RayAddressOpt, writable_dir, writable_file,
     write_text,
 )
 
@@ -50,8 +50,8 @@ def sweep(
     workers: Annotated[Optional[int], typer.Option("--workers", help="Points planned in parallel "
                                                    "(processes; default: one per CPU).")] = None,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Bypass the on-disk result and stage caches.")] = False,
-    ray: Annotated[bool, typer.Option("--ray", help="Plan the points as Ray tasks.")] = False,
-    ray_address: Annotated[Optional[str], typer.Option("--ray-address", help="Ray cluster address.")] = None,
+    ray: RayOpt = False,
+    ray_address: RayAddressOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """What-if sweep of one cluster parameter x methods: table, CSV, markdown and a plot."""
@@ -83,12 +83,9 @@ def sweep(
     for v in values:
         ex.sweep_cluster(axis, v, gpus, cluster)  # a GPU count that is no whole number of nodes
     n = workers if workers is not None else min(os.cpu_count() or 1, len(values) * len(names))
-    map_fn, close = plan_map(n, True, ray_address) if ray or ray_address else (None, lambda: None)
-    try:
+    with points_map(n, ray, ray_address) as map_fn:
         report = ex.sweep(model, gpus, axis, values, names, cluster_name=cluster, workers=n, cache=not no_cache,
                           map_fn=map_fn, progress=_point_progress(time.perf_counter()))
-    finally:
-        close()
     try:
         files = report.write(out_dir)
     except OSError as e:

@@ -33,6 +33,7 @@ from ._intra_report import DEFAULT_MICROBATCH_SIZE as DEFAULT_MICROBATCH_SIZE
 from ._intra_report import INTRA_METHODS as INTRA_METHODS
 from ._intra_report import intra_report as intra_report
 from ._intra_report import parse_layers as parse_layers
+from ._run_report import RAY_PLATFORMS as RAY_PLATFORMS
 from ._run_report import RUNTIMES as RUNTIMES
 from ._run_report import cpu_devices_for as cpu_devices_for
 from ._run_report import run_report as run_report

@@ -12,16 +12,16 @@ through any map function: a local process pool by default, Ray tasks with `--ray
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from alpasim.costmodels import Cluster, get_cluster
 from alpasim.graphs import ModelSpecError, graph_digest, graph_to_json, read_graph_file
 from alpasim.simulator import simulate
-from alpasim.solvers import CACHE_VERSION, DiskCache, MegatronConfig, digest, plan_with_method
+from alpasim.solvers import CACHE_VERSION, DiskCache, MegatronConfig, digest, plan_with_method, worker_pool
 
 # 3: the DP prices stage-boundary transfers; 5: DP baselines' microbatches split over their devices
 RESULT_VERSION = "points/5"
@@ -88,7 +88,18 @@ class Result:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Result:
-        return cls(**{**d, "notes": tuple(d.get("notes", ()))})
+        """A result from its JSON, validated (TypeError/ValueError otherwise): the
+        fields the class has, GPUs a positive integer, every time and throughput a
+        finite number >= 0 (None where infeasible). The result cache reads through it."""
+        r = cls(**{**d, "notes": tuple(d.get("notes", ()))})
+        if isinstance(r.gpus, bool) or not isinstance(r.gpus, int) or r.gpus < 1:
+            raise ValueError(f"a result's gpus is a positive integer, got {r.gpus!r}")
+        for x in (r.throughput_pflops, r.predicted_pflops, r.iteration_s, r.predicted_iteration_s, r.plan_s):
+            if x is not None and (isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 <= x < math.inf):
+                raise ValueError(f"a result's times and throughputs are finite numbers >= 0, got {x!r}")
+        if r.feasible and r.iteration_s is None:
+            raise ValueError("a feasible result has an iteration time")
+        return r
 
 
 def model_key(model: str) -> Any:
@@ -135,9 +146,9 @@ def run_points(points: Sequence[Point], *, cache: bool = True, workers: int | No
     results: list[Result | None] = [None] * len(points)
     todo = []
     for i, p in enumerate(points):
-        hit = store.get(p.key())
+        hit = store.get(p.key(), read=Result.from_json)
         if hit is not None:
-            results[i] = dataclasses.replace(Result.from_json(hit), cached=True, label=p.label)
+            results[i] = dataclasses.replace(hit, cached=True, label=p.label)
         else:
             todo.append(i)
     done = len(points) - len(todo)
@@ -147,7 +158,7 @@ def run_points(points: Sequence[Point], *, cache: bool = True, workers: int | No
     jobs = [(points[i], cache) for i in todo]
     pool = None
     if map_fn is None and workers and workers > 1 and len(jobs) > 1:
-        pool = ProcessPoolExecutor(workers)
+        pool = worker_pool(workers)
         map_fn = pool.map
     try:
         for i, d in zip(todo, (map_fn or map)(_job, jobs)):
@@ -156,7 +167,10 @@ def run_points(points: Sequence[Point], *, cache: bool = True, workers: int | No
             done += 1
             if progress is not None:
                 progress(done, len(points), results[i])
-    finally:
+    except BaseException:
         if pool is not None:
-            pool.shutdown()
+            pool.close(now=True)     # Ctrl-C or an error: do not wait for the running points
+        raise
+    if pool is not None:
+        pool.close()
     return [r for r in results if r is not None]

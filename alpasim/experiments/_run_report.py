@@ -41,6 +41,9 @@ def write_outputs(outputs) -> dict[str, str]:
 
 
 RUNTIMES = ("local", "ray")
+# What `run --runtime ray` puts its mesh actors on (`backends._ray_runtime.PLATFORMS`,
+# spelled here so the CLI checks it before importing JAX).
+RAY_PLATFORMS = ("auto", "gpu", "cpu")
 
 
 # Of the host's RAM, what a run on virtual CPU devices may plan to use (the single-device
@@ -54,7 +57,7 @@ def cpu_devices_for(p: sv.PipelinePlan) -> int:
 
 
 def run_report(p: sv.PipelinePlan, *, runtime: str = "local", steps: int = 5, seed: int = 0,
-               cost_model: cm.CostModel | None = None, ray_address: str | None = None,
+               cost_model: cm.CostModel | None = None, ray_address: str | None = None, ray_platform: str = "auto",
                trace: Path | None = None, gantt: Path | None = None, profile_iters: int = 5) -> dict[str, Any]:
     """Execute a plan, check it against one device, and compare it with its predictions
     (analytic; op-profiled with `cost_model`; stage-profiled with `profile_iters`)."""
@@ -71,7 +74,8 @@ def run_report(p: sv.PipelinePlan, *, runtime: str = "local", steps: int = 5, se
     t0 = time.perf_counter()
     if runtime == "ray":
         try:
-            result = backends.run_ray(p, steps=steps, seed=seed, address=ray_address, profile_iters=profile_iters)
+            result = backends.run_ray(p, steps=steps, seed=seed, address=ray_address, profile_iters=profile_iters,
+                                      platform=ray_platform)
         except backends.RayRuntimeError as e:
             raise ReportError(f"--runtime ray: {e}") from None
     else:
@@ -89,6 +93,7 @@ def run_report(p: sv.PipelinePlan, *, runtime: str = "local", steps: int = 5, se
     written = write_outputs((("trace", trace, timeline.chrome_trace), ("gantt", gantt, timeline.gantt_png)))
     stages = _stage_rows(p, memory, prediction.get("stages"))
     return {"runtime": runtime, "steps": steps, "seed": seed, "devices": need, "platform": platform,
+            "actor_platform": result.actor_platform,
             **{k: check[k] for k in ("numerics_ok", "max_abs_loss_err", "max_rel_grad_err", "worst_param",
                                       "loss_tol", "grad_tol")},
             "losses": result.losses, "step_times_s": result.step_times_s, "measured_step_s": measured,

@@ -15,6 +15,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 CACHE_VERSION = "stage-costs/13"
@@ -40,22 +41,34 @@ class DiskCache:
         self.root = (root or cache_dir()) / namespace
         self.hits = 0
         self.misses = 0
+        self.invalid = 0
         self._memory: dict[str, Any] = {}
 
     def _path(self, key: str) -> Path:
         return self.root / key[:2] / f"{key}.json"
 
-    def get(self, key: str) -> Any | None:
+    def get(self, key: str, read: Callable[[Any], Any] | None = None) -> Any | None:
+        """The value stored under `key`, passed through `read` (the caller's validating
+        parser), or None. A file that is not JSON, or that `read` refuses (ValueError,
+        TypeError, KeyError, IndexError: wrong fields, negative sizes), is a miss, and is
+        counted in `invalid`: a damaged or foreign entry is solved again, never used."""
         if key in self._memory:
             self.hits += 1
-            return self._memory[key]
+            value = self._memory[key]
+            return value if read is None else read(value)
         if not self.enabled:
             return None
         path = self._path(key)
         try:
             value = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+            if read is not None:
+                value = read(value)
+        except OSError:
             self.misses += 1
+            return None
+        except (json.JSONDecodeError, UnicodeDecodeError, ValueError, TypeError, KeyError, IndexError):
+            self.misses += 1
+            self.invalid += 1
             return None
         self.hits += 1
         return value
@@ -65,6 +78,7 @@ class DiskCache:
         if not self.enabled:
             return
         path = self._path(key)
+        tmp = None
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             # Write then rename, so a crash or a concurrent reader never sees half a file.
@@ -74,3 +88,15 @@ class DiskCache:
             os.replace(tmp, path)
         except OSError:
             self.enabled = False  # a read-only home must not break planning
+            _remove(tmp)
+        except BaseException:     # an interrupt mid-write: no half file, no stray temporary
+            _remove(tmp)
+            raise
+
+
+def _remove(path: str | None) -> None:
+    if path is not None:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass

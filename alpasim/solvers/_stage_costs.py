@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 
@@ -120,12 +121,35 @@ class LayerOption:
 
     @classmethod
     def from_json(cls, d: dict) -> LayerOption:
-        return cls(d["time_s"], d["sync_s"], d["persistent_bytes"], d["activation_bytes"], tuple(d["param_specs"]),
-                   tuple(tuple(h) for h in d["heavy"]), d.get("ilp_status", "optimal"), d.get("forward_s", 0.0),
-                   tuple(d.get("input_specs", ())), tuple(d.get("output_specs", ())), d.get("stash_bytes"),
-                   d.get("params_bytes", 0.0), d.get("grads_bytes", 0.0), d.get("optimizer_bytes", 0.0),
-                   tuple(d.get("tied", (0.0, 0.0, 0.0))), d.get("gather_bytes", 0.0), d.get("update_bytes", 0.0),
-                   tuple(d.get("tensor_specs", ())))
+        """An option from its JSON, validated (ValueError/TypeError/KeyError otherwise):
+        every time and size a finite number >= 0, every spec a string. The disk cache
+        reads entries through this, so a damaged entry is a miss (`DiskCache.get`)."""
+        o = cls(d["time_s"], d["sync_s"], d["persistent_bytes"], d["activation_bytes"], tuple(d["param_specs"]),
+                tuple(tuple(h) for h in d["heavy"]), d.get("ilp_status", "optimal"), d.get("forward_s", 0.0),
+                tuple(d.get("input_specs", ())), tuple(d.get("output_specs", ())), d.get("stash_bytes"),
+                d.get("params_bytes", 0.0), d.get("grads_bytes", 0.0), d.get("optimizer_bytes", 0.0),
+                tuple(d.get("tied", (0.0, 0.0, 0.0))), d.get("gather_bytes", 0.0), d.get("update_bytes", 0.0),
+                tuple(d.get("tensor_specs", ())))
+        numbers = [o.time_s, o.sync_s, o.persistent_bytes, o.activation_bytes, o.forward_s, o.params_bytes,
+                   o.grads_bytes, o.optimizer_bytes, *o.tied, o.gather_bytes, o.update_bytes]
+        if o.stash_bytes is not None:
+            numbers.append(o.stash_bytes)
+        for x in numbers:
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 <= x < math.inf:
+                raise ValueError(f"a layer option's times and sizes are finite numbers >= 0, got {x!r}")
+        if len(o.tied) != 3:
+            raise ValueError("a layer option's tied split has three terms")
+        specs = (*o.param_specs, *o.input_specs, *o.output_specs, *o.tensor_specs)
+        if not all(isinstance(x, str) for x in specs) or not isinstance(o.ilp_status, str):
+            raise TypeError("a layer option's specs and status are strings")
+        return o
+
+
+def read_options(value: Any) -> list[LayerOption]:
+    """A cached list of layer options (`DiskCache.get`'s reader): a non-empty list."""
+    if not isinstance(value, list) or not value:
+        raise ValueError("a cached entry of layer options is a non-empty list")
+    return [LayerOption.from_json(d) for d in value]
 
 
 def canonical_key(graph: OpGraph) -> str:
@@ -370,9 +394,9 @@ def build_stage_costs(graph: OpGraph, cluster: Cluster, microbatches: int, *, ma
         for m, (_, _, mesh) in enumerate(meshes):
             parts = [CACHE_VERSION, kind, mesh_key(mesh), microbatches, device_key, restriction, pareto]
             key = digest(parts if model_key is None else parts + [model_key])
-            hit = cache.get(key)
+            hit = cache.get(key, read=read_options)
             if hit is not None:
-                options[(kind, m)] = [LayerOption.from_json(d) for d in hit]
+                options[(kind, m)] = hit
                 continue
             pending.append((layer, mesh, cluster, microbatches, restriction, pareto, cost_model))
             solved.append((kind, m, key))

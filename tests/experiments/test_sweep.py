@@ -128,6 +128,20 @@ def test_an_interrupted_sweep_resumes_from_the_cache(cache_dir):
     assert [r.label for r in again.results] == ["3", "3", "30", "30"]
 
 
+def test_a_damaged_result_entry_is_planned_again(cache_dir):
+    """A cached point whose JSON is well formed but wrong (a negative throughput, an
+    unknown field) is a miss: the point is planned again and its row is the true one."""
+    args = (TINY, 2, "inter_node_gbps", [7], ["intra-only"])
+    first = sweep(*args, devices_per_node=1)
+    files = sorted((cache_dir / "points").rglob("*.json"))
+    entry = next(f for f in files if json.loads(f.read_text()).get("label") == "7")
+    for change in ({"throughput_pflops": -1.0}, {"surprise": 1}):
+        entry.write_text(json.dumps({**json.loads(entry.read_text()), **change}))
+        again = sweep(*args, devices_per_node=1)
+        assert not again.results[0].cached
+        assert again.results[0].throughput_pflops == first.results[0].throughput_pflops > 0
+
+
 def test_sweep_clusters_per_axis():
     assert sweep_cluster("devices_per_node", 2, 8).nodes == 4
     one = sweep_cluster("devices_per_node", 8, 4)
@@ -239,3 +253,28 @@ def test_cli_sweep_on_ray_matches_the_local_pool(tmp_path, cache_dir):
         assert not row["cached"]
         assert row["throughput_pflops"] == pytest.approx(local.result(value, method).throughput_pflops,
                                                          rel=1e-9), (value, method)
+
+
+@pytest.mark.serial
+def test_cli_compare_on_an_existing_ray_cluster_with_a_worker_cap(tmp_path):
+    """`--ray-address` with `--workers` (which used to fail: Ray refuses num_cpus when
+    connecting): `compare` joins a cluster this test started, caps its tasks in flight
+    at one, and its rows equal an in-process comparison's."""
+    import ray
+
+    from alpasim.experiments import compare
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        address = ray.get_runtime_context().gcs_address
+        proc = run_cli(tmp_path / "cache", "compare", "--model", TINY, "--nodes", "1", "--devices-per-node", "2",
+                       "--methods", "intra-only,inter-only", "--ray-address", address, "--workers", "1", "--json",
+                       timeout=600)
+    finally:
+        ray.shutdown()
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {row["method"]: row for row in json.loads(proc.stdout)["rows"]}
+    local = compare(TINY, get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=2), ["intra-only", "inter-only"],
+                    cache=False)
+    for row in local.rows():
+        assert rows[row["method"]]["throughput_pflops"] == pytest.approx(row["throughput_pflops"], rel=1e-9)

@@ -104,6 +104,32 @@ def test_second_run_is_served_from_the_cache(cache):
     assert again.predicted.iteration_s == pytest.approx(first.predicted.iteration_s)
 
 
+@pytest.mark.parametrize("damage", ["negative size", "wrong field", "not a list", "not json"])
+def test_a_damaged_cache_entry_is_a_miss_not_a_different_plan(tmp_path, damage):
+    """Every stage-cost entry damaged in one way: well-formed JSON with a negative size
+    or a field renamed, another type, or no JSON at all. The second plan reads none of
+    them (they count as invalid), solves every layer again and equals the first."""
+    cluster = get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=2)
+    model = "gpt3:hidden=64,layers=2,heads=4,seq=32,vocab=128,batch=8"
+    first = plan_pipeline(model, cluster, microbatches=2, cache=DiskCache(root=tmp_path))
+    files = sorted((tmp_path / "stages").rglob("*.json"))
+    assert len(files) == first.search.ilp_solves > 0
+    for f in files:
+        entry = json.loads(f.read_text())
+        if damage == "negative size":
+            entry[0]["activation_bytes"] = -1e9
+        elif damage == "wrong field":
+            entry[0]["time"] = entry[0].pop("time_s")
+        elif damage == "not a list":
+            entry = {"options": entry}
+        f.write_text("{truncated" if damage == "not json" else json.dumps(entry))
+    cache = DiskCache(root=tmp_path)
+    again = plan_pipeline(model, cluster, microbatches=2, cache=cache)
+    assert cache.invalid == len(files) and again.search.ilp_solves == first.search.ilp_solves
+    assert again.predicted.iteration_s == pytest.approx(first.predicted.iteration_s, rel=1e-12)
+    assert again.predicted.peak_memory_bytes == pytest.approx(first.predicted.peak_memory_bytes, rel=1e-12)
+
+
 def test_model_that_fits_nowhere_says_how_much_memory():
     cluster = get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=1)
     with pytest.raises(PlanInfeasible, match=r"needs at least \d+\.\d GiB per device") as e:

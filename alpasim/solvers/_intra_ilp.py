@@ -285,7 +285,8 @@ def formulate_min_memory(problem: IntraOpProblem, activation_multiplier: float =
 
 
 def solve_ilp(form: Formulation, solver: str = "highs", time_limit_s: float | None = None,
-              mip_gap: float | None = None, presolve: bool = True) -> SolveResult:
+              mip_gap: float | None = None, presolve: bool = True,
+              start: Sequence[int] | None = None) -> SolveResult:
     """Solve to proven optimality (or `mip_gap`, relative, when the caller accepts one).
 
     `presolve=False` skips HiGHS's presolve: on some memory-bounded problems HiGHS 1.16's
@@ -297,7 +298,7 @@ def solve_ilp(form: Formulation, solver: str = "highs", time_limit_s: float | No
     gap = MIP_REL_GAP if mip_gap is None else mip_gap
     t0 = time.perf_counter()
     if solver == "highs":
-        status, x, objective = _solve_highs(form, time_limit_s, gap, presolve)
+        status, x, objective = _solve_highs(form, time_limit_s, gap, presolve, start)
     else:
         status, x, objective = _solve_cbc(form, time_limit_s, gap)
     wall = time.perf_counter() - t0
@@ -315,7 +316,7 @@ def hard_limit_s(time_limit_s: float) -> float:
 
 
 def _solve_highs(form: Formulation, time_limit_s: float | None, gap: float,
-                 presolve: bool) -> tuple[str, np.ndarray | None, float | None]:
+                 presolve: bool, start: Sequence[int] | None = None) -> tuple[str, np.ndarray | None, float | None]:
     """HiGHS through highspy, the whole matrix in one call, relaxation first.
 
     The LP relaxation of the time program is usually integral (the transport rows are
@@ -347,7 +348,7 @@ def _solve_highs(form: Formulation, time_limit_s: float | None, gap: float,
             status, xf, of = _run_highs(fixed, left(), gap / 2, presolve, relax=False)
             if status == "optimal" and of <= objective * (1 + gap) + abs(objective) * 1e-12:
                 return status, xf, of
-    return _run_highs(form, left(), gap, presolve, relax=False)
+    return _run_highs(form, left(), gap, presolve, relax=False, start=start)
 
 
 def _fix_integral(form: Formulation, x: np.ndarray, integral: Sequence[bool]) -> Formulation:
@@ -364,7 +365,7 @@ def _fix_integral(form: Formulation, x: np.ndarray, integral: Sequence[bool]) ->
 
 
 def _run_highs(form: Formulation, time_limit_s: float | None, gap: float, presolve: bool,
-               relax: bool) -> tuple[str, np.ndarray | None, float | None]:
+               relax: bool, start: Sequence[int] | None = None) -> tuple[str, np.ndarray | None, float | None]:
     """One HiGHS run under a watchdog: HiGHS 1.16 does not check its time limit
     everywhere (a memory-bounded layer MIP of gpt3-2.6b on 8 GPUs ran for 35 minutes
     against a 15 s limit inside `reproduce table5`, presolve off). Past
@@ -387,6 +388,12 @@ def _run_highs(form: Formulation, time_limit_s: float | None, gap: float, presol
                     int(highspy.ObjSense.kMinimize), 0.0, form.c, form.col_lower, form.col_upper,
                     form.row_lower, form.row_upper, A.indptr.astype(np.int32), A.indices.astype(np.int32),
                     A.data, integrality)
+        if start is not None and not relax:
+            # A known plan (one strategy per node) as the MIP's first incumbent: HiGHS
+            # completes the continuous columns; an infeasible start is ignored.
+            cols = np.concatenate(form.s).astype(np.int32)
+            vals = np.concatenate([(np.arange(len(c)) == k).astype(float) for c, k in zip(form.s, start)])
+            h.setSolution(len(cols), cols, vals)
         timer = None
         if time_limit_s is not None:
             h.HandleUserInterrupt = True

@@ -310,3 +310,31 @@ def test_watchdog_cancels_a_solve_that_outruns_its_time_limit(monkeypatch):
     assert time.perf_counter() - t0 < 10.0
     assert result.status == "time_limit"          # stopped with an incumbent, not proven
     assert result.choice is not None and result.objective < 0
+
+
+@pytest.mark.parametrize("model", ["gpt3:hidden=128,layers=2,heads=4,seq=32,vocab=256,batch=8",
+                                   "moe:hidden=128,layers=2,heads=4,seq=32,vocab=256,batch=8,experts=8",
+                                   "wresnet:depth=50,width=2,channels=32,image=32,batch=8"])
+@pytest.mark.parametrize("view", [(1, 8), (1, 4), (2, 4)])
+def test_swapping_a_1d_meshs_axes_gives_the_same_optimum(model, view):
+    """Why the stage cost table solves (1, n) and not its twin (n, 1)
+    (`_stage_costs.mirrored_views`): the proven optimum (mip_gap 0) of every layer's
+    ILP is the same. A two-axis view is not so: S01 nests differently in (2, 4) and
+    (4, 2), and some layer's optimum differs, so both are kept."""
+    from alpasim.graphs import build_training_graph, forward_graph, stage_graph
+    from alpasim.solvers import solve_intra_op
+    from alpasim.solvers._stage_costs import mirrored_views
+
+    cluster = get_cluster("aws-p3.16xlarge", nodes=1)
+    meshes = [LogicalMesh.on_cluster(cluster, view), LogicalMesh.on_cluster(cluster, view[::-1])]
+    one_d = view[0] == 1
+    assert mirrored_views(meshes) == ({1} if one_d else set())
+    graph = build_training_graph(forward_graph(model)).graph
+    cost_model = AnalyticCostModel(cluster)
+    same = []
+    for layer in range(graph.num_layers):
+        stage = stage_graph(graph, layer, layer)
+        a, b = (solve_intra_op(stage, m, cost_model, with_compute=True, microbatches=4, mip_gap=0.0)
+                for m in meshes)
+        same.append(a.objective_s == pytest.approx(b.objective_s, rel=1e-9, abs=1e-15))
+    assert all(same) if one_d else not all(same)

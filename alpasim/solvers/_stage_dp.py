@@ -34,9 +34,10 @@ starting at layer k on d remaining devices starts at device D - d, which fixes w
 its boundary crosses nodes, and a stage that would straddle a node boundary is not
 allowed (`devices_per_node`).
 
-Each (s, shape) step is a (min, +) product of a (k, i) cost matrix with the (i+1, d)
-table of the previous step, done with numpy broadcasting: O(S * shapes * L^2 * D) per
-bottleneck, vectorised.
+Each stage count s is one (min, +) step over the table entries at most t_max (a
+gather and two `reduceat`s, `_solve_fixed`): O(S * entries * D) per bottleneck, with
+no Python loop over layers, shapes or devices (`benchmarks/bench_stage_dp.py` times a
+pass against a loop reference).
 """
 
 from __future__ import annotations
@@ -134,47 +135,63 @@ def _placeable(sizes: np.ndarray, num_devices: int, devices_per_node: int | None
 
 def _solve_fixed(cost: np.ndarray, sizes: np.ndarray, num_devices: int, s_max: int, t_max: float,
                  boundary: np.ndarray | None = None, devices_per_node: int | None = None):
+    """One bottleneck pass: F(s, k, d) for s = 1.. (module doc), as one gather over the
+    table entries that are at most t_max per stage count, then a min per first layer k.
+
+    Only entries with cost <= t_max take part (sorted by k, then shape, then i, so that
+    ties go to the smallest shape and then the shortest stage); each contributes its
+    cost, the boundary into it and the best rest F(s-1, i+1, d - size) for every d at
+    once, and `minimum.reduceat` over each k's run of entries gives F(s, k, d) and, by
+    a second reduceat over the positions attaining it, the entry that did."""
     num_layers = cost.shape[0]
     d_count = num_devices + 1
+    sizes = np.asarray(sizes, dtype=int)
     if boundary is None:
         boundary = np.zeros((num_layers, d_count))
     link = np.where(boundary <= t_max, boundary, INF)              # (k, d): a boundary above t_max is out
     placeable = _placeable(sizes, num_devices, devices_per_node)   # (h, d)
-    # f[s][k, d]: best sum for layers k..L-1 in s stages on exactly d devices.
-    f = [np.full((num_layers + 1, d_count), INF)]
-    f[0][num_layers, 0] = 0.0
-    arg: list[np.ndarray] = [np.zeros((num_layers + 1, d_count, 2), dtype=int)]
+    entry = link[None, :, :] + np.where(placeable, 0.0, INF)[:, None, :]      # (h, k, d)
+    # by_khi[k, h, i, s]: the table with shapes before layers ends, in the order ties break.
+    by_khi = cost.transpose(0, 2, 1, 3)
+    prev = np.full((num_layers + 1, d_count), INF)
+    prev[num_layers, 0] = 0.0
+    choices: list[tuple[np.ndarray, np.ndarray]] = [(np.zeros(0, int), np.zeros(0, int))]
     best_total, best_s = INF, 0
-    masked = np.where(cost <= t_max, cost, INF)
+    shifted = np.full((len(sizes), num_layers + 1, d_count), INF)   # [h, j, d] = prev[j, d - size_h]
     for s in range(1, s_max + 1):
-        fs = np.full((num_layers + 1, d_count), INF)
-        argmin = np.full((num_layers + 1, d_count, 2), -1, dtype=int)
-        prev = f[s - 1]
         if not np.isfinite(prev).any():
             break  # no way to fill the rest with s-1 stages, so none with more
-        for h, size in enumerate(sizes):
-            if size > num_devices:
-                continue
-            entry = link + np.where(placeable[h], 0.0, INF)[None, :]         # (k, d)
-            t = masked[:, :, h, s - 1][:, :, None] + entry[:, None, :]       # (k, i, d)
-            shifted = np.full((num_layers, d_count), INF)   # [i, d] = prev[i+1, d - size]
-            shifted[:, size:] = prev[1:, :d_count - size]
-            cand = t + shifted[None, :, :]                  # (k, i, d)
-            i_best = np.argmin(cand, axis=1)                # (k, d)
-            v = np.take_along_axis(cand, i_best[:, None, :], axis=1)[:, 0, :]
-            better = v < fs[:num_layers]
-            fs[:num_layers] = np.where(better, v, fs[:num_layers])
-            argmin[:num_layers, :, 0] = np.where(better, i_best, argmin[:num_layers, :, 0])
-            argmin[:num_layers, :, 1] = np.where(better, h, argmin[:num_layers, :, 1])
-        f.append(fs)
-        arg.append(argmin)
+        # Entries whose rest (layers i+1.. in s-1 stages) is possible on some device count.
+        rest_ok = np.isfinite(prev).any(axis=1)[1:]                  # by i
+        k, h, i = np.nonzero((by_khi[:, :, :, s - 1] <= t_max) & rest_ok[None, None, :])
+        if len(k) == 0:
+            break
+        for hh, size in enumerate(sizes):
+            if size < d_count:
+                shifted[hh, :, size:] = prev[:, :d_count - size]
+        vals = cost[k, i, h, s - 1][:, None] + entry[h, k] + shifted[h, i + 1]        # (E, d)
+        starts = np.flatnonzero(np.r_[True, k[1:] != k[:-1]])
+        firsts = k[starts]
+        mins = np.minimum.reduceat(vals, starts, axis=0)                            # (G, d)
+        group = np.repeat(np.arange(len(starts)), np.diff(np.r_[starts, len(k)]))
+        position = np.where(vals == mins[group], np.arange(len(k))[:, None], len(k))
+        winner = np.minimum.reduceat(position, starts, axis=0)                      # (G, d) entry index
+        winner = np.where(np.isfinite(mins), winner, 0)
+        fs = np.full((num_layers + 1, d_count), INF)
+        fs[firsts] = mins
+        arg_i = np.full((num_layers + 1, d_count), -1)
+        arg_h = np.full((num_layers + 1, d_count), -1)
+        arg_i[firsts] = i[winner]
+        arg_h[firsts] = h[winner]
+        choices.append((arg_i, arg_h))
+        prev = fs
         if fs[0, num_devices] < best_total:
             best_total, best_s = fs[0, num_devices], s
     if not np.isfinite(best_total):
         return INF, None
     stages, k, d = [], 0, num_devices
     for s in range(best_s, 0, -1):
-        i, h = arg[s][k, d]
+        i, h = choices[s][0][k, d], choices[s][1][k, d]
         stages.append(StageChoice(int(k), int(i), int(h), float(cost[k, i, h, s - 1]), float(boundary[k, d])))
         k, d = i + 1, d - int(sizes[h])
     return best_total, stages

@@ -286,7 +286,7 @@ def formulate_min_memory(problem: IntraOpProblem, activation_multiplier: float =
 
 def solve_ilp(form: Formulation, solver: str = "highs", time_limit_s: float | None = None,
               mip_gap: float | None = None, presolve: bool = True,
-              start: Sequence[int] | None = None) -> SolveResult:
+              start: Sequence[int] | None = None, sample: bool = False) -> SolveResult:
     """Solve to proven optimality (or `mip_gap`, relative, when the caller accepts one).
 
     `presolve=False` skips HiGHS's presolve: on some memory-bounded problems HiGHS 1.16's
@@ -298,7 +298,7 @@ def solve_ilp(form: Formulation, solver: str = "highs", time_limit_s: float | No
     gap = MIP_REL_GAP if mip_gap is None else mip_gap
     t0 = time.perf_counter()
     if solver == "highs":
-        status, x, objective = _solve_highs(form, time_limit_s, gap, presolve, start)
+        status, x, objective = _solve_highs(form, time_limit_s, gap, presolve, start, sample)
     else:
         status, x, objective = _solve_cbc(form, time_limit_s, gap)
     wall = time.perf_counter() - t0
@@ -315,8 +315,9 @@ def hard_limit_s(time_limit_s: float) -> float:
     return 2.0 * time_limit_s + 5.0
 
 
-def _solve_highs(form: Formulation, time_limit_s: float | None, gap: float,
-                 presolve: bool, start: Sequence[int] | None = None) -> tuple[str, np.ndarray | None, float | None]:
+def _solve_highs(form: Formulation, time_limit_s: float | None, gap: float, presolve: bool,
+                 start: Sequence[int] | None = None, sample: bool = False
+                 ) -> tuple[str, np.ndarray | None, float | None]:
     """HiGHS through highspy, the whole matrix in one call, relaxation first.
 
     The LP relaxation of the time program is usually integral (the transport rows are
@@ -330,7 +331,15 @@ def _solve_highs(form: Formulation, time_limit_s: float | None, gap: float,
     of the optimum; an imported Llama layer's budgeted MIP: 2.3 s against 8.4 s).
     Anything else goes on to the full MIP (a tight memory budget makes the relaxation
     fractional more often than not: then the relaxation's time, a fraction of the
-    MIP's, is spent in vain)."""
+    MIP's, is spent in vain).
+
+    `sample=True` is for the memory-budgeted Pareto points, which sample a trade-off
+    curve rather than prove one plan: whatever the number of fractional nodes, those
+    nodes' small MIP over the strategies the relaxation uses (`_fix_support`, with
+    presolve, which removes the fixed columns) is solved first, and its plan is kept
+    even when it is not proven within the gap (status "relax_and_fix"); the full MIP
+    runs only when that MIP finds nothing. On a GPT-3 6.7B block on 2x4 under a budget:
+    0.05 s for the plan the full MIP proves in 4 s (one-off measurement)."""
     deadline = None if time_limit_s is None else time.perf_counter() + time_limit_s
 
     def left() -> float | None:         # the three runs share the caller's time limit
@@ -343,7 +352,12 @@ def _solve_highs(form: Formulation, time_limit_s: float | None, gap: float,
         integral = [np.abs(x[cols] - np.round(x[cols])).max() <= INTEGRAL_TOL for cols in form.s]
         if all(integral):
             return status, x, objective
-        if gap > 0 and integral.count(False) <= FIX_MAX_FRACTIONAL:
+        if sample and gap > 0:
+            status, xf, of = _run_highs(_fix_support(form, x, integral), left(), gap / 2, True, relax=False)
+            if xf is not None:
+                within = status == "optimal" and of <= objective * (1 + gap) + abs(objective) * 1e-12
+                return ("optimal" if within else "relax_and_fix"), xf, of
+        elif gap > 0 and integral.count(False) <= FIX_MAX_FRACTIONAL:
             fixed = _fix_integral(form, x, integral)
             status, xf, of = _run_highs(fixed, left(), gap / 2, presolve, relax=False)
             if status == "optimal" and of <= objective * (1 + gap) + abs(objective) * 1e-12:
@@ -362,6 +376,17 @@ def _fix_integral(form: Formulation, x: np.ndarray, integral: Sequence[bool]) ->
             lower[cols] = r
             upper[cols] = np.minimum(r, upper[cols])
     return dataclasses.replace(form, col_lower=lower, col_upper=upper)
+
+
+def _fix_support(form: Formulation, x: np.ndarray, integral: Sequence[bool]) -> Formulation:
+    """`_fix_integral`, and each fractional node limited to the strategies its relaxed
+    columns use: a MIP over a few choices per node."""
+    fixed = _fix_integral(form, x, integral)
+    upper = fixed.col_upper.copy()
+    for cols, fix in zip(form.s, integral):
+        if not fix:
+            upper[cols[x[cols] <= INTEGRAL_TOL]] = 0.0
+    return dataclasses.replace(fixed, col_upper=upper)
 
 
 def _run_highs(form: Formulation, time_limit_s: float | None, gap: float, presolve: bool,

@@ -75,14 +75,15 @@ def solve_intra_op(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel, *,
 def solve_problem(problem: IntraOpProblem, *, memory_budget_bytes: float | None = None,
                   activation_multiplier: float = 1.0, solver: str = "highs", time_limit_s: float | None = None,
                   mip_gap: float | None = None, rewrite: bool = True, build_s: float = 0.0,
-                  presolve: bool = True, start: Sequence[int] | None = None) -> IntraOpResult:
+                  presolve: bool = True, start: Sequence[int] | None = None, sample: bool = False) -> IntraOpResult:
     """Formulate, solve and decode an already built problem (reused across budgets);
-    `start` (a strategy index per node) is a plan the MIP may begin from."""
+    `start` (a strategy index per node) is a plan the MIP may begin from; `sample`
+    accepts a relax-and-fix plan unproven (`_intra_ilp._solve_highs`)."""
     t0 = time.perf_counter()
     graph, mesh = problem.graph, problem.mesh
     form = formulate(problem, memory_budget_bytes, activation_multiplier)
     build_s += time.perf_counter() - t0
-    result = solve_ilp(form, solver, time_limit_s, mip_gap, presolve, start)
+    result = solve_ilp(form, solver, time_limit_s, mip_gap, presolve, start, sample)
     if result.status == "infeasible":
         need = min_memory_bytes(problem, solver, activation_multiplier)
         raise IntraOpInfeasible(
@@ -199,7 +200,7 @@ def min_memory_choice(problem: IntraOpProblem, solver: str = "highs", activation
         fast = solve_problem(problem, memory_budget_bytes=least * (1 + slack) + 1.0,
                              activation_multiplier=activation_multiplier, solver=solver, mip_gap=mip_gap,
                              time_limit_s=time_limit_s if refine_time_limit_s is None else refine_time_limit_s,
-                             presolve=presolve, start=choice)
+                             presolve=presolve, start=choice, sample=True)
     except (IntraOpInfeasible, RuntimeError):
         if choice is None:
             return least, None

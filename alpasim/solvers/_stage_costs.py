@@ -262,7 +262,8 @@ def layer_options(layer: OpGraph, mesh: LogicalMesh, cluster: Cluster, microbatc
             try:
                 mid = solve_problem(fast.problem, memory_budget_bytes=math.sqrt(big * least),
                                     activation_multiplier=REFERENCE_INFLIGHT, mip_gap=PARETO_MIP_GAP,
-                                    time_limit_s=PARETO_REFINE_TIME_LIMIT_S, presolve=PARETO_PRESOLVE)
+                                    time_limit_s=PARETO_REFINE_TIME_LIMIT_S, presolve=PARETO_PRESOLVE,
+                                    sample=True)
                 options.append(summarise(mid.plan, mid.status))
             except (IntraOpInfeasible, RuntimeError):
                 pass

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from alpasim.costmodels import CostModel, fuse, liveness
-from alpasim.graphs import OpGraph, Tensor, is_heavy
+from alpasim.graphs import WEIGHT_GRAD_TAG, OpGraph, Tensor, is_heavy, is_weight_grad
 
 from ._mesh import LogicalMesh
 from ._resharding import Collective, resharding_collectives, resharding_time_s
@@ -214,12 +214,19 @@ def build_problem(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel, *, w
     strategies: dict[str, list[Strategy]] = {}
     notes: list[str] = []
     fusion = fuse(graph)
+    # Ops of one signature (an imported model's repeated blocks) share their strategy
+    # list, and their followers' choices (`follow`): both depend on nothing else.
+    signature = {op.name: _signature(op, tensors, fusion.of(op.name)) for op in graph.ops}
+    enumerated: dict[tuple, list[Strategy]] = {}
     for op in graph.ops:
         if op.name in restrict:
             strategies[op.name] = list(restrict[op.name])
         else:
-            strategies[op.name] = enumerate_strategies(op, tensors, mesh, cost_model, access=fusion.of(op.name),
+            key = signature[op.name]
+            if key not in enumerated:
+                enumerated[key] = enumerate_strategies(op, tensors, mesh, cost_model, access=fusion.of(op.name),
                                                        allow_replicated_heavy=allow_replicated_heavy)
+            strategies[op.name] = enumerated[key]
         if not strategies[op.name]:
             # No even split of this op uses every mesh axis (e.g. a 1x3 mesh and
             # power-of-two dimensions): let it replicate rather than fail, and say so.
@@ -270,6 +277,13 @@ def build_problem(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel, *, w
         root_of[op.name] = root
         members[root].append(op.name)
     deferred_names = {op.name for op in deferred}
+    followed: dict[tuple, Strategy] = {}
+
+    def follow(op, known: dict[str, ShardingSpec]) -> Strategy:
+        key = ((op.name,) if op.name in restrict else signature[op.name]) + tuple(known.get(t) for t in op.inputs)
+        if key not in followed:
+            followed[key] = _follow(op, strategies[op.name], known, tensors, mesh, with_compute, microbatches)
+        return followed[key]
 
     for root, names in members.items():
         n = len(strategies[root])
@@ -293,7 +307,7 @@ def build_problem(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel, *, w
                             inner[i].append((t, c))
                             cost[i] += c.time_s(mesh) * rscale
                 else:
-                    s = _follow(op, strategies[name], specs[i], tensors, mesh, with_compute, microbatches)
+                    s = follow(op, specs[i])
                 choices[i][name] = s
                 cost[i] += s.cost_s(with_compute, microbatches)
                 scale = 1.0 / microbatches if op.phase == "update" else 1.0
@@ -350,6 +364,16 @@ def build_problem(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel, *, w
         node_of[name] = node_of[graph.op_by_name[op].outputs[0]]
     return IntraOpProblem(graph, mesh, with_compute, microbatches, nodes, edges, node_of, persistent,
                           live.live_sets() + points, loop_backs, strategies, notes, live.stash(), partials)
+
+
+def _signature(op, tensors: Mapping[str, Tensor], access) -> tuple:
+    """What an op's strategies depend on: its primitive and attributes, phase, shapes,
+    dtypes and roles, which outputs are weight gradients, its kernel charge; not its
+    name, nor the parameter names its weight-gradient tags carry."""
+    tags = frozenset(t for t in op.tags if not t.startswith(WEIGHT_GRAD_TAG + ":"))
+    grads = tuple(is_weight_grad(op, k, tensors) for k in range(len(op.outputs)))
+    shapes = tuple((tensors[t].shape, tensors[t].dtype, tensors[t].role) for t in (*op.inputs, *op.outputs))
+    return (op.prim, op.params, op.phase, op.remat, tags, grads, len(op.inputs), shapes, access)
 
 
 def _group_reads(tensor: str, chosen: Mapping[str, Strategy], graph: OpGraph,

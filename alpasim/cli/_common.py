@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import tempfile
+import time
 from pathlib import Path
 from collections.abc import Callable, Iterator
 from typing import Annotated, Any, NoReturn, Optional
@@ -65,6 +66,55 @@ def one_model(positional: str | None, option: str | None) -> str:
     if model is None:
         fail("no model given: pass --model NAME (a zoo name, spec string, model JSON or graph JSON)")
     return model
+
+
+# Without a terminal, a task's progress line is repeated at most this often (seconds).
+PLAIN_PROGRESS_EVERY_S = 5.0
+
+
+def note(line: str) -> None:
+    """One progress line on stderr ("alpasim: ..."), with or without --json."""
+    err.print(f"alpasim: {line}", markup=False, highlight=False, soft_wrap=True)
+
+
+class TaskProgress:
+    """Progress of counted tasks on stderr, for every long command, `--json` or not
+    (stdout keeps the result only): rich bars on a terminal (transient), and where
+    stderr is a file or a pipe, plain lines: each task's first step, then at most one
+    line every PLAIN_PROGRESS_EVERY_S, and its last step. `update(label, done, total)`
+    is the planner's progress callback."""
+
+    def __init__(self, prefix: str = "") -> None:
+        self.prefix = prefix
+        self.bars = None
+        self.tasks: dict[str, Any] = {}
+        self.t0 = time.perf_counter()
+        self.last: dict[str, float] = {}
+
+    def __enter__(self) -> TaskProgress:
+        if err.is_terminal:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.bars = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), console=err, transient=True)
+            self.bars.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.bars is not None:
+            self.bars.__exit__(*exc)
+
+    def update(self, label: str, done: int, total: int) -> None:
+        name = f"{self.prefix}{label}"
+        if self.bars is not None:
+            if name not in self.tasks:
+                self.tasks[name] = self.bars.add_task(name, total=total)
+            self.bars.update(self.tasks[name], completed=done)
+            return
+        now = time.perf_counter()
+        if name not in self.last or done >= total or now - self.last[name] >= PLAIN_PROGRESS_EVERY_S:
+            self.last[name] = now
+            note(f"{name}: {done}/{total} ({now - self.t0:.0f} s)")
 
 
 def check_recompute(name: str) -> None:

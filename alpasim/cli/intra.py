@@ -13,7 +13,7 @@ from alpasim.experiments import DEFAULT_MICROBATCH_SIZE, INTRA_METHODS, intra_re
 from ._common import (
     ModelArg, ModelOpt, one_model,
     ClusterOpt, DpnOpt, GbpsOpt, JsonOpt, MemOpt, NodesOpt, RecomputeOpt, app, check_recompute, emit_json, err,
-    fail, fmt_bytes, load_cluster, out,
+    fail, fmt_bytes, load_cluster, note, out,
 )
 
 
@@ -63,7 +63,8 @@ def intra(
     if microbatches is not None and microbatches < 1:
         fail(f"--microbatches must be at least 1, got {microbatches}")
     report = intra_report(model, shape, c, layers=layers, batch=batch, method=method, solver=solver,
-                          time_limit=time_limit, compute=compute, microbatches=microbatches, recompute=recompute)
+                          time_limit=time_limit, compute=compute, microbatches=microbatches, recompute=recompute,
+                          log=note)
     if as_json:
         emit_json(report)
         return

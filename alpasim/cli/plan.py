@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Optional
 
 import typer
 from rich.table import Table
@@ -16,7 +16,7 @@ from alpasim.experiments import simulation_report
 from ._common import (
     ClusterOpt, CostModelOpt, DpnOpt, GbpsOpt, JsonOpt, MemOpt, NodesOpt, PrecisionOpt, RecomputeOpt, app,
     check_precision, check_recompute, emit_json, err, fail, fmt_bytes, fmt_count, load_cluster, load_cost_model,
-    out, parse_microbatches, plan_map, RayAddressOpt, RayOpt, writable_file,
+    out, parse_microbatches, plan_map, RayAddressOpt, RayOpt, TaskProgress, writable_file,
 )
 
 from .simulate import print_simulation
@@ -25,30 +25,20 @@ from .simulate import print_simulation
 def make_plan(model: str, cluster: cm.Cluster, method: str = "alpa", *, microbatches: str = "auto",
               layers: int | None = None, max_stages: int | None = None, megatron: sv.MegatronConfig | None = None,
               cache: bool = True, workers: int | None = None, ray: bool = False, ray_address: str | None = None,
-              quiet: bool = False, **options) -> sv.PipelinePlan:
-    """`solvers.plan_model` with a progress display and the chosen worker pool;
-    `options` are the planner's common options (remat, epsilon, cost_model, precision,
-    recompute). An option the method's record does not accept is a one-line error."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
+              **options) -> sv.PipelinePlan:
+    """`solvers.plan_model` with progress on stderr (`TaskProgress`) and the chosen worker
+    pool; `options` are the planner's common options (remat, epsilon, cost_model,
+    precision, recompute). An option the method's record does not accept is a one-line
+    error."""
     m = sv.get_method(method)
     refused = m.refused(layers=layers, max_stages=max_stages)
     if refused is not None:
         fail(f"--{refused.replace('_', '-')} does not apply to --method {m.cli_name} (its search sets it)")
     mb = parse_microbatches(microbatches)
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), console=err, transient=True, disable=quiet)
-    tasks: dict[str, Any] = {}
-
-    def report(label: str, done: int, total: int) -> None:
-        if label not in tasks:
-            tasks[label] = progress.add_task(f"{m.cli_name}: {label}", total=total)
-        progress.update(tasks[label], completed=done)
-
-    with plan_map(workers, ray, ray_address) as map_fn, progress:
+    with plan_map(workers, ray, ray_address) as map_fn, TaskProgress(f"{m.cli_name}: ") as progress:
         return sv.plan_model(model, cluster, m.name, microbatches=mb, layers=layers, max_stages=max_stages,
                              megatron=megatron, map_fn=map_fn, cache=sv.DiskCache(enabled=cache),
-                             progress=report, **options)
+                             progress=progress.update, **options)
 
 
 @app.command()
@@ -115,7 +105,7 @@ def plan(
              f"{', '.join(k for k in degrees if k not in given)})")
     config = sv.MegatronConfig(tp, pp, dp, microbatch_size) if given else None
     p = make_plan(model, c, name, microbatches=microbatches, layers=layers, max_stages=max_stages, megatron=config,
-                  cache=not no_cache, workers=workers, ray=ray, ray_address=ray_address, quiet=as_json,
+                  cache=not no_cache, workers=workers, ray=ray, ray_address=ray_address,
                   remat=remat, epsilon=epsilon, cost_model=model_costs, precision=precision, recompute=recompute)
     if not p.feasible and name == "alpa":   # Alpa finding nothing is an error, with or without --json
         fail("; ".join(p.notes) or "infeasible")

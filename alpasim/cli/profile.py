@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 
-from ._common import JsonOpt, app, emit_json, ensure_cpu_devices, err, fail, out, writable_file
+from ._common import JsonOpt, app, emit_json, ensure_cpu_devices, fail, note, out, writable_file
 
 
 @app.command()
@@ -38,11 +38,7 @@ def profile(
         jax.config.update("jax_num_cpu_devices", cpu_devices)
     from alpasim import backends
 
-    def log(line: str) -> None:
-        if not as_json:
-            err.print(line, markup=False, highlight=False)
-
-    model = backends.profile_backend(quick=quick, log=log)
+    model = backends.profile_backend(quick=quick, log=lambda line: note(f"profile: {line}"))
     try:
         model.save(out_path)
     except OSError as e:

@@ -13,7 +13,8 @@ from alpasim import solvers as sv
 from alpasim.experiments import RAY_PLATFORMS, RUNTIMES, cpu_devices_for, run_report
 
 from ._common import (
-    CostModelOpt, JsonOpt, app, emit_json, ensure_cpu_devices, fail, fmt_bytes, load_cost_model, out, writable_file,
+    CostModelOpt, JsonOpt, app, emit_json, ensure_cpu_devices, fail, fmt_bytes, load_cost_model, note, out,
+    writable_file,
 )
 
 
@@ -74,7 +75,7 @@ def run(
         model = load_cost_model(cost_model, base)
     ensure_cpu_devices(cpu_devices_for(p))
     report = run_report(p, runtime=runtime, steps=steps, seed=seed, cost_model=model, ray_address=ray_address,
-                        ray_platform=platform,
+                        ray_platform=platform, log=note,
                         trace=trace, gantt=gantt, profile_iters=profile_iters)
     if as_json:
         emit_json(report)

@@ -3,6 +3,7 @@ ILP or a baseline, with its costs and collectives."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from alpasim import costmodels as cm
@@ -58,9 +59,11 @@ def _intra_solve(stage: gr.OpGraph, mesh: sv.LogicalMesh, model: cm.CostModel, m
 
 def intra_report(model_name: str, mesh_shape: tuple[int, int], cluster: cm.Cluster, *, layers: str | None,
                  batch: int | None, method: str, solver: str, time_limit: float | None, compute: bool,
-                 microbatches: int | None = None, top: int = 12, recompute: str = "none") -> dict[str, Any]:
+                 microbatches: int | None = None, top: int = 12, recompute: str = "none",
+                 log: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
     """Solve one stage, on one microbatch of the global `batch` (None: the model's own),
-    on one mesh and compare with the hand-designed assignments."""
+    on one mesh and compare with the hand-designed assignments; `log` hears one line
+    as each solve starts."""
     if batch is None:
         batch = gr.model_source(model_name).global_batch
     microbatches, size = split_batch(batch, microbatches)
@@ -73,10 +76,12 @@ def intra_report(model_name: str, mesh_shape: tuple[int, int], cluster: cm.Clust
     mesh = sv.LogicalMesh.on_cluster(cluster, mesh_shape)
     model = cm.AnalyticCostModel(cluster)
     budget = float(cluster.device.memory_bytes)
+    log(f"intra: layers {first}..{last} ({len(stage.ops)} ops) on a {mesh} mesh, {method}")
     result = _intra_solve(stage, mesh, model, method, budget, solver, time_limit, compute, microbatches)
     plan = result.plan
     compare: dict[str, Any] = {}
     for other in ("data_parallel", "megatron"):
+        log(f"intra: {other} for comparison")
         try:
             r = _intra_solve(stage, mesh, model, other, None, solver, time_limit, compute, microbatches)
         except (sv.IntraOpInfeasible, RuntimeError) as e:

@@ -4,6 +4,7 @@ a plan executed on this machine's devices beside its predictions and one device.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,9 +59,11 @@ def cpu_devices_for(p: sv.PipelinePlan) -> int:
 
 def run_report(p: sv.PipelinePlan, *, runtime: str = "local", steps: int = 5, seed: int = 0,
                cost_model: cm.CostModel | None = None, ray_address: str | None = None, ray_platform: str = "auto",
-               trace: Path | None = None, gantt: Path | None = None, profile_iters: int = 5) -> dict[str, Any]:
+               trace: Path | None = None, gantt: Path | None = None, profile_iters: int = 5,
+               log: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
     """Execute a plan, check it against one device, and compare it with its predictions
-    (analytic; op-profiled with `cost_model`; stage-profiled with `profile_iters`)."""
+    (analytic; op-profiled with `cost_model`; stage-profiled with `profile_iters`);
+    `log` hears one line as each phase starts."""
     import jax
 
     from alpasim import backends
@@ -72,6 +75,8 @@ def run_report(p: sv.PipelinePlan, *, runtime: str = "local", steps: int = 5, se
                           f"XLA_FLAGS=--xla_force_host_platform_device_count={need} before starting")
     _check_host_memory(p, platform)
     t0 = time.perf_counter()
+    log(f"run: lowering and compiling {len(p.stages)} stages on {need} {platform} devices ({runtime} runtime), "
+        + (f"timing each alone {profile_iters} times, " if profile_iters else "") + f"then {steps} steps")
     if runtime == "ray":
         try:
             result = backends.run_ray(p, steps=steps, seed=seed, address=ray_address, profile_iters=profile_iters,
@@ -83,6 +88,7 @@ def run_report(p: sv.PipelinePlan, *, runtime: str = "local", steps: int = 5, se
     run_s = time.perf_counter() - t0
     # Read before the reference step runs on device 0 (a GPU's peak counter would count it).
     memory = [backends.stage_memory(s, st.inflight_microbatches) for s, st in zip(result.stages, p.stages)]
+    log(f"run: {steps} steps in {run_s:.1f} s; the single-device reference step")
     check = backends.check_numerics(result.losses[0], result.grads, backends.reference_step(p, seed=seed))
     intra = [s.intra_plan for s in result.stages] if len(result.stages) == len(p.stages) else None
     prediction = backends.predict_run(p, cost_model=cost_model, runtime=runtime, intra_plans=intra,

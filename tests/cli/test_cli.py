@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -195,3 +196,18 @@ def test_plan_that_fits_nowhere_is_one_line():
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "does not fit" in lines[0] and "GiB per device" in lines[0]
+
+
+def test_long_commands_show_progress_on_stderr_with_json_too():
+    """Without a terminal (here, a pipe) progress is plain lines on stderr, with --json
+    as without it; stdout holds the JSON alone."""
+    small = "gpt3:hidden=64,layers=2,heads=4,seq=16,vocab=64,batch=8"
+    proc = run("plan", "--model", small, "--nodes", "1", "--devices-per-node", "2", "--microbatches", "2",
+               "--no-cache", "--workers", "1", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["feasible"]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("alpasim: alpa: B=2: ")]
+    assert lines and re.fullmatch(r"alpasim: alpa: B=2: (\d+)/\1 \(\d+ s\)", lines[-1]), lines   # done: n/n
+    proc = run("intra", "--model", small, "--mesh", "1x2", "--json")
+    assert proc.returncode == 0 and json.loads(proc.stdout)["status"] == "optimal"
+    assert "alpasim: intra: layers" in proc.stderr and "alpasim: intra: megatron for comparison" in proc.stderr

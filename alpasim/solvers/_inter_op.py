@@ -124,6 +124,41 @@ def planning_graph(model: PlanModel) -> OpGraph:
     return fwd if layers == fwd.num_layers else assign_layers(fwd, layers)[0]
 
 
+# Training graphs by (zoo config, microbatch size, dtype, relabelling, layers, remat,
+# recipe, recompute), for the process: a baseline's grid asks for the same microbatch
+# graph at many configurations. Graphs are never changed once built.
+_GRAPH_MEMO: dict[tuple, OpGraph] = {}
+GRAPH_MEMO_ENTRIES = 8
+
+
+def _training_graph(source: ModelSource, size: int, dtype: str, relabel, layers: int | None, remat: bool,
+                    precision: str, recompute: str) -> OpGraph:
+    """The training graph of one microbatch of `size` samples, labelled as the search
+    asks (`relabel`, else `layers` clusters, else planning units); memoised for zoo
+    models (a saved graph has no hashable config to key it by)."""
+    key = None
+    if source.config is not None:
+        key = (source.name, source.config, size, dtype, relabel, layers, remat, precision, recompute)
+        try:
+            if key in _GRAPH_MEMO:
+                return _GRAPH_MEMO[key]
+        except TypeError:                   # a config that does not hash: build it every time
+            key = None
+    fwd = source.forward(size, dtype)
+    if relabel is not None:
+        fwd = relabel(fwd)
+    elif layers is None:
+        fwd = planning_units(fwd)
+    else:
+        fwd = assign_layers(fwd, layers)[0]
+    graph = build_training_graph(fwd, remat=remat, precision=precision, recompute=recompute).graph
+    if key is not None:
+        if len(_GRAPH_MEMO) >= GRAPH_MEMO_ENTRIES:
+            _GRAPH_MEMO.pop(next(iter(_GRAPH_MEMO)))
+        _GRAPH_MEMO[key] = graph
+    return graph
+
+
 def microbatch_candidates(global_batch: int, requested: int | str, multiple: int = 1) -> list[int]:
     """Microbatch counts to try. "auto": microbatches of `AUTO_MICROBATCH_SIZES` samples
     that divide the global batch. With `multiple` (a data-parallel system, whose every
@@ -197,14 +232,7 @@ def plan_pipeline(model: str | ModelSource, cluster: Cluster, *, microbatches: i
         nonlocal jobs, hits
         if b in evaluated:
             return evaluated[b]
-        fwd = source.forward(global_batch // b, dtype)
-        if relabel is not None:
-            fwd = relabel(fwd)
-        elif layers is None:
-            fwd = planning_units(fwd)
-        else:
-            fwd = assign_layers(fwd, layers)[0]
-        graph = build_training_graph(fwd, remat=remat, precision=recipe.name, recompute=recompute).graph
+        graph = _training_graph(source, global_batch // b, dtype, relabel, layers, remat, recipe.name, recompute)
         report = (lambda done, total: progress(f"B={b}", done, total)) if progress else None
         s_max = min(max_stages, graph.num_layers, cluster.num_devices)
         costs = build_stage_costs(graph, cluster, b, max_stages=s_max, map_fn=map_fn, cache=cache,

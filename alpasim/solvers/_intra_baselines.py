@@ -38,13 +38,13 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping
 
-from alpasim.costmodels import CostModel, fuse
+from alpasim.costmodels import CostModel
 from alpasim.graphs import Op, OpGraph, Tensor, is_weight_grad, op_dims, weight_grad_params
 
 from ._mesh import LogicalMesh
 from ._resharding import Collective, resharding_time_s
 from ._spec import ShardingSpec, all_specs, spec_fits
-from ._strategies import Strategy, enumerate_strategies
+from ._strategies import Strategy, graph_strategies
 
 # Parameter name (last path component) -> dimension Megatron-LM splits on the
 # tensor-parallel axis (Shoeybi et al. 2019; Narayanan et al. 2021).
@@ -180,9 +180,9 @@ def _live(mesh: LogicalMesh) -> list[int]:
 
 def _options(op: Op, graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel,
              allow_replicated_heavy: bool = True) -> list[Strategy]:
-    """`enumerate_strategies` of `op`, priced in its fused kernel of `graph` as the ILP prices it."""
-    return enumerate_strategies(op, graph.tensors, mesh, cost_model, allow_replicated_heavy=allow_replicated_heavy,
-                                access=fuse(graph).of(op.name))
+    """`enumerate_strategies` of `op`, priced in its fused kernel of `graph` as the ILP
+    prices it (and shared with it: `graph_strategies`)."""
+    return graph_strategies(op, graph, mesh, cost_model, allow_replicated_heavy=allow_replicated_heavy)
 
 
 def _sharded_on_all_axes(t: Tensor, mesh: LogicalMesh) -> list[ShardingSpec]:

@@ -36,12 +36,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from alpasim.costmodels import CostModel, fuse, liveness
-from alpasim.graphs import WEIGHT_GRAD_TAG, OpGraph, Tensor, is_heavy, is_weight_grad
+from alpasim.graphs import OpGraph, Tensor, is_heavy
 
 from ._mesh import LogicalMesh
 from ._resharding import Collective, resharding_collectives, resharding_time_s
 from ._spec import ShardingSpec, all_specs
-from ._strategies import Strategy, enumerate_strategies
+from ._strategies import Strategy, enumerate_strategies, graph_strategies, op_signature
 
 PERSISTENT_ROLES = ("param", "optimizer_state", "grad")
 # Light ops that only make or re-lay-out a tensor; on leaves alone they are deferred
@@ -215,18 +215,15 @@ def build_problem(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel, *, w
     notes: list[str] = []
     fusion = fuse(graph)
     # Ops of one signature (an imported model's repeated blocks) share their strategy
-    # list, and their followers' choices (`follow`): both depend on nothing else.
-    signature = {op.name: _signature(op, tensors, fusion.of(op.name)) for op in graph.ops}
-    enumerated: dict[tuple, list[Strategy]] = {}
+    # list (`graph_strategies`) and their followers' choices (`follow`): both depend on
+    # nothing else.
+    signature = {op.name: op_signature(op, tensors, fusion.of(op.name)) for op in graph.ops}
     for op in graph.ops:
         if op.name in restrict:
             strategies[op.name] = list(restrict[op.name])
         else:
-            key = signature[op.name]
-            if key not in enumerated:
-                enumerated[key] = enumerate_strategies(op, tensors, mesh, cost_model, access=fusion.of(op.name),
-                                                       allow_replicated_heavy=allow_replicated_heavy)
-            strategies[op.name] = enumerated[key]
+            strategies[op.name] = graph_strategies(op, graph, mesh, cost_model,
+                                                   allow_replicated_heavy=allow_replicated_heavy)
         if not strategies[op.name]:
             # No even split of this op uses every mesh axis (e.g. a 1x3 mesh and
             # power-of-two dimensions): let it replicate rather than fail, and say so.
@@ -364,16 +361,6 @@ def build_problem(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel, *, w
         node_of[name] = node_of[graph.op_by_name[op].outputs[0]]
     return IntraOpProblem(graph, mesh, with_compute, microbatches, nodes, edges, node_of, persistent,
                           live.live_sets() + points, loop_backs, strategies, notes, live.stash(), partials)
-
-
-def _signature(op, tensors: Mapping[str, Tensor], access) -> tuple:
-    """What an op's strategies depend on: its primitive and attributes, phase, shapes,
-    dtypes and roles, which outputs are weight gradients, its kernel charge; not its
-    name, nor the parameter names its weight-gradient tags carry."""
-    tags = frozenset(t for t in op.tags if not t.startswith(WEIGHT_GRAD_TAG + ":"))
-    grads = tuple(is_weight_grad(op, k, tensors) for k in range(len(op.outputs)))
-    shapes = tuple((tensors[t].shape, tensors[t].dtype, tensors[t].role) for t in (*op.inputs, *op.outputs))
-    return (op.prim, op.params, op.phase, op.remat, tags, grads, len(op.inputs), shapes, access)
 
 
 def _group_reads(tensor: str, chosen: Mapping[str, Strategy], graph: OpGraph,

@@ -232,6 +232,12 @@ def megatron_configs(num_devices: int, devices_per_node: int, num_blocks: int, g
     return out
 
 
+def zoo_blocks(fwd: OpGraph) -> OpGraph:
+    """The zoo's own layer labels (embedding with the first block, head with the last):
+    Megatron-LM's stages. A named function, so that graphs built with it are memoised."""
+    return fwd
+
+
 def megatron_plan(model: ModelLike, cluster: Cluster, config: MegatronConfig, **kw) -> PipelinePlan:
     """One Megatron-LM configuration: `pp` stages of equal blocks (embedding with the
     first, head with the last), each on `dp x tp` devices viewed as a (dp, tp) mesh
@@ -254,7 +260,7 @@ def megatron_plan(model: ModelLike, cluster: Cluster, config: MegatronConfig, **
 
     try:
         plan = plan_pipeline(source, cluster, microbatches=b, method="megatron", shape_ok=lambda sh: sh.size == size,
-                             views_of=views_of, num_stages=config.pp, relabel=lambda fwd: fwd,
+                             views_of=views_of, num_stages=config.pp, relabel=zoo_blocks,
                              **METHODS["megatron"].search_options(cluster), **kw)
     except PlanInfeasible as e:
         return infeasible_plan(source, cluster, "megatron", str(e), SearchStats(megatron=_config_json(config)))

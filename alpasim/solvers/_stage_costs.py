@@ -145,6 +145,15 @@ class LayerOption:
         return o
 
 
+def layer_graphs(graph: OpGraph) -> list[OpGraph]:
+    """`stage_graph(graph, l, l)` of every layer, memoised on the graph (graphs are not
+    changed once built; a baseline's grid slices one graph many times)."""
+    memo = graph.__dict__.get("_solvers_layer_graphs")
+    if memo is None:
+        memo = graph.__dict__["_solvers_layer_graphs"] = [stage_graph(graph, l, l) for l in range(graph.num_layers)]
+    return memo
+
+
 def mirrored_views(meshes: Sequence[LogicalMesh]) -> set[int]:
     """Indices of the views to leave out because another view is the same 1-D mesh
     with its axes swapped: (n, 1) beside (1, n), the same n devices on the same link.
@@ -205,8 +214,9 @@ def layer_tensor_specs(layer: OpGraph, option: LayerOption) -> dict[str, str]:
 
 
 def canonical_params(graph: OpGraph) -> list[str]:
-    seen = dict.fromkeys(t for op in graph.ops for t in op.inputs if t in {p.name for p in graph.params})
-    return list(seen)
+    """The layer's parameters in the order its ops first read them."""
+    params = {p.name for p in graph.params}
+    return list(dict.fromkeys(t for op in graph.ops for t in op.inputs if t in params))
 
 
 def mesh_key(mesh: LogicalMesh) -> list:
@@ -405,7 +415,7 @@ def build_stage_costs(graph: OpGraph, cluster: Cluster, microbatches: int, *, ma
         for k, (view, mesh) in enumerate(zip(views, of_shape)):
             if k not in drop:
                 meshes.append((shape, tuple(view), mesh))
-    layers = [stage_graph(graph, l, l) for l in range(num_layers)]
+    layers = layer_graphs(graph)
     kinds = [canonical_key(g) for g in layers]
     first_of_kind = {k: layers[i] for i, k in reversed(list(enumerate(kinds)))}
     memory = float(cluster.device.memory_bytes)

@@ -21,11 +21,13 @@ reduced-within are never split, and no operand may be split unevenly.
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from alpasim.costmodels import CostModel, OpAccess
-from alpasim.graphs import Op, Tensor, is_heavy, is_weight_grad, op_dims
+from alpasim.costmodels import CostModel, OpAccess, fuse
+from alpasim.graphs import WEIGHT_GRAD_TAG, Op, Tensor, is_heavy, is_weight_grad, op_dims
 
 from ._mesh import LogicalMesh
 from ._resharding import Collective
@@ -66,6 +68,48 @@ class Strategy:
 
 def _spec_of(term: str, loops: Mapping[str, tuple[int, ...]]) -> ShardingSpec:
     return ShardingSpec(tuple(loops.get(c, ()) for c in term))
+
+
+# Strategy lists by (op signature, mesh, cost model, allow_replicated_heavy), for the
+# process: every layer problem of a plan, and of every configuration of a baseline's
+# grid, asks for the same few hundred signatures again. Oldest entries go first.
+_STRATEGY_MEMO: OrderedDict = OrderedDict()
+STRATEGY_MEMO_ENTRIES = 1 << 14
+
+
+def op_signature(op: Op, tensors: Mapping[str, Tensor], access: OpAccess | None) -> tuple:
+    """What an op's strategies depend on: its primitive and attributes, phase, shapes,
+    dtypes and roles, which outputs are weight gradients, its kernel charge; not its
+    name, nor the parameter names its weight-gradient tags carry."""
+    tags = frozenset(t for t in op.tags if not t.startswith(WEIGHT_GRAD_TAG + ":"))
+    grads = tuple(is_weight_grad(op, k, tensors) for k in range(len(op.outputs)))
+    shapes = tuple((tensors[t].shape, tensors[t].dtype, tensors[t].role) for t in (*op.inputs, *op.outputs))
+    return (op.prim, op.params, op.phase, op.remat, tags, grads, len(op.inputs), shapes, access)
+
+
+def graph_strategies(op: Op, graph, mesh: LogicalMesh, cost_model: CostModel, *,
+                     allow_replicated_heavy: bool = False) -> list[Strategy]:
+    """`enumerate_strategies` of `op` priced in its fused kernel of `graph`, memoised by
+    the op's signature (`op_signature`): a layer's repeated ops, the baselines'
+    restrictions, the ILP built after them and the same layer at the next grid point
+    share one enumeration. A cost model that is not hashable (by value) is keyed by its
+    identity and held by the memo, so the identity is not reused while it is there."""
+    access = fuse(graph).of(op.name)
+    try:
+        hash(cost_model)
+        model_key: Any = cost_model
+    except TypeError:
+        model_key = ("id", id(cost_model))
+    key = (op_signature(op, graph.tensors, access), mesh, model_key, allow_replicated_heavy)
+    hit = _STRATEGY_MEMO.get(key)
+    if hit is None:
+        hit = _STRATEGY_MEMO[key] = (cost_model, enumerate_strategies(
+            op, graph.tensors, mesh, cost_model, access=access, allow_replicated_heavy=allow_replicated_heavy))
+        if len(_STRATEGY_MEMO) > STRATEGY_MEMO_ENTRIES:
+            _STRATEGY_MEMO.popitem(last=False)
+    else:
+        _STRATEGY_MEMO.move_to_end(key)
+    return list(hit[1])        # a copy: callers may filter or extend their own list
 
 
 def enumerate_strategies(op: Op, tensors: Mapping[str, Tensor], mesh: LogicalMesh, cost_model: CostModel,

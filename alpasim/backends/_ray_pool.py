@@ -16,11 +16,15 @@ from typing import Any
 RAY_TASK_TIMEOUT_S = 600.0
 
 
-def ray_map_fn(address: str | None = None, workers: int | None = None) -> Callable[[Callable, Iterable], Iterator]:
+def ray_map_fn(address: str | None = None, workers: int | None = None, *,
+               num_cpus: int | None = None) -> Callable[[Callable, Iterable], Iterator]:
     """A map over Ray tasks. Without an address (and no RAY_ADDRESS) it starts a local
     cluster of `workers` CPUs; with one it connects to that cluster, whose resources
-    are its own, and `workers` caps the tasks in flight instead (None: all at once)."""
+    are its own, and `workers` caps the tasks in flight instead (None: all at once).
+    `num_cpus` is the older name of `workers`."""
     import ray
+
+    workers = workers if workers is not None else num_cpus
 
     address = address or os.environ.get("RAY_ADDRESS") or None
     if not ray.is_initialized():

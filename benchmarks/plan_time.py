@@ -10,7 +10,10 @@ iteration time and the change: a faster planner must not find worse plans. Alpa
 reports 2,393 s for GPT-3 39B on 64 GPUs (its Table 5).
 
     .venv/bin/python benchmarks/plan_time.py [--cases gpt3-2.6b@8 ...] [--workers N]
-        [--cache] [--record FILE] [--baseline FILE]
+        [--cache] [--record FILE] [--baseline FILE] [--profile]
+
+`--profile` plans each case in this process under cProfile instead and prints where
+its time goes (problem build, strategy enumeration, formulation, HiGHS, ...).
 
 The imported case is `tests/graphs/jax_models.flax_gpt_problem` with 32 layers of
 hidden 1024 (GPT-3 350M's width), traced by `graphs.from_jax`; the trace is not timed.
@@ -55,6 +58,41 @@ def cpu_s() -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
+# Where planning time goes: (label, function, module file) measured cumulatively.
+PHASES = (("layer jobs (all)", "_options_job", "_stage_costs.py"),
+          ("  problem build", "build_problem", "_intra_problem.py"),
+          ("    strategy enumeration", "enumerate_strategies", "_strategies.py"),
+          ("  ILP formulation", "formulate", "_intra_ilp.py"),
+          ("  HiGHS runs", "_run_highs", "_intra_ilp.py"),
+          ("  plan realisation", "realize", "_intra_plan.py"),
+          ("training graphs", "build_training_graph", "_build.py"),
+          ("stage DP", "stage_dp", "_stage_dp.py"),
+          ("plan assembly", "_assemble_plan", "_inter_op.py"))
+
+
+def profile_case(case: str) -> None:
+    """One case planned serially in this process under cProfile; prints each phase's
+    cumulative seconds and share of the whole."""
+    import cProfile
+    import pstats
+
+    name, _, gpus_text = case.partition("@")
+    gpus = int(gpus_text)
+    cluster = get_cluster("aws-p3.16xlarge", nodes=max(1, gpus // 8), devices_per_node=min(gpus, 8))
+    source = model_source(name)
+    profiler = cProfile.Profile()
+    t0 = time.perf_counter()
+    profiler.enable()
+    plan_pipeline(source, cluster, cache=DiskCache(enabled=False))
+    profiler.disable()
+    total = time.perf_counter() - t0
+    stats = pstats.Stats(profiler).stats
+    print(f"{case}: {total:.1f} s in one process (profiled; load average {os.getloadavg()[0]:.2f})")
+    for label, fn, file in PHASES:
+        cum = sum(v[3] for (f, _, func), v in stats.items() if func == fn and f.endswith(file))
+        print(f"  {label:<28}{cum:>8.1f} s {cum / total * 100:>5.0f} %")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", nargs="*", default=list(CASES), help="MODEL@GPUS, e.g. gpt3-39b@64")
@@ -62,7 +100,13 @@ def main() -> None:
     ap.add_argument("--cache", action="store_true", help="use the disk cache (warm figures)")
     ap.add_argument("--record", type=Path, help="write the predicted iteration times here (a new baseline)")
     ap.add_argument("--baseline", type=Path, default=BASELINE)
+    ap.add_argument("--profile", action="store_true",
+                    help="plan the cases in this process under cProfile and print where the time goes")
     args = ap.parse_args()
+    if args.profile:
+        for case in args.cases:
+            profile_case(case)
+        return
     before = json.loads(args.baseline.read_text()) if args.baseline.is_file() and not args.record else {}
     print(f"load average {os.getloadavg()[0]:.2f} at start; {args.workers} workers")
     print(f"{'case':<20}{'wall s':>8}{'CPU s':>8}{'ILPs':>6}{'hits':>6}{'B':>5}{'stages':>7}"

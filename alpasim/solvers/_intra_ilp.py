@@ -185,13 +185,13 @@ def _strategy_columns(b: _Builder, problem: IntraOpProblem, costs: bool,
                       drop: list[np.ndarray] | None = None) -> list[np.ndarray]:
     """One binary column per strategy, with the one-hot row of each node; a dropped
     strategy's column is fixed at zero (kept, so columns still index strategies)."""
-    s = []
-    for v, node in enumerate(problem.nodes):
-        upper = 1.0 if drop is None else np.where(drop[v], 0.0, 1.0)
-        cols = b.columns(node.k, cost=node.cost * US if costs else 0.0, upper=upper, integer=True)
-        b.rows(1, 1.0, 1.0, np.zeros(node.k), cols, np.ones(node.k))
-        s.append(cols)
-    return s
+    nodes = problem.nodes
+    k = np.array([node.k for node in nodes], dtype=np.int64)
+    cost = np.concatenate([node.cost for node in nodes]) * US if costs and nodes else 0.0
+    upper = 1.0 if drop is None or not nodes else np.where(np.concatenate(drop), 0.0, 1.0)
+    cols = b.columns(int(k.sum()), cost=cost, upper=upper, integer=True)       # node by node, in order
+    b.rows(len(nodes), 1.0, 1.0, np.repeat(np.arange(len(nodes)), k), cols, np.ones(len(cols)))
+    return np.split(cols, np.cumsum(k)[:-1]) if nodes else []
 
 
 def _edge_blocks(b: _Builder, problem: IntraOpProblem, s: list[np.ndarray],

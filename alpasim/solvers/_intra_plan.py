@@ -208,12 +208,18 @@ def reprice(plan: IntraOpPlan, graph: OpGraph, cost_model: CostModel, mesh: Logi
 def memory_use(problem: IntraOpProblem, specs: dict[str, ShardingSpec],
                strategies: dict[str, Strategy] | None = None) -> MemoryUse:
     graph, mesh = problem.graph, problem.mesh
+    sizes: dict[str, float] = {}        # a tensor is in many live sets: size it once
 
     def per_device(t: str) -> float:
-        op = problem.partials.get(t)
-        if op is not None:   # an op's unreduced result, by the strategy it runs
-            return partial_bytes(strategies[op]) if strategies else 0.0
-        return graph.tensors[t].nbytes / specs[t].num_shards(mesh)
+        size = sizes.get(t)
+        if size is None:
+            op = problem.partials.get(t)
+            if op is not None:   # an op's unreduced result, by the strategy it runs
+                size = partial_bytes(strategies[op]) if strategies else 0.0
+            else:
+                size = graph.tensors[t].nbytes / specs[t].num_shards(mesh)
+            sizes[t] = size
+        return size
 
     by_role = {"param": 0.0, "grad": 0.0, "optimizer_state": 0.0}
     for t in problem.persistent:

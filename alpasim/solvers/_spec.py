@@ -11,7 +11,7 @@ would make the cost model lie).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ._mesh import LogicalMesh
 
@@ -26,6 +26,8 @@ class ShardingSpec:
 
     dims: tuple[tuple[int, ...], ...]
 
+    _hash: int = field(init=False, repr=False, compare=False)
+
     def __post_init__(self) -> None:
         dims = tuple(tuple(int(a) for a in d) for d in self.dims)
         used = [a for d in dims for a in d]
@@ -34,6 +36,10 @@ class ShardingSpec:
         if len(set(used)) != len(used):
             raise ShardingError(f"sharding spec {dims!r}: a mesh axis shards at most one dimension")
         object.__setattr__(self, "dims", dims)
+        object.__setattr__(self, "_hash", hash(dims))
+
+    def __hash__(self) -> int:  # specs key the resharding caches, millions of lookups a plan: hash once
+        return self._hash
 
     @classmethod
     def replicated(cls, rank: int) -> ShardingSpec:

@@ -346,7 +346,9 @@ def _solve_highs(form: Formulation, time_limit_s: float | None, gap: float, pres
     of the optimum; an imported Llama layer's budgeted MIP: 2.3 s against 8.4 s).
     Anything else goes on to the full MIP (a tight memory budget makes the relaxation
     fractional more often than not: then the relaxation's time, a fraction of the
-    MIP's, is spent in vain).
+    MIP's, is spent in vain); with more fractional nodes than that, the MIP over the
+    strategies the relaxation uses (`_fix_support`) is tried first, kept on the same
+    terms (the least-memory MIP of a MoE layer: about 5x faster in a one-off check).
 
     `sample=True` is for the memory-budgeted Pareto points, which sample a trade-off
     curve rather than prove one plan: whatever the number of fractional nodes, those
@@ -367,16 +369,19 @@ def _solve_highs(form: Formulation, time_limit_s: float | None, gap: float, pres
         integral = [np.abs(x[cols] - np.round(x[cols])).max() <= INTEGRAL_TOL for cols in form.s]
         if all(integral):
             return status, x, objective
-        if sample and gap > 0:
-            status, xf, of = _run_highs(_fix_support(form, x, integral), left(), gap / 2, True, relax=False)
-            if xf is not None:
-                within = status == "optimal" and of <= objective * (1 + gap) + abs(objective) * 1e-12
-                return ("optimal" if within else "relax_and_fix"), xf, of
-        elif gap > 0 and integral.count(False) <= FIX_MAX_FRACTIONAL:
-            fixed = _fix_integral(form, x, integral)
-            status, xf, of = _run_highs(fixed, left(), gap / 2, presolve, relax=False)
-            if status == "optimal" and of <= objective * (1 + gap) + abs(objective) * 1e-12:
+        bound = objective * (1 + gap) + abs(objective) * 1e-12
+        if gap > 0 and not sample and integral.count(False) <= FIX_MAX_FRACTIONAL:
+            status, xf, of = _run_highs(_fix_integral(form, x, integral), left(), gap / 2, presolve, relax=False)
+            if status == "optimal" and of <= bound:
                 return status, xf, of
+        elif gap > 0:
+            # The relaxation's support: a MIP over a few choices per fractional node,
+            # kept when within the gap of the bound (then optimal to the gap) and, for
+            # a sampled Pareto point, kept anyway.
+            status, xf, of = _run_highs(_fix_support(form, x, integral), left(), gap / 2, True, relax=False)
+            within = xf is not None and status == "optimal" and of <= bound
+            if within or (sample and xf is not None):
+                return ("optimal" if within else "relax_and_fix"), xf, of
     return _run_highs(form, left(), gap, presolve, relax=False, start=start)
 
 

@@ -239,6 +239,14 @@ def _memory_rows(b: _Builder, problem: IntraOpProblem, s, unit: float, multiplie
             pc.append(c), pv.append(v * extra)
     pc_all = np.concatenate(pc) if pc else np.zeros(0, np.int64)
     pv_all = np.concatenate(pv) if pv else np.zeros(0)
+    if len(pc_all):
+        # The persistent bytes (and the stash of the other microbatches in flight) are
+        # one column, defined once, rather than repeated in every peak's row: the same
+        # program with far fewer nonzeros, which the relaxations are faster for.
+        (persist,) = b.columns(1)
+        b.rows(1, 0.0, 0.0, np.zeros(len(pc_all) + 1), np.concatenate([[persist], pc_all]),
+               np.concatenate([[1.0], -pv_all]))
+        pc_all, pv_all = np.array([persist]), np.array([1.0])
     acts = list(dict.fromkeys(t for live in problem.live_sets for t in live))
     m = dict(zip(acts, b.columns(len(acts))))
     for t in acts:

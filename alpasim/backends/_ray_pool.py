@@ -16,6 +16,11 @@ from typing import Any
 RAY_TASK_TIMEOUT_S = 600.0
 
 
+def resolve_address(address: str | None) -> str | None:
+    """The Ray cluster to join: `address`, else RAY_ADDRESS, else None (start a local one)."""
+    return address or os.environ.get("RAY_ADDRESS") or None
+
+
 def ray_map_fn(address: str | None = None, workers: int | None = None, *,
                num_cpus: int | None = None) -> Callable[[Callable, Iterable], Iterator]:
     """A map over Ray tasks. Without an address (and no RAY_ADDRESS) it starts a local
@@ -26,7 +31,7 @@ def ray_map_fn(address: str | None = None, workers: int | None = None, *,
 
     workers = workers if workers is not None else num_cpus
 
-    address = address or os.environ.get("RAY_ADDRESS") or None
+    address = resolve_address(address)
     if not ray.is_initialized():
         if address:
             ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)

@@ -33,7 +33,6 @@ timeout, an exception in a stage) is not retried: it is a bug, reported as is.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -41,6 +40,7 @@ from typing import Any
 from alpasim.simulator import Program
 from alpasim.solvers import PipelinePlan, planning_graph
 
+from ._ray_pool import resolve_address
 from ._ray_worker import MeshWorker, StepAborted
 from ._runtime import RunResult, _payloads, measured_timeline, runnable_program
 from ._executable import stage_inputs
@@ -76,7 +76,7 @@ def run_ray(plan: PipelinePlan, *, steps: int = 1, seed: int = 0, address: str |
     import ray
 
     program = runnable_program(plan, schedule, program)
-    address = address or os.environ.get("RAY_ADDRESS") or None
+    address = resolve_address(address)
     started = not ray.is_initialized()
     if started:
         local = {} if address else {"include_dashboard": False}

@@ -10,8 +10,8 @@ import signal
 import sys
 import tempfile
 import time
-from pathlib import Path
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Annotated, Any, NoReturn, Optional
 
 import typer
@@ -152,7 +152,7 @@ def writable_file(path: Path | None, option: str) -> None:
         return
     if path.is_dir():
         fail(f"{option} {path}: is a directory; {option} names a file")
-    _probe_dir(path.parent if str(path.parent) else Path("."), option, path)
+    _probe_dir(path.parent, option, path)
 
 
 def writable_dir(path: Path, option: str) -> None:
@@ -234,13 +234,8 @@ def plan_map(workers: int | None, ray: bool, ray_address: str | None) -> Iterato
     if n <= 1:
         yield map
         return
-    pool = sv.worker_pool(n)
-    try:
+    with sv.worker_pool(n) as pool:      # an exception in the block kills the workers at once
         yield pool.map
-    except BaseException:
-        pool.close(now=True)
-        raise
-    pool.close()
 
 
 def points_map(workers: int | None, ray: bool, ray_address: str | None) -> contextlib.AbstractContextManager:

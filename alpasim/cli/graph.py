@@ -16,7 +16,6 @@ from ._common import (
 )
 
 
-
 @app.command()
 def graph(
     model_arg: ModelArg = None,

@@ -18,7 +18,6 @@ from ._common import (
     check_precision, check_recompute, emit_json, err, fail, fmt_bytes, fmt_count, load_cluster, load_cost_model,
     out, parse_microbatches, plan_map, RayAddressOpt, RayOpt, TaskProgress, writable_file,
 )
-
 from .simulate import print_simulation
 
 

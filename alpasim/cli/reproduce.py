@@ -58,10 +58,11 @@ def reproduce(
                                   progress=progress, points=points)
     except OSError as e:
         fail(f"cannot write {out_dir}: {e.strerror or e}")
+    doc = report.to_json()
     if out_path is not None:
-        write_text(out_path, json.dumps(report.to_json(), indent=2) + "\n", "--out")
+        write_text(out_path, json.dumps(doc, indent=2) + "\n", "--out")
     if as_json:
-        emit_json(report.to_json())
+        emit_json(doc)
         return
     _print_reproduction(report)
 

@@ -15,8 +15,8 @@ from alpasim import costmodels as cm
 from alpasim import graphs as gr
 
 from ._common import (
-    JsonOpt, app, emit_json, err, fail, method_list, number_list, out, points_map, RayOpt, RayAddressOpt, writable_dir, writable_file,
-    write_text,
+    JsonOpt, RayAddressOpt, RayOpt, app, emit_json, err, fail, method_list, number_list, out, points_map,
+    writable_dir, writable_file, write_text,
 )
 
 

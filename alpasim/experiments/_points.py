@@ -11,6 +11,7 @@ through any map function: a local process pool by default, Ray tasks with `--ray
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -156,21 +157,13 @@ def run_points(points: Sequence[Point], *, cache: bool = True, workers: int | No
     # filling in rather than one long job running alone at the end.
     todo.sort(key=lambda i: -points[i].gpus)
     jobs = [(points[i], cache) for i in todo]
-    pool = None
-    if map_fn is None and workers and workers > 1 and len(jobs) > 1:
-        pool = worker_pool(workers)
-        map_fn = pool.map
-    try:
-        for i, d in zip(todo, (map_fn or map)(_job, jobs)):
+    # A pool of our own, if needed; an exception or Ctrl-C kills its workers at once.
+    with (worker_pool(workers) if map_fn is None and workers and workers > 1 and len(jobs) > 1
+          else contextlib.nullcontext()) as pool:
+        for i, d in zip(todo, (map_fn or (pool.map if pool is not None else map))(_job, jobs)):
             store.put(points[i].key(), d)
             results[i] = Result.from_json(d)
             done += 1
             if progress is not None:
                 progress(done, len(points), results[i])
-    except BaseException:
-        if pool is not None:
-            pool.close(now=True)     # Ctrl-C or an error: do not wait for the running points
-        raise
-    if pool is not None:
-        pool.close()
     return [r for r in results if r is not None]

@@ -48,9 +48,9 @@ from ._spec import spec_fits as spec_fits
 from ._strategies import Strategy as Strategy
 from ._strategies import enumerate_strategies as enumerate_strategies
 from ._cache import DiskCache as DiskCache
+from ._cache import cache_dir as cache_dir
 from ._workers import WorkerPool as WorkerPool
 from ._workers import worker_pool as worker_pool
-from ._cache import cache_dir as cache_dir
 from ._inter_op import DEFAULT_MAX_STAGES as DEFAULT_MAX_STAGES
 from ._inter_op import PlanInfeasible as PlanInfeasible
 from ._inter_op import microbatch_candidates as microbatch_candidates

@@ -14,8 +14,8 @@ import hashlib
 import json
 import os
 import tempfile
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 CACHE_VERSION = "stage-costs/13"

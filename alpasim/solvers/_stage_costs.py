@@ -448,7 +448,7 @@ def build_stage_costs(graph: OpGraph, cluster: Cluster, microbatches: int, *, ma
     pending, solved = [pending[j] for j in order], [solved[j] for j in order]
     total = len(pending)
     for n, (result, (kind, m, key)) in enumerate(zip(map_fn(_options_job, pending), solved), 1):
-        options[(kind, m)] = [LayerOption.from_json(d) for d in result]
+        options[(kind, m)] = read_options(result)
         cache.put(key, result)
         if progress is not None:
             progress(n, total)

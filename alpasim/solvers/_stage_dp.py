@@ -17,8 +17,9 @@ t* (1 + epsilon), so the answer is within a factor (1 + epsilon) of T*. (Evaluat
 each window's smallest candidate, as a plain skip does, can miss that: a plan whose
 bottleneck lies inside the window is only seen at the next window's start, where the
 sum alone is minimised.) The enumeration stops once B * c >= the best T so far (no
-bottleneck of c or more can win). `t(k..i, shape, s)` depends on s, the number of stages from this one to the end,
-because 1F1B keeps min(s, B) microbatches of this stage's activations in flight (eq. 5).
+bottleneck of c or more can win). `t(k..i, shape, s)` depends on s, the number of
+stages from this one to the end, because 1F1B keeps min(s, B) microbatches of this
+stage's activations in flight (eq. 5).
 
 Optionally the boundaries between stages are priced too (`boundary[k, d]`: seconds
 per microbatch to move the activations into a stage that starts at layer k with d

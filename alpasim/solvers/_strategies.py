@@ -88,19 +88,22 @@ def op_signature(op: Op, tensors: Mapping[str, Tensor], access: OpAccess | None)
 
 
 def graph_strategies(op: Op, graph, mesh: LogicalMesh, cost_model: CostModel, *,
-                     allow_replicated_heavy: bool = False) -> list[Strategy]:
+                     allow_replicated_heavy: bool = False, signature: tuple | None = None) -> list[Strategy]:
     """`enumerate_strategies` of `op` priced in its fused kernel of `graph`, memoised by
     the op's signature (`op_signature`): a layer's repeated ops, the baselines'
     restrictions, the ILP built after them and the same layer at the next grid point
     share one enumeration. A cost model that is not hashable (by value) is keyed by its
-    identity and held by the memo, so the identity is not reused while it is there."""
+    identity and held by the memo, so the identity is not reused while it is there.
+    `signature` is the op's `op_signature`, when the caller has it already."""
     access = fuse(graph).of(op.name)
     try:
         hash(cost_model)
         model_key: Any = cost_model
     except TypeError:
         model_key = ("id", id(cost_model))
-    key = (op_signature(op, graph.tensors, access), mesh, model_key, allow_replicated_heavy)
+    if signature is None:
+        signature = op_signature(op, graph.tensors, access)
+    key = (signature, mesh, model_key, allow_replicated_heavy)
     hit = _STRATEGY_MEMO.get(key)
     if hit is None:
         hit = _STRATEGY_MEMO[key] = (cost_model, enumerate_strategies(

@@ -3,11 +3,11 @@ reference, on a 32-layer table for 64 devices (8 nodes of 8).
 
 The table is synthetic but shaped like a real one: a stage's time grows with its layers
 and falls with its devices (with a parallel-efficiency loss), the entries of stages too
-large for their devices' memory are infinite, and the boundaries into stages that start
-a node cost more. `--bottleneck` picks where in the sorted candidates the pass's t_max
+large for their devices' memory are infinite, and a boundary between stages on two
+nodes costs ten times one inside a node. `--bottleneck` picks where in the sorted candidates the pass's t_max
 sits (0.5: the median candidate). The reference is the recurrence of `_stage_dp` as
-nested Python loops over (s, k, shape, i, d), with no vectorisation and no pruning; it
-checks the new DP's sum on every run.
+nested Python loops over (s, k, shape, i, d, run state), with no vectorisation and no
+pruning; it checks the new DP's sum on every run.
 
     .venv/bin/python benchmarks/bench_stage_dp.py [--layers 32] [--nodes 8] [--repeat 20]
 """
@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from alpasim.solvers._stage_dp import _bottleneck_candidates, _placeable, _solve_fixed
+from alpasim.solvers._stage_dp import StageBoundary, _bottleneck_candidates, _solve_fixed
 from alpasim.solvers._submesh import submesh_shapes
 
 INF = math.inf
@@ -46,41 +46,48 @@ def synthetic_table(layers: int, nodes: int, per_node: int, seed: int = 0):
                     if (i - k + 1) * (1 + 0.05 * s) > memory_limit * size:
                         continue
                     cost[k, i, h, s] = work / size ** 0.9
-    boundary = np.zeros((layers, nodes * per_node + 1))
-    for d in range(1, nodes * per_node):
-        boundary[1:, d] = 0.02 if (nodes * per_node - d) % per_node == 0 else 0.002
-    return cost, sizes, boundary
+    intra, inter = np.full(layers, 0.002), np.full(layers, 0.02)
+    intra[0] = inter[0] = 0.0
+    return cost, sizes, StageBoundary(intra, inter)
 
 
 def reference_pass(cost, sizes, num_devices, s_max, t_max, boundary, per_node):
-    """F(s, k, d) by nested loops: the least sum of layers k.. in s stages on exactly d
-    devices, every stage and boundary at most t_max. Returns min_s F(s, 0, D)."""
+    """F(s, k, d, q) by nested loops: the least sum of layers k.. in s stages on exactly d
+    devices, every stage and boundary at most t_max, where q is the size of the node
+    group (run) the stage at k opens (per_node: a whole node or more, which nothing
+    joins). Returns min_s min_q F(s, 0, D, q)."""
     layers = cost.shape[0]
-    ok = _placeable(sizes, num_devices, per_node)
-    prev = [[INF] * (num_devices + 1) for _ in range(layers + 1)]
-    prev[layers][0] = 0.0
+    full = per_node
+    intra = [b if b <= t_max else INF for b in boundary.intra] + [0.0]
+    inter = [b if b <= t_max else INF for b in boundary.inter] + [0.0]
+    prev = [[[INF] * (full + 1) for _ in range(num_devices + 1)] for _ in range(layers + 1)]
+    prev[layers][0][full] = 0.0
     best = INF
     for s in range(1, s_max + 1):
-        cur = [[INF] * (num_devices + 1) for _ in range(layers + 1)]
+        cur = [[[INF] * (full + 1) for _ in range(num_devices + 1)] for _ in range(layers + 1)]
         for k in range(layers):
             for h, size in enumerate(sizes):
                 size = int(size)
+                own = min(size, full)
                 for i in range(k, layers):
                     c = cost[k, i, h, s - 1]
                     if c > t_max:
                         continue
-                    nxt = prev[i + 1]
                     for d in range(size, num_devices + 1):
-                        rest = nxt[d - size]
-                        if rest == INF or not ok[h, d]:
-                            continue
-                        b = boundary[k, d]
-                        if b > t_max:
-                            continue
-                        v = c + b + rest
-                        if v < cur[k][d]:
-                            cur[k][d] = v
-        best = min(best, cur[0][num_devices])
+                        rests = prev[i + 1][d - size]
+                        row = cur[k][d]
+                        for q in range(1, full + 1):
+                            rest = rests[q]
+                            if rest == INF:
+                                continue
+                            v = c + inter[i + 1] + rest            # the successor on another node
+                            if v < row[own]:
+                                row[own] = v
+                            if size < full and i + 1 < layers and q + size <= full:
+                                v = c + intra[i + 1] + rest        # ... or on this stage's node
+                                if v < row[q + size]:
+                                    row[q + size] = v
+        best = min(best, min(cur[0][num_devices][1:]))
         prev = cur
     return best
 
@@ -106,7 +113,7 @@ def main() -> None:
         times = []
         for _ in range(args.repeat):
             t0 = time.perf_counter()
-            total, _ = _solve_fixed(cost, sizes, num_devices, s_max, t_max, boundary, args.per_node)
+            total, _, _ = _solve_fixed(cost, sizes, num_devices, s_max, t_max, boundary, args.per_node)
             times.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         ref = reference_pass(cost, sizes, num_devices, s_max, t_max, boundary, args.per_node)

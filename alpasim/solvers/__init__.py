@@ -77,6 +77,7 @@ from ._stage_costs import build_stage_costs as build_stage_costs
 from ._stage_costs import canonical_key as canonical_key
 from ._stage_dp import DPResult as DPResult
 from ._stage_dp import StageChoice as StageChoice
+from ._stage_dp import StageBoundary as StageBoundary
 from ._stage_dp import bubble_fraction as bubble_fraction
 from ._stage_dp import pipeline_latency_s as pipeline_latency_s
 from ._stage_dp import stage_dp as stage_dp
@@ -84,6 +85,7 @@ from ._submesh import SubmeshShape as SubmeshShape
 from ._submesh import covers_exactly as covers_exactly
 from ._submesh import logical_mesh as logical_mesh
 from ._submesh import logical_shapes as logical_shapes
+from ._submesh import pack_runs as pack_runs
 from ._submesh import place_submeshes as place_submeshes
 from ._submesh import submesh_shapes as submesh_shapes
 from ._cross_mesh import CROSS_MESH_METHODS as CROSS_MESH_METHODS

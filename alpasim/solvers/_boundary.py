@@ -8,9 +8,9 @@ the 25 Gb/s network loses to a shallower one (the paper's Figure 9 at 32 GPUs).
 
 `cut_bytes` counts, per layer boundary k (between layers k-1 and k), the bytes that
 cross it per microbatch in each direction; `stage_boundary_s` turns them into seconds
-for a stage that starts at layer k on device D - d (stages are placed in order, see
-`_submesh.place_submeshes`): over one node's network cards when D - d starts a node,
-else over the intra-node link.
+for a stage that starts at layer k, both ways: from a predecessor on the same node
+(the intra-node link) and from one on another node (one node's network cards). The
+stage DP decides which neighbours share a node (`_stage_dp`, runs).
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import numpy as np
 
 from alpasim.costmodels import Cluster
 from alpasim.graphs import OpGraph
+
+from ._stage_dp import StageBoundary
 
 
 def cut_bytes(graph: OpGraph) -> tuple[np.ndarray, np.ndarray]:
@@ -51,20 +53,17 @@ def cut_bytes(graph: OpGraph) -> tuple[np.ndarray, np.ndarray]:
     return forward, backward
 
 
-def stage_boundary_s(graph: OpGraph, cluster: Cluster) -> np.ndarray:
-    """`boundary[k, d]`: seconds per microbatch a stage starting at layer k with d devices
-    left (its own and its successors') spends receiving activations and returning their
-    gradients. Zero for the first layer."""
+def stage_boundary_s(graph: OpGraph, cluster: Cluster) -> StageBoundary:
+    """Seconds per microbatch a stage starting at layer k spends receiving activations and
+    returning their gradients: over the intra-node link when its predecessor shares its
+    node, over one node's network cards otherwise. Zero for the first layer."""
     forward, backward = cut_bytes(graph)
-    num_devices, per_node = cluster.num_devices, cluster.devices_per_node
-    cards = min(cluster.nics_per_node, per_node)
-    inter = (cluster.inter_node.bytes_per_s * cards, cluster.inter_node.latency_s)
-    intra = (cluster.intra_node.bytes_per_s, cluster.intra_node.latency_s)
-    out = np.zeros((graph.num_layers, num_devices + 1))
-    for d in range(1, num_devices + 1):
-        start = num_devices - d
-        if start == 0:
-            continue  # only the first stage starts at device 0
-        bw, latency = inter if start % per_node == 0 else intra
-        out[1:, d] = [(f + b) / bw + latency * (int(f > 0) + int(b > 0)) for f, b in zip(forward[1:], backward[1:])]
-    return out
+    cards = min(cluster.nics_per_node, cluster.devices_per_node)
+
+    def seconds(bytes_per_s: float, latency_s: float) -> np.ndarray:
+        out = (forward + backward) / bytes_per_s + latency_s * ((forward > 0).astype(float) + (backward > 0))
+        out[0] = 0.0
+        return out
+
+    return StageBoundary(seconds(cluster.intra_node.bytes_per_s, cluster.intra_node.latency_s),
+                         seconds(cluster.inter_node.bytes_per_s * cards, cluster.inter_node.latency_s))

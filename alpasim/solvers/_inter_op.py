@@ -336,7 +336,7 @@ def _assemble_plan(source: ModelSource, dtype: str, cluster: Cluster, best: Cand
                    recipe) -> PipelinePlan:
     costs, dp, b = best.costs, best.dp, best.microbatches
     shapes = [costs.shapes[st.shape] for st in dp.stages]
-    placed = place_submeshes(shapes, cluster.nodes, cluster.devices_per_node)
+    placed = place_submeshes(shapes, cluster.nodes, cluster.devices_per_node, runs=dp.runs or None)
     n_stages = len(dp.stages)
     stages = []
     chosen: dict[int, LayerOption] = {}      # layer -> the option its stage runs

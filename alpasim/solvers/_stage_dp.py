@@ -21,23 +21,41 @@ bottleneck of c or more can win). `t(k..i, shape, s)` depends on s, the number o
 stages from this one to the end, because 1F1B keeps min(s, B) microbatches of this
 stage's activations in flight (eq. 5).
 
-Optionally the boundaries between stages are priced too (`boundary[k, d]`: seconds
-per microbatch to move the activations into a stage that starts at layer k with d
-devices left for it and its successors, and their gradients back). A boundary acts as
+Optionally the boundaries between stages are priced too (`StageBoundary`: seconds
+per microbatch to move the activations into a stage that starts at layer k, and their
+gradients back, from a predecessor on the same node or on another). A boundary acts as
 a pipeline stage of its own that only communicates: eq. 2 becomes
 
     T = sum_i (t_i + c_i) + (B - 1) * max(max_i t_i, max_i c_i)
 
 so a transfer lengthens the pipeline's fill and drain, and bounds its rate only when
 it is slower than every stage (it overlaps the next microbatch's compute otherwise).
-Stages are then placed on devices in order (`_submesh.place_submeshes`): a stage
-starting at layer k on d remaining devices starts at device D - d, which fixes whether
-its boundary crosses nodes, and a stage that would straddle a node boundary is not
-allowed (`devices_per_node`).
+
+Which neighbours share a node is the DP's choice, not a consequence of placing stages
+in order. A *run* is a maximal group of consecutive one-node pieces (fewer than M
+devices) on one node; a piece of a whole node or more is alone. The state gains q, the
+size of the run the stage at k opens, counting the stages after it in the run (q = M:
+nothing may join it):
+
+    F(s, k, d, q) = min over stages k..i of shape h (size m):
+        t + c_inter(i+1) + min_q' F(s-1, i+1, d-m, q')   -> q = min(m, M)   (apart)
+        t + c_intra(i+1) + F(s-1, i+1, d-m, q - m)          if m < M       (joined)
+
+Powers of two that add up to a multiple of M always fill whole nodes (`_submesh`),
+but runs need not be powers of two: runs of 3, 3 and 2 devices do not fill two nodes
+of 4. The DP is therefore a relaxation (every real placement is one of its solutions,
+at its true cost); when the optimum's runs pack (`_submesh.pack_runs`, exact) it is
+the optimum, placed so (`place_submeshes(..., runs=)`). When they do not, that pass
+is solved again closing runs only at powers of two, which always pack, and the result
+says whether that could have cost anything (`placement_exact`). This places any
+multiset of allowed shapes, e.g. [2, 4, 2] on 2 nodes of 4 (the two 2s share a node),
+which placing in order cannot. On one node every neighbour shares it: one state.
+With runs, each pass first solves its one-state relaxation (every boundary at its
+cheaper link) and is skipped when that bound cannot beat the best plan so far.
 
 Each stage count s is one (min, +) step over the table entries at most t_max (a
-gather and two `reduceat`s, `_solve_fixed`): O(S * entries * D) per bottleneck, with
-no Python loop over layers, shapes or devices (`benchmarks/bench_stage_dp.py` times a
+gather and `reduceat`s, `_solve_fixed`): O(S * entries * D * M) per bottleneck, with
+no Python loop over layers, devices or run states (`benchmarks/bench_stage_dp.py` times a
 pass against a loop reference).
 """
 
@@ -48,7 +66,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._submesh import starts_cleanly
+from ._submesh import pack_runs
 
 INF = np.inf
 
@@ -63,11 +81,27 @@ class StageChoice:
 
 
 @dataclass(frozen=True, slots=True)
+class StageBoundary:
+    """Seconds per microbatch to move the activations into a stage that starts at layer
+    k, and their gradients back, from a predecessor on the same node (`intra[k]`) or
+    on another (`inter[k]`); zero at k = 0."""
+
+    intra: np.ndarray   # (L,)
+    inter: np.ndarray   # (L,)
+
+
+@dataclass(frozen=True, slots=True)
 class DPResult:
     latency_s: float                  # T* (eq. 2), inf when nothing is feasible
     stages: tuple[StageChoice, ...]
     t_max_s: float
     candidates_evaluated: int
+    # Stage indices that share a node, in pipeline order (with boundaries priced; one
+    # run per stage otherwise): `_submesh.place_submeshes(..., runs=)` places them.
+    runs: tuple[tuple[int, ...], ...] = ()
+    # False when the relaxation's runs did not pack and the power-of-two runs that
+    # replaced them cost more: the plan may then be above the optimum (module doc).
+    placement_exact: bool = True
 
 
 def pipeline_latency_s(costs: Sequence[float], microbatches: int, boundaries: Sequence[float] = ()) -> float:
@@ -84,123 +118,221 @@ def bubble_fraction(costs: Sequence[float], microbatches: int) -> float:
 
 
 def stage_dp(cost: np.ndarray, sizes: Sequence[int], num_devices: int, microbatches: int,
-             epsilon: float = 1e-6, max_stages: int | None = None, boundary: np.ndarray | None = None,
+             epsilon: float = 1e-6, max_stages: int | None = None, boundary: StageBoundary | None = None,
              devices_per_node: int | None = None) -> DPResult:
     """Solve eq. 2 over `cost[k, i, shape, s-1]` = t(layers k..i, shape, s stages from here).
 
     `cost` has shape (L, L, num_shapes, S_max); entries with i < k or infeasible are inf.
-    `boundary` (shape (L, D + 1), optional) prices the transfer into a stage starting
-    at layer k with d devices remaining; `devices_per_node` places stages in order
-    without straddling nodes (see the module doc).
+    `boundary` (optional) prices the transfer into each stage by whether its
+    predecessor shares its node; `devices_per_node` (default: one node of every
+    device) is the node size the stages' runs pack into (see the module doc).
     """
     num_layers, _, num_shapes, s_max = cost.shape
     s_max = min(s_max, num_layers, num_devices, max_stages or s_max)
     sizes = np.asarray(sizes, dtype=int)
     finite = _bottleneck_candidates(cost, boundary)
+    per_node = devices_per_node or num_devices
     best = DPResult(INF, (), INF, 0)
     evaluated = 0
     start = 0
+    unsure = INF   # the least latency a pass whose fallback cost something could have missed
+    # With runs to track, each pass first solves its one-state relaxation (every
+    # boundary at its cheaper link): a pass whose bound cannot beat the best is skipped.
+    bound_first = boundary is not None and per_node < num_devices
+    if bound_first:
+        cheap = np.minimum(boundary.intra, boundary.inter)
+        relaxation = StageBoundary(cheap, cheap)
     while start < len(finite):
         if microbatches * finite[start] >= best.latency_s:
             break
         # The window's last candidate: every candidate of the window is within (1 + eps) below it.
         end = max(start, int(np.searchsorted(finite, finite[start] * (1 + epsilon), side="right")) - 1)
-        t_max, start = finite[end], end + 1
+        low, t_max, start = finite[start], finite[end], end + 1
         evaluated += 1
-        total, stages = _solve_fixed(cost, sizes, num_devices, s_max, t_max, boundary, devices_per_node)
+        if bound_first:
+            lower, _, _ = _solve_fixed(cost, sizes, num_devices, s_max, t_max, relaxation, num_devices)
+            if lower + (microbatches - 1) * low >= best.latency_s:
+                continue  # every plan whose bottleneck lies in this window is slower than the best
+        total, stages, runs = _solve_fixed(cost, sizes, num_devices, s_max, t_max, boundary, per_node)
+        if stages is not None and boundary is not None and not _runs_pack(stages, runs, sizes, num_devices, per_node):
+            # The relaxation's node groups do not fit the nodes: close runs at powers of
+            # two only, which always pack (`_submesh.pack_runs`), and say whether that cost anything.
+            relaxed = total
+            total, stages, runs = _solve_fixed(cost, sizes, num_devices, s_max, t_max, boundary, per_node,
+                                               pow2_runs=True)
+            if not (stages is not None and total <= relaxed * (1 + 1e-12)):
+                unsure = min(unsure, relaxed + (microbatches - 1) * low)
         if stages is None:
             continue
         # Eq. 4 with the bottleneck actually reached (never above t_max).
         latency = pipeline_latency_s([c.cost_s for c in stages], microbatches, [c.boundary_s for c in stages])
         if latency < best.latency_s:
             reached = max(max(c.cost_s for c in stages), max(c.boundary_s for c in stages))
-            best = DPResult(latency, tuple(stages), reached, evaluated)
-    return DPResult(best.latency_s, best.stages, best.t_max_s, evaluated)
+            best = DPResult(latency, tuple(stages), reached, evaluated, runs)
+    exact = unsure >= best.latency_s * (1 - 1e-12)
+    return DPResult(best.latency_s, best.stages, best.t_max_s, evaluated, best.runs, bool(exact))
 
 
-def _bottleneck_candidates(cost: np.ndarray, boundary: np.ndarray | None) -> np.ndarray:
+def _bottleneck_candidates(cost: np.ndarray, boundary: StageBoundary | None) -> np.ndarray:
     """Every value the bottleneck can take: a stage latency or a boundary transfer."""
     finite = cost[np.isfinite(cost)]
     if boundary is not None:
-        finite = np.concatenate([finite, boundary[boundary > 0]])
+        both = np.r_[boundary.intra, boundary.inter]
+        finite = np.concatenate([finite, both[(both > 0) & np.isfinite(both)]])
     return np.unique(finite)
 
 
-def _placeable(sizes: np.ndarray, num_devices: int, devices_per_node: int | None) -> np.ndarray:
-    """ok[h, d]: a piece of sizes[h] may start at device D - d (`starts_cleanly`)."""
-    if devices_per_node is None:
-        return np.ones((len(sizes), num_devices + 1), dtype=bool)
-    return np.array([[starts_cleanly(int(size), num_devices - d, devices_per_node) for d in range(num_devices + 1)]
-                     for size in sizes])
-
-
 def _solve_fixed(cost: np.ndarray, sizes: np.ndarray, num_devices: int, s_max: int, t_max: float,
-                 boundary: np.ndarray | None = None, devices_per_node: int | None = None):
-    """One bottleneck pass: F(s, k, d) for s = 1.. (module doc), as one gather over the
-    table entries that are at most t_max per stage count, then a min per first layer k.
+                 boundary: StageBoundary | None = None, devices_per_node: int | None = None,
+                 pow2_runs: bool = False):
+    """One bottleneck pass: F(s, k, d, q) for s = 1.. (module doc), as one gather over
+    the table entries that are at most t_max per stage count, then a min per first layer k.
 
     Only entries with cost <= t_max take part (sorted by k, then shape, then i, so that
     ties go to the smallest shape and then the shortest stage); each contributes its
-    cost, the boundary into it and the best rest F(s-1, i+1, d - size) for every d at
-    once, and `minimum.reduceat` over each k's run of entries gives F(s, k, d) and, by
-    a second reduceat over the positions attaining it, the entry that did."""
+    cost, the boundary into its successor and the best rest F(s-1, i+1, d - size, q')
+    for every d and run state at once, and `minimum.reduceat` over each k's run of
+    entries gives F(s, k, d, q). The entry that attains a state is found again only
+    for the states the optimum passes through (`_backtrack`). Without boundaries, or on
+    one node (every neighbour then shares the node), there is one run state.
+    `pow2_runs` closes only runs whose size is a power of two (they always pack,
+    `_submesh.pack_runs`). Returns (total, stages, runs) or (inf, None, None)."""
     num_layers = cost.shape[0]
     d_count = num_devices + 1
     sizes = np.asarray(sizes, dtype=int)
+    per_node = devices_per_node or num_devices
+    pad = np.zeros(1)
     if boundary is None:
-        boundary = np.zeros((num_layers, d_count))
-    link = np.where(boundary <= t_max, boundary, INF)              # (k, d): a boundary above t_max is out
-    placeable = _placeable(sizes, num_devices, devices_per_node)   # (h, d)
-    entry = link[None, :, :] + np.where(placeable, 0.0, INF)[:, None, :]      # (h, k, d)
-    # by_khi[k, h, i, s]: the table with shapes before layers ends, in the order ties break.
+        intra = inter = np.zeros(num_layers + 1)
+    else:
+        intra = np.r_[np.where(boundary.intra <= t_max, boundary.intra, INF), pad]   # into layer j; j = L: none
+        inter = np.r_[np.where(boundary.inter <= t_max, boundary.inter, INF), pad]
+    if boundary is None or per_node >= num_devices:
+        rules = _RunRules(sizes, 1, np.zeros(len(sizes), int), np.ones(1, bool), intra, intra, (),
+                          priced=boundary is not None)
+    else:
+        q = np.arange(per_node + 1)
+        closable = (q >= 1) & ((q & (q - 1)) == 0) if pow2_runs else q >= 1
+        # The run state a stage of each shape starts: its own size, or "full" (q = M)
+        # for a piece of a whole node or more, which nothing joins.
+        rules = _RunRules(sizes, per_node + 1, np.minimum(sizes, per_node), closable, intra, inter,
+                          tuple(hh for hh, m in enumerate(sizes) if m < per_node), priced=True)
+    q_count = rules.q_count
     by_khi = cost.transpose(0, 2, 1, 3)
-    prev = np.full((num_layers + 1, d_count), INF)
-    prev[num_layers, 0] = 0.0
-    choices: list[tuple[np.ndarray, np.ndarray]] = [(np.zeros(0, int), np.zeros(0, int))]
-    best_total, best_s = INF, 0
-    shifted = np.full((len(sizes), num_layers + 1, d_count), INF)   # [h, j, d] = prev[j, d - size_h]
+    prev = np.full((num_layers + 1, d_count, q_count), INF)
+    prev[num_layers, 0, q_count - 1] = 0.0
+    levels, entries = [prev], [None]
+    best_total, best_s, best_q = INF, 0, 0
+    rest = np.full((len(sizes), num_layers + 1, d_count), INF)   # [h, j, d] = closed prev[j, d - size_h]
+    shifted = np.full((num_layers + 1, d_count, q_count), INF)    # [j, d, q] = prev[j, d - size, q], per join
     for s in range(1, s_max + 1):
         if not np.isfinite(prev).any():
             break  # no way to fill the rest with s-1 stages, so none with more
-        # Entries whose rest (layers i+1.. in s-1 stages) is possible on some device count.
-        rest_ok = np.isfinite(prev).any(axis=1)[1:]                  # by i
+        rest_ok = np.isfinite(prev).any(axis=(1, 2))[1:]              # by i
         k, h, i = np.nonzero((by_khi[:, :, :, s - 1] <= t_max) & rest_ok[None, None, :])
         if len(k) == 0:
             break
+        # The successor on another node (its run closed): its best closable state.
+        closed = np.where(rules.closable, prev, INF).min(axis=2) if q_count > 1 else prev[:, :, 0]
         for hh, size in enumerate(sizes):
             if size < d_count:
-                shifted[hh, :, size:] = prev[:, :d_count - size]
-        vals = cost[k, i, h, s - 1][:, None] + entry[h, k] + shifted[h, i + 1]        # (E, d)
-        starts = np.flatnonzero(np.r_[True, k[1:] != k[:-1]])
-        firsts = k[starts]
-        mins = np.minimum.reduceat(vals, starts, axis=0)                            # (G, d)
-        group = np.repeat(np.arange(len(starts)), np.diff(np.r_[starts, len(k)]))
-        position = np.where(vals == mins[group], np.arange(len(k))[:, None], len(k))
-        winner = np.minimum.reduceat(position, starts, axis=0)                      # (G, d) entry index
-        winner = np.where(np.isfinite(mins), winner, 0)
-        fs = np.full((num_layers + 1, d_count), INF)
-        fs[firsts] = mins
-        arg_i = np.full((num_layers + 1, d_count), -1)
-        arg_h = np.full((num_layers + 1, d_count), -1)
-        arg_i[firsts] = i[winner]
-        arg_h[firsts] = h[winner]
-        choices.append((arg_i, arg_h))
+                rest[hh, :, size:] = closed[:, :d_count - size]
+        base = cost[k, i, h, s - 1]
+        fs = np.full((num_layers + 1, d_count, q_count), INF)
+        # Runs of entries with one first layer and shape (the pass's sort keeps them together).
+        starts = np.flatnonzero(np.r_[True, (k[1:] != k[:-1]) | (h[1:] != h[:-1])])
+        gk, gh = k[starts], h[starts]
+        apart = np.minimum.reduceat((base + rules.inter[i + 1])[:, None] + rest[h, i + 1], starts, axis=0)
+        for hh in np.unique(gh):   # each shape's first layers are distinct
+            g = np.flatnonzero(gh == hh)
+            q_new = rules.new_q[hh]
+            fs[gk[g], :, q_new] = np.minimum(fs[gk[g], :, q_new], apart[g])
+        for hh in rules.small:  # the successor on this stage's node: run state q' -> q' + size
+            m = int(sizes[hh])
+            e = np.flatnonzero((h == hh) & (i + 1 < num_layers))
+            if len(e) == 0:
+                continue
+            ke = k[e]
+            first = np.flatnonzero(np.r_[True, ke[1:] != ke[:-1]])
+            shifted[:, :m], shifted[:, m:] = INF, prev[:, :d_count - m]
+            joined = np.minimum.reduceat((base[e] + rules.intra[i[e] + 1])[:, None, None] +
+                                         shifted[i[e] + 1, :, 1:q_count - m], first, axis=0)
+            fs[ke[first], :, m + 1:] = np.minimum(fs[ke[first], :, m + 1:], joined)
+        levels.append(fs)
+        entries.append((k, h, i))
         prev = fs
-        if fs[0, num_devices] < best_total:
-            best_total, best_s = fs[0, num_devices], s
+        top = np.where(rules.closable, fs[0, num_devices], INF)
+        if top.min() < best_total:
+            best_total, best_s, best_q = float(top.min()), s, int(np.argmin(top))
     if not np.isfinite(best_total):
-        return INF, None
-    stages, k, d = [], 0, num_devices
-    for s in range(best_s, 0, -1):
-        i, h = choices[s][0][k, d], choices[s][1][k, d]
-        stages.append(StageChoice(int(k), int(i), int(h), float(cost[k, i, h, s - 1]), float(boundary[k, d])))
-        k, d = i + 1, d - int(sizes[h])
-    return best_total, stages
+        return INF, None, None
+    stages, runs = _backtrack(cost, rules, levels, entries, best_s, best_q, num_devices)
+    return best_total, stages, runs
+
+
+@dataclass(frozen=True, slots=True)
+class _RunRules:
+    """How one bottleneck pass moves between run states (`_solve_fixed`)."""
+
+    sizes: np.ndarray
+    q_count: int            # run states: 1 (no runs), or 0..M with 0 unused
+    new_q: np.ndarray       # by shape: the state a stage that does not join its successor opens
+    closable: np.ndarray    # by state: whether a run of that size may be closed
+    intra: np.ndarray       # (L + 1,): into layer j from the same node, inf above t_max
+    inter: np.ndarray       # ... from another node
+    small: tuple[int, ...]  # shapes that may join their successor's node
+    priced: bool            # boundaries are priced (the plan then places by runs)
+
+
+def _backtrack(cost, rules: _RunRules, levels, entries, s_top: int, q_top: int, num_devices: int):
+    """The optimum's stages and runs, from the stored F levels: at each visited state the
+    first entry (in the pass's tie order) whose value attains it."""
+    num_layers = cost.shape[0]
+    stages, runs, k, d, q, joined = [], [], 0, num_devices, q_top, False
+    for s in range(s_top, 0, -1):
+        ks, hs, is_ = entries[s]
+        prev, want = levels[s - 1], levels[s][k, d, q]
+        for e in np.flatnonzero(ks == k):
+            h, i = int(hs[e]), int(is_[e])
+            m = int(rules.sizes[h])
+            if m > d:
+                continue
+            base = float(cost[k, i, h, s - 1])
+            if q == rules.new_q[h]:
+                closed = np.where(rules.closable, prev[i + 1, d - m], INF)
+                nxt = int(np.argmin(closed))
+                if base + rules.inter[i + 1] + closed[nxt] == want:
+                    break
+            elif h in rules.small and q > m and i + 1 < num_layers:
+                nxt = q - m
+                if base + rules.intra[i + 1] + prev[i + 1, d - m, nxt] == want:
+                    break
+        else:  # unreachable: `want` was computed from these same entries
+            raise AssertionError(f"no entry attains F({s}, {k}, {d}, {q}) = {want}")
+        into = 0.0 if k == 0 else float((rules.intra if joined else rules.inter)[k])
+        stages.append(StageChoice(k, i, h, base, into))
+        if joined:
+            runs[-1].append(len(stages) - 1)
+        else:
+            runs.append([len(stages) - 1])
+        joined = q != rules.new_q[h] or rules.q_count == 1   # the next stage shares this one's node
+        k, d, q = i + 1, d - m, nxt
+    if rules.q_count == 1:   # one node holds them all, or nothing is priced
+        runs = [list(range(len(stages)))] if rules.priced else []
+    return stages, tuple(tuple(r) for r in runs)
+
+
+def _runs_pack(stages: Sequence[StageChoice], runs: Sequence[Sequence[int]], sizes: np.ndarray,
+               num_devices: int, per_node: int) -> bool:
+    """Whether the one-node runs fill the nodes the several-node pieces leave."""
+    small = [sum(int(sizes[stages[j].shape]) for j in r) for r in runs if int(sizes[stages[r[0]].shape]) < per_node]
+    whole = sum(int(sizes[st.shape]) for st in stages if int(sizes[st.shape]) >= per_node)
+    return pack_runs(small, (num_devices - whole) // per_node, per_node) is not None
 
 
 def equal_layer_dp(cost: np.ndarray, sizes: Sequence[int], num_devices: int, microbatches: int,
                    epsilon: float = 1e-6, max_stages: int | None = None, stages: int | None = None,
-                   boundary: np.ndarray | None = None, devices_per_node: int | None = None) -> DPResult:
+                   boundary: StageBoundary | None = None, devices_per_node: int | None = None) -> DPResult:
     """The paper's "equal layer" ablation: every stage holds the same number of layers
     (L/S, or its floor and ceiling when S does not divide L); the DP still picks the
     submeshes. The best S wins, or S = `stages` when given."""
@@ -218,4 +350,4 @@ def equal_layer_dp(cost: np.ndarray, sizes: Sequence[int], num_devices: int, mic
         evaluated += r.candidates_evaluated
         if r.latency_s < best.latency_s:
             best = r
-    return DPResult(best.latency_s, best.stages, best.t_max_s, evaluated)
+    return DPResult(best.latency_s, best.stages, best.t_max_s, evaluated, best.runs, best.placement_exact)

@@ -6,7 +6,9 @@ Any list of such shapes whose sizes add up to N*M tiles the grid (the paper's
 Appendix A): the (n, M) blocks take whole nodes, and the (1, 2^k) pieces, placed
 largest first, pack the remaining nodes exactly, because powers of two that sum to a
 multiple of M fill bins of size M with no gap (each bin's free space stays a multiple
-of the next piece). `place_submeshes` does exactly that and returns device ids.
+of the next piece). `place_submeshes` does exactly that and returns device ids; given
+the stage DP's runs (consecutive pieces that must share a node) it packs the runs
+instead (`place_runs`, `pack_runs`), each run's pieces side by side on one node.
 
 Logical views: a submesh of d devices can be viewed as any (d0, d1) with d0*d1 = d whose
 second axis stays inside a node (so the fast links sit on axis 1 and a view that
@@ -59,10 +61,15 @@ def submesh_shapes(nodes: int, devices_per_node: int) -> list[SubmeshShape]:
     return out
 
 
-def place_submeshes(shapes: Sequence[SubmeshShape], nodes: int, devices_per_node: int) -> list[list[int]]:
+def place_submeshes(shapes: Sequence[SubmeshShape], nodes: int, devices_per_node: int,
+                    runs: Sequence[Sequence[int]] | None = None) -> list[list[int]]:
     """Device ids for each shape (in the given order) tiling the cluster exactly.
 
-    Raises ValueError when the sizes do not add up or a shape is not allowed.
+    `runs` (the stage DP's, indices into `shapes`) groups the one-node pieces that must
+    share a node; each run's pieces sit side by side on one node (`place_runs`).
+    Without runs: in order when no piece then straddles a node, else largest first.
+    Raises ValueError when the sizes do not add up, a shape is not allowed or the runs
+    do not pack.
     """
     total = sum(s.size for s in shapes)
     if total != nodes * devices_per_node:
@@ -71,6 +78,8 @@ def place_submeshes(shapes: Sequence[SubmeshShape], nodes: int, devices_per_node
     for s in shapes:
         if s not in allowed:
             raise ValueError(f"submesh shape {s} is not one of the allowed shapes {sorted(allowed)}")
+    if runs is not None:
+        return place_runs(shapes, runs, nodes, devices_per_node)
     in_order = _contiguous(shapes, devices_per_node)
     if in_order is not None:
         return in_order
@@ -95,6 +104,67 @@ def place_submeshes(shapes: Sequence[SubmeshShape], nodes: int, devices_per_node
     return [p for p in placement if p is not None]
 
 
+def pack_runs(run_sizes: Sequence[int], bins: int, capacity: int) -> list[int] | None:
+    """Bin of each run (a group of one-node pieces that must share a node) such that
+    every bin is filled exactly, or None. Exact: largest first, depth-first over bins,
+    trying one bin per distinct fill level, memoised on the sorted fill levels."""
+    if sum(run_sizes) != bins * capacity or any(r > capacity for r in run_sizes):
+        return None
+    order = sorted(range(len(run_sizes)), key=lambda r: -run_sizes[r])
+    fill = [0] * bins
+    where = [0] * len(run_sizes)
+    failed: set[tuple[int, tuple[int, ...]]] = set()
+
+    def place(n: int) -> bool:
+        if n == len(order):
+            return True
+        key = (n, tuple(sorted(fill)))
+        if key in failed:
+            return False
+        size, tried = run_sizes[order[n]], set()
+        for b in range(bins):
+            if fill[b] + size <= capacity and fill[b] not in tried:
+                tried.add(fill[b])
+                fill[b] += size
+                where[order[n]] = b
+                if place(n + 1):
+                    return True
+                fill[b] -= size
+        failed.add(key)
+        return False
+
+    return where if place(0) else None
+
+
+def place_runs(shapes: Sequence[SubmeshShape], runs: Sequence[Sequence[int]], nodes: int,
+               devices_per_node: int) -> list[list[int]]:
+    """Several-node pieces on whole nodes in pipeline order, then each run of one-node
+    pieces on one node of those left (an exact packing, `pack_runs`), its
+    pieces side by side in pipeline order."""
+    if sorted(j for r in runs for j in r) != list(range(len(shapes))):
+        raise ValueError(f"runs {list(map(list, runs))} do not name each of the {len(shapes)} stages once")
+    placement: list[list[int]] = [[] for _ in shapes]
+    node = 0
+    for j, s in enumerate(shapes):
+        if s.n > 1 or s.m == devices_per_node:
+            placement[j] = list(range(node * devices_per_node, node * devices_per_node + s.size))
+            node += s.n
+    small = [list(r) for r in runs if shapes[r[0]].size < devices_per_node]
+    if any(shapes[j].size >= devices_per_node for r in small for j in r):
+        raise ValueError(f"a run mixes one-node pieces with whole nodes: {small}")
+    bins = pack_runs([sum(shapes[j].size for j in r) for r in small], nodes - node, devices_per_node)
+    if bins is None:
+        raise ValueError(f"the node groups {small} of {[s.size for s in shapes]} do not pack the {nodes - node} "
+                         f"nodes left")
+    used = [0] * (nodes - node)
+    for r, b in zip(small, bins):
+        for j in r:
+            first = (node + b) * devices_per_node + used[b]
+            placement[j] = list(range(first, first + shapes[j].size))
+            used[b] += shapes[j].size
+    return placement
+
+
 def starts_cleanly(size: int, start: int, devices_per_node: int) -> bool:
     """Whether a piece of `size` devices may sit on devices start.. without straddling a
     node: a one-node piece ends by its node's end, a several-node piece starts a node."""
@@ -104,8 +174,8 @@ def starts_cleanly(size: int, start: int, devices_per_node: int) -> bool:
 
 def _contiguous(shapes: Sequence[SubmeshShape], devices_per_node: int) -> list[list[int]] | None:
     """Stage i on the devices right after stage i-1's, if no piece then straddles a node
-    boundary: neighbouring stages share a node whenever they can, and the stage DP can
-    tell which boundaries cross nodes (`stage_boundary_s`)."""
+    boundary: neighbouring stages share a node whenever they can (plans priced without
+    boundaries; the DP's runs say which neighbours share a node otherwise)."""
     out, start = [], 0
     for s in shapes:
         if not starts_cleanly(s.size, start, devices_per_node):

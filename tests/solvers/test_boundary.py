@@ -28,15 +28,16 @@ def test_cut_bytes_is_the_residual_stream(gpt):
     np.testing.assert_array_equal(backward, [0] + [stream] * 4)
 
 
-def test_boundary_seconds_follow_placement(gpt):
+def test_boundary_seconds_by_link(gpt):
+    """Into a stage whose predecessor is on another node: over the network cards; on the
+    same node: NVLink. Nothing moves into the first layer."""
     cluster = get_cluster("aws-p3.16xlarge").with_overrides(nodes=2)
     boundary = stage_boundary_s(gpt, cluster)
     stream = B * S * H * 2
-    assert boundary.shape == (5, 17)
-    assert not boundary[0].any() and not boundary[:, 16].any()  # nothing starts before device 0
+    assert boundary.intra.shape == boundary.inter.shape == (5,)
+    assert boundary.intra[0] == boundary.inter[0] == 0.0
     inter, intra = cluster.inter_node, cluster.intra_node
-    # A stage starting at device 8 (8 devices left) starts node 1: over the network card.
-    assert boundary[2, 8] == pytest.approx(2 * stream / inter.bytes_per_s + 2 * inter.latency_s)
-    # One starting at device 6 follows its predecessor on node 0: NVLink.
-    assert boundary[2, 10] == pytest.approx(2 * stream / intra.bytes_per_s + 2 * intra.latency_s)
-    assert boundary[2, 8] > 5 * boundary[2, 10]
+    cards = min(cluster.nics_per_node, cluster.devices_per_node)
+    assert boundary.inter[2] == pytest.approx(2 * stream / (inter.bytes_per_s * cards) + 2 * inter.latency_s)
+    assert boundary.intra[2] == pytest.approx(2 * stream / intra.bytes_per_s + 2 * intra.latency_s)
+    assert boundary.inter[2] > 5 * boundary.intra[2]

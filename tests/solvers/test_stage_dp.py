@@ -9,16 +9,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from alpasim.solvers._stage_dp import pipeline_latency_s, stage_dp
-from alpasim.solvers._submesh import SubmeshShape, covers_exactly, place_submeshes, submesh_shapes
+from alpasim.solvers._stage_dp import StageBoundary, pipeline_latency_s, stage_dp
+from alpasim.solvers._submesh import SubmeshShape, covers_exactly, pack_runs, place_submeshes, submesh_shapes
 
 
 def brute_force(cost, sizes, num_devices, microbatches, boundary=None, per_node=None):
     """Every slicing into contiguous stages x every shape per stage, exact device cover.
-    With `boundary`, stages sit on devices in order, a stage starting at device p is fed
-    by a transfer of `boundary[first layer, D - p]` that counts as a stage of its own, and
-    (with `per_node`) no stage may straddle a node."""
+    With `boundary` (a StageBoundary), also every placement: each one-node piece (fewer
+    than `per_node` devices) on any of the nodes the several-node pieces leave, each of
+    those nodes filled exactly; the transfer into a stage whose predecessor sits on the
+    same node costs `boundary.intra[first layer]`, else `boundary.inter[...]`, and counts
+    as a stage of its own (sum and bottleneck)."""
     num_layers = cost.shape[0]
+    per_node = min(per_node or num_devices, num_devices)
     best = np.inf
     for n_stages in range(1, num_layers + 1):
         for cuts in itertools.combinations(range(1, num_layers), n_stages - 1):
@@ -27,19 +30,43 @@ def brute_force(cost, sizes, num_devices, microbatches, boundary=None, per_node=
                 if sum(sizes[h] for h in shapes) != num_devices:
                     continue
                 ts = [cost[a, b - 1, h, n_stages - j - 1] for j, ((a, b), h) in enumerate(zip(bounds, shapes))]
-                if boundary is not None:
-                    starts = np.cumsum([0] + [sizes[h] for h in shapes[:-1]])
-                    if per_node and any((p % per_node + sizes[h] > per_node) if sizes[h] <= per_node
-                                        else p % per_node for p, h in zip(starts, shapes)):
-                        continue
-                    cs = [boundary[a, num_devices - p] for (a, _), p in zip(bounds, starts)]
-                    if all(np.isfinite(ts)):
-                        best = min(best, sum(ts) + sum(cs) + (microbatches - 1) * max(ts + cs))
-                    continue
                 if not all(np.isfinite(ts)):
                     continue
-                best = min(best, pipeline_latency_s(ts, microbatches))
+                if boundary is None:
+                    best = min(best, pipeline_latency_s(ts, microbatches))
+                    continue
+                small = [j for j, h in enumerate(shapes) if sizes[h] < per_node]
+                free = (num_devices - sum(sizes[h] for h in shapes if sizes[h] >= per_node)) // per_node
+                for nodes in itertools.product(range(free), repeat=len(small)):
+                    fill = [0] * free
+                    for j, n in zip(small, nodes):
+                        fill[n] += sizes[shapes[j]]
+                    if any(f != per_node for f in fill):
+                        continue
+                    node_of = dict(zip(small, nodes))
+                    cs = [0.0] + [boundary.intra[a] if j - 1 in node_of and node_of.get(j) == node_of[j - 1]
+                                  else boundary.inter[a] for j, (a, _) in enumerate(bounds) if j > 0]
+                    best = min(best, sum(ts) + sum(cs) + (microbatches - 1) * max(ts + cs))
     return best
+
+
+def random_boundary(data, num_layers):
+    """Intra-node transfers up to 1.0, inter-node ones at least as slow (as links are)."""
+    intra = np.array([0.0] + [data.draw(st.integers(0, 10)) / 10 for _ in range(1, num_layers)])
+    inter = intra + np.array([0.0] + [data.draw(st.integers(0, 30)) / 10 for _ in range(1, num_layers)])
+    return StageBoundary(intra, inter)
+
+
+def boundaries_of_placement(result, sizes, num_devices, per_node, boundary):
+    """The transfer into each stage under the placement `place_submeshes` gives its runs."""
+    shapes = [SubmeshShape(1, sizes[s.shape]) if sizes[s.shape] <= per_node
+              else SubmeshShape(sizes[s.shape] // per_node, per_node) for s in result.stages]
+    placed = place_submeshes(shapes, num_devices // per_node, per_node, runs=result.runs)
+    assert sorted(d for p in placed for d in p) == list(range(num_devices))
+    node = [{d // per_node for d in p} for p in placed]
+    return [0.0] + [boundary.intra[s.first] if len(node[j]) == 1 and node[j] == node[j - 1]
+                    and sizes[result.stages[j].shape] < per_node and sizes[result.stages[j - 1].shape] < per_node
+                    else boundary.inter[s.first] for j, s in enumerate(result.stages) if j > 0]
 
 
 @st.composite
@@ -78,32 +105,92 @@ def test_dp_equals_brute_force(table):
 
 
 @given(tables(), st.data())
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 def test_dp_with_boundary_transfers_equals_brute_force(table, data):
-    """Boundary transfers depend on where a stage starts (devices left), which the DP's
-    state knows; brute force places stages in order, prices each boundary as a stage of
-    its own (sum and bottleneck) and skips placements that straddle a node."""
+    """Which neighbours share a node is the DP's choice (runs); brute force tries every
+    placement of the one-node pieces on the nodes. Where the DP says its placement is
+    exact it equals brute force; it is never below it; and the placement it returns
+    tiles the cluster and costs what the DP priced (or less, never more)."""
     cost, sizes, num_devices, microbatches = table
-    num_layers = cost.shape[0]
-    per_node = data.draw(st.sampled_from([None, 1, 2, 4]))
-    boundary = np.zeros((num_layers, num_devices + 1))
-    for k in range(1, num_layers):
-        for d in range(1, num_devices):
-            boundary[k, d] = data.draw(st.integers(0, 30)) / 10
+    per_node = min(data.draw(st.sampled_from([None, 1, 2, 4])) or num_devices, num_devices)
+    boundary = random_boundary(data, cost.shape[0])
     result = stage_dp(cost, sizes, num_devices, microbatches, epsilon=0.0, boundary=boundary,
                       devices_per_node=per_node)
     expected = brute_force(cost, sizes, num_devices, microbatches, boundary, per_node)
     if np.isinf(expected):
         assert np.isinf(result.latency_s)
         return
-    assert result.latency_s == pytest.approx(expected, rel=1e-12)
-    left = num_devices
-    for j, s in enumerate(result.stages):  # each stage carries exactly its own boundary term
-        assert s.boundary_s == boundary[s.first, left]
+    assert result.latency_s >= expected * (1 - 1e-12)
+    if result.placement_exact:
+        assert result.latency_s == pytest.approx(expected, rel=1e-12)
+    placed = boundaries_of_placement(result, sizes, num_devices, per_node, boundary)
+    for j, s in enumerate(result.stages):  # each stage carries its own boundary term
+        assert s.boundary_s in (boundary.intra[s.first], boundary.inter[s.first]) if j else s.boundary_s == 0
+        assert placed[j] <= s.boundary_s
         assert s.cost_s == cost[s.first, s.last, s.shape, len(result.stages) - j - 1]
-        left -= sizes[s.shape]
     assert result.latency_s == pytest.approx(pipeline_latency_s(
         [s.cost_s for s in result.stages], microbatches, [s.boundary_s for s in result.stages]))
+
+
+def test_pieces_that_cannot_sit_in_order_are_placed_by_reordering():
+    """[2, 4, 2] devices on 2 nodes of 4: in order the 4 would straddle the nodes, yet
+    the two 2s share node 0 and the 4 takes node 1. Three layers; the three-stage plan
+    of shapes 2, 4, 2 is the only one with finite cost."""
+    cost = np.full((3, 3, 2, 3), np.inf)
+    cost[0, 0, 0, 2] = cost[2, 2, 0, 0] = 1.0     # shape 0: 2 devices
+    cost[1, 1, 1, 1] = 1.0                         # shape 1: 4 devices
+    boundary = StageBoundary(np.array([0.0, 0.1, 0.1]), np.array([0.0, 0.5, 0.5]))
+    result = stage_dp(cost, [2, 4], 8, 4, epsilon=0.0, boundary=boundary, devices_per_node=4)
+    assert [(s.first, s.last, s.shape) for s in result.stages] == [(0, 0, 0), (1, 1, 1), (2, 2, 0)]
+    assert result.placement_exact and result.runs == ((0,), (1,), (2,))
+    assert result.latency_s == pytest.approx(3.0 + 1.0 + 3 * 1.0)
+    placed = place_submeshes([SubmeshShape(1, 2), SubmeshShape(1, 4), SubmeshShape(1, 2)], 2, 4, runs=result.runs)
+    assert sorted(d for p in placed for d in p) == list(range(8))
+    assert {d // 4 for d in placed[1]} == {1} or {d // 4 for d in placed[1]} == {0}
+
+
+def test_neighbours_share_a_node_when_that_is_cheaper():
+    """Four one-device stages on 2 nodes of 2: the cheap intra-node boundary goes where
+    the inter-node one would cost most (layer 2), so stages 1 and 2 share a node and
+    stages 0 and 3 share the other."""
+    cost = np.full((4, 4, 1, 4), np.inf)
+    for k in range(4):
+        cost[k, k, 0, 3 - k] = 1.0
+    boundary = StageBoundary(np.zeros(4), np.array([0.0, 0.2, 2.0, 0.2]))
+    result = stage_dp(cost, [1], 4, 2, epsilon=0.0, boundary=boundary, devices_per_node=2)
+    assert result.runs == ((0,), (1, 2), (3,))
+    assert result.latency_s == pytest.approx(brute_force(cost, [1], 4, 2, boundary, 2))
+    assert [s.boundary_s for s in result.stages] == [0.0, 0.2, 0.0, 0.2]
+
+
+def test_a_relaxation_that_does_not_pack_is_flagged():
+    """Pieces of 2, 1, 2, 1, 2 devices on 2 nodes of 4, cheap intra-node boundaries only
+    into layers 1 and 3: the relaxation's runs (2, 1), (2, 1), (2) do not fill two nodes.
+    The best real placement joins one of the pairs (brute force). Runs closed at powers
+    of two find it here, as the run (1, 2, 1) of layers 1-3 (its join into layer 2 costs
+    what a node crossing does), but the DP cannot know that: it says its answer may be
+    above the optimum, and its placement tiles the cluster and costs what it priced."""
+    pieces = [1, 0, 1, 0, 1]                       # shape index per layer: sizes [1, 2]
+    cost = np.full((5, 5, 2, 5), np.inf)
+    for k, h in enumerate(pieces):
+        cost[k, k, h, 4 - k] = 1.0
+    boundary = StageBoundary(np.array([0.0, 0.1, 5.0, 0.1, 5.0]), np.array([0.0, 5.0, 5.0, 5.0, 5.0]))
+    result = stage_dp(cost, [1, 2], 8, 2, epsilon=0.0, boundary=boundary, devices_per_node=4)
+    expected = brute_force(cost, [1, 2], 8, 2, boundary, 4)
+    assert expected == pytest.approx(5 + 15.1 + 5)
+    assert not result.placement_exact
+    assert result.latency_s == pytest.approx(expected)
+    assert result.runs == ((0,), (1, 2, 3), (4,))
+    assert boundaries_of_placement(result, [1, 2], 8, 4, boundary) == [0.0, 5.0, 5.0, 0.1, 5.0]
+
+
+def test_runs_that_do_not_pack_fall_back_to_powers_of_two():
+    """On nodes of 4, runs of sizes 3, 3 and 2 cannot fill 2 nodes; `pack_runs` says so
+    and finds the packing of 3, 1, 2, 2."""
+    assert pack_runs([3, 3, 2], 2, 4) is None
+    where = pack_runs([3, 1, 2, 2], 2, 4)
+    assert where is not None and where[0] == where[1] and where[2] == where[3] != where[0]
+    assert pack_runs([1] * 8, 2, 4) is not None and pack_runs([4, 4], 1, 4) is None
 
 
 @given(tables(), st.sampled_from([1e-3, 0.01, 0.05, 0.2, 1.0]), st.data())
@@ -117,18 +204,17 @@ def test_epsilon_windows_stay_within_one_plus_epsilon_of_brute_force(table, epsi
     cost = cost * (1 + jitter.reshape(cost.shape) / 1e4)
     boundary, per_node = None, None
     if data.draw(st.booleans()):
-        per_node = data.draw(st.sampled_from([None, 2, 4]))
-        boundary = np.zeros((cost.shape[0], num_devices + 1))
-        for k in range(1, cost.shape[0]):
-            for d in range(1, num_devices):
-                boundary[k, d] = data.draw(st.integers(0, 30)) / 10
+        per_node = min(data.draw(st.sampled_from([None, 2, 4])) or num_devices, num_devices)
+        boundary = random_boundary(data, cost.shape[0])
     expected = brute_force(cost, sizes, num_devices, microbatches, boundary, per_node)
     result = stage_dp(cost, sizes, num_devices, microbatches, epsilon=epsilon, boundary=boundary,
                       devices_per_node=per_node)
     if np.isinf(expected):
         assert np.isinf(result.latency_s)
         return
-    assert expected * (1 - 1e-12) <= result.latency_s <= expected * (1 + epsilon) * (1 + 1e-12)
+    assert expected * (1 - 1e-12) <= result.latency_s
+    if result.placement_exact:
+        assert result.latency_s <= expected * (1 + epsilon) * (1 + 1e-12)
 
 
 def test_epsilon_window_evaluates_its_largest_candidate():

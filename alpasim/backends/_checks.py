@@ -67,6 +67,10 @@ NOISE_FACTOR = 10.0
 # reordering (measured: the README's GPT in float16 on one 4x2 mesh differs from the
 # reference by 0.8 of its one-ulp noise, 5.5e-2 against 6.7e-2).
 HALF_NOISE_FACTOR = 3.0
+# The probe is drawn this many times and the largest deviation kept: one draw can miss
+# a graph's worst conditioning by far (the backend tests' Wide-ResNet with 2
+# microbatches, max-pools after batch norm, passed or failed its check on the draw).
+NOISE_SAMPLES = 4
 
 
 def _ulp(v: np.ndarray) -> float:
@@ -114,10 +118,14 @@ def reference_step(plan_or_graph: PipelinePlan | OpGraph, *, seed: int = 0, micr
 
     value, grads = mean_step(params)
     rng = np.random.default_rng(seed + 1)
-    noisy = {p: (v * (1 + _ulp(v) * rng.standard_normal(v.shape))).astype(v.dtype) for p, v in params.items()}
-    noisy_value, noisy_grads = mean_step(noisy)
+    loss_noise = grad_noise = 0.0
+    for _ in range(NOISE_SAMPLES):
+        noisy = {p: (v * (1 + _ulp(v) * rng.standard_normal(v.shape))).astype(v.dtype) for p, v in params.items()}
+        noisy_value, noisy_grads = mean_step(noisy)
+        loss_noise = max(loss_noise, abs(noisy_value - value))
+        grad_noise = max(grad_noise, _max_rel_err(noisy_grads, grads)[0])
     half = any(p.dtype in HALF for p in graph.params)
-    return Reference(value, grads, half, abs(noisy_value - value), _max_rel_err(noisy_grads, grads)[0])
+    return Reference(value, grads, half, loss_noise, grad_noise)
 
 
 def _max_rel_err(grads: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> tuple[float, str | None]:

@@ -66,7 +66,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._submesh import pack_runs
+from ._submesh import pack_node_groups
 
 INF = np.inf
 
@@ -208,14 +208,14 @@ def _solve_fixed(cost: np.ndarray, sizes: np.ndarray, num_devices: int, s_max: i
         intra = np.r_[np.where(boundary.intra <= t_max, boundary.intra, INF), pad]   # into layer j; j = L: none
         inter = np.r_[np.where(boundary.inter <= t_max, boundary.inter, INF), pad]
     if boundary is None or per_node >= num_devices:
-        rules = _RunRules(sizes, 1, np.zeros(len(sizes), int), np.ones(1, bool), intra, intra, (),
+        rules = _RunRules(sizes, np.zeros(len(sizes), int), np.ones(1, bool), intra, intra, (),
                           priced=boundary is not None)
     else:
         q = np.arange(per_node + 1)
         closable = (q >= 1) & ((q & (q - 1)) == 0) if pow2_runs else q >= 1
         # The run state a stage of each shape starts: its own size, or "full" (q = M)
         # for a piece of a whole node or more, which nothing joins.
-        rules = _RunRules(sizes, per_node + 1, np.minimum(sizes, per_node), closable, intra, inter,
+        rules = _RunRules(sizes, np.minimum(sizes, per_node), closable, intra, inter,
                           tuple(hh for hh, m in enumerate(sizes) if m < per_node), priced=True)
     q_count = rules.q_count
     by_khi = cost.transpose(0, 2, 1, 3)
@@ -239,7 +239,7 @@ def _solve_fixed(cost: np.ndarray, sizes: np.ndarray, num_devices: int, s_max: i
                 rest[hh, :, size:] = closed[:, :d_count - size]
         base = cost[k, i, h, s - 1]
         fs = np.full((num_layers + 1, d_count, q_count), INF)
-        # Runs of entries with one first layer and shape (the pass's sort keeps them together).
+        # Groups of entries with one first layer and shape (the pass's sort keeps them together).
         starts = np.flatnonzero(np.r_[True, (k[1:] != k[:-1]) | (h[1:] != h[:-1])])
         gk, gh = k[starts], h[starts]
         apart = np.minimum.reduceat((base + rules.inter[i + 1])[:, None] + rest[h, i + 1], starts, axis=0)
@@ -275,13 +275,17 @@ class _RunRules:
     """How one bottleneck pass moves between run states (`_solve_fixed`)."""
 
     sizes: np.ndarray
-    q_count: int            # run states: 1 (no runs), or 0..M with 0 unused
     new_q: np.ndarray       # by shape: the state a stage that does not join its successor opens
     closable: np.ndarray    # by state: whether a run of that size may be closed
     intra: np.ndarray       # (L + 1,): into layer j from the same node, inf above t_max
     inter: np.ndarray       # ... from another node
     small: tuple[int, ...]  # shapes that may join their successor's node
     priced: bool            # boundaries are priced (the plan then places by runs)
+
+    @property
+    def q_count(self) -> int:
+        """Run states: 1 (no runs), or 0..M with 0 unused."""
+        return len(self.closable)
 
 
 def _backtrack(cost, rules: _RunRules, levels, entries, s_top: int, q_top: int, num_devices: int):
@@ -325,9 +329,8 @@ def _backtrack(cost, rules: _RunRules, levels, entries, s_top: int, q_top: int, 
 def _runs_pack(stages: Sequence[StageChoice], runs: Sequence[Sequence[int]], sizes: np.ndarray,
                num_devices: int, per_node: int) -> bool:
     """Whether the one-node runs fill the nodes the several-node pieces leave."""
-    small = [sum(int(sizes[stages[j].shape]) for j in r) for r in runs if int(sizes[stages[r[0]].shape]) < per_node]
-    whole = sum(int(sizes[st.shape]) for st in stages if int(sizes[st.shape]) >= per_node)
-    return pack_runs(small, (num_devices - whole) // per_node, per_node) is not None
+    pieces = [int(sizes[st.shape]) for st in stages]
+    return pack_node_groups(pieces, runs, num_devices // per_node, per_node) is not None
 
 
 def equal_layer_dp(cost: np.ndarray, sizes: Sequence[int], num_devices: int, microbatches: int,

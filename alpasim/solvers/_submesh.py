@@ -136,6 +136,18 @@ def pack_runs(run_sizes: Sequence[int], bins: int, capacity: int) -> list[int] |
     return where if place(0) else None
 
 
+def pack_node_groups(pieces: Sequence[int], runs: Sequence[Sequence[int]], nodes: int,
+                     devices_per_node: int) -> list[int] | None:
+    """`pack_runs` of the runs of one-node pieces (`pieces`: each stage's device count)
+    into the nodes the whole-node pieces leave: each such run's node among those, in
+    the order of `runs`, or None when they do not pack or a run mixes the two kinds."""
+    small = [r for r in runs if pieces[r[0]] < devices_per_node]
+    if any(pieces[j] >= devices_per_node for r in small for j in r):
+        return None
+    whole = sum(p for p in pieces if p >= devices_per_node) // devices_per_node
+    return pack_runs([sum(pieces[j] for j in r) for r in small], nodes - whole, devices_per_node)
+
+
 def place_runs(shapes: Sequence[SubmeshShape], runs: Sequence[Sequence[int]], nodes: int,
                devices_per_node: int) -> list[list[int]]:
     """Several-node pieces on whole nodes in pipeline order, then each run of one-node
@@ -150,9 +162,7 @@ def place_runs(shapes: Sequence[SubmeshShape], runs: Sequence[Sequence[int]], no
             placement[j] = list(range(node * devices_per_node, node * devices_per_node + s.size))
             node += s.n
     small = [list(r) for r in runs if shapes[r[0]].size < devices_per_node]
-    if any(shapes[j].size >= devices_per_node for r in small for j in r):
-        raise ValueError(f"a run mixes one-node pieces with whole nodes: {small}")
-    bins = pack_runs([sum(shapes[j].size for j in r) for r in small], nodes - node, devices_per_node)
+    bins = pack_node_groups([s.size for s in shapes], runs, nodes, devices_per_node)
     if bins is None:
         raise ValueError(f"the node groups {small} of {[s.size for s in shapes]} do not pack the {nodes - node} "
                          f"nodes left")

@@ -1,7 +1,7 @@
 """Predicted vs measured per-device stage memory, for GPT, MoE and Wide-ResNet, with and without remat.
 
     .venv/bin/python benchmarks/bench_memory.py [--models gpt,moe,wresnet] [--microbatches 2]
-        [--no-layer-fence] [--xla-default-scheduler]
+        [--fence op|layer|none] [--xla-default-scheduler]
 
 Plans each tiny model (the backend tests' sizes, so each plan and run takes seconds)
 on 8 virtual CPU devices (submeshes of 2 and 4 devices viewed as 1x2 and 2x2, at most
@@ -58,13 +58,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--microbatches", type=int, default=2)
-    ap.add_argument("--no-layer-fence", action="store_true",
-                    help="let XLA order a stage's backward freely (what the backend did before the layer fence)")
+    ap.add_argument("--fence", choices=("op", "layer", "none"), default="op",
+                    help="how a stage's backward is held to the plan's op order: each layer and weight gradient "
+                         "(the backend's), layers only, or not at all (XLA orders it freely)")
     ap.add_argument("--xla-default-scheduler", action="store_true",
                     help="compile with XLA:CPU's default scheduler instead of the memory-minimising one")
     args = ap.parse_args()
-    if args.no_layer_fence:
-        _executable.LAYER_FENCE = False
+    _executable.FENCE = None if args.fence == "none" else args.fence
     if args.xla_default_scheduler:
         _executable.compiler_options = lambda mesh: None
     cluster = get_cluster("aws-p3.16xlarge", nodes=1)

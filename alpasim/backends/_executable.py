@@ -304,10 +304,11 @@ def lower_stage(plan: PipelinePlan, graph: OpGraph, stage_index: int, devices: S
                            acc_dtypes=acc_dtypes, stash_spec=st_spec, acc_spec=acc)
 
 
-# Whether a stage's backward ties each layer to the one after it (`fence` in
-# `_stage_functions`); off only to measure what XLA does without it
-# (`benchmarks/bench_memory.py --no-layer-fence`).
-LAYER_FENCE = True
+# How a stage's backward is held to the plan's op order (`fence` in `_stage_functions`):
+# "op" ties each layer to the one after it and each weight gradient to the next op
+# that reads a parameter; "layer" only the layers; None neither. Other than "op" only
+# to measure what XLA does without it (`benchmarks/bench_memory.py --fence`).
+FENCE: str | None = "op"
 
 
 def compiler_options(mesh: Mesh) -> dict[str, Any] | None:
@@ -420,7 +421,7 @@ def _stage_functions(ops: StageOps, train: OpGraph, shardings: dict[str, NamedSh
 
     def run(op_list, values: dict, on_value=None, layouts: dict | None = None, fence=None) -> dict:
         # layouts: tensor -> the layout its value has now (layer-specs plans only)
-        # fence(values) -> values: called where one layer's ops end and the next one's begin
+        # fence(values, op, new_layer) -> values: called before each op after the first
         moved: dict[tuple[int, str], Any] = {}   # (layer, tensor) -> resharded for that layer
         layer = None
 
@@ -440,8 +441,8 @@ def _stage_functions(ops: StageOps, train: OpGraph, shardings: dict[str, NamedSh
             return moved[(op.layer, t)]
 
         for op in op_list:
-            if fence is not None and layer is not None and op.layer != layer:
-                values = fence(values, op.layer)
+            if fence is not None and layer is not None:
+                values = fence(values, op, op.layer != layer)
             layer = op.layer
             if op.outputs[0] in ops.carried:  # the tied contribution arrives once per iteration (module doc)
                 outs = [values[ops.carried[op.outputs[0]]]]
@@ -492,15 +493,24 @@ def _stage_functions(ops: StageOps, train: OpGraph, shardings: dict[str, NamedSh
                 new_acc[p] = acc[p] + v.astype(acc_dtypes[p]) * jnp.asarray(scale, acc_dtypes[p])
                 fresh.append(p)
 
-        def fence(values, next_layer):
-            # One layer's backward after another, as the plan prices it: the next
-            # layer's parameters take a data dependence on the gradients the last layer
-            # accumulated, so that XLA can neither hoist the next layer's recomputation
-            # nor defer the last one's weight gradients (an optimization barrier would
-            # not do: XLA:CPU drops it). The dependence is a zero made, on each device,
-            # from one element of each local accumulator shard: no collective, no copy
-            # beyond the next layer's (small) parameters.
-            gated = sorted(reads_of[next_layer])
+        def fence(values, op, new_layer):
+            # One layer's backward after another, and in a layer each weight gradient
+            # where the plan prices it: when a layer begins, all its parameters, and
+            # before each op, the parameters that op reads take a data dependence on
+            # the gradients accumulated since the last such tie. XLA can then neither
+            # hoist the next layer's recomputation nor defer a weight gradient (which
+            # is off the critical path, so its scheduler would otherwise keep its
+            # operands, activation-sized, alive; on Wide-ResNet stages under remat
+            # this held 1.1-1.4x the planned working set: `benchmarks/bench_memory.py`).
+            # An optimization barrier would not do: XLA:CPU drops it. The dependence
+            # is a zero made, on each device, from one element of each local
+            # accumulator shard: no collective, no copy beyond the (small) parameters.
+            if new_layer:
+                gated = sorted(reads_of[op.layer])
+            elif FENCE == "op":
+                gated = sorted({t for t in op.inputs if t in ops.params})
+            else:
+                return values
             if not fresh or not gated:
                 return values
             names = list(fresh)
@@ -519,7 +529,7 @@ def _stage_functions(ops: StageOps, train: OpGraph, shardings: dict[str, NamedSh
 
         layouts = {**{t: shardings[t] for t in (*params, *cts)}, **{t: stash_sh[t] for t in stash}}
         values = run(ops.backward, {**params, **stash, **cts}, accumulate, layouts=layouts,
-                     fence=fence if LAYER_FENCE else None)
+                     fence=fence if FENCE else None)
         return new_acc, {t: values[t] for t in ops.cts_out}
 
     def update(params, acc, states):

@@ -4,9 +4,12 @@ Every primitive of `alpasim.graphs.PRIMITIVES` has one implementation here, writ
 the way the VJP rules in `alpasim.graphs._autodiff` assume it behaves: the backward
 primitives (`softmax_grad`, `layer_norm_grad`, `softmax_cross_entropy_grad`, ...) are
 closed-form kernels, checked in the tests against `jax.grad` of their forward
-primitive. The convolution, pooling and gating cotangents are `jax.vjp` of the forward
+primitive. The convolution and gating cotangents are `jax.vjp` of the forward
 implementation: their index bookkeeping is exactly what XLA's transposition rules
-already get right.
+already get right. Two are written out instead, so that XLA:CPU runs them without
+workspaces the cost model does not price: a 1x1 convolution and its gradients are
+matmuls over the strided pixels (`_conv2d_filter_grad`), and max pooling's cotangent is
+masks per window offset (`_max_pool_grad`).
 
 Conventions: softmax, norms and the loss compute in float32 and cast back (what
 Megatron-LM's fused kernels do for half precision); every op's results are cast to
@@ -62,23 +65,59 @@ def _geometry(p) -> tuple[tuple[int, int], tuple[tuple[int, int], ...]]:
     return tuple(p.get("strides", (1, 1))), tuple(p.get("padding", ((0, 0), (0, 0))))
 
 
+def _pointwise(p, filter_shape) -> bool:
+    """A 1x1 convolution without padding: a matmul over the strided pixels."""
+    return tuple(filter_shape[:2]) == (1, 1) and all(tuple(pad) == (0, 0) for pad in _geometry(p)[1])
+
+
+def _strided_pixels(x, strides):
+    sh, sw = strides
+    if (sh, sw) == (1, 1):
+        return x
+    n, h, w, c = x.shape
+    return lax.slice(x, (0, 0, 0, 0), (n, h, w, c), (1, sh, sw, 1))
+
+
 @_lowers("conv2d")
 def _conv2d(p, x, w):
+    if _pointwise(p, w.shape):
+        # As XLA and cuDNN run a 1x1 convolution: one matmul, no layout change.
+        return jnp.einsum("nhwc,cd->nhwd", _strided_pixels(x, _geometry(p)[0]), w[0, 0])
     return _conv(x, w, *_geometry(p))
 
 
 @_lowers("conv2d_input_grad")
 def _conv2d_input_grad(p, dy, w):
+    strides, padding = _geometry(p)
+    if _pointwise(p, w.shape):
+        dx = jnp.einsum("nhwd,cd->nhwc", dy, w[0, 0].astype(dy.dtype))
+        if strides == (1, 1):
+            return dx
+        # Each output pixel came from input pixel (i * sh, j * sw): scatter back by a
+        # strided pad (interior padding stride - 1), zeros up to the input's extent.
+        _, h, wd, _ = p["input_shape"]
+        (sh, sw), (_, oh, ow, _) = strides, dx.shape
+        zero = np.array(0, dx.dtype)
+        return lax.pad(dx, zero, ((0, 0, 0), (0, h - (oh - 1) * sh - 1, sh - 1),
+                                  (0, wd - (ow - 1) * sw - 1, sw - 1), (0, 0, 0)))
     # conv2d is linear in x, so the transpose does not depend on the point (zeros).
     x0 = jnp.zeros(tuple(p["input_shape"]), dy.dtype)
-    _, vjp = jax.vjp(lambda x: _conv(x, w.astype(dy.dtype), *_geometry(p)), x0)
+    _, vjp = jax.vjp(lambda x: _conv(x, w.astype(dy.dtype), strides, padding), x0)
     return vjp(dy)[0]
 
 
 @_lowers("conv2d_filter_grad")
 def _conv2d_filter_grad(p, x, dy):
+    strides, padding = _geometry(p)
+    if _pointwise(p, p["filter_shape"]):
+        # The weight gradient of a matmul, contracting batch and pixels: XLA's
+        # transpose of the convolution would first copy x and dy into batch-minor
+        # layouts (on XLA:CPU two temporaries of their size, which no cost model of
+        # the op's operands and result prices).
+        xs = _strided_pixels(x.astype(dy.dtype), strides)
+        return lax.dot_general(xs, dy, (((0, 1, 2), (0, 1, 2)), ((), ())))[None, None]
     w0 = jnp.zeros(tuple(p["filter_shape"]), dy.dtype)
-    _, vjp = jax.vjp(lambda w: _conv(x.astype(dy.dtype), w, *_geometry(p)), w0)
+    _, vjp = jax.vjp(lambda w: _conv(x.astype(dy.dtype), w, strides, padding), w0)
     return vjp(dy)[0]
 
 
@@ -363,8 +402,38 @@ def _max_pool(p, x):
 
 @_lowers("max_pool_grad")
 def _max_pool_grad(p, dy, x):
-    _, vjp = jax.vjp(lambda v: _max_pool_fn(p, v), x)
-    return vjp(dy.astype(x.dtype))[0]
+    """Max pooling's cotangent as masks, one window offset at a time.
+
+    Each output's cotangent goes to the first maximum of its window in row-major order,
+    as XLA's select-and-scatter (the transpose JAX writes) does. We do not emit
+    select-and-scatter: XLA:CPU expands it into a reduce-window over (value, index)
+    tuples whose scratch is the padded input plus one s32 index array per dimension,
+    five pool inputs' worth live at once, which no cost model of the op's operands
+    and result accounts for. Here the scratch is the padded cotangent alone: for each
+    of the window's offsets, the outputs whose first maximum sits there, scattered
+    back by a strided pad (interior padding = stride - 1).
+    """
+    (kh, kw), (sh, sw) = p["window"], p["strides"]
+    (pt, pb), (pl, pr) = map(tuple, p.get("padding", ((0, 0), (0, 0))))
+    n, h, w, c = x.shape
+    y = _max_pool_fn(p, x)
+    _, oh, ow, _ = y.shape
+    xp = lax.pad(x, np.array(-np.inf, x.dtype), ((0, 0, 0), (pt, pb, 0), (pl, pr, 0), (0, 0, 0)))
+    g = dy.astype(x.dtype)
+    zero = np.array(0, x.dtype)
+    taken = jnp.zeros(y.shape, bool)
+    dxp = jnp.zeros(xp.shape, x.dtype)
+    for i in range(kh):
+        for j in range(kw):
+            seen = lax.slice(xp, (0, i, j, 0), (n, i + (oh - 1) * sh + 1, j + (ow - 1) * sw + 1, c),
+                             (1, sh, sw, 1))
+            first = (seen == y) & ~taken
+            taken = taken | first
+            # Output (a, b) lands at padded position (i + a*sh, j + b*sw).
+            dxp = dxp + lax.pad(jnp.where(first, g, zero), zero,
+                                ((0, 0, 0), (i, xp.shape[1] - i - (oh - 1) * sh - 1, sh - 1),
+                                 (j, xp.shape[2] - j - (ow - 1) * sw - 1, sw - 1), (0, 0, 0)))
+    return lax.slice(dxp, (0, pt, pl, 0), (n, pt + h, pl + w, c))
 
 
 # ------------------------------------------------------------------- optimizer

@@ -325,6 +325,29 @@ def test_conv2d_grads(x_shape, w_shape, strides, padding):
                                 strides=strides, padding=padding), rtol=1e-4)
 
 
+@pytest.mark.parametrize("x_shape,strides", [((2, 5, 5, 3), (1, 1)), ((2, 7, 6, 3), (2, 2)), ((1, 8, 8, 2), (2, 3))])
+def test_pointwise_conv2d_is_a_matmul_over_the_strided_pixels(x_shape, strides):
+    """The 1x1 convolutions lowered as matmuls: their value and both gradients against
+    numpy loops over the pixels a 1x1 filter reads (every stride-th, the rest never)."""
+    w_shape = (1, 1, x_shape[-1], 4)
+    build = lambda b: b.one("conv2d", [b.param("x", x_shape), b.param("w", w_shape)],  # noqa: E731
+                            strides=strides, padding=((0, 0), (0, 0)))
+    fwd = scalar_graph(build)
+    train = training_graph(fwd)
+    leaves = random_leaves(train, seed=8, scale=1.0)
+    values = jax.jit(lower_graph(train))(leaves)
+    x, w = leaves["x"].astype(np.float64), leaves["w"][0, 0].astype(np.float64)
+    (sh, sw), y = strides, np.asarray(values[fwd.ops[0].outputs[0]])
+    read = x[:, ::sh, ::sw]
+    np.testing.assert_allclose(y, np.einsum("nhwc,cd->nhwd", read, w), rtol=1e-5, atol=1e-6)
+    dy, grads = leaves["r"].astype(np.float64), derived_grads(train, values)   # loss = sum(y * r)
+    dx = np.zeros(x.shape)
+    dx[:, ::sh, ::sw] = np.einsum("nhwd,cd->nhwc", dy, w)
+    np.testing.assert_allclose(grads["x"], dx, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(grads["w"][0, 0], np.einsum("nhwc,nhwd->cd", read, dy), rtol=1e-5, atol=1e-5)
+    check_grads(build, rtol=1e-4)
+
+
 def test_conv2d_input_is_not_differentiated_when_it_is_data():
     train = check_grads(lambda b: b.one("conv2d", [b.input("img", (2, 6, 6, 3)), b.param("w", (3, 3, 3, 2))],
                                         strides=(2, 2), padding=((1, 1), (1, 1))), rtol=1e-4)
@@ -344,6 +367,25 @@ def test_max_pool_grads_and_values(strides, padding):
         for j in range(y.shape[2]):
             window = xp[:, i * strides[0]:i * strides[0] + 3, j * strides[1]:j * strides[1] + 3]
             np.testing.assert_array_equal(y[:, i, j], window.max((1, 2)))
+
+
+@pytest.mark.parametrize("strides,padding", [((2, 2), ((1, 1), (1, 1))), ((1, 1), ((0, 0), (0, 0))),
+                                             ((2, 3), ((1, 0), (0, 1)))])
+def test_max_pool_grad_sends_each_cotangent_to_its_windows_first_maximum(strides, padding):
+    """The written-out max-pool cotangent against JAX's own transpose of a max
+    reduce-window (XLA's select-and-scatter), on integer-valued inputs so that most
+    windows hold their maximum more than once: ties go where XLA sends them."""
+    p = {"window": (3, 3), "strides": strides, "padding": padding}
+    x = np.round(np.random.default_rng(0).normal(size=(2, 7, 8, 3))).astype(np.float32)
+
+    def pool(v):
+        pads = ((0, 0), *padding, (0, 0))
+        return jax.lax.reduce_window(v, -np.inf, jax.lax.max, (1, 3, 3, 1), (1, *strides, 1), pads)
+
+    y, vjp = jax.vjp(pool, x)
+    dy = np.random.default_rng(1).normal(size=y.shape).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(LOWERINGS["max_pool_grad"](p, dy, x)), np.asarray(vjp(dy)[0]),
+                               rtol=1e-6, atol=1e-6)
 
 
 # ------------------------------------------------------------------ gating

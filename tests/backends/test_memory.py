@@ -214,13 +214,15 @@ def test_stages_run_the_layouts_the_plan_priced(remat, monkeypatch):
 
 @needs_8
 def test_backward_runs_its_layers_one_after_another(small_plan):
-    """The plan prices a stage's backward layer by layer (one layer's recomputation and
-    working set live at a time); XLA, left alone, hoisted every layer's recomputation
-    and deferred every weight gradient to the end of the program, so that Wide-ResNet's
-    first remat stage measured 2.0x its prediction. The backend now ties each layer's
-    parameters to the gradients the layer after it (run before it in the backward)
-    accumulated: the stage's measured
-    memory is within 20 % of the plan's, and its backward holds no more than two
+    """The plan prices a stage's backward layer by layer and op by op (one layer's
+    recomputation and working set live at a time, each weight gradient made where its
+    op stands); XLA, left alone, hoisted every layer's recomputation and deferred
+    every weight gradient (off its critical path) to the end of the program, so that
+    Wide-ResNet's first remat stage measured 2.0x its prediction; with the layers
+    alone tied, 1.12x. The backend ties each layer's parameters to the gradients the
+    layer after it (run before it in the backward) accumulated, and each op's to the
+    gradients made since the last such tie: the stage's measured memory is within
+    10 % of the plan's (issue 13's bound), and its backward holds no more than two
     layers' working sets beyond the stash (it held six)."""
     plan = small_plan("wresnet")
     assert plan.model.remat
@@ -229,5 +231,5 @@ def test_backward_runs_its_layers_one_after_another(small_plan):
     assert st.layers[1] - st.layers[0] >= 3, "needs a stage of several layers"
     stage = lower_stage(plan, graph, 0, jax.devices()[:int(np.prod(st.logical_mesh))])
     m = stage_memory(stage, st.inflight_microbatches)
-    assert m.total_bytes == pytest.approx(st.memory["total_bytes"], rel=0.2)
+    assert m.total_bytes == pytest.approx(st.memory["total_bytes"], rel=0.1)
     assert m.temp_bytes <= 2 * st.memory["transient_bytes"] + m.buffer_bytes

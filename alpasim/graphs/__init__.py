@@ -58,6 +58,7 @@ from ._primitives import op_dims as op_dims
 from ._primitives import op_flops as op_flops
 from ._primitives import op_kind as op_kind
 from ._primitives import parse_einsum as parse_einsum
+from ._llama import LlamaConfig as LlamaConfig
 from ._resnet import WResNetConfig as WResNetConfig
 from ._serialize import GraphFormatError as GraphFormatError
 from ._slicing import stage_graph as stage_graph

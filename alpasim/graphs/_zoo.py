@@ -2,10 +2,11 @@
 
 Configurations follow the paper's Table 4 and Alpa's benchmark suites (GPT-3: seq
 1024, vocab 51200, global batch 1024; MoE: seq 1024, vocab 32000, expert group 2048,
-top-2 gating; Wide-ResNet: 224x224 images, 1024 classes, global batch 1536).
+top-2 gating; Wide-ResNet: 224x224 images, 1024 classes, global batch 1536), and
+today's dense models: Llama 3 (8B, 70B, 405B; `_llama`).
 A model is named as
 
-* a zoo name: ``gpt3-1.3b``, ``moe-2.4b``, ``wresnet-2b`` (case-insensitive);
+* a zoo name: ``gpt3-1.3b``, ``moe-2.4b``, ``wresnet-2b``, ``llama3-70b`` (case-insensitive);
 * a family spec: ``gpt3:hidden=4096,layers=32,heads=32,seq=1024,vocab=51200,batch=1024``
   (keys not given take the family's defaults);
 * a zoo name with overrides: ``gpt3-1.3b:batch=16,layers=2``;
@@ -21,16 +22,18 @@ from pathlib import Path
 from typing import Any, Union
 
 from ._jsonfile import read_json_file
+from ._llama import LlamaConfig, llama_lm
 from ._resnet import WResNetConfig, wide_resnet
 from ._transformer import GPTConfig, MoEConfig, transformer_lm
 from ._types import OpGraph
 
-ModelConfig = Union[GPTConfig, MoEConfig, WResNetConfig]
-FAMILIES: dict[str, type] = {"gpt3": GPTConfig, "moe": MoEConfig, "wresnet": WResNetConfig}
+ModelConfig = Union[GPTConfig, MoEConfig, WResNetConfig, LlamaConfig]
+FAMILIES: dict[str, type] = {"gpt3": GPTConfig, "moe": MoEConfig, "wresnet": WResNetConfig, "llama": LlamaConfig}
 FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "gpt3": {"hidden": 1024, "layers": 24, "heads": 16},
     "moe": {"hidden": 768, "layers": 8, "heads": 16, "experts": 8},
     "wresnet": {"channels": 160, "width": 2},
+    "llama": {"hidden": 4096, "layers": 32, "heads": 32, "kv_heads": 8, "ffn": 14336},
 }
 
 # name -> (family, config fields). GPT-3 and MoE from Alpa's benchmark suites
@@ -58,6 +61,11 @@ ZOO: dict[str, tuple[str, dict[str, Any]]] = {
     "wresnet-4b": ("wresnet", {"depth": 50, "channels": 640, "width": 2}),
     "wresnet-6.8b": ("wresnet", {"depth": 50, "channels": 320, "width": 16}),
     "wresnet-13b": ("wresnet", {"depth": 101, "channels": 320, "width": 16}),
+    # Llama 3 (Dubey et al. 2024, Table 3): hidden, layers, heads, KV heads, SwiGLU size;
+    # vocabulary 128,256, RoPE base 500,000, 8,192-token sequences.
+    "llama3-8b": ("llama", {"hidden": 4096, "layers": 32, "heads": 32, "kv_heads": 8, "ffn": 14336}),
+    "llama3-70b": ("llama", {"hidden": 8192, "layers": 80, "heads": 64, "kv_heads": 8, "ffn": 28672}),
+    "llama3-405b": ("llama", {"hidden": 16384, "layers": 126, "heads": 128, "kv_heads": 8, "ffn": 53248}),
 }
 ALIASES = {"gpt3-2.7b": "gpt3-2.6b", "gpt-1.3b": "gpt3-1.3b"}
 # Weak-scaling pairing of the paper (model -> GPUs it is evaluated on).
@@ -126,7 +134,7 @@ def _parse_pairs(text: str, family: str, where: str) -> dict[str, Any]:
 
 def resolve_model(spec: str | ModelConfig) -> tuple[str, ModelConfig]:
     """(display name, config) for a zoo name, family spec, or JSON model-spec file."""
-    if isinstance(spec, (GPTConfig, MoEConfig, WResNetConfig)):
+    if isinstance(spec, (GPTConfig, MoEConfig, WResNetConfig, LlamaConfig)):
         return spec.family, spec
     text = spec.strip()
     head, sep, tail = text.partition(":")
@@ -182,4 +190,6 @@ def forward_graph(spec: str | ModelConfig, *, name: str | None = None) -> OpGrap
     name = name or resolved
     if isinstance(cfg, WResNetConfig):
         return wide_resnet(cfg, name)
+    if isinstance(cfg, LlamaConfig):
+        return llama_lm(cfg, name)
     return transformer_lm(cfg, name)

@@ -194,7 +194,66 @@ def flax_gpt_problem(hidden: int = 64, layers: int = 2, heads: int = 4, seq: int
                 x = Block()(x)
             return wte.attend(nn.LayerNorm(epsilon=1e-5, dtype=dt, param_dtype=dt)(x))
 
-    model = FlaxGPT()
+    return linen_lm_problem(FlaxGPT(), batch_size, seq)
+
+
+def flax_llama3_problem(hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2, ffn: int = 96,
+                        seq: int = 16, vocab: int = 128, batch_size: int = 8, rope_theta: float = 500000.0):
+    """A Llama-3-style decoder written in flax.linen with the layout of the built-in
+    `llama` family (`graphs._llama`): RMSNorm, grouped-query attention (`kv_heads` key
+    and value heads, each shared by heads / kv_heads query heads), half-split RoPE on
+    queries and keys, a causal softmax, SwiGLU, a final RMSNorm and an untied head;
+    optax's integer-label cross-entropy. `llama:hidden=...` of the same numbers is the
+    same model."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    d, r = hidden // heads, heads // kv_heads
+    inv = 1.0 / rope_theta ** (np.arange(d // 2) * 2.0 / d)
+    angles = np.outer(np.arange(seq), inv)
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    causal = np.tril(np.ones((seq, seq), bool))
+
+    def rope(x):                      # (batch, seq, ..., head_dim), the two halves rotated
+        c = cos.reshape((1, seq) + (1,) * (x.ndim - 3) + (d // 2,))
+        s = sin.reshape(c.shape)
+        x1, x2 = x[..., :d // 2], x[..., d // 2:]
+        return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], -1)
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.RMSNorm(epsilon=1e-5)(x)
+            q = rope(nn.DenseGeneral((kv_heads, r, d), use_bias=False)(h))      # (b, s, g, r, d)
+            k = rope(nn.DenseGeneral((kv_heads, d), use_bias=False)(h))         # (b, s, g, d)
+            v = nn.DenseGeneral((kv_heads, d), use_bias=False)(h)
+            att = jnp.einsum("bqgrd,bkgd->bgrqk", q, k) / np.sqrt(d)
+            att = jax.nn.softmax(jnp.where(causal, att, -1e9), -1)
+            o = jnp.einsum("bgrqk,bkgd->bqgrd", att, v)
+            x = x + nn.DenseGeneral(hidden, axis=(-3, -2, -1), use_bias=False)(o)
+            h = nn.RMSNorm(epsilon=1e-5)(x)
+            gate, up = nn.Dense(ffn, use_bias=False)(h), nn.Dense(ffn, use_bias=False)(h)
+            return x + nn.Dense(hidden, use_bias=False)(nn.silu(gate) * up)
+
+    class FlaxLlama3(nn.Module):
+        @nn.compact
+        def __call__(self, ids):
+            x = nn.Embed(vocab, hidden)(ids)
+            for _ in range(layers):
+                x = Block()(x)
+            return nn.Dense(vocab, use_bias=False)(nn.RMSNorm(epsilon=1e-5)(x))
+
+    return linen_lm_problem(FlaxLlama3(), batch_size, seq)
+
+
+def linen_lm_problem(model, batch_size: int, seq: int):
+    """(loss_fn, abstract params, batch) of a flax.linen language model taking token ids:
+    optax's integer-label cross-entropy of its logits, the parameters only traced."""
+    import jax
+    import jax.numpy as jnp
+    import optax
 
     def loss_fn(params, batch):
         logits = model.apply({"params": params}, batch["ids"])

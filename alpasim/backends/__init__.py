@@ -10,6 +10,7 @@ from ._lowering import graph_leaves as graph_leaves
 from ._lowering import lower_graph as lower_graph
 from ._lowering import random_leaves as random_leaves
 from ._lowering import top2_gating as top2_gating
+from ._lowering import topk_gating as topk_gating
 from ._ray_pool import ray_map_fn as ray_map_fn
 from ._ray_pool import ray_shutdown as ray_shutdown
 from ._profile import host_cluster as host_cluster

@@ -341,49 +341,56 @@ def _xent_grad(p, dloss, logits, labels):
 
 # ------------------------------------------------------------------ MoE gating
 def top2_gating(gates, capacity: int):
-    """GShard top-2 gating as in Alpa's benchmark MoE (lingvo's Top2Gating, no aux loss).
+    """GShard top-2 gating as in Alpa's benchmark MoE (lingvo's Top2Gating, no aux loss):
+    `topk_gating` with k = 2 and the two kept weights renormalised."""
+    return topk_gating(gates, 2, capacity, normalize=True)
+
+
+def topk_gating(gates, k: int, capacity: int, normalize: bool = True):
+    """Top-k gating with expert capacity.
 
     gates (G, S, E) -> combine (G, S, E, C) and dispatch (G, S, E, C). Each token picks
-    its best expert and the best of the rest; tokens queue per expert in sequence
-    order, all first choices ahead of all second choices, and those past capacity C are
-    dropped; the two kept gate values are renormalised to sum to one.
+    its best expert, then the best of the rest, k times; tokens queue per expert in
+    sequence order, all first choices ahead of all second choices and so on, and those
+    past capacity C are dropped. With `normalize` the kept gate values are rescaled to
+    sum to one (GShard, Mixtral), else they are the softmax's own (DeepSeek-V2).
     """
     _, _, e = gates.shape
-    index_1 = jnp.argmax(gates, axis=-1)                                  # (G, S)
-    mask_1 = jax.nn.one_hot(index_1, e, dtype=jnp.int32)                  # (G, S, E)
-    rest = gates * (1 - mask_1).astype(gates.dtype)
-    index_2 = jnp.argmax(rest, axis=-1)
-    mask_2 = jax.nn.one_hot(index_2, e, dtype=jnp.int32)
-    gate_1 = jnp.sum(gates * mask_1.astype(gates.dtype), axis=-1)        # (G, S)
-    gate_2 = jnp.sum(rest * mask_2.astype(gates.dtype), axis=-1)
-
-    pos_1 = jnp.cumsum(mask_1, axis=1) - mask_1                           # slot in the expert's buffer
-    mask_1 = mask_1 * (pos_1 < capacity)
-    pos_2 = jnp.cumsum(mask_2, axis=1) - mask_2 + jnp.sum(mask_1, axis=1, keepdims=True)
-    mask_2 = mask_2 * (pos_2 < capacity)
-    kept_1 = jnp.sum(mask_1, axis=-1).astype(gates.dtype)                 # (G, S) 0/1
-    kept_2 = jnp.sum(mask_2, axis=-1).astype(gates.dtype)
-    gate_1, gate_2 = gate_1 * kept_1, gate_2 * kept_2
-    denom = gate_1 + gate_2
-    denom = jnp.where(denom > 0, denom, jnp.ones_like(denom))
-    gate_1, gate_2 = gate_1 / denom, gate_2 / denom
+    rest, queued = gates, 0
+    parts = []
+    for _ in range(k):
+        mask = jax.nn.one_hot(jnp.argmax(rest, axis=-1), e, dtype=jnp.int32)     # (G, S, E)
+        gate = jnp.sum(rest * mask.astype(gates.dtype), axis=-1)                  # (G, S)
+        rest = rest * (1 - mask).astype(gates.dtype)
+        pos = jnp.cumsum(mask, axis=1) - mask + queued                            # slot in the expert's buffer
+        mask = mask * (pos < capacity)
+        queued = queued + jnp.sum(mask, axis=1, keepdims=True)
+        parts.append((gate * jnp.sum(mask, axis=-1).astype(gates.dtype), mask, pos))
+    if normalize:
+        denom = sum(g for g, _, _ in parts)
+        denom = jnp.where(denom > 0, denom, jnp.ones_like(denom))
+        parts = [(g / denom, m, pos) for g, m, pos in parts]
 
     def part(gate, mask, pos):
         slot = jax.nn.one_hot(jnp.sum(pos * mask, axis=-1), capacity, dtype=gates.dtype)  # (G, S, C)
         return gate[..., None, None] * mask.astype(gates.dtype)[..., None] * slot[:, :, None, :]
 
-    combine = part(gate_1, mask_1, pos_1) + part(gate_2, mask_2, pos_2)
+    combine = sum(part(*x) for x in parts)
     return combine, (combine > 0).astype(gates.dtype)
 
 
-@_lowers("top2_gating")
-def _top2_gating(p, gates):
-    return top2_gating(gates, int(p["capacity"]))
+def _gating_of(p):
+    return lambda g: topk_gating(g, int(p.get("k", 2)), int(p["capacity"]), bool(p.get("normalize", True)))
 
 
-@_lowers("top2_gating_grad")
-def _top2_gating_grad(p, dcombine, gates):
-    _, vjp = jax.vjp(lambda g: top2_gating(g, int(p["capacity"]))[0], gates)
+@_lowers("top2_gating", "topk_gating")
+def _topk_gating(p, gates):
+    return _gating_of(p)(gates)
+
+
+@_lowers("top2_gating_grad", "topk_gating_grad")
+def _topk_gating_grad(p, dcombine, gates):
+    _, vjp = jax.vjp(lambda g: _gating_of(p)(g)[0], gates)
     return vjp(dcombine.astype(gates.dtype))[0]
 
 

@@ -66,6 +66,7 @@ from ._serialize import graph_from_json as graph_from_json
 from ._serialize import graph_to_json as graph_to_json
 from ._serialize import load_graph as load_graph
 from ._serialize import save_graph as save_graph
+from ._topk_moe import TopKMoEConfig as TopKMoEConfig
 from ._transformer import GPTConfig as GPTConfig
 from ._transformer import MoEConfig as MoEConfig
 from ._types import DTYPE_BYTES as DTYPE_BYTES

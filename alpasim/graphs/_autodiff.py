@@ -371,14 +371,14 @@ def _xent_vjp(c, op, cts, needs):
     return [c.b.one("softmax_cross_entropy_grad", [cts[0], c.x(logits), c.x(labels)]), None]
 
 
-@_rule("top2_gating")
+@_rule("top2_gating", "topk_gating")
 def _gating_vjp(c, op, cts, needs):
     # The dispatch mask is piecewise constant in the gates: only the combine weights
     # carry a gradient (as in GShard's and Alpa's implementations).
     dcombine = cts[0]
     if dcombine is None:
         return [None]
-    return [c.b.one("top2_gating_grad", [dcombine, c.x(op.inputs[0])], capacity=op.param("capacity"))]
+    return [c.b.one(f"{op.prim}_grad", [dcombine, c.x(op.inputs[0])], **op.attrs)]
 
 
 NO_INPUT_PRIMS = frozenset({"iota", "full", "constant"})
@@ -386,7 +386,7 @@ NO_INPUT_PRIMS = frozenset({"iota", "full", "constant"})
 
 # ------------------------------------------------------------------- driver
 # Outputs that are piecewise constant in the inputs and so carry no cotangent.
-NONDIFF_OUTPUTS: dict[str, frozenset[int]] = {"top2_gating": frozenset({1})}
+NONDIFF_OUTPUTS: dict[str, frozenset[int]] = {"top2_gating": frozenset({1}), "topk_gating": frozenset({1})}
 
 
 def _needs_grad(fwd: OpGraph) -> set[str]:

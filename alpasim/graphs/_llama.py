@@ -32,6 +32,7 @@ is 8.03e9. Configurations are Meta's Llama 3 release (Dubey et al. 2024, Table 3
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ._builder import GraphBuilder
@@ -94,7 +95,7 @@ def rms_norm(b: GraphBuilder, x: str, dt: str, name: str) -> str:
         return b.ew("mul", y, b.one("broadcast", [g], name="scale_b", shape=shape, dims=(axis,)), name="scaled")
 
 
-def _rope_tables(b: GraphBuilder, cfg: LlamaConfig) -> tuple[str, str]:
+def _rope_tables(b: GraphBuilder, cfg) -> tuple[str, str]:
     """cos and sin of the rotation angles, (seq, head_dim / 2), from iotas."""
     half = cfg.head_dim // 2
     shape = (cfg.seq, half)
@@ -127,7 +128,9 @@ def _rope(b: GraphBuilder, x: str, cos: str, sin: str, seq_axis: int, name: str)
         return b.one("concatenate", [y1, y2], name="rotated", axis=rank - 1)
 
 
-def _attention(b: GraphBuilder, x: str, cfg: LlamaConfig) -> str:
+def gqa_attention(b: GraphBuilder, x: str, cfg) -> str:
+    """Grouped-query attention with RoPE (module doc); `cfg` has hidden, heads, kv_heads,
+    head_dim, seq, rope_theta and dtype."""
     h, g, d, dt = cfg.hidden, cfg.kv_heads, cfg.head_dim, cfg.dtype
     r = cfg.heads // g
     with b.scope(tags=("attention",)):
@@ -142,18 +145,30 @@ def _attention(b: GraphBuilder, x: str, cfg: LlamaConfig) -> str:
         return b.einsum("bsgrd,grdh->bsh", ctx, b.param("w_o", (g, r, d, h), dt), name="out_proj")
 
 
-def _swiglu(b: GraphBuilder, x: str, cfg: LlamaConfig) -> str:
-    h, f, dt = cfg.hidden, cfg.ffn, cfg.dtype
+def swiglu(b: GraphBuilder, x: str, ffn: int, dt: str, prefix: str = "") -> str:
+    """silu(x W_gate) * (x W_up), then W_down, on (batch, seq, hidden) activations."""
+    h = b.shape(x)[-1]
     with b.scope(tags=("mlp",)):
-        gate = b.einsum("bsh,hf->bsf", x, b.param("w_gate", (h, f), dt), name="gate_proj")
-        up = b.einsum("bsh,hf->bsf", x, b.param("w_up", (h, f), dt), name="up_proj")
-        silu = b.ew("mul", gate, b.ew("logistic", gate, name="sigmoid"), name="silu")
-        y = b.ew("mul", silu, up, name="swiglu")
-        return b.einsum("bsf,fh->bsh", y, b.param("w_down", (f, h), dt), name="down_proj")
+        gate = b.einsum("bsh,hf->bsf", x, b.param(f"{prefix}w_gate", (h, ffn), dt), name=f"{prefix}gate_proj")
+        up = b.einsum("bsh,hf->bsf", x, b.param(f"{prefix}w_up", (h, ffn), dt), name=f"{prefix}up_proj")
+        return b.einsum("bsf,fh->bsh", silu_mul(b, gate, up), b.param(f"{prefix}w_down", (ffn, h), dt),
+                        name=f"{prefix}down_proj")
+
+
+def silu_mul(b: GraphBuilder, gate: str, up: str) -> str:
+    """silu(gate) * up, silu as `jax.nn.silu` traces: gate * logistic(gate)."""
+    silu = b.ew("mul", gate, b.ew("logistic", gate, name="sigmoid"), name="silu")
+    return b.ew("mul", silu, up, name="swiglu")
 
 
 def llama_lm(cfg: LlamaConfig, name: str) -> OpGraph:
     """Forward graph of a Llama-3-style language model ending in the mean loss."""
+    return decoder_lm(cfg, name, lambda b, x, i: swiglu(b, x, cfg.ffn, cfg.dtype))
+
+
+def decoder_lm(cfg, name: str, feed_forward: Callable[[GraphBuilder, str, int], str]) -> OpGraph:
+    """A pre-norm decoder of `gqa_attention` and `feed_forward(b, x, layer)` blocks between
+    an untied embedding and head; `cfg` as `gqa_attention`'s plus layers, vocab, batch."""
     bsz, s, h, dt = cfg.batch, cfg.seq, cfg.hidden, cfg.dtype
     b = GraphBuilder(name)
     ids = b.input("token_ids", (bsz, s), "int32")
@@ -162,8 +177,8 @@ def llama_lm(cfg: LlamaConfig, name: str) -> OpGraph:
         x = b.one("embedding", [b.param("wte", (cfg.vocab, h), dt), ids], name="token_embedding")
     for i in range(cfg.layers):
         with b.scope(layer=i, prefix=f"layer{i}/"):
-            x = b.ew("add", x, _attention(b, rms_norm(b, x, dt, "attn_norm"), cfg), name="residual_attn")
-            x = b.ew("add", x, _swiglu(b, rms_norm(b, x, dt, "ffn_norm"), cfg), name="residual_ffn")
+            x = b.ew("add", x, gqa_attention(b, rms_norm(b, x, dt, "attn_norm"), cfg), name="residual_attn")
+            x = b.ew("add", x, feed_forward(b, rms_norm(b, x, dt, "ffn_norm"), i), name="residual_ffn")
     with b.scope(layer=cfg.layers - 1, tags=("head",), prefix="head/"):
         x = rms_norm(b, x, dt, "final_norm")
         with b.scope(tags=("keep",)):

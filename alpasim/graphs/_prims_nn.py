@@ -205,12 +205,16 @@ register(Primitive("softmax_cross_entropy_grad", "loss", _xent_grad_infer,
 
 
 # ------------------------------------------------------------------ MoE gating
+# top2_gating: GShard's (Alpa's benchmark MoE); topk_gating: k choices per token
+# (Mixtral's top-2 over renormalised weights, DeepSeek's top-6 over raw softmax ones).
 def _gating_infer(p, ins):
     gates = ins[0]
-    need(gates.rank == 3, f"top2_gating: gates must be (groups, group_size, experts), got {gates.shape}")
+    need(gates.rank == 3, f"gating: gates must be (groups, group_size, experts), got {gates.shape}")
     g, s, e = gates.shape
     c = int(p["capacity"])
-    need(c > 0, f"top2_gating: capacity must be positive, got {c}")
+    need(c > 0, f"gating: capacity must be positive, got {c}")
+    k = int(p.get("k", 2))
+    need(1 <= k <= e, f"gating: k must be between 1 and the {e} experts, got {k}")
     return [((g, s, e, c), gates.dtype), ((g, s, e, c), gates.dtype)]
 
 
@@ -218,21 +222,20 @@ def _gating_dims(p, ins, outs):
     return dimmap(["gse"], ["gsec", "gsec"], list(ins) + list(outs), within="se")
 
 
-register(Primitive("top2_gating", "gating", _gating_infer,
-                    lambda p, ins, outs: 10.0 * outs[0].size, _gating_dims))
-
-
 def _gating_grad_infer(p, ins):
     dcombine, gates = ins
     g, s, e = gates.shape
-    need(dcombine.shape == (g, s, e, int(p["capacity"])), "top2_gating_grad: cotangent shape mismatch")
+    need(dcombine.shape == (g, s, e, int(p["capacity"])), "gating grad: cotangent shape mismatch")
     return [(gates.shape, gates.dtype)]
 
 
-register(Primitive("top2_gating_grad", "gating", _gating_grad_infer,
-                    lambda p, ins, outs: 10.0 * ins[0].size,
-                    lambda p, ins, outs: dimmap(["gsec", "gse"], ["gse"], list(ins) + list(outs), within="se"),
-                    arity=(2,)))
+for _name in ("top2_gating", "topk_gating"):
+    register(Primitive(_name, "gating", _gating_infer,
+                        lambda p, ins, outs: 5.0 * int(p.get("k", 2)) * outs[0].size, _gating_dims))
+    register(Primitive(f"{_name}_grad", "gating", _gating_grad_infer,
+                        lambda p, ins, outs: 5.0 * int(p.get("k", 2)) * ins[0].size,
+                        lambda p, ins, outs: dimmap(["gsec", "gse"], ["gse"], list(ins) + list(outs), within="se"),
+                        arity=(2,)))
 
 
 # ------------------------------------------------------------------- pooling

@@ -79,16 +79,21 @@ class MoEConfig:
     @property
     def tokens_per_group(self) -> int:
         """S: the expert group size, shrunk (to a divisor) when the batch has fewer tokens."""
-        tokens = self.batch * self.seq
-        s = min(self.group_size, tokens)
-        while tokens % s:
-            s -= 1
-        return s
+        return routing_group_size(self.batch * self.seq, self.group_size)
 
     @property
     def capacity(self) -> int:
         """C = 2S/E: each expert takes up to twice its fair share of a group (top-2)."""
         return max(1, 2 * self.tokens_per_group // self.experts)
+
+
+def routing_group_size(tokens: int, group_size: int) -> int:
+    """The tokens an MoE routes together: `group_size`, or the largest divisor of the
+    batch's tokens below it (every group the same size)."""
+    s = min(group_size, tokens)
+    while tokens % s:
+        s -= 1
+    return s
 
 
 def _check_transformer(cfg) -> None:

@@ -3,7 +3,8 @@
 Configurations follow the paper's Table 4 and Alpa's benchmark suites (GPT-3: seq
 1024, vocab 51200, global batch 1024; MoE: seq 1024, vocab 32000, expert group 2048,
 top-2 gating; Wide-ResNet: 224x224 images, 1024 classes, global batch 1536), and
-today's dense models: Llama 3 (8B, 70B, 405B; `_llama`).
+today's models: Llama 3 (8B, 70B, 405B; `_llama`), Mixtral 8x7B and a
+DeepSeek-V2-Lite-like MoE (`_topk_moe`).
 A model is named as
 
 * a zoo name: ``gpt3-1.3b``, ``moe-2.4b``, ``wresnet-2b``, ``llama3-70b`` (case-insensitive);
@@ -24,16 +25,20 @@ from typing import Any, Union
 from ._jsonfile import read_json_file
 from ._llama import LlamaConfig, llama_lm
 from ._resnet import WResNetConfig, wide_resnet
+from ._topk_moe import TopKMoEConfig, topk_moe_lm
 from ._transformer import GPTConfig, MoEConfig, transformer_lm
 from ._types import OpGraph
 
-ModelConfig = Union[GPTConfig, MoEConfig, WResNetConfig, LlamaConfig]
-FAMILIES: dict[str, type] = {"gpt3": GPTConfig, "moe": MoEConfig, "wresnet": WResNetConfig, "llama": LlamaConfig}
+ModelConfig = Union[GPTConfig, MoEConfig, WResNetConfig, LlamaConfig, TopKMoEConfig]
+FAMILIES: dict[str, type] = {"gpt3": GPTConfig, "moe": MoEConfig, "wresnet": WResNetConfig, "llama": LlamaConfig,
+                             "topk-moe": TopKMoEConfig}
 FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "gpt3": {"hidden": 1024, "layers": 24, "heads": 16},
     "moe": {"hidden": 768, "layers": 8, "heads": 16, "experts": 8},
     "wresnet": {"channels": 160, "width": 2},
     "llama": {"hidden": 4096, "layers": 32, "heads": 32, "kv_heads": 8, "ffn": 14336},
+    "topk-moe": {"hidden": 4096, "layers": 32, "heads": 32, "kv_heads": 8, "experts": 8, "top_k": 2,
+                 "expert_ffn": 14336},
 }
 
 # name -> (family, config fields). GPT-3 and MoE from Alpa's benchmark suites
@@ -66,6 +71,14 @@ ZOO: dict[str, tuple[str, dict[str, Any]]] = {
     "llama3-8b": ("llama", {"hidden": 4096, "layers": 32, "heads": 32, "kv_heads": 8, "ffn": 14336}),
     "llama3-70b": ("llama", {"hidden": 8192, "layers": 80, "heads": 64, "kv_heads": 8, "ffn": 28672}),
     "llama3-405b": ("llama", {"hidden": 16384, "layers": 126, "heads": 128, "kv_heads": 8, "ffn": 53248}),
+    # Fine-grained MoE (`_topk_moe`): Mixtral 8x7B (Jiang et al. 2024) and DeepSeek-V2-Lite
+    # (DeepSeek-AI 2024, its latent attention as plain multi-head attention).
+    "mixtral-8x7b": ("topk-moe", {"hidden": 4096, "layers": 32, "heads": 32, "kv_heads": 8, "experts": 8,
+                                  "top_k": 2, "expert_ffn": 14336}),
+    "deepseek-v2-lite": ("topk-moe", {"hidden": 2048, "layers": 27, "heads": 16, "kv_heads": 16, "experts": 64,
+                                      "top_k": 6, "expert_ffn": 1408, "shared_experts": 2, "dense_layers": 1,
+                                      "dense_ffn": 10944, "vocab": 102400, "normalize_topk": 0,
+                                      "rope_theta": 10000}),
 }
 ALIASES = {"gpt3-2.7b": "gpt3-2.6b", "gpt-1.3b": "gpt3-1.3b"}
 # Weak-scaling pairing of the paper (model -> GPUs it is evaluated on).
@@ -134,7 +147,7 @@ def _parse_pairs(text: str, family: str, where: str) -> dict[str, Any]:
 
 def resolve_model(spec: str | ModelConfig) -> tuple[str, ModelConfig]:
     """(display name, config) for a zoo name, family spec, or JSON model-spec file."""
-    if isinstance(spec, (GPTConfig, MoEConfig, WResNetConfig, LlamaConfig)):
+    if isinstance(spec, (GPTConfig, MoEConfig, WResNetConfig, LlamaConfig, TopKMoEConfig)):
         return spec.family, spec
     text = spec.strip()
     head, sep, tail = text.partition(":")
@@ -192,4 +205,6 @@ def forward_graph(spec: str | ModelConfig, *, name: str | None = None) -> OpGrap
         return wide_resnet(cfg, name)
     if isinstance(cfg, LlamaConfig):
         return llama_lm(cfg, name)
+    if isinstance(cfg, TopKMoEConfig):
+        return topk_moe_lm(cfg, name)
     return transformer_lm(cfg, name)

@@ -48,13 +48,16 @@ from ._strategies import Strategy, graph_strategies
 
 # Parameter name (last path component) -> dimension Megatron-LM splits on the
 # tensor-parallel axis (Shoeybi et al. 2019; Narayanan et al. 2021).
+# Llama's Q/K/V split the KV-head group dim (1), its output projection dim 0, SwiGLU's
+# gate and up are column- and down row-parallel, the untied head splits the vocabulary.
 MEGATRON_PARAM_DIMS: dict[str, int] = {
     "w_q": 1, "w_k": 1, "w_v": 1, "b_q": 0, "b_k": 0, "b_v": 0, "w_o": 0,
-    "w_fc1": 1, "b_fc1": 0, "w_fc2": 0, "wte": 0,
-    "w_expert_in": 2, "w_expert_out": 1,
+    "w_fc1": 1, "b_fc1": 0, "w_fc2": 0, "wte": 0, "w_head": 1,
+    "w_gate": 1, "w_up": 1, "w_down": 0, "shared_w_gate": 1, "shared_w_up": 1, "shared_w_down": 0,
+    "w_expert_in": 2, "w_expert_out": 1, "w_expert_gate": 2, "w_expert_up": 2, "w_expert_down": 1,
 }
 # Expert weights, (E, M, H) and (E, H, M): the expert dimension is dim 0.
-EXPERT_PARAMS: tuple[str, ...] = ("w_expert_in", "w_expert_out")
+EXPERT_PARAMS: tuple[str, ...] = ("w_expert_in", "w_expert_out", "w_expert_gate", "w_expert_up", "w_expert_down")
 # Relative margin under which two greedy (heuristic) choices tie; the earlier one in
 # `enumerate_strategies` order wins, so the result is deterministic.
 TIE_RTOL = 1e-12

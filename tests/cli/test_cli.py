@@ -55,10 +55,12 @@ def test_graph_with_cluster_layers_and_batch():
 
 def test_models_and_clusters_json():
     models = run_json("models")["models"]
-    assert len(models) == 22
+    assert len(models) == 27          # the paper's 22, Llama 3 8B/70B/405B, Mixtral, DeepSeek-V2-Lite-like
     by_name = {m["name"]: m for m in models}
     assert by_name["gpt3-39b"]["family"] == "gpt3"
     assert by_name["moe-70b"]["params"] == pytest.approx(70e9, rel=0.02)
+    assert by_name["llama3-405b"]["params"] == pytest.approx(405.85e9, rel=0.005)
+    assert by_name["mixtral-8x7b"]["family"] == "topk-moe"
     assert {"name", "family", "params"} <= set(models[0])
     names = [c["name"] for c in run_json("clusters")["clusters"]]
     assert names == ["aws-p3.16xlarge", "dgx-a100", "dgx-h100"]

@@ -262,3 +262,72 @@ def linen_lm_problem(model, batch_size: int, seq: int):
     ids = jnp.zeros((batch_size, seq), jnp.int32)
     params = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), ids)["params"])
     return loss_fn, params, {"ids": ids, "labels": ids}
+
+
+class LlamaReference:
+    """The built-in `llama` / `topk-moe` families' pieces written in jax.numpy, as an
+    independent check of the graphs: RMSNorm, half-split RoPE, grouped-query attention
+    on one layer's weights (`w` keyed by the names under `layer{i}/`) and SwiGLU."""
+
+    def __init__(self, spec: str, seed: int):
+        """The built-in graph of model `spec` on random weights (`seed`): its loss
+        lowered to JAX (`self.got`), the weights (`self.params`), the embedded tokens the
+        reference starts from (`self.x`) and the labels."""
+        import jax.numpy as jnp
+
+        from alpasim.backends import lower_graph, random_leaves
+        from alpasim.graphs import forward_graph, resolve_model
+
+        _, cfg = resolve_model(spec)
+        fwd = forward_graph(spec)
+        leaves = random_leaves(fwd, seed=seed, scale=0.5)
+        (loss,) = fwd.outputs
+        self.cfg, self.got, self.labels = cfg, float(lower_graph(fwd)(leaves)[loss]), leaves["labels"]
+        self.params = {t.name: jnp.asarray(leaves[t.name]) for t in fwd.params}
+        self.x = self.params["embed/wte"][leaves["token_ids"]]
+        self.seq, self.d = cfg.seq, cfg.hidden // cfg.heads
+        inv = 1.0 / cfg.rope_theta ** (np.arange(self.d // 2) * 2.0 / self.d)
+        angles = np.outer(np.arange(cfg.seq), inv)
+        self.cos, self.sin = np.cos(angles), np.sin(angles)
+        self.mask = np.tril(np.ones((cfg.seq, cfg.seq), bool))
+
+    @staticmethod
+    def norm(x, w):
+        import jax
+        return x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + 1e-5) * w
+
+    def rope(self, x):                    # (batch, seq, ..., head_dim)
+        import jax.numpy as jnp
+        half = self.d // 2
+        c = self.cos.reshape((1, self.seq) + (1,) * (x.ndim - 3) + (half,))
+        s = self.sin.reshape(c.shape)
+        x1, x2 = x[..., :half], x[..., half:]
+        return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], -1)
+
+    def attention_block(self, x, w):
+        """x plus the attention of the layer's normalised x."""
+        import jax
+        import jax.numpy as jnp
+        y = self.norm(x, w["attn_norm/scale"])
+        q = self.rope(jnp.einsum("bsh,hgrd->bsgrd", y, w["w_q"]))
+        k = self.rope(jnp.einsum("bsh,hgd->bsgd", y, w["w_k"]))
+        v = jnp.einsum("bsh,hgd->bsgd", y, w["w_v"])
+        att = jnp.where(self.mask, jnp.einsum("bqgrd,bkgd->bgrqk", q, k) / np.sqrt(self.d), -jnp.inf)
+        o = jnp.einsum("bgrqk,bkgd->bqgrd", jax.nn.softmax(att, -1), v)
+        return x + jnp.einsum("bsgrd,grdh->bsh", o, w["w_o"])
+
+    @staticmethod
+    def swiglu(x, gate, up, down):
+        import jax
+        return (jax.nn.silu(x @ gate) * (x @ up)) @ down
+
+    def loss(self, x):
+        """The mean cross-entropy of the head on the last layer's output `x`."""
+        import jax
+        import jax.numpy as jnp
+        logits = self.norm(x, self.params["head/final_norm/scale"]) @ self.params["head/w_head"]
+        logp = jax.nn.log_softmax(logits, -1)
+        return -float(jnp.take_along_axis(logp, self.labels[..., None], -1).mean())
+
+    def layer_weights(self, i):
+        return {k.split("/", 1)[1]: v for k, v in self.params.items() if k.startswith(f"layer{i}/")}

@@ -3,7 +3,9 @@ imported flax Llama of the same shape: `tests/backends/test_third_party_models.p
 
 from __future__ import annotations
 
-import numpy as np
+import sys
+from pathlib import Path
+
 import pytest
 
 from alpasim.graphs import (
@@ -15,6 +17,9 @@ from alpasim.graphs import (
     forward_graph,
     resolve_model,
 )
+
+sys.path.insert(0, str(Path(__file__).parent))
+from jax_models import LlamaReference  # noqa: E402
 
 LLAMA_NAMES = [n for n in ZOO if n.startswith("llama")]
 TINY = "llama:hidden=64,layers=2,heads=4,kv_heads=2,ffn=96,seq=16,vocab=128,batch=8,dtype=float32"
@@ -67,47 +72,10 @@ def test_llama_spec_is_checked():
 def test_llama_forward_equals_the_same_model_in_jax():
     """The built-in graph lowered to JAX against a direct jax.numpy Llama on the same
     weights: the loss to float32 rounding (RoPE, GQA, RMSNorm, SwiGLU all checked)."""
-    import jax
-    import jax.numpy as jnp
-
-    from alpasim.backends import lower_graph, random_leaves
-
-    _, cfg = resolve_model(TINY)
-    fwd = forward_graph(TINY)
-    leaves = random_leaves(fwd, seed=3, scale=0.5)
-    (loss,) = fwd.outputs
-    got = float(lower_graph(fwd)(leaves)[loss])
-    h, g, r, d = cfg.hidden, cfg.kv_heads, cfg.heads // cfg.kv_heads, cfg.hidden // cfg.heads
-    p = {t.name: jnp.asarray(leaves[t.name]) for t in fwd.params}
-    ids, labels = leaves["token_ids"], leaves["labels"]
-    inv = 1.0 / cfg.rope_theta ** (np.arange(d // 2) * 2.0 / d)
-    ang = np.outer(np.arange(cfg.seq), inv)
-    cos, sin = np.cos(ang), np.sin(ang)
-
-    def norm(x, w):
-        return x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + 1e-5) * w
-
-    def rope(x):   # (b, s, ..., d)
-        c = cos.reshape((1, cfg.seq) + (1,) * (x.ndim - 3) + (d // 2,))
-        s = sin.reshape(c.shape)
-        x1, x2 = x[..., :d // 2], x[..., d // 2:]
-        return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], -1)
-
-    x = p["embed/wte"][ids]
-    mask = np.tril(np.ones((cfg.seq, cfg.seq), bool))
-    for i in range(cfg.layers):
-        w = {k.split("/", 1)[1]: v for k, v in p.items() if k.startswith(f"layer{i}/")}
-        y = norm(x, w["attn_norm/scale"])
-        q = rope(jnp.einsum("bsh,hgrd->bsgrd", y, w["w_q"]))
-        k = rope(jnp.einsum("bsh,hgd->bsgd", y, w["w_k"]))
-        v = jnp.einsum("bsh,hgd->bsgd", y, w["w_v"])
-        att = jnp.where(mask, jnp.einsum("bqgrd,bkgd->bgrqk", q, k) / np.sqrt(d), -jnp.inf)
-        o = jnp.einsum("bgrqk,bkgd->bqgrd", jax.nn.softmax(att, -1), v)
-        x = x + jnp.einsum("bsgrd,grdh->bsh", o, w["w_o"])
-        y = norm(x, w["ffn_norm/scale"])
-        x = x + (jax.nn.silu(y @ w["w_gate"]) * (y @ w["w_up"])) @ w["w_down"]
-    logits = norm(x, p["head/final_norm/scale"]) @ p["head/w_head"]
-    logp = jax.nn.log_softmax(logits, -1)
-    want = -float(jnp.take_along_axis(logp, labels[..., None], -1).mean())
-    assert got == pytest.approx(want, rel=1e-5)
-    assert (h, g * r * d) == (64, 64)
+    ref = LlamaReference(TINY, seed=3)
+    x = ref.x
+    for i in range(ref.cfg.layers):
+        w = ref.layer_weights(i)
+        x = ref.attention_block(x, w)
+        x = x + ref.swiglu(ref.norm(x, w["ffn_norm/scale"]), w["w_gate"], w["w_up"], w["w_down"])
+    assert ref.got == pytest.approx(ref.loss(x), rel=1e-5)

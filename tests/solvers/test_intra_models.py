@@ -169,3 +169,31 @@ def test_stash_is_what_backward_reads_of_the_forward(p3, remat):
     else:
         assert checkpoint < mem.stash_bytes < mem.activations_peak_bytes
     assert mem.pipelined_bytes(4) == mem.persistent_bytes + mem.activations_peak_bytes + 3 * mem.stash_bytes
+
+
+@pytest.mark.parametrize("model_name", [
+    "llama3-8b:batch=2,seq=256,layers=3",
+    "deepseek-v2-lite:batch=2,seq=256,layers=3,group_size=512",
+])
+def test_megatron_splits_todays_weights_over_the_tensor_parallel_axis(p3, model_name):
+    """Megatron-LM's layout of a Llama / fine-grained MoE layer on a 1x8 mesh: every
+    weight matrix (attention, SwiGLU, routed and shared experts) is split 8 ways on the
+    tensor-parallel axis, so the layer's states are 1/8 per device (the router and the
+    norm scales stay replicated, as in Megatron-core), and the states the plan holds are
+    that many bytes: 18 B a parameter under the default recipe."""
+    cluster, model = p3
+    layer = stage_graph(build_training_graph(model_name).graph, 1, 1)
+    mesh = LogicalMesh.on_cluster(cluster, (1, 8))
+    _, leaf_specs = megatron_restriction(layer, mesh, model)
+    replicated = 0
+    for t in layer.params:
+        (spec,) = leaf_specs[t.name]
+        leaf = t.name.rsplit("/", 1)[-1]
+        if t.rank >= 2 and leaf != "w_router":
+            assert sum(1 in axes for axes in spec.dims) == 1, (t.name, spec)
+        else:
+            assert all(not axes for axes in spec.dims), (t.name, spec)
+            replicated += t.size
+    meg = _solve(layer, mesh, model, megatron_restriction)
+    split = layer.num_params() - replicated
+    assert meg.plan.memory.persistent_bytes == pytest.approx(18 * (split / 8 + replicated), rel=1e-6)

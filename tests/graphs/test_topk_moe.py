@@ -7,7 +7,6 @@ import math
 import sys
 from pathlib import Path
 
-
 import pytest
 
 from alpasim.graphs import (ModelSpecError, TopKMoEConfig, build_training_graph, flops_by_kind, forward_graph,

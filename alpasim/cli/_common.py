@@ -44,8 +44,12 @@ PrecisionOpt = Annotated[str, typer.Option("--precision", help="Mixed-precision 
                                            "default), mixed (fp16 gradients: 16 B/param) or fp32.")]
 RecomputeOpt = Annotated[str, typer.Option("--recompute", help="What the backward recomputes besides --remat: "
                                            "none (keep every value a gradient reads, as eager frameworks and "
-                                           "Megatron-LM do) or fusible (keep each layer's minimum cut, recompute "
-                                           "elementwise, layout, norm and softmax ops in the backward).")]
+                                           "Megatron-LM do), fusible (keep each layer's minimum cut, recompute "
+                                           "elementwise, layout, norm and softmax ops in the backward) or "
+                                           "selective (attention's QK^T and softmax only: no (s, s) tensor "
+                                           "is stashed, as Megatron-LM's selective recomputation); plan "
+                                           "also takes auto (the fastest of full remat, selective and "
+                                           "none that fits; --remat is then the search's).")]
 
 RayOpt = Annotated[bool, typer.Option("--ray", help="Plan as Ray tasks (a local one-machine cluster, started "
                                       "and stopped here, unless --ray-address or RAY_ADDRESS names one).")]
@@ -117,9 +121,11 @@ class TaskProgress:
             note(f"{name}: {done}/{total} ({now - self.t0:.0f} s)")
 
 
-def check_recompute(name: str) -> None:
-    if name not in gr.RECOMPUTE_POLICIES:
-        fail(f"--recompute {name!r}: choose one of {', '.join(gr.RECOMPUTE_POLICIES)}")
+def check_recompute(name: str, search: bool = False) -> None:
+    """A policy of `graphs.RECOMPUTE_POLICIES`, or with `search` (a command that plans) "auto"."""
+    choices = (*gr.RECOMPUTE_POLICIES, "auto") if search else gr.RECOMPUTE_POLICIES
+    if name not in choices:
+        fail(f"--recompute {name!r}: choose one of {', '.join(choices)}")
 
 
 def check_precision(name: str) -> None:

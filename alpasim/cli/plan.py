@@ -87,7 +87,7 @@ def plan(
     c = load_cluster(cluster, nodes, devices_per_node, inter_node_gbps, memory_gb)
     model_costs = load_cost_model(cost_model, c)
     check_precision(precision)
-    check_recompute(recompute)
+    check_recompute(recompute, search=True)
     if (max_stages is not None and max_stages < 1) or not epsilon >= 0:   # `not >=`: NaN too
         fail("--max-stages must be at least 1 and --epsilon at least 0")
     try:
@@ -172,3 +172,5 @@ def print_plan(p: sv.PipelinePlan) -> None:
     for r in p.runner_ups:
         when = f"{r.iteration_s:.2f} s" if r.iteration_s is not None else "no plan fits"
         out.print(f"  runner-up B={r.microbatches}: {when} ({len(r.stages)} stages)")
+    for note in p.notes:
+        out.print(note)

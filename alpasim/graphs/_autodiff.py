@@ -408,7 +408,9 @@ def training_graph(forward: OpGraph, *, remat: bool = False, optimizer: AdamConf
 
     `recompute`: "none" keeps every forward value a backward reads (eager frameworks,
     Megatron-LM); "fusible" keeps each layer's minimum cut and recomputes cheap ops in
-    the backward (`_recompute`, as a fusing compiler does).
+    the backward (`_recompute`, as a fusing compiler does); "selective" also recomputes
+    attention's QK^T and softmax, so no (s, s) tensor is stashed (Korthikanti et al.
+    2022's selective recomputation).
 
     `precision` names the recipe (`_precision`, default mixed-fp32grad): under it a
     half-precision parameter's gradient is cast to fp32 as the backward produces it,
@@ -487,7 +489,7 @@ def training_graph(forward: OpGraph, *, remat: bool = False, optimizer: AdamConf
                         ct[t] = b.one("convert", [ct[t]], name=f"{t}:grad_cast", dtype=want)
 
     graph = _append_updates(b, forward, ct, optimizer, loss, recipe, carried)
-    return recompute_fusible(graph) if recompute == "fusible" else graph
+    return graph if recompute == "none" else recompute_fusible(graph, selective=recompute == "selective")
 
 
 # An op's output k that is parameter p's gradient (or a contribution to it) carries the

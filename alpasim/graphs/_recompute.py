@@ -10,7 +10,8 @@ ops) instead keeps a minimum set of tensors and recomputes the rest inside the
 backward's fused kernels, where recomputing an elementwise chain costs no extra memory
 traffic.
 
-`recompute_fusible(graph)` does that per layer, as a minimum cut:
+`recompute_fusible(graph)` does that per layer, as a minimum cut (`selective=True` is
+the "selective" policy: the same cut over attention's score path alone; see there):
 
 * **Recomputable**: a forward value of the layer made by an elementwise, layout,
   normalisation or softmax op (`RECOMPUTABLE_PRIMS`) from values that are themselves
@@ -36,7 +37,7 @@ from __future__ import annotations
 
 from ._types import Op, OpGraph, Tensor
 
-RECOMPUTE_POLICIES = ("none", "fusible")
+RECOMPUTE_POLICIES = ("none", "fusible", "selective")
 RECOMPUTABLE_PRIMS = frozenset({
     "elementwise", "broadcast", "reshape", "transpose", "convert", "bias_add", "slice", "pad", "concatenate",
     "iota", "full", "layer_norm", "softmax",
@@ -45,8 +46,25 @@ RECOMPUTABLE_PRIMS = frozenset({
 _SCALE = 1 << 8
 
 
-def recompute_fusible(graph: OpGraph) -> OpGraph:
-    """`graph` (a training graph) with each layer's stash cut to its minimum (module doc)."""
+def expanding_contraction(op: Op, tensors) -> bool:
+    """A contraction of two activations whose result is larger than both together:
+    attention's scores QK^T, (b, a, s, s) from two (b, s, h), much memory for little
+    compute (2 head-size FLOPs an element). A matmul with a weight (an MLP's first
+    projection, the logits) also expands, but recomputing it is the layer's real work."""
+    return (op.prim == "einsum" and all(tensors[t].role == "activation" for t in op.inputs)
+            and tensors[op.outputs[0]].size > sum(tensors[t].size for t in op.inputs))
+
+
+def recompute_fusible(graph: OpGraph, selective: bool = False) -> OpGraph:
+    """`graph` (a training graph) with each layer's stash cut to its minimum (module doc).
+
+    `selective` instead recomputes only attention's core: expanding contractions
+    (`expanding_contraction`) and the cheap ops downstream of them (the softmax, its
+    mask and scale). That is Korthikanti et al. 2022's selective activation
+    recomputation (Megatron-LM's `--recompute-granularity selective`): QK^T and the
+    softmax run again in the backward, so no (s, s) tensor is stashed, and every other
+    value is kept as under "none"; found by structure, so it applies to imported
+    graphs too."""
     import networkx as nx
 
     producer, consumers, tensors = graph.producer, graph.consumers, graph.tensors
@@ -60,9 +78,20 @@ def recompute_fusible(graph: OpGraph) -> OpGraph:
                     read_by.setdefault(op.layer, set()).add(t)
     kept_elsewhere = {t for layer, ts in read_by.items() for t in ts if fwd_of[t].layer != layer}
 
+    core: dict[str, bool] = {}
+
+    def in_core(t: str) -> bool:
+        """Attention's core: an expanding contraction, or a cheap op downstream of one."""
+        if t not in core:
+            p = fwd_of.get(t)
+            core[t] = p is not None and (expanding_contraction(p, tensors) or p.prim in RECOMPUTABLE_PRIMS
+                                         and any(in_core(u) for u in p.inputs))
+        return core[t]
+
     def recomputable(t: str, layer: int) -> bool:
         p = fwd_of.get(t)
-        return p is not None and p.layer == layer and p.prim in RECOMPUTABLE_PRIMS and t not in kept_elsewhere
+        cheap = p is not None and (in_core(t) if selective else p.prim in RECOMPUTABLE_PRIMS)
+        return cheap and p.layer == layer and t not in kept_elsewhere
 
     def free(t: str) -> bool:
         return t not in producer or producer[t].prim == "constant" or t in kept_elsewhere
@@ -103,10 +132,11 @@ def recompute_fusible(graph: OpGraph) -> OpGraph:
         recompute = {t for t in seen if ("out", t) not in reach and t not in kept}
         if recompute & needed:
             plans[layer] = recompute
-    return _rewrite(graph, plans, fwd_of) if plans else graph
+    policy = "selective" if selective else "fusible"
+    return _rewrite(graph, plans, fwd_of, policy) if plans else graph
 
 
-def _rewrite(graph: OpGraph, plans: dict[int, set[str]], fwd_of: dict[str, Op]) -> OpGraph:
+def _rewrite(graph: OpGraph, plans: dict[int, set[str]], fwd_of: dict[str, Op], policy: str) -> OpGraph:
     tensors = dict(graph.tensors)
     copies: dict[tuple[int, str], str] = {}
     ops: list[Op] = []
@@ -137,5 +167,5 @@ def _rewrite(graph: OpGraph, plans: dict[int, set[str]], fwd_of: dict[str, Op]) 
         if op.phase == "backward" and op.layer in plans and any(t in plans[op.layer] for t in op.inputs):
             op = op.replace(inputs=tuple(value(t, op.layer) for t in op.inputs))
         ops.append(op)
-    meta = {**graph.meta, "recompute": "fusible"}
+    meta = {**graph.meta, "recompute": policy}
     return graph.replace(tensors=tensors, ops=ops, meta=meta)

@@ -97,6 +97,7 @@ from ._cross_mesh import Transfer as Transfer
 from ._cross_mesh import cross_mesh_plan as cross_mesh_plan
 from ._methods import COMMON_OPTIONS as COMMON_OPTIONS
 from ._methods import METHODS as METHODS
+from ._methods import RECOMPUTE_SEARCH as RECOMPUTE_SEARCH
 from ._methods import MegatronConfig as MegatronConfig
 from ._methods import Method as Method
 from ._methods import UnknownMethodError as UnknownMethodError

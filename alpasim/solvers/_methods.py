@@ -167,7 +167,11 @@ def plan_model(model: ModelLike, cluster: Cluster, method: str = "alpa", *, laye
     explicit Megatron-LM configuration; without it the best of its grid) apply to the
     methods whose record accepts them, and are refused for the others. `options` are
     `COMMON_OPTIONS` (`plan_pipeline`'s). A method that finds nothing that fits returns
-    an infeasible plan whose `notes` say why."""
+    an infeasible plan whose `notes` say why. `recompute="auto"` searches what the
+    backward recomputes (`RECOMPUTE_SEARCH`; `remat` is then the search's)."""
+    if options.get("recompute") == "auto":
+        return _best_recompute(model, cluster, method, layers=layers, max_stages=max_stages, megatron=megatron,
+                               **options)
     m = get_method(method)
     unknown = set(options) - COMMON_OPTIONS
     if unknown:
@@ -191,6 +195,29 @@ def plan_model(model: ModelLike, cluster: Cluster, method: str = "alpa", *, laye
         return plan_pipeline(source, cluster, method=m.name, **kw)
     except PlanInfeasible as e:
         return infeasible_plan(source, cluster, m.name, str(e))
+
+
+# What `recompute="auto"` tries, as Megatron-core's --recompute-granularity offers it:
+# (remat, recompute) for full, selective (attention's core only) and no recomputation.
+RECOMPUTE_SEARCH: tuple[tuple[str, bool, str], ...] = (
+    ("full", True, "none"), ("selective", False, "selective"), ("none", False, "none"))
+
+
+def _best_recompute(model: ModelLike, cluster: Cluster, method: str, **kw) -> PipelinePlan:
+    """The fastest feasible plan over `RECOMPUTE_SEARCH`: recomputation costs compute, so
+    it wins only where the memory it frees buys a faster plan (larger microbatches,
+    fewer devices a stage, or a plan that fits at all). Its notes give every policy's
+    predicted iteration; with none feasible, full recomputation's infeasible plan."""
+    source = model_source(model)     # traced or read once for all three
+    tried = []
+    for label, remat, policy in RECOMPUTE_SEARCH:
+        plan = plan_model(source, cluster, method, **{**kw, "remat": remat, "recompute": policy})
+        tried.append((label, plan))
+    feasible = [(label, p) for label, p in tried if p.feasible]
+    label, best = min(feasible, key=lambda lp: lp[1].predicted.iteration_s) if feasible else tried[0]
+    seen = "; ".join(f"{lab} {p.predicted.iteration_s:.3f} s" if p.feasible else f"{lab} out of memory"
+                     for lab, p in tried)
+    return dataclasses.replace(best, notes=(*best.notes, f"recompute auto chose {label} ({seen})"))
 
 
 def plan_with_method(method: str, model: ModelLike, cluster: Cluster, **kw) -> PipelinePlan:

@@ -171,3 +171,23 @@ def test_tied_embedding_copy_is_counted_once_per_stage_and_has_its_own_states(ca
     assert one.stages[0].memory["params_bytes"] == pytest.approx(2 * one.model.params)
     assert states(one.stages[0]) == pytest.approx(per_param * one.model.params)
     assert sum(states(st) for st in two.stages) == pytest.approx(per_param * (one.model.params + table))
+
+
+@pytest.mark.parametrize("tp, mbs", [(1, 4), (2, 2), (4, 1), (8, 2)])
+def test_selective_recompute_stashes_korthikantis_selective_activations(cache, tp, mbs):
+    """Korthikanti et al. 2022, Table 2, "selective activation recomputation":
+    sbh(10 + 24/t) a layer, the 5as^2b/t of the attention core recomputed instead of
+    stashed; without dropout (its two sbh masks) that is sbh(8 + 24/t), the "none"
+    stash less the probabilities 2as^2b/t. The first stage also stashes the token ids."""
+    _, cfg = resolve_model(MODEL)
+    cluster = get_cluster("dgx-a100", nodes=1, devices_per_node=tp * 2, memory_gb=1e5)
+    h, a, s, b, t = cfg.hidden, cfg.heads, cfg.seq, mbs, tp
+    sbh, as2b, layers = s * b * h, a * s * s * b, cfg.layers // 2
+    got = {}
+    for policy in ("selective", "none"):
+        plan = plan_with_method("megatron", MODEL, cluster, megatron=MegatronConfig(tp, 2, 1, mbs), remat=False,
+                                recompute=policy, cache=cache)
+        assert plan.feasible and plan.model.recompute == policy
+        got[policy] = plan.stages[0].memory["stash_bytes"]
+    assert got["selective"] == pytest.approx(4 * s * b + layers * sbh * (8 + 24 / t), rel=1e-9)
+    assert got["none"] - got["selective"] == pytest.approx(layers * 2 * as2b / t, rel=1e-9)

@@ -10,6 +10,7 @@ from alpasim.costmodels import get_cluster
 from alpasim.graphs import forward_graph, resolve_model
 from alpasim.solvers import (
     METHODS,
+    RECOMPUTE_SEARCH,
     DiskCache,
     MegatronConfig,
     equal_operator_layers,
@@ -136,3 +137,26 @@ def test_out_of_memory_note_bounds_a_pipelined_method_by_the_spread_model(tmp_pa
     need = float(re.search(r"needs at least ([\d.]+) GiB", plan.notes[0]).group(1))
     spread = 39.1e9 * 16 / 8 / 2 ** 30
     assert 0.9 * spread < need < 1.3 * spread
+
+
+@pytest.mark.parametrize("memory_gb, chosen", [(1000, "none"), (1.0, "selective"), (0.8, "full")])
+def test_recompute_auto_recomputes_only_when_it_pays(tmp_path, memory_gb, chosen):
+    """A long-sequence model (the attention probabilities are most of a layer's stash)
+    on one device: with memory to spare no recomputation is fastest; when the stash of
+    "none" does not fit, selective recomputation (QK^T and softmax again, no (s, s)
+    stash) is the fastest that fits; with less still, only full recomputation fits. The
+    order of the three times is the recomputed compute's: none < selective < full."""
+    model = "gpt3:hidden=512,layers=4,heads=16,seq=2048,vocab=8192,batch=8"
+    cluster = get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=1, memory_gb=memory_gb)
+    plan = plan_with_method("alpa", model, cluster, microbatches=8, recompute="auto", cache=DiskCache(root=tmp_path))
+    assert plan.feasible
+    assert (plan.model.remat, plan.model.recompute) == {"none": (False, "none"), "selective": (False, "selective"),
+                                                        "full": (True, "none")}[chosen]
+    assert plan.notes[-1].startswith(f"recompute auto chose {chosen} ")
+    times = {label: plan_with_method("alpa", model, get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=1,
+                                                                memory_gb=1000),
+                                     microbatches=8, remat=remat, recompute=policy,
+                                     cache=DiskCache(root=tmp_path)).predicted.iteration_s
+             for label, remat, policy in RECOMPUTE_SEARCH}
+    assert times["none"] < times["selective"] < times["full"]
+    assert plan.predicted.iteration_s == pytest.approx(times[chosen])

@@ -500,8 +500,8 @@ def _stage_functions(ops: StageOps, train: OpGraph, shardings: dict[str, NamedSh
             # the gradients accumulated since the last such tie. XLA can then neither
             # hoist the next layer's recomputation nor defer a weight gradient (which
             # is off the critical path, so its scheduler would otherwise keep its
-            # operands, activation-sized, alive; on Wide-ResNet stages under remat
-            # this held 1.1-1.4x the planned working set: `benchmarks/bench_memory.py`).
+            # operands, activation-sized, alive: with layers alone tied, Wide-ResNet's
+            # first remat stage measured 1.12x its plan, `bench_memory.py --fence layer`).
             # An optimization barrier would not do: XLA:CPU drops it. The dependence
             # is a zero made, on each device, from one element of each local
             # accumulator shard: no collective, no copy beyond the (small) parameters.

@@ -78,19 +78,17 @@ def recompute_fusible(graph: OpGraph, selective: bool = False) -> OpGraph:
                     read_by.setdefault(op.layer, set()).add(t)
     kept_elsewhere = {t for layer, ts in read_by.items() for t in ts if fwd_of[t].layer != layer}
 
-    core: dict[str, bool] = {}
-
-    def in_core(t: str) -> bool:
-        """Attention's core: an expanding contraction, or a cheap op downstream of one."""
-        if t not in core:
-            p = fwd_of.get(t)
-            core[t] = p is not None and (expanding_contraction(p, tensors) or p.prim in RECOMPUTABLE_PRIMS
-                                         and any(in_core(u) for u in p.inputs))
-        return core[t]
+    # Attention's core, in one pass in op order: the outputs of an expanding
+    # contraction, and of a cheap op of the same layer that reads one.
+    core: set[str] = set()
+    for op in graph.ops:
+        if op.phase == "forward" and (expanding_contraction(op, tensors) or op.prim in RECOMPUTABLE_PRIMS and any(
+                u in core and fwd_of[u].layer == op.layer for u in op.inputs)):
+            core.update(op.outputs)
 
     def recomputable(t: str, layer: int) -> bool:
         p = fwd_of.get(t)
-        cheap = p is not None and (in_core(t) if selective else p.prim in RECOMPUTABLE_PRIMS)
+        cheap = p is not None and (t in core if selective else p.prim in RECOMPUTABLE_PRIMS)
         return cheap and p.layer == layer and t not in kept_elsewhere
 
     def free(t: str) -> bool:

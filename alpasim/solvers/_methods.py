@@ -215,7 +215,7 @@ def _best_recompute(model: ModelLike, cluster: Cluster, method: str, **kw) -> Pi
         tried.append((label, plan))
     feasible = [(label, p) for label, p in tried if p.feasible]
     label, best = min(feasible, key=lambda lp: lp[1].predicted.iteration_s) if feasible else tried[0]
-    seen = "; ".join(f"{lab} {p.predicted.iteration_s:.3f} s" if p.feasible else f"{lab} out of memory"
+    seen = "; ".join(f"{lab} {p.predicted.iteration_s:.3f} s" if p.feasible else f"{lab} infeasible"
                      for lab, p in tried)
     return dataclasses.replace(best, notes=(*best.notes, f"recompute auto chose {label} ({seen})"))
 

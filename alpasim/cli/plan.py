@@ -71,6 +71,10 @@ def plan(
     dp: Annotated[Optional[int], typer.Option("--dp", help="Megatron data-parallel degree.")] = None,
     microbatch_size: Annotated[Optional[int], typer.Option("--microbatch-size", help="Megatron microbatch "
                                                            "size per data-parallel replica.")] = None,
+    distributed_optimizer: Annotated[bool, typer.Option("--distributed-optimizer", help="Megatron-core's "
+                                                        "distributed optimizer: Adam states and master weights "
+                                                        "on 1/dp of the devices each (the explicit "
+                                                        "configuration, or every one of the grid).")] = False,
     cost_model: CostModelOpt = None,
     precision: PrecisionOpt = gr.DEFAULT_RECIPE,
     recompute: RecomputeOpt = "none",
@@ -102,10 +106,14 @@ def plan(
     if given and len(given) != len(degrees):
         fail(f"--method megatron takes all of --tp, --pp, --dp and --microbatch-size together (missing "
              f"{', '.join(k for k in degrees if k not in given)})")
-    config = sv.MegatronConfig(tp, pp, dp, microbatch_size) if given else None
+    if distributed_optimizer and "distributed_optimizer" not in m.accepts:
+        fail("--distributed-optimizer only applies to --method megatron")
+    config = sv.MegatronConfig(tp, pp, dp, microbatch_size, distributed_optimizer) if given else None
+    extra = {"distributed_optimizer": True} if distributed_optimizer else {}
     p = make_plan(model, c, name, microbatches=microbatches, layers=layers, max_stages=max_stages, megatron=config,
                   cache=not no_cache, workers=workers, ray=ray, ray_address=ray_address,
-                  remat=remat, epsilon=epsilon, cost_model=model_costs, precision=precision, recompute=recompute)
+                  remat=remat, epsilon=epsilon, cost_model=model_costs, precision=precision, recompute=recompute,
+                  **extra)
     if not p.feasible and name == "alpa":   # Alpa finding nothing is an error, with or without --json
         fail("; ".join(p.notes) or "infeasible")
     if out_path is not None:
@@ -125,7 +133,8 @@ def plan(
         config = p.search.megatron
         out.print(f"method {name}: {m.summary}" + (
             f"; tp={config['tp']} pp={config['pp']} dp={config['dp']} microbatch size "
-            f"{config['microbatch_size']}" if config else ""))
+            f"{config['microbatch_size']}" + (", distributed optimizer" if config.get("distributed_optimizer") else "")
+            if config else ""))
     if report is not None:
         print_simulation(report)
 

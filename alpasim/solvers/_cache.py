@@ -18,9 +18,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-# 14: Megatron-LM's layout of the Llama and fine-grained MoE parameters (the restriction
-# tables are code, not part of a key: a change to them bumps this).
-CACHE_VERSION = "stage-costs/14"
+# 14: Megatron-LM's layout of the Llama and fine-grained MoE parameters; 15: its
+# distributed optimizer's tied copy. The restriction tables are code, not part of a
+# key: a change to them bumps this.
+CACHE_VERSION = "stage-costs/15"
 
 
 def cache_dir() -> Path:

@@ -143,6 +143,39 @@ def megatron_restriction(graph: OpGraph, mesh: LogicalMesh, cost_model: CostMode
     return restrict, leaf_specs
 
 
+def megatron_distopt_restriction(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel):
+    """(restrict, leaf_specs) for Megatron-LM with Megatron-core's distributed optimizer:
+    its layouts, with each Adam step on a slice of the parameter's layout over the
+    data-parallel axis (axis 0), each weight gradient reduce-scattered onto such a slice
+    once an iteration (it accumulates whole first, as Megatron's gradient buffer does)
+    and the casts into the accumulator in any layout. The reduce-scatter and the
+    updated weights' all-gather cost what the all-reduce did; the master weights and
+    Adam moments take 1/dp. (A parameter with no dimension left to slice keeps
+    Megatron's replicated step.)"""
+    restrict, leaf_specs = megatron_restriction(graph, mesh, cost_model)
+    if mesh.shape[0] == 1:
+        return restrict, leaf_specs
+    out = dict(restrict)
+    for op in graph.ops:
+        if op.prim == "adam" and op.inputs[0] in leaf_specs:
+            stored = leaf_specs[op.inputs[0]][0]
+            sliced = [x for x in _options(op, graph, mesh, cost_model) if _one_more_axis(x.out_specs[0], stored, 0)]
+            out[op.name] = sliced or restrict[op.name]
+        elif op.prim in ("convert", "elementwise") and all(graph.tensors[t].role == "grad" for t in op.outputs):
+            out[op.name] = _options(op, graph, mesh, cost_model)
+        elif any(is_weight_grad(op, k, graph.tensors) for k in range(len(op.outputs))):
+            scattered = [v for x in restrict[op.name] for v in _scatter_gradients(op, x, graph.tensors, mesh)
+                         if all(c.kind != "reduce_scatter" or c.axes == (0,) for c in v.collectives)]
+            out[op.name] = list(dict.fromkeys(scattered)) or restrict[op.name]
+    return out, leaf_specs
+
+
+def _one_more_axis(spec: ShardingSpec, base: ShardingSpec, axis: int) -> bool:
+    """`spec` is `base` with `axis` added to exactly one dimension."""
+    grown = [d for d, (a, b) in enumerate(zip(spec.dims, base.dims)) if a != b]
+    return len(grown) == 1 and sorted(spec.dims[grown[0]]) == sorted((*base.dims[grown[0]], axis))
+
+
 def _replicated_params(graph: OpGraph) -> dict[str, list[ShardingSpec]]:
     return {t.name: [ShardingSpec.replicated(t.rank)] for t in graph.params}
 
@@ -410,14 +443,17 @@ def _expert_local_ops(graph: OpGraph, experts: list[Tensor]) -> dict[str, str]:
 
 BASELINES: Mapping[str, object] = {
     "data_parallel": data_parallel_restriction, "megatron": megatron_restriction,
+    "megatron_distopt": megatron_distopt_restriction,
     "zero2": zero2_restriction, "zero3": zero3_restriction, "heuristic": heuristic_restriction,
     "deepspeed_moe": deepspeed_moe_restriction,
 }
 # Whether the post-ILP weight-update-sharding rewrite may run: neither plain data
 # parallelism nor Megatron-LM shards the optimizer step, and GSPMD's propagation has no
 # such pass. The ZeRO forms already shard the update (the rewrite finds nothing to do).
-REWRITE_ALLOWED: Mapping[str, bool] = {"data_parallel": False, "megatron": False, "zero2": True, "zero3": True,
-                                       "heuristic": False, "deepspeed_moe": True}
+# Megatron-LM with Megatron-core's distributed optimizer (`megatron_distopt`) shards the
+# update by its restriction, not by the rewrite.
+REWRITE_ALLOWED: Mapping[str, bool] = {"data_parallel": False, "megatron": False, "megatron_distopt": False,
+                                       "zero2": True, "zero3": True, "heuristic": False, "deepspeed_moe": True}
 # The baselines whose weight gradients are scattered every microbatch
 # (`_shard_weight_update`); every other plan reduces them once per iteration, after
 # accumulating each device's unreduced partials (executors follow: `backends._partial_grads`).

@@ -49,7 +49,7 @@ from ._submesh import SubmeshShape
 # Options every method takes (`plan_pipeline` keywords), and those only some do.
 COMMON_OPTIONS = frozenset({"microbatches", "remat", "recompute", "precision", "cost_model", "epsilon", "cache",
                             "map_fn", "progress", "price_boundaries", "pareto"})
-METHOD_OPTIONS = ("layers", "max_stages", "megatron")
+METHOD_OPTIONS = ("layers", "max_stages", "megatron", "distributed_optimizer")
 
 
 class UnknownMethodError(ValueError):
@@ -122,7 +122,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("deepspeed_moe", "DeepSpeed-MoE: expert parallelism + ZeRO data parallelism",
            restriction="deepspeed_moe", single_stage=True, whole_samples=True, accepts=_SINGLE),
     Method("megatron", "Megatron-LM: tensor x pipeline x data parallel grid", restriction="megatron",
-           equal_layers=True, zoo_only=True, accepts=frozenset({"megatron"})),
+           equal_layers=True, zoo_only=True, accepts=frozenset({"megatron", "distributed_optimizer"})),
 )}
 # Megatron-LM's grid (Narayanan et al. 2021): tensor parallelism inside a node only,
 # microbatch sizes per data-parallel replica.
@@ -147,18 +147,26 @@ class MegatronConfig:
     pp: int
     dp: int
     microbatch_size: int              # per data-parallel replica
+    # Megatron-core's distributed optimizer: Adam states and master weights on 1/dp
+    # each (`_intra_baselines.REWRITE_ALLOWED`); off in the paper's Megatron-LM (2021).
+    distributed_optimizer: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "microbatch_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"Megatron {name} must be a positive integer, got {getattr(self, name)!r}")
+        if not isinstance(self.distributed_optimizer, bool):
+            raise ValueError(f"Megatron distributed_optimizer must be true or false, "
+                             f"got {self.distributed_optimizer!r}")
 
     def __str__(self) -> str:
-        return f"tp={self.tp} pp={self.pp} dp={self.dp} mbs={self.microbatch_size}"
+        return (f"tp={self.tp} pp={self.pp} dp={self.dp} mbs={self.microbatch_size}"
+                + (" dist-opt" if self.distributed_optimizer else ""))
 
 
 def plan_model(model: ModelLike, cluster: Cluster, method: str = "alpa", *, layers: int | None = None,
-               max_stages: int | None = None, megatron: MegatronConfig | None = None, **options) -> PipelinePlan:
+               max_stages: int | None = None, megatron: MegatronConfig | None = None,
+               distributed_optimizer: bool | None = None, **options) -> PipelinePlan:
     """The one planner entry: `model` (a zoo name, spec string or graph file path, a
     `ModelSource`, an `OpGraph`, or a `graphs.JaxModel` — a JAX loss function with
     example arguments) on `cluster` with `method` (a `METHODS` name).
@@ -171,13 +179,14 @@ def plan_model(model: ModelLike, cluster: Cluster, method: str = "alpa", *, laye
     backward recomputes (`RECOMPUTE_SEARCH`; `remat` is then the search's)."""
     if options.get("recompute") == "auto":
         return _best_recompute(model, cluster, method, layers=layers, max_stages=max_stages, megatron=megatron,
-                               **options)
+                               distributed_optimizer=distributed_optimizer, **options)
     m = get_method(method)
     unknown = set(options) - COMMON_OPTIONS
     if unknown:
         raise TypeError(f"plan_model: unknown option {sorted(unknown)[0]!r}; the options are "
                         f"{', '.join(sorted(COMMON_OPTIONS | set(METHOD_OPTIONS)))}")
-    refused = m.refused(layers=layers, max_stages=max_stages, megatron=megatron)
+    refused = m.refused(layers=layers, max_stages=max_stages, megatron=megatron,
+                        distributed_optimizer=distributed_optimizer)
     if refused is not None:
         raise ValueError(f"{refused} does not apply to method {m.cli_name} (its search sets it)")
     source = _zoo_source(model) if m.zoo_only else model_source(model)
@@ -185,8 +194,10 @@ def plan_model(model: ModelLike, cluster: Cluster, method: str = "alpa", *, laye
         if m.name == "megatron":
             options.pop("microbatches", None)     # Megatron's microbatch size sets the count
             if megatron is not None:
+                if distributed_optimizer is not None:
+                    megatron = dataclasses.replace(megatron, distributed_optimizer=distributed_optimizer)
                 return megatron_plan(source, cluster, megatron, **options)
-            return megatron_grid(source, cluster, **options)
+            return megatron_grid(source, cluster, distributed_optimizer=bool(distributed_optimizer), **options)
         kw = {**options, **m.search_options(cluster)}
         if layers is not None:
             kw["layers"] = layers
@@ -285,22 +296,27 @@ def megatron_plan(model: ModelLike, cluster: Cluster, config: MegatronConfig, **
     def views_of(shape: SubmeshShape) -> list[tuple[int, int]]:
         return [(config.dp, config.tp)] if shape.size == size else []
 
+    search = METHODS["megatron"].search_options(cluster)
+    if config.distributed_optimizer:
+        search["restriction"] = "megatron_distopt"
     try:
         plan = plan_pipeline(source, cluster, microbatches=b, method="megatron", shape_ok=lambda sh: sh.size == size,
-                             views_of=views_of, num_stages=config.pp, relabel=zoo_blocks,
-                             **METHODS["megatron"].search_options(cluster), **kw)
+                             views_of=views_of, num_stages=config.pp, relabel=zoo_blocks, **search, **kw)
     except PlanInfeasible as e:
         return infeasible_plan(source, cluster, "megatron", str(e), SearchStats(megatron=_config_json(config)))
     return dataclasses.replace(plan, search=dataclasses.replace(plan.search, megatron=_config_json(config)))
 
 
-def megatron_grid(model: ModelLike, cluster: Cluster, *, progress: Callable | None = None, **kw) -> PipelinePlan:
-    """The best configuration of Megatron-LM's grid (the paper grid-searches it too);
-    every configuration tried is listed in `search.megatron_grid`."""
+def megatron_grid(model: ModelLike, cluster: Cluster, *, progress: Callable | None = None,
+                  distributed_optimizer: bool = False, **kw) -> PipelinePlan:
+    """The best configuration of Megatron-LM's grid (the paper grid-searches it too),
+    every one with the distributed optimizer when asked; every configuration tried is
+    listed in `search.megatron_grid`."""
     source = _zoo_source(model)
     name, cfg = source.name, source.config
     blocks = forward_graph(dataclasses.replace(cfg, batch=1), name=name).num_layers
-    grid = megatron_configs(cluster.num_devices, cluster.devices_per_node, blocks, cfg.batch)
+    grid = [dataclasses.replace(c, distributed_optimizer=distributed_optimizer)
+            for c in megatron_configs(cluster.num_devices, cluster.devices_per_node, blocks, cfg.batch)]
     best: PipelinePlan | None = None
     tried = []
     for i, config in enumerate(grid):

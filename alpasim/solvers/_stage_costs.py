@@ -248,7 +248,8 @@ def layer_options(layer: OpGraph, mesh: LogicalMesh, cluster: Cluster, microbatc
 
     def summarise(plan, status: str) -> LayerOption:
         mem = plan.memory
-        t_param, t_grad, t_opt = tied_copy_bytes(layer, plan.specs, mesh)
+        t_param, t_grad, t_opt = tied_copy_bytes(layer, plan.specs, mesh, state_shards=(
+            mesh.shape[0] if restriction == "megatron_distopt" else 1))
         return LayerOption(plan.time_s, plan.sync_s + plan.update_s, mem.persistent_bytes + t_grad + t_opt,
                            mem.activations_peak_bytes, tuple(str(plan.specs[p]) for p in params),
                            tuple((i, plan.strategies[layer.ops[i].name].name,
@@ -293,13 +294,15 @@ def layer_options(layer: OpGraph, mesh: LogicalMesh, cluster: Cluster, microbatc
     return front
 
 
-def tied_copy_bytes(layer: OpGraph, specs, mesh: LogicalMesh) -> tuple[float, float, float]:
+def tied_copy_bytes(layer: OpGraph, specs, mesh: LogicalMesh, state_shards: int = 1) -> tuple[float, float, float]:
     """(param, grad, optimizer) bytes per device of the tied parameters `layer` reads but
     whose update lives in another layer (the LM head's copy of the word embedding).
     Megatron-LM gives such a copy its own gradient and optimizer state on the last stage
     and all-reduces the two copies' gradients once per iteration (priced as the
     per-iteration gradient transfer, `stage_transfers`); a stage holding both counts
-    the table once (`_assemble` subtracts the copy)."""
+    the table once (`_assemble` subtracts the copy). `state_shards`: the devices its
+    master weight and Adam moments are split over beyond the weight's own layout (the
+    data-parallel degree under Megatron-core's distributed optimizer)."""
     recipe = get_recipe(layer.meta.get("precision"))
     updated = {op.inputs[0] for op in layer.ops if op.prim == "adam"}
     param = grad = opt = 0.0
@@ -312,7 +315,7 @@ def tied_copy_bytes(layer: OpGraph, specs, mesh: LogicalMesh) -> tuple[float, fl
         state_bytes = recipe.bytes_per_param(p.dtype) - p.itemsize - grad_item
         param += per_device
         grad += per_device * grad_item / p.itemsize
-        opt += per_device * state_bytes / p.itemsize
+        opt += per_device * state_bytes / p.itemsize / state_shards
     return param, grad, opt
 
 

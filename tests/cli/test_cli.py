@@ -87,6 +87,10 @@ def test_graph_save_round_trips(tmp_path):
      "--max-stages does not apply to --method zero2"),
     (["plan", "--model", "gpt3-1.3b", "--method", "inter-only", "--layers", "4"],
      "--layers does not apply to --method inter-only"),
+    (["plan", "--model", "gpt3-1.3b", "--distributed-optimizer"], "--distributed-optimizer only applies to"),
+    (["plan", "--model", "gpt3-1.3b", "--recompute", "some"], "choose one of none, fusible, selective, auto"),
+    (["graph", "gpt3-1.3b", "--recompute", "auto"], "choose one of none, fusible, selective"),
+    (["graph", "llama:hidden=64,heads=4,kv_heads=3,ffn=8,layers=1"], "kv_heads"),
     # Output paths are checked before the work: these would otherwise plan for a minute.
     (["plan", "--model", "gpt3-39b", "--out", "/tmp"], "--out /tmp: is a directory"),
     (["plan", "--model", "gpt3-39b", "--out", "/proc/version/plan.json"], "/proc/version is not a directory"),

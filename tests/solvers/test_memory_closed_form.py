@@ -191,3 +191,21 @@ def test_selective_recompute_stashes_korthikantis_selective_activations(cache, t
         got[policy] = plan.stages[0].memory["stash_bytes"]
     assert got["selective"] == pytest.approx(4 * s * b + layers * sbh * (8 + 24 / t), rel=1e-9)
     assert got["none"] - got["selective"] == pytest.approx(layers * 2 * as2b / t, rel=1e-9)
+
+
+def test_distributed_optimizer_keeps_adam_states_on_one_dp_slice(cache):
+    """Megatron-core's distributed optimizer: the same configuration with it holds the
+    same weights but 1/dp of the master weights and Adam moments (every parameter of
+    this model has a dimension dp divides), and its gradient reduce-scatter plus weight
+    all-gather take what the all-reduce took."""
+    cluster = get_cluster("dgx-a100", nodes=2, devices_per_node=8, memory_gb=1e5)
+    plans = {flag: plan_with_method("megatron", MODEL, cluster, megatron=MegatronConfig(2, 2, 4, 2, flag),
+                                    cache=cache) for flag in (False, True)}
+    assert plans[True].search.megatron["distributed_optimizer"] is True
+    for whole, sliced in zip(plans[False].stages, plans[True].stages, strict=True):
+        assert sliced.memory["params_bytes"] == pytest.approx(whole.memory["params_bytes"], rel=1e-9)
+        # Megatron's gradient buffer is whole; ours is for every contraction's gradient
+        # (accumulated unreduced), a little less for the norms' and biases'.
+        assert whole.memory["grads_bytes"] / 4 < sliced.memory["grads_bytes"] <= whole.memory["grads_bytes"]
+        assert sliced.memory["optimizer_bytes"] == pytest.approx(whole.memory["optimizer_bytes"] / 4, rel=1e-9)
+    assert plans[True].predicted.iteration_s == pytest.approx(plans[False].predicted.iteration_s, rel=0.05)

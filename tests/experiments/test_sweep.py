@@ -199,7 +199,7 @@ def test_cli_plan_method_baseline_and_megatron_degrees(cache_dir):
                    "--microbatch-size", "2", "--json")
     assert proc.returncode == 0, proc.stderr
     p = json.loads(proc.stdout)
-    assert p["search"]["megatron"] == {"tp": 1, "pp": 2, "dp": 1, "microbatch_size": 2}
+    assert p["search"]["megatron"] == {"tp": 1, "pp": 2, "dp": 1, "microbatch_size": 2, "distributed_optimizer": False}
     assert len(p["stages"]) == 2 and p["microbatches"] == 8 // 2
 
 

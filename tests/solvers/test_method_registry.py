@@ -25,7 +25,7 @@ from test_jax_import import TF, gpt_loss, gpt_shapes  # noqa: E402
 
 TINY = "gpt3:hidden=32,layers=2,heads=2,seq=8,vocab=64,batch=8"
 CLUSTER = get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=4)
-VALUES = {"layers": 2, "max_stages": 2, "megatron": MegatronConfig(2, 2, 1, 1)}
+VALUES = {"layers": 2, "max_stages": 2, "megatron": MegatronConfig(2, 2, 1, 1), "distributed_optimizer": True}
 
 
 @pytest.mark.parametrize("name", sorted(METHODS))

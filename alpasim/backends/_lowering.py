@@ -70,12 +70,25 @@ def _pointwise(p, filter_shape) -> bool:
     return tuple(filter_shape[:2]) == (1, 1) and all(tuple(pad) == (0, 0) for pad in _geometry(p)[1])
 
 
+def _pick(x, offset, strides, count):
+    """x[:, i + a*sh, j + b*sw] for a < count[0], b < count[1]: NHWC pixels on a grid."""
+    (i, j), (sh, sw), (n, _, _, c) = offset, strides, x.shape
+    return lax.slice(x, (0, i, j, 0), (n, i + (count[0] - 1) * sh + 1, j + (count[1] - 1) * sw + 1, c),
+                     (1, sh, sw, 1))
+
+
+def _spread(x, offset, strides, extent):
+    """`_pick`'s transpose: x's pixel (a, b) at (i + a*sh, j + b*sw) of zeros of spatial
+    `extent`, by one strided pad (interior padding stride - 1)."""
+    (i, j), (sh, sw), (_, oh, ow, _) = offset, strides, x.shape
+    return lax.pad(x, np.array(0, x.dtype), ((0, 0, 0), (i, extent[0] - i - (oh - 1) * sh - 1, sh - 1),
+                                             (j, extent[1] - j - (ow - 1) * sw - 1, sw - 1), (0, 0, 0)))
+
+
 def _strided_pixels(x, strides):
-    sh, sw = strides
-    if (sh, sw) == (1, 1):
-        return x
-    n, h, w, c = x.shape
-    return lax.slice(x, (0, 0, 0, 0), (n, h, w, c), (1, sh, sw, 1))
+    """The pixels a 1x1 convolution of `strides` reads: every stride-th, from the first."""
+    _, h, w, _ = x.shape
+    return x if tuple(strides) == (1, 1) else _pick(x, (0, 0), strides, (-(-h // strides[0]), -(-w // strides[1])))
 
 
 @_lowers("conv2d")
@@ -91,15 +104,8 @@ def _conv2d_input_grad(p, dy, w):
     strides, padding = _geometry(p)
     if _pointwise(p, w.shape):
         dx = jnp.einsum("nhwd,cd->nhwc", dy, w[0, 0].astype(dy.dtype))
-        if strides == (1, 1):
-            return dx
-        # Each output pixel came from input pixel (i * sh, j * sw): scatter back by a
-        # strided pad (interior padding stride - 1), zeros up to the input's extent.
-        _, h, wd, _ = p["input_shape"]
-        (sh, sw), (_, oh, ow, _) = strides, dx.shape
-        zero = np.array(0, dx.dtype)
-        return lax.pad(dx, zero, ((0, 0, 0), (0, h - (oh - 1) * sh - 1, sh - 1),
-                                  (0, wd - (ow - 1) * sw - 1, sw - 1), (0, 0, 0)))
+        # Each output pixel came from input pixel (a * sh, b * sw); the others read none.
+        return dx if strides == (1, 1) else _spread(dx, (0, 0), strides, p["input_shape"][1:3])
     # conv2d is linear in x, so the transpose does not depend on the point (zeros).
     x0 = jnp.zeros(tuple(p["input_shape"]), dy.dtype)
     _, vjp = jax.vjp(lambda x: _conv(x, w.astype(dy.dtype), strides, padding), x0)
@@ -432,14 +438,10 @@ def _max_pool_grad(p, dy, x):
     dxp = jnp.zeros(xp.shape, x.dtype)
     for i in range(kh):
         for j in range(kw):
-            seen = lax.slice(xp, (0, i, j, 0), (n, i + (oh - 1) * sh + 1, j + (ow - 1) * sw + 1, c),
-                             (1, sh, sw, 1))
-            first = (seen == y) & ~taken
+            first = (_pick(xp, (i, j), (sh, sw), (oh, ow)) == y) & ~taken
             taken = taken | first
-            # Output (a, b) lands at padded position (i + a*sh, j + b*sw).
-            dxp = dxp + lax.pad(jnp.where(first, g, zero), zero,
-                                ((0, 0, 0), (i, xp.shape[1] - i - (oh - 1) * sh - 1, sh - 1),
-                                 (j, xp.shape[2] - j - (ow - 1) * sw - 1, sw - 1), (0, 0, 0)))
+            # Output (a, b) reads padded position (i + a*sh, j + b*sw) at this offset.
+            dxp = dxp + _spread(jnp.where(first, g, zero), (i, j), (sh, sw), xp.shape[1:3])
     return lax.slice(dxp, (0, pt, pl, 0), (n, pt + h, pl + w, c))
 
 

@@ -108,12 +108,11 @@ def plan(
              f"{', '.join(k for k in degrees if k not in given)})")
     if distributed_optimizer and "distributed_optimizer" not in m.accepts:
         fail("--distributed-optimizer only applies to --method megatron")
-    config = sv.MegatronConfig(tp, pp, dp, microbatch_size, distributed_optimizer) if given else None
-    extra = {"distributed_optimizer": True} if distributed_optimizer else {}
+    config = sv.MegatronConfig(tp, pp, dp, microbatch_size) if given else None
     p = make_plan(model, c, name, microbatches=microbatches, layers=layers, max_stages=max_stages, megatron=config,
-                  cache=not no_cache, workers=workers, ray=ray, ray_address=ray_address,
-                  remat=remat, epsilon=epsilon, cost_model=model_costs, precision=precision, recompute=recompute,
-                  **extra)
+                  distributed_optimizer=distributed_optimizer or None, cache=not no_cache, workers=workers, ray=ray,
+                  ray_address=ray_address, remat=remat, epsilon=epsilon, cost_model=model_costs,
+                  precision=precision, recompute=recompute)
     if not p.feasible and name == "alpa":   # Alpa finding nothing is an error, with or without --json
         fail("; ".join(p.notes) or "infeasible")
     if out_path is not None:

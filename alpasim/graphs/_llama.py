@@ -31,6 +31,7 @@ is 8.03e9. Configurations are Meta's Llama 3 release (Dubey et al. 2024, Table 3
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,18 +56,7 @@ class LlamaConfig:
     dtype: str = "bfloat16"
 
     def __post_init__(self) -> None:
-        for key in ("hidden", "layers", "heads", "kv_heads", "ffn", "seq", "vocab", "batch", "rope_theta"):
-            v = getattr(self, key)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"llama: {key} must be a positive integer, got {v!r}")
-        if self.hidden % self.heads:
-            raise ValueError(f"llama: hidden={self.hidden} is not divisible by heads={self.heads}")
-        if self.heads % self.kv_heads:
-            raise ValueError(f"llama: heads={self.heads} is not divisible by kv_heads={self.kv_heads}")
-        if (self.hidden // self.heads) % 2:
-            raise ValueError(f"llama: the head size {self.hidden // self.heads} must be even (RoPE rotates pairs)")
-        if self.dtype not in ("float16", "bfloat16", "float32"):
-            raise ValueError(f"llama: dtype must be float16, bfloat16 or float32, got {self.dtype!r}")
+        check_decoder(self, ("ffn",))
 
     @property
     def family(self) -> str:
@@ -78,6 +68,26 @@ class LlamaConfig:
 
 
 RMS_EPS = 1e-5
+DECODER_FIELDS = ("hidden", "layers", "heads", "kv_heads", "seq", "vocab", "batch", "rope_theta")
+
+
+def check_decoder(cfg, positive: tuple[str, ...] = (), non_negative: tuple[str, ...] = ()) -> None:
+    """The checks of a `decoder_lm` config: `DECODER_FIELDS` and `positive` positive
+    integers, `non_negative` integers >= 0, heads dividing hidden and KV heads dividing
+    heads, an even head size (RoPE rotates pairs), a floating dtype."""
+    for key in (*DECODER_FIELDS, *positive, *non_negative):
+        v, least = getattr(cfg, key), 0 if key in non_negative else 1
+        if not isinstance(v, int) or v < least:
+            raise ValueError(f"{cfg.family}: {key} must be a {'non-negative' if least == 0 else 'positive'} "
+                             f"integer, got {v!r}")
+    if cfg.hidden % cfg.heads:
+        raise ValueError(f"{cfg.family}: hidden={cfg.hidden} is not divisible by heads={cfg.heads}")
+    if cfg.heads % cfg.kv_heads:
+        raise ValueError(f"{cfg.family}: heads={cfg.heads} is not divisible by kv_heads={cfg.kv_heads}")
+    if (cfg.hidden // cfg.heads) % 2:
+        raise ValueError(f"{cfg.family}: the head size {cfg.hidden // cfg.heads} must be even (RoPE rotates pairs)")
+    if cfg.dtype not in ("float16", "bfloat16", "float32"):
+        raise ValueError(f"{cfg.family}: dtype must be float16, bfloat16 or float32, got {cfg.dtype!r}")
 
 
 def rms_norm(b: GraphBuilder, x: str, dt: str, name: str) -> str:
@@ -108,8 +118,9 @@ def _rope_tables(b: GraphBuilder, cfg) -> tuple[str, str]:
     return b.ew("cos", angle, name="rope_cos"), b.ew("sin", angle, name="rope_sin")
 
 
-def _rope(b: GraphBuilder, x: str, cos: str, sin: str, seq_axis: int, name: str) -> str:
-    """Rotate each (x1, x2) pair of the head's halves: (x1 c - x2 s, x2 c + x1 s)."""
+def _rope(b: GraphBuilder, x: str, cos: str, sin: str, name: str) -> str:
+    """Rotate each (x1, x2) pair of the head's halves of x (batch, seq, ..., head_dim):
+    (x1 c - x2 s, x2 c + x1 s)."""
     shape, dt = b.shape(x), b.dtype(x)
     rank, half = len(shape), shape[-1] // 2
     with b.scope(prefix=f"{b.prefix}{name}/"):
@@ -120,7 +131,7 @@ def _rope(b: GraphBuilder, x: str, cos: str, sin: str, seq_axis: int, name: str)
 
         def table(t: str, tag: str) -> str:
             t = b.one("convert", [t], name=f"{tag}_cast", dtype=dt) if dt != "float32" else t
-            return b.one("broadcast", [t], name=f"{tag}_b", shape=hshape, dims=(seq_axis, rank - 1))
+            return b.one("broadcast", [t], name=f"{tag}_b", shape=hshape, dims=(1, rank - 1))
 
         c, s = table(cos, "cos"), table(sin, "sin")
         y1 = b.ew("sub", b.ew("mul", x1, c, name="x1c"), b.ew("mul", x2, s, name="x2s"), name="y1")
@@ -138,7 +149,7 @@ def gqa_attention(b: GraphBuilder, x: str, cfg) -> str:
         q = b.einsum("bsh,hgrd->bsgrd", x, b.param("w_q", (h, g, r, d), dt), name="q_proj")
         k = b.einsum("bsh,hgd->bsgd", x, b.param("w_k", (h, g, d), dt), name="k_proj")
         v = b.einsum("bsh,hgd->bsgd", x, b.param("w_v", (h, g, d), dt), name="v_proj")
-        q, k = _rope(b, q, cos, sin, 1, "q_rope"), _rope(b, k, cos, sin, 1, "k_rope")
+        q, k = _rope(b, q, cos, sin, "q_rope"), _rope(b, k, cos, sin, "k_rope")
         scores = b.einsum("bqgrd,bkgd->bgrqk", q, k, name="scores")
         probs = b.one("softmax", [scores], name="softmax", axis=-1, scale=1.0 / math.sqrt(d), causal=True)
         ctx = b.einsum("bgrqk,bkgd->bqgrd", probs, v, name="context")
@@ -146,12 +157,14 @@ def gqa_attention(b: GraphBuilder, x: str, cfg) -> str:
 
 
 def swiglu(b: GraphBuilder, x: str, ffn: int, dt: str, prefix: str = "") -> str:
-    """silu(x W_gate) * (x W_up), then W_down, on (batch, seq, hidden) activations."""
+    """silu(x W_gate) * (x W_up), then W_down, on (batch, seq, hidden) activations. The
+    weights are `w_gate_proj`, `w_up_proj` and `w_down_proj` (Llama's names; plain
+    `w_gate` is GShard MoE's router)."""
     h = b.shape(x)[-1]
     with b.scope(tags=("mlp",)):
-        gate = b.einsum("bsh,hf->bsf", x, b.param(f"{prefix}w_gate", (h, ffn), dt), name=f"{prefix}gate_proj")
-        up = b.einsum("bsh,hf->bsf", x, b.param(f"{prefix}w_up", (h, ffn), dt), name=f"{prefix}up_proj")
-        return b.einsum("bsf,fh->bsh", silu_mul(b, gate, up), b.param(f"{prefix}w_down", (ffn, h), dt),
+        gate = b.einsum("bsh,hf->bsf", x, b.param(f"{prefix}w_gate_proj", (h, ffn), dt), name=f"{prefix}gate_proj")
+        up = b.einsum("bsh,hf->bsf", x, b.param(f"{prefix}w_up_proj", (h, ffn), dt), name=f"{prefix}up_proj")
+        return b.einsum("bsf,fh->bsh", silu_mul(b, gate, up), b.param(f"{prefix}w_down_proj", (ffn, h), dt),
                         name=f"{prefix}down_proj")
 
 
@@ -184,5 +197,4 @@ def decoder_lm(cfg, name: str, feed_forward: Callable[[GraphBuilder, str, int], 
         with b.scope(tags=("keep",)):
             logits = b.einsum("bsh,hv->bsv", x, b.param("w_head", (h, cfg.vocab), dt), name="logits")
             loss = b.one("softmax_cross_entropy", [logits, labels], name="loss")
-    return b.build([loss], meta={"family": cfg.family, "dtype": dt,
-                                 "config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}})
+    return b.build([loss], meta={"family": cfg.family, "dtype": dt, "config": dataclasses.asdict(cfg)})

@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ._builder import GraphBuilder
-from ._llama import decoder_lm, silu_mul, swiglu
+from ._llama import check_decoder, decoder_lm, silu_mul, swiglu
 from ._transformer import routing_group_size
 from ._types import OpGraph
 
@@ -59,28 +59,16 @@ class TopKMoEConfig:
     dtype: str = "bfloat16"
 
     def __post_init__(self) -> None:
-        for key in ("hidden", "layers", "heads", "kv_heads", "experts", "top_k", "expert_ffn", "seq", "vocab",
-                    "batch", "group_size", "capacity_pct", "rope_theta"):
-            v = getattr(self, key)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"topk-moe: {key} must be a positive integer, got {v!r}")
-        for key in ("shared_experts", "dense_layers", "dense_ffn"):
-            v = getattr(self, key)
-            if not isinstance(v, int) or v < 0:
-                raise ValueError(f"topk-moe: {key} must be a non-negative integer, got {v!r}")
+        check_decoder(self, ("experts", "top_k", "expert_ffn", "group_size", "capacity_pct"),
+                      ("shared_experts", "dense_layers", "dense_ffn"))
         if self.normalize_topk not in (0, 1):
             raise ValueError(f"topk-moe: normalize_topk must be 0 or 1, got {self.normalize_topk!r}")
-        if self.hidden % self.heads or self.heads % self.kv_heads or (self.hidden // self.heads) % 2:
-            raise ValueError(f"topk-moe: hidden={self.hidden}, heads={self.heads}, kv_heads={self.kv_heads} need "
-                             f"heads | hidden, kv_heads | heads and an even head size")
         if self.top_k > self.experts:
             raise ValueError(f"topk-moe: top_k={self.top_k} exceeds the {self.experts} experts")
         if self.dense_layers > self.layers:
             raise ValueError(f"topk-moe: dense_layers={self.dense_layers} exceeds layers={self.layers}")
         if self.dense_layers and not self.dense_ffn:
             raise ValueError("topk-moe: dense_layers needs dense_ffn (their SwiGLU size)")
-        if self.dtype not in ("float16", "bfloat16", "float32"):
-            raise ValueError(f"topk-moe: dtype must be float16, bfloat16 or float32, got {self.dtype!r}")
 
     @property
     def family(self) -> str:

@@ -53,7 +53,8 @@ from ._strategies import Strategy, graph_strategies
 MEGATRON_PARAM_DIMS: dict[str, int] = {
     "w_q": 1, "w_k": 1, "w_v": 1, "b_q": 0, "b_k": 0, "b_v": 0, "w_o": 0,
     "w_fc1": 1, "b_fc1": 0, "w_fc2": 0, "wte": 0, "w_head": 1,
-    "w_gate": 1, "w_up": 1, "w_down": 0, "shared_w_gate": 1, "shared_w_up": 1, "shared_w_down": 0,
+    "w_gate_proj": 1, "w_up_proj": 1, "w_down_proj": 0,
+    "shared_w_gate_proj": 1, "shared_w_up_proj": 1, "shared_w_down_proj": 0,
     "w_expert_in": 2, "w_expert_out": 1, "w_expert_gate": 2, "w_expert_up": 2, "w_expert_down": 1,
 }
 # Expert weights, (E, M, H) and (E, H, M): the expert dimension is dim 0.
@@ -168,6 +169,13 @@ def megatron_distopt_restriction(graph: OpGraph, mesh: LogicalMesh, cost_model: 
                          if all(c.kind != "reduce_scatter" or c.axes == (0,) for c in v.collectives)]
             out[op.name] = list(dict.fromkeys(scattered)) or restrict[op.name]
     return out, leaf_specs
+
+
+def optimizer_state_shards(restriction: str | None, mesh: LogicalMesh) -> int:
+    """The devices a baseline splits each optimizer state over beyond its parameter's
+    layout, for states it keeps outside the graph (a tied copy's, `_stage_costs`): the
+    data-parallel degree under the distributed optimizer, else 1."""
+    return mesh.shape[0] if restriction == "megatron_distopt" else 1
 
 
 def _one_more_axis(spec: ShardingSpec, base: ShardingSpec, axis: int) -> bool:

@@ -148,7 +148,8 @@ class MegatronConfig:
     dp: int
     microbatch_size: int              # per data-parallel replica
     # Megatron-core's distributed optimizer: Adam states and master weights on 1/dp
-    # each (`_intra_baselines.REWRITE_ALLOWED`); off in the paper's Megatron-LM (2021).
+    # each (`_intra_baselines.megatron_distopt_restriction`); off in the paper's
+    # Megatron-LM (2021).
     distributed_optimizer: bool = False
 
     def __post_init__(self) -> None:

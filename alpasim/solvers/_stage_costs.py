@@ -47,7 +47,7 @@ from alpasim.costmodels import (
 from alpasim.graphs import DTYPE_BYTES, OpGraph, get_recipe, is_heavy, op_flops, stage_graph
 
 from ._cache import CACHE_VERSION, DiskCache, digest
-from ._intra_baselines import BASELINES, REWRITE_ALLOWED
+from ._intra_baselines import BASELINES, REWRITE_ALLOWED, optimizer_state_shards
 from ._intra_op import IntraOpInfeasible, min_memory_choice, solve_intra_op, solve_problem
 from ._mesh import LogicalMesh
 from ._spec import ShardingSpec
@@ -248,8 +248,8 @@ def layer_options(layer: OpGraph, mesh: LogicalMesh, cluster: Cluster, microbatc
 
     def summarise(plan, status: str) -> LayerOption:
         mem = plan.memory
-        t_param, t_grad, t_opt = tied_copy_bytes(layer, plan.specs, mesh, state_shards=(
-            mesh.shape[0] if restriction == "megatron_distopt" else 1))
+        t_param, t_grad, t_opt = tied_copy_bytes(layer, plan.specs, mesh,
+                                                 optimizer_state_shards(restriction, mesh))
         return LayerOption(plan.time_s, plan.sync_s + plan.update_s, mem.persistent_bytes + t_grad + t_opt,
                            mem.activations_peak_bytes, tuple(str(plan.specs[p]) for p in params),
                            tuple((i, plan.strategies[layer.ops[i].name].name,

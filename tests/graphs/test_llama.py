@@ -77,5 +77,5 @@ def test_llama_forward_equals_the_same_model_in_jax():
     for i in range(ref.cfg.layers):
         w = ref.layer_weights(i)
         x = ref.attention_block(x, w)
-        x = x + ref.swiglu(ref.norm(x, w["ffn_norm/scale"]), w["w_gate"], w["w_up"], w["w_down"])
+        x = x + ref.swiglu(ref.norm(x, w["ffn_norm/scale"]), w["w_gate_proj"], w["w_up_proj"], w["w_down_proj"])
     assert ref.got == pytest.approx(ref.loss(x), rel=1e-5)

@@ -96,7 +96,7 @@ def test_forward_equals_a_dense_evaluation_of_the_chosen_experts():
         x = ref.attention_block(x, w)
         y = ref.norm(x, w["ffn_norm/scale"])
         if i < cfg.dense_layers:
-            x = x + ref.swiglu(y, w["w_gate"], w["w_up"], w["w_down"])
+            x = x + ref.swiglu(y, w["w_gate_proj"], w["w_up_proj"], w["w_down_proj"])
             continue
         tokens = y.reshape(-1, cfg.tokens_per_group, cfg.hidden)
         combine, _ = topk_gating(jax.nn.softmax(tokens @ w["w_router"], -1), cfg.top_k, cfg.capacity,
@@ -105,5 +105,5 @@ def test_forward_equals_a_dense_evaluation_of_the_chosen_experts():
         experts = jnp.stack([ref.swiglu(tokens, w["w_expert_gate"][e], w["w_expert_up"][e], w["w_expert_down"][e])
                              for e in range(cfg.experts)], 2)               # (G, S, E, h)
         routed = (weight[..., None] * experts).sum(2).reshape(y.shape)
-        x = x + routed + ref.swiglu(y, w["shared_w_gate"], w["shared_w_up"], w["shared_w_down"])
+        x = x + routed + ref.swiglu(y, w["shared_w_gate_proj"], w["shared_w_up_proj"], w["shared_w_down_proj"])
     assert ref.got == pytest.approx(ref.loss(x), rel=1e-5)

@@ -197,3 +197,15 @@ def test_megatron_splits_todays_weights_over_the_tensor_parallel_axis(p3, model_
     meg = _solve(layer, mesh, model, megatron_restriction)
     split = layer.num_params() - replicated
     assert meg.plan.memory.persistent_bytes == pytest.approx(18 * (split / 8 + replicated), rel=1e-6)
+
+
+def test_megatron_keeps_gshard_routers_replicated(p3):
+    """Megatron-LM's layout table keys on parameter names: GShard MoE's router is
+    `w_gate` (h, E), replicated over the tensor-parallel axis, and Llama's SwiGLU gate
+    (`w_gate_proj`) must not share its name (it did, and split the router's experts)."""
+    cluster, model = p3
+    layer = stage_graph(build_training_graph("moe-380m:batch=8,layers=2").graph, 0, 0)
+    _, leaf_specs = megatron_restriction(layer, LogicalMesh.on_cluster(cluster, (1, 8)), model)
+    (router,) = [t for t in leaf_specs if t.endswith("/w_gate")]
+    assert all(not axes for axes in leaf_specs[router][0].dims)
+    assert any(1 in axes for axes in leaf_specs[next(t for t in leaf_specs if t.endswith("/w_expert_in"))][0].dims)

@@ -75,6 +75,11 @@ def plan(
                                                         "distributed optimizer: Adam states and master weights "
                                                         "on 1/dp of the devices each (the explicit "
                                                         "configuration, or every one of the grid).")] = False,
+    sequence_parallel: Annotated[bool, typer.Option("--sequence-parallel", help="Megatron-LM's sequence "
+                                                    "parallelism: norms and residual adds split the sequence "
+                                                    "over the tensor-parallel group, partial sums "
+                                                    "reduce-scattered (the explicit configuration, or every "
+                                                    "one of the grid).")] = False,
     cost_model: CostModelOpt = None,
     precision: PrecisionOpt = gr.DEFAULT_RECIPE,
     recompute: RecomputeOpt = "none",
@@ -102,15 +107,18 @@ def plan(
     degrees = {"--tp": tp, "--pp": pp, "--dp": dp, "--microbatch-size": microbatch_size}
     given = [k for k, v in degrees.items() if v is not None]
     if given and "megatron" not in m.accepts:
-        fail(f"{', '.join(given)} only apply to --method megatron")
+        fail(f"{', '.join(given)} only apply to --method megatron or megatron-core")
     if given and len(given) != len(degrees):
         fail(f"--method megatron takes all of --tp, --pp, --dp and --microbatch-size together (missing "
              f"{', '.join(k for k in degrees if k not in given)})")
     if distributed_optimizer and "distributed_optimizer" not in m.accepts:
-        fail("--distributed-optimizer only applies to --method megatron")
+        fail("--distributed-optimizer only applies to --method megatron or megatron-core")
+    if sequence_parallel and "sequence_parallel" not in m.accepts:
+        fail("--sequence-parallel only applies to --method megatron or megatron-core")
     config = sv.MegatronConfig(tp, pp, dp, microbatch_size) if given else None
     p = make_plan(model, c, name, microbatches=microbatches, layers=layers, max_stages=max_stages, megatron=config,
-                  distributed_optimizer=distributed_optimizer or None, cache=not no_cache, workers=workers, ray=ray,
+                  distributed_optimizer=distributed_optimizer or None,
+                  sequence_parallel=sequence_parallel or None, cache=not no_cache, workers=workers, ray=ray,
                   ray_address=ray_address, remat=remat, epsilon=epsilon, cost_model=model_costs,
                   precision=precision, recompute=recompute)
     if not p.feasible and name == "alpa":   # Alpa finding nothing is an error, with or without --json
@@ -132,7 +140,10 @@ def plan(
         config = p.search.megatron
         out.print(f"method {name}: {m.summary}" + (
             f"; tp={config['tp']} pp={config['pp']} dp={config['dp']} microbatch size "
-            f"{config['microbatch_size']}" + (", distributed optimizer" if config.get("distributed_optimizer") else "")
+            f"{config['microbatch_size']}" + (", sequence parallel" if config.get("sequence_parallel") else "")
+            + (", distributed optimizer" if config.get("distributed_optimizer") else "")
+            + (f", recompute {p.model.recompute}, remat {'on' if p.model.remat else 'off'}"
+               if name == "megatron_core" else "")
             if config else ""))
     if report is not None:
         print_simulation(report)

@@ -40,7 +40,7 @@ AXES: dict[str, str] = {
 }
 # Colours and markers per method in the plot, so a method keeps its look across sweeps.
 _STYLE = {"alpa": ("tab:red", "o"), "intra_only": ("tab:blue", "s"), "inter_only": ("tab:green", "^"),
-          "megatron": ("tab:purple", "D")}
+          "megatron": ("tab:purple", "D"), "megatron_core": ("tab:brown", "v")}
 
 
 def sweep_value(axis: str, value: Any) -> float | int | str:

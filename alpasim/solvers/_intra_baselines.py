@@ -66,7 +66,19 @@ TIE_RTOL = 1e-12
 
 def batch_letters(graph: OpGraph) -> dict[str, frozenset[str]]:
     """Op name -> the letters of its loops that run over the batch."""
-    flagged: set[tuple[str, int]] = {(t, 0) for t in graph.inputs if graph.tensors[t].rank > 0}
+    return _propagated_letters(graph, {(t, 0) for t in graph.inputs if graph.tensors[t].rank > 0})
+
+
+def sequence_letters(graph: OpGraph) -> dict[str, frozenset[str]]:
+    """Op name -> the letters of its loops that run over the sequence (axis 1 of every
+    stage input of rank 2 or more: token ids, labels, hidden states, cotangents)."""
+    return _propagated_letters(graph, {(t, 1) for t in graph.inputs if graph.tensors[t].rank > 1})
+
+
+def _propagated_letters(graph: OpGraph, flagged: set[tuple[str, int]]) -> dict[str, frozenset[str]]:
+    """Op name -> the letters of its loops over the (tensor, dim)s in `flagged`, which
+    flow from each op's inputs to the output dims that keep the letter."""
+    flagged = set(flagged)
     out: dict[str, frozenset[str]] = {}
     for op in graph.ops:
         dm = op_dims(op, graph.tensors)
@@ -97,10 +109,24 @@ def data_parallel_restriction(graph: OpGraph, mesh: LogicalMesh, cost_model: Cos
     return restrict, _replicated_params(graph)
 
 
-def megatron_restriction(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel):
-    """(restrict, leaf_specs) for Megatron-LM's data x tensor parallel layout."""
+def megatron_restriction(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel, *,
+                         sequence_parallel: bool = False):
+    """(restrict, leaf_specs) for Megatron-LM's data x tensor parallel layout.
+
+    With `sequence_parallel` (Korthikanti et al. 2022), every op outside the
+    tensor-parallel regions (the ops no split weight's dimension reaches: norms,
+    residual adds, dropout, the embedding's output) splits its sequence loop over the
+    tensor-parallel axis instead of repeating its work there, and a region's partial
+    sums are reduce-scattered onto the sequence instead of all-reduced; entering a
+    region all-gathers the sequence (a resharding edge). The backward mirrors it: the
+    all-gather's gradient is a reduce-scatter, and the weight gradients' reads gather
+    the stashed sequence shard again, as Megatron-LM does.
+    """
     batch = batch_letters(graph)
     leaf_specs = _megatron_params(graph, mesh)
+    split = _propagated_letters(graph, {(t, d) for t, specs in leaf_specs.items()
+                                        for d, axes in enumerate(specs[0].dims) if 1 in axes})
+    seq = sequence_letters(graph) if sequence_parallel and mesh.shape[1] > 1 else {}
     restrict: dict[str, list[Strategy]] = {}
     param_of_grad = {op.inputs[1]: op.inputs[0] for op in graph.ops if op.prim == "adam"}
     for op in graph.ops:
@@ -114,14 +140,22 @@ def megatron_restriction(graph: OpGraph, mesh: LogicalMesh, cost_model: CostMode
                 for d, axes in enumerate(spec[0].dims):
                     if 1 in axes:
                         must[1] = {term[d]}
+        loss = op.prim in ("softmax_cross_entropy", "softmax_cross_entropy_grad")
+        if seq and 1 not in must and not loss:
+            # Inside a region the split weight's letter; outside, the sequence.
+            letters = set(split[op.name] or seq[op.name]) - set(batch[op.name])
+            if letters:
+                must[1] = letters
         # Megatron-LM without sequence parallelism reduces tensor-parallel partial sums
-        # with all-reduce only (a reduce-scatter would leave the sequence split).
+        # with all-reduce only (a reduce-scatter would leave the sequence split); with
+        # it, a reduce-scatter over the tensor-parallel axis onto the sequence.
         options = [s for s in _options(op, graph, mesh, cost_model)
-                   if not any(c.kind == "reduce_scatter" for c in s.collectives)]
+                   if not any(c.kind == "reduce_scatter" for c in s.collectives)
+                   or (seq and _scatters_onto(op, s, graph.tensors, seq[op.name]))]
         keep = [s for s in options if all(_axes_of(s).get(a) in letters for a, letters in must.items())]
         if 0 not in must and mesh.shape[0] > 1:
             keep = [s for s in keep if 0 not in _axes_of(s)]
-        if op.prim in ("softmax_cross_entropy", "softmax_cross_entropy_grad") and mesh.shape[1] > 1:
+        if loss and mesh.shape[1] > 1:
             # Megatron-LM splits the loss over the vocabulary; our loss primitive cannot
             # split its class axis, so it runs replicated over the tensor-parallel axis
             # (never on a sequence split Megatron does not have).
@@ -144,7 +178,31 @@ def megatron_restriction(graph: OpGraph, mesh: LogicalMesh, cost_model: CostMode
     return restrict, leaf_specs
 
 
-def megatron_distopt_restriction(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel):
+def _scatters_onto(op: Op, s: Strategy, tensors: Mapping[str, Tensor], letters: frozenset[str]) -> bool:
+    """`s` reduce-scatters only over the tensor-parallel axis, onto a dimension whose
+    letter is one of `letters` (the sequence)."""
+    if any(c.kind == "reduce_scatter" and c.axes != (1,) for c in s.collectives):
+        return False
+    loops = dict(s.loops)
+    dm = op_dims(op, tensors)
+    onto = {c for term, spec in zip(dm.outputs, s.out_specs) for c, axes in zip(term, spec.dims)
+            if 1 in axes and c not in loops}
+    return bool(onto) and onto <= letters
+
+
+def megatron_sp_restriction(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel):
+    """(restrict, leaf_specs) for Megatron-LM with sequence parallelism."""
+    return megatron_restriction(graph, mesh, cost_model, sequence_parallel=True)
+
+
+def megatron_sp_distopt_restriction(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel):
+    """(restrict, leaf_specs) for Megatron-LM with sequence parallelism and the
+    distributed optimizer."""
+    return megatron_distopt_restriction(graph, mesh, cost_model, sequence_parallel=True)
+
+
+def megatron_distopt_restriction(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel, *,
+                                 sequence_parallel: bool = False):
     """(restrict, leaf_specs) for Megatron-LM with Megatron-core's distributed optimizer:
     its layouts, with each Adam step on a slice of the parameter's layout over the
     data-parallel axis (axis 0), each weight gradient reduce-scattered onto such a slice
@@ -153,7 +211,7 @@ def megatron_distopt_restriction(graph: OpGraph, mesh: LogicalMesh, cost_model: 
     updated weights' all-gather cost what the all-reduce did; the master weights and
     Adam moments take 1/dp. (A parameter with no dimension left to slice keeps
     Megatron's replicated step.)"""
-    restrict, leaf_specs = megatron_restriction(graph, mesh, cost_model)
+    restrict, leaf_specs = megatron_restriction(graph, mesh, cost_model, sequence_parallel=sequence_parallel)
     if mesh.shape[0] == 1:
         return restrict, leaf_specs
     out = dict(restrict)
@@ -175,7 +233,7 @@ def optimizer_state_shards(restriction: str | None, mesh: LogicalMesh) -> int:
     """The devices a baseline splits each optimizer state over beyond its parameter's
     layout, for states it keeps outside the graph (a tied copy's, `_stage_costs`): the
     data-parallel degree under the distributed optimizer, else 1."""
-    return mesh.shape[0] if restriction == "megatron_distopt" else 1
+    return mesh.shape[0] if restriction in ("megatron_distopt", "megatron_sp_distopt") else 1
 
 
 def _one_more_axis(spec: ShardingSpec, base: ShardingSpec, axis: int) -> bool:
@@ -451,7 +509,8 @@ def _expert_local_ops(graph: OpGraph, experts: list[Tensor]) -> dict[str, str]:
 
 BASELINES: Mapping[str, object] = {
     "data_parallel": data_parallel_restriction, "megatron": megatron_restriction,
-    "megatron_distopt": megatron_distopt_restriction,
+    "megatron_distopt": megatron_distopt_restriction, "megatron_sp": megatron_sp_restriction,
+    "megatron_sp_distopt": megatron_sp_distopt_restriction,
     "zero2": zero2_restriction, "zero3": zero3_restriction, "heuristic": heuristic_restriction,
     "deepspeed_moe": deepspeed_moe_restriction,
 }
@@ -461,6 +520,7 @@ BASELINES: Mapping[str, object] = {
 # Megatron-LM with Megatron-core's distributed optimizer (`megatron_distopt`) shards the
 # update by its restriction, not by the rewrite.
 REWRITE_ALLOWED: Mapping[str, bool] = {"data_parallel": False, "megatron": False, "megatron_distopt": False,
+                                       "megatron_sp": False, "megatron_sp_distopt": False,
                                        "zero2": True, "zero3": True, "heuristic": False, "deepspeed_moe": True}
 # The baselines whose weight gradients are scattered every microbatch
 # (`_shard_weight_update`); every other plan reduces them once per iteration, after

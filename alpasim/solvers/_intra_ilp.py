@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import os
 import sys
 import threading
@@ -165,6 +166,13 @@ def dominated(problem: IntraOpProblem) -> list[np.ndarray]:
             continue
         features[edge.src].append(edge.cost[edge.src_spec])                 # (k_src, specs)
         features[edge.dst].append(edge.cost[:, edge.dst_spec].T)            # (k_dst, specs)
+        if edge.share >= 0:
+            # A shared resharding (`_edge_blocks`): a consumer's cheaper target spec can
+            # cost more when another reader already pays for its present one, so only
+            # strategies that need the same spec (or reshard for free) compare.
+            free = ~edge.cost[:, edge.dst_spec].any(0)
+            spec = np.where(free, -np.inf, edge.dst_spec.astype(float))
+            features[edge.dst].append(np.stack([spec, np.where(free, -np.inf, -spec)], axis=1))
     owned: dict[int, set[str]] = {}
     for t in set(problem.persistent) | set(problem.stash) | {t for live in problem.live_sets for t in live}:
         owned.setdefault(problem.node_of_tensor[t], set()).add(t)
@@ -197,14 +205,26 @@ def _strategy_columns(b: _Builder, problem: IntraOpProblem, costs: bool,
 def _edge_blocks(b: _Builder, problem: IntraOpProblem, s: list[np.ndarray],
                  drop: list[np.ndarray]) -> None:
     """Each edge's spec-pair columns e_pq and their transport rows (module doc), for the
-    spec pairs that kept strategies can meet."""
+    spec pairs that kept strategies can meet.
+
+    Edges of one share group (readers of one tensor in one phase, `reshard_key`) pay a
+    resharding once: their e columns cost nothing, and one column r per distinct
+    (stored, needed) spec pair carries the cost with r >= e for every member's e of
+    that pair, so r is the pair's use by any member (exact for one-hot strategies)."""
+    shared: dict[int, dict[tuple, tuple[float, list[int]]]] = {}
     for edge in problem.edges:
         if not edge.cost.any():
             continue
         used_p = np.unique(edge.src_spec[~drop[edge.src]])
         used_q = np.unique(edge.dst_spec[~drop[edge.dst]])
         P, Q = len(used_p), len(used_q)
-        e = b.columns(P * Q, cost=edge.cost[np.ix_(used_p, used_q)].ravel() * US)
+        pair_cost = edge.cost[np.ix_(used_p, used_q)].ravel()
+        e = b.columns(P * Q, cost=0.0 if edge.share >= 0 else pair_cost * US)
+        if edge.share >= 0:
+            pairs = shared.setdefault(edge.share, {})
+            for col, (p, q), c in zip(e, itertools.product(used_p, used_q), pair_cost):
+                if c > 0:
+                    pairs.setdefault((edge.specs[p], edge.specs[q]), (float(c), []))[1].append(int(col))
         keep_src, keep_dst = np.flatnonzero(~drop[edge.src]), np.flatnonzero(~drop[edge.dst])
         p_row = np.searchsorted(used_p, edge.src_spec[keep_src])    # row of each kept producer strategy
         q_row = np.searchsorted(used_q, edge.dst_spec[keep_dst])
@@ -213,6 +233,12 @@ def _edge_blocks(b: _Builder, problem: IntraOpProblem, s: list[np.ndarray],
         cols = np.concatenate([e, s[edge.src][keep_src], e, s[edge.dst][keep_dst]])
         vals = np.concatenate([np.ones(P * Q), -np.ones(len(keep_src)), np.ones(P * Q), -np.ones(len(keep_dst))])
         b.rows(P + Q, 0.0, 0.0, rows, cols, vals)
+    for pairs in shared.values():
+        for cost, cols in pairs.values():
+            r = b.columns(1, cost=cost * US, upper=1.0)
+            n = len(cols)
+            b.rows(n, 0.0, np.inf, np.repeat(np.arange(n), 2), np.column_stack([np.repeat(r, n), cols]).ravel(),
+                   np.tile([1.0, -1.0], n))
 
 
 def _memory_terms(problem: IntraOpProblem, s, tensor: str, unit_bytes: float) -> tuple[np.ndarray, np.ndarray]:

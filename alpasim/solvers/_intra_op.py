@@ -113,20 +113,17 @@ def shard_stash(problem: IntraOpProblem, choice: tuple[int, ...]) -> tuple[int, 
     waiting = set(problem.stash) | {t for t in graph.inputs if graph.tensors[t].role in ("activation", "input")}
     if not waiting:
         return choice
-    incident: dict[int, list] = {}
-    for e in problem.edges:
-        incident.setdefault(e.src, []).append(e)
-        incident.setdefault(e.dst, []).append(e)
+    incident: dict[int, set[int]] = {}
+    for k, e in enumerate(problem.edges):
+        group = problem.shares[e.share] if e.share >= 0 else [k]    # a share group is priced whole
+        incident.setdefault(e.src, set()).update(group)
+        incident.setdefault(e.dst, set()).update(group)
     owners = sorted({problem.node_of_tensor[t] for t in waiting if t in problem.node_of_tensor})
     choice = list(choice)
 
     def local_cost(v: int, i: int) -> float:
-        cost = float(problem.nodes[v].cost[i])
-        for e in incident.get(v, ()):
-            a = e.src_spec[i if e.src == v else choice[e.src]]
-            b = e.dst_spec[i if e.dst == v else choice[e.dst]]
-            cost += float(e.cost[a, b])
-        return cost
+        trial = choice[:v] + [i] + choice[v + 1:]
+        return float(problem.nodes[v].cost[i]) + problem.edge_cost_s(trial, sorted(incident.get(v, ())))
 
     for v in owners:
         node = problem.nodes[v]

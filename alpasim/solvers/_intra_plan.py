@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from alpasim.costmodels import CostModel, fuse
 from alpasim.graphs import OpGraph
 
-from ._intra_problem import IntraOpProblem, partial_bytes, accumulator_factor
+from ._intra_problem import IntraOpProblem, accumulator_factor, partial_bytes, reshard_key
 from ._mesh import LogicalMesh
 from ._resharding import Collective, resharding_collectives
 from ._spec import ShardingSpec
@@ -132,6 +132,8 @@ def realize(problem: IntraOpProblem, choice: tuple[int, ...]) -> IntraOpPlan:
     placed: list[PlacedCollective] = []
     compute_s = update_s = forward_s = 0.0
     stored: dict[str, ShardingSpec] = {t: specs[t] for t in specs if t not in graph.producer}
+    node_of = problem.node_of_tensor
+    made: set[tuple] = set()      # reshardings already paid, shared by readers across nodes (`reshard_key`)
     for op in graph.ops:
         s = strategies[op.name]
         update = op.phase == "update"
@@ -147,6 +149,11 @@ def realize(problem: IntraOpProblem, choice: tuple[int, ...]) -> IntraOpPlan:
             if have is None:  # an optimizer state first read here: stored as needed
                 stored[t] = need
                 continue
+            if have != need and node_of.get(t) != node_of[op.outputs[0]]:
+                key = (node_of.get(t), *reshard_key(graph, t, op.name), need)
+                if key in made:
+                    continue
+                made.add(key)
             for c in resharding_collectives(have, need, graph.tensors[t].nbytes, mesh):
                 placed.append(PlacedCollective(c, op.name, t, update))
                 forward_s += c.time_s(mesh) if forward else 0.0

@@ -31,6 +31,7 @@ so tests can hold the ILP to an independent answer.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -80,6 +81,7 @@ class Edge:
     src_spec: np.ndarray                 # (k_src,) index into specs per src strategy
     dst_spec: np.ndarray                 # (k_dst,) index into specs per dst strategy
     cost: np.ndarray                     # (len(specs), len(specs)) resharding seconds
+    share: int = -1                      # edges of one share group pay each (src, dst) spec pair once
 
 
 @dataclass
@@ -102,6 +104,26 @@ class IntraOpProblem:
     # problem all ask for the same arrays.
     _bytes: dict[tuple[int, str], np.ndarray] = field(default_factory=dict, repr=False, compare=False)
     _dominated: list[np.ndarray] | None = field(default=None, repr=False, compare=False)   # `_intra_ilp.dominated`
+    # Edges that read one tensor of one node in one phase (`share_groups`).
+    shares: list[list[int]] = field(default_factory=list)
+
+    def edge_cost_s(self, choice: Sequence[int], edges: Sequence[int] | None = None) -> float:
+        """Resharding seconds of `choice` over `edges` (default all), each share group's
+        distinct (stored, needed) spec pairs paid once."""
+        total = 0.0
+        seen: set[tuple[int, object, object]] = set()
+        for k in range(len(self.edges)) if edges is None else edges:
+            e = self.edges[k]
+            a, b = e.src_spec[choice[e.src]], e.dst_spec[choice[e.dst]]
+            if a == b:
+                continue
+            if e.share >= 0:
+                key = (e.share, e.specs[a], e.specs[b])
+                if key in seen:
+                    continue
+                seen.add(key)
+            total += float(e.cost[a, b])
+        return total
 
     def tensor_bytes(self, node: int, tensor: str) -> np.ndarray:
         """Per-device bytes of `tensor` under each strategy of `node` (a gradient's
@@ -347,6 +369,7 @@ def build_problem(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel, *, w
                                    lambda i, p=param, n=node_of[param]: nodes[n].specs[i][p], tensors, mesh,
                                    1.0 / microbatches))
 
+    edges = share_groups(graph, edges)
     persistent = [t for t, tensor in tensors.items()
                   if tensor.role in PERSISTENT_ROLES and t in node_of and not t.endswith(":new")
                   and (tensor.role != "param" or _is_leaf(graph, t))]
@@ -359,9 +382,41 @@ def build_problem(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel, *, w
     points, partials = partial_points(graph, live, strategies)
     for name, op in partials.items():
         node_of[name] = node_of[graph.op_by_name[op].outputs[0]]
-    return IntraOpProblem(graph, mesh, with_compute, microbatches, nodes, edges, node_of, persistent,
-                          maximal_live_sets(live.live_sets() + points), loop_backs, strategies, notes, live.stash(),
-                          partials)
+    problem = IntraOpProblem(graph, mesh, with_compute, microbatches, nodes, edges, node_of, persistent,
+                             maximal_live_sets(live.live_sets() + points), loop_backs, strategies, notes, live.stash(),
+                             partials)
+    problem.shares = _shares(edges)
+    return problem
+
+
+def reshard_key(graph: OpGraph, tensor: str, consumer: str) -> tuple[str, str]:
+    """What one resharding of `tensor` for `consumer` can be shared by: readers of the
+    same tensor in the same phase that need the same spec get one collective (XLA
+    merges identical collectives; Megatron-LM gathers a sequence-parallel norm's output
+    once for Q, K and V). A forward and a backward read pay separately: the stash holds
+    the stored layout, and the backward gathers it again."""
+    op = graph.op_by_name.get(consumer)
+    return tensor, (op.phase if op is not None else consumer)
+
+
+def share_groups(graph: OpGraph, edges: list[Edge]) -> list[Edge]:
+    """`edges` with `share` set on those that share a producer node and `reshard_key`."""
+    groups: dict[tuple, list[int]] = {}
+    for k, e in enumerate(edges):
+        groups.setdefault((e.src, *reshard_key(graph, e.tensor, e.consumer)), []).append(k)
+    out = list(edges)
+    for g, members in enumerate(m for m in groups.values() if len(m) > 1):
+        for k in members:
+            out[k] = dataclasses.replace(edges[k], share=g)
+    return out
+
+
+def _shares(edges: Sequence[Edge]) -> list[list[int]]:
+    groups: dict[int, list[int]] = {}
+    for k, e in enumerate(edges):
+        if e.share >= 0:
+            groups.setdefault(e.share, []).append(k)
+    return [groups[g] for g in sorted(groups)]
 
 
 def maximal_live_sets(live_sets: Sequence[Sequence[str]]) -> list[Sequence[str]]:

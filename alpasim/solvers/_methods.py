@@ -49,7 +49,7 @@ from ._submesh import SubmeshShape
 # Options every method takes (`plan_pipeline` keywords), and those only some do.
 COMMON_OPTIONS = frozenset({"microbatches", "remat", "recompute", "precision", "cost_model", "epsilon", "cache",
                             "map_fn", "progress", "price_boundaries", "pareto"})
-METHOD_OPTIONS = ("layers", "max_stages", "megatron", "distributed_optimizer")
+METHOD_OPTIONS = ("layers", "max_stages", "megatron", "distributed_optimizer", "sequence_parallel")
 
 
 class UnknownMethodError(ValueError):
@@ -122,8 +122,13 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("deepspeed_moe", "DeepSpeed-MoE: expert parallelism + ZeRO data parallelism",
            restriction="deepspeed_moe", single_stage=True, whole_samples=True, accepts=_SINGLE),
     Method("megatron", "Megatron-LM: tensor x pipeline x data parallel grid", restriction="megatron",
-           equal_layers=True, zoo_only=True, accepts=frozenset({"megatron", "distributed_optimizer"})),
+           equal_layers=True, zoo_only=True,
+           accepts=frozenset({"megatron", "distributed_optimizer", "sequence_parallel"})),
+    Method("megatron_core", "Megatron-core today: the grid also searches sequence parallelism, the distributed "
+           "optimizer and full, selective or no recomputation", restriction="megatron", equal_layers=True,
+           zoo_only=True, accepts=frozenset({"megatron", "distributed_optimizer", "sequence_parallel"})),
 )}
+MEGATRON_METHODS = frozenset({"megatron", "megatron_core"})
 # Megatron-LM's grid (Narayanan et al. 2021): tensor parallelism inside a node only,
 # microbatch sizes per data-parallel replica.
 MEGATRON_TP = (1, 2, 4, 8)
@@ -151,23 +156,33 @@ class MegatronConfig:
     # each (`_intra_baselines.megatron_distopt_restriction`); off in the paper's
     # Megatron-LM (2021).
     distributed_optimizer: bool = False
+    # Sequence parallelism (Korthikanti et al. 2022): norms and residual adds split the
+    # sequence over the tensor-parallel group (`_intra_baselines.megatron_restriction`).
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "microbatch_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"Megatron {name} must be a positive integer, got {getattr(self, name)!r}")
-        if not isinstance(self.distributed_optimizer, bool):
-            raise ValueError(f"Megatron distributed_optimizer must be true or false, "
-                             f"got {self.distributed_optimizer!r}")
+        for name in ("distributed_optimizer", "sequence_parallel"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Megatron {name} must be true or false, got {getattr(self, name)!r}")
+
+    @property
+    def restriction(self) -> str:
+        """The intra-op baseline its stages are solved under (`_intra_baselines.BASELINES`)."""
+        return "megatron" + ("_sp" if self.sequence_parallel else "") + \
+            ("_distopt" if self.distributed_optimizer else "")
 
     def __str__(self) -> str:
         return (f"tp={self.tp} pp={self.pp} dp={self.dp} mbs={self.microbatch_size}"
-                + (" dist-opt" if self.distributed_optimizer else ""))
+                + (" sp" if self.sequence_parallel else "") + (" dist-opt" if self.distributed_optimizer else ""))
 
 
 def plan_model(model: ModelLike, cluster: Cluster, method: str = "alpa", *, layers: int | None = None,
                max_stages: int | None = None, megatron: MegatronConfig | None = None,
-               distributed_optimizer: bool | None = None, **options) -> PipelinePlan:
+               distributed_optimizer: bool | None = None, sequence_parallel: bool | None = None,
+               **options) -> PipelinePlan:
     """The one planner entry: `model` (a zoo name, spec string or graph file path, a
     `ModelSource`, an `OpGraph`, or a `graphs.JaxModel` — a JAX loss function with
     example arguments) on `cluster` with `method` (a `METHODS` name).
@@ -178,27 +193,31 @@ def plan_model(model: ModelLike, cluster: Cluster, method: str = "alpa", *, laye
     `COMMON_OPTIONS` (`plan_pipeline`'s). A method that finds nothing that fits returns
     an infeasible plan whose `notes` say why. `recompute="auto"` searches what the
     backward recomputes (`RECOMPUTE_SEARCH`; `remat` is then the search's)."""
-    if options.get("recompute") == "auto":
+    if options.get("recompute") == "auto" and get_method(method).name == "megatron_core":
+        options = {k: v for k, v in options.items() if k not in ("remat", "recompute")}   # its grid searches it
+    elif options.get("recompute") == "auto":
         return _best_recompute(model, cluster, method, layers=layers, max_stages=max_stages, megatron=megatron,
-                               distributed_optimizer=distributed_optimizer, **options)
+                               distributed_optimizer=distributed_optimizer, sequence_parallel=sequence_parallel,
+                               **options)
     m = get_method(method)
     unknown = set(options) - COMMON_OPTIONS
     if unknown:
         raise TypeError(f"plan_model: unknown option {sorted(unknown)[0]!r}; the options are "
                         f"{', '.join(sorted(COMMON_OPTIONS | set(METHOD_OPTIONS)))}")
     refused = m.refused(layers=layers, max_stages=max_stages, megatron=megatron,
-                        distributed_optimizer=distributed_optimizer)
+                        distributed_optimizer=distributed_optimizer, sequence_parallel=sequence_parallel)
     if refused is not None:
         raise ValueError(f"{refused} does not apply to method {m.cli_name} (its search sets it)")
     source = _zoo_source(model) if m.zoo_only else model_source(model)
     try:
-        if m.name == "megatron":
+        if m.name in MEGATRON_METHODS:
             options.pop("microbatches", None)     # Megatron's microbatch size sets the count
+            given = {k: v for k, v in (("distributed_optimizer", distributed_optimizer),
+                                       ("sequence_parallel", sequence_parallel)) if v is not None}
             if megatron is not None:
-                if distributed_optimizer is not None:
-                    megatron = dataclasses.replace(megatron, distributed_optimizer=distributed_optimizer)
-                return megatron_plan(source, cluster, megatron, **options)
-            return megatron_grid(source, cluster, distributed_optimizer=bool(distributed_optimizer), **options)
+                return megatron_plan(source, cluster, dataclasses.replace(megatron, **given), method=m.name,
+                                     **options)
+            return megatron_grid(source, cluster, today=m.name == "megatron_core", **given, **options)
         kw = {**options, **m.search_options(cluster)}
         if layers is not None:
             kw["layers"] = layers
@@ -277,7 +296,8 @@ def zoo_blocks(fwd: OpGraph) -> OpGraph:
     return fwd
 
 
-def megatron_plan(model: ModelLike, cluster: Cluster, config: MegatronConfig, **kw) -> PipelinePlan:
+def megatron_plan(model: ModelLike, cluster: Cluster, config: MegatronConfig, method: str = "megatron",
+                  **kw) -> PipelinePlan:
     """One Megatron-LM configuration: `pp` stages of equal blocks (embedding with the
     first, head with the last), each on `dp x tp` devices viewed as a (dp, tp) mesh
     with Megatron's layouts (`megatron_restriction`), B = batch / (mbs x dp)."""
@@ -297,41 +317,63 @@ def megatron_plan(model: ModelLike, cluster: Cluster, config: MegatronConfig, **
     def views_of(shape: SubmeshShape) -> list[tuple[int, int]]:
         return [(config.dp, config.tp)] if shape.size == size else []
 
-    search = METHODS["megatron"].search_options(cluster)
-    if config.distributed_optimizer:
-        search["restriction"] = "megatron_distopt"
+    search = {**METHODS["megatron"].search_options(cluster), "restriction": config.restriction}
     try:
-        plan = plan_pipeline(source, cluster, microbatches=b, method="megatron", shape_ok=lambda sh: sh.size == size,
+        plan = plan_pipeline(source, cluster, microbatches=b, method=method, shape_ok=lambda sh: sh.size == size,
                              views_of=views_of, num_stages=config.pp, relabel=zoo_blocks, **search, **kw)
     except PlanInfeasible as e:
-        return infeasible_plan(source, cluster, "megatron", str(e), SearchStats(megatron=_config_json(config)))
+        return infeasible_plan(source, cluster, method, str(e), SearchStats(megatron=_config_json(config)))
     return dataclasses.replace(plan, search=dataclasses.replace(plan.search, megatron=_config_json(config)))
 
 
 def megatron_grid(model: ModelLike, cluster: Cluster, *, progress: Callable | None = None,
-                  distributed_optimizer: bool = False, **kw) -> PipelinePlan:
-    """The best configuration of Megatron-LM's grid (the paper grid-searches it too),
-    every one with the distributed optimizer when asked; every configuration tried is
-    listed in `search.megatron_grid`."""
+                  distributed_optimizer: bool | None = None, sequence_parallel: bool | None = None,
+                  today: bool = False, **kw) -> PipelinePlan:
+    """The best configuration of Megatron-LM's grid (the paper grid-searches it too);
+    every configuration tried is listed in `search.megatron_grid`.
+
+    The paper's grid (2021) runs without sequence parallelism or the distributed
+    optimizer unless asked, under the recomputation `kw` gives. `today` (Megatron-core)
+    also searches both (where tp > 1 and dp > 1 give them something to do), each
+    unless given, and the recomputation: for each configuration none, then selective,
+    then full (`RECOMPUTE_SEARCH` backwards), stopping at the first that fits, since
+    recomputing only adds work to the same configuration."""
     source = _zoo_source(model)
     name, cfg = source.name, source.config
     blocks = forward_graph(dataclasses.replace(cfg, batch=1), name=name).num_layers
-    grid = [dataclasses.replace(c, distributed_optimizer=distributed_optimizer)
-            for c in megatron_configs(cluster.num_devices, cluster.devices_per_node, blocks, cfg.batch)]
+    grid = []
+    for c in megatron_configs(cluster.num_devices, cluster.devices_per_node, blocks, cfg.batch):
+        sps = (sequence_parallel,) if sequence_parallel is not None else (False, True) if today and c.tp > 1 \
+            else (False,)
+        dos = (distributed_optimizer,) if distributed_optimizer is not None else (False, True) \
+            if today and c.dp > 1 else (False,)
+        grid += [dataclasses.replace(c, sequence_parallel=x, distributed_optimizer=y) for x in sps for y in dos]
+    ladder = [(remat, policy) for _, remat, policy in reversed(RECOMPUTE_SEARCH)] if today else \
+        [(kw.get("remat", True), kw.get("recompute", "none"))]
+    kw = {k: v for k, v in kw.items() if not today or k not in ("remat", "recompute")}
     best: PipelinePlan | None = None
     tried = []
     for i, config in enumerate(grid):
         if progress is not None:
             progress(f"megatron {config}", i, len(grid))
-        plan = megatron_plan(source, cluster, config, **kw)
-        tried.append({**_config_json(config), "iteration_s": plan.predicted.iteration_s, "feasible": plan.feasible})
+        for remat, policy in ladder:
+            plan = megatron_plan(source, cluster, config, method="megatron_core" if today else "megatron", **kw,
+                                 **({"remat": remat, "recompute": policy} if today else {}))
+            tried.append({**_config_json(config), **({"recompute": _recompute_label(remat, policy)} if today else {}),
+                          "iteration_s": plan.predicted.iteration_s, "feasible": plan.feasible})
+            if plan.feasible:
+                break
         if plan.feasible and (best is None or plan.predicted.iteration_s < best.predicted.iteration_s):
             best = plan
     if best is None:
-        return infeasible_plan(source, cluster, "megatron",
+        return infeasible_plan(source, cluster, "megatron_core" if today else "megatron",
                                f"no Megatron-LM configuration of {name} fits {cluster.num_devices} devices "
                                f"({len(grid)} tried)", SearchStats(megatron_grid=tuple(tried)))
     return dataclasses.replace(best, search=dataclasses.replace(best.search, megatron_grid=tuple(tried)))
+
+
+def _recompute_label(remat: bool, policy: str) -> str:
+    return next(label for label, r, p in RECOMPUTE_SEARCH if (r, p) == (remat, policy))
 
 
 def _zoo_source(model: ModelLike) -> ModelSource:

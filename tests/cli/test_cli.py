@@ -88,6 +88,8 @@ def test_graph_save_round_trips(tmp_path):
     (["plan", "--model", "gpt3-1.3b", "--method", "inter-only", "--layers", "4"],
      "--layers does not apply to --method inter-only"),
     (["plan", "--model", "gpt3-1.3b", "--distributed-optimizer"], "--distributed-optimizer only applies to"),
+    (["plan", "--model", "gpt3-1.3b", "--method", "zero2", "--sequence-parallel"],
+     "--sequence-parallel only applies to --method megatron or megatron-core"),
     (["plan", "--model", "gpt3-1.3b", "--recompute", "some"], "choose one of none, fusible, selective, auto"),
     (["graph", "gpt3-1.3b", "--recompute", "auto"], "choose one of none, fusible, selective"),
     (["graph", "llama:hidden=64,heads=4,kv_heads=3,ffn=8,layers=1"], "kv_heads"),

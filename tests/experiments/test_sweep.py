@@ -199,8 +199,17 @@ def test_cli_plan_method_baseline_and_megatron_degrees(cache_dir):
                    "--microbatch-size", "2", "--json")
     assert proc.returncode == 0, proc.stderr
     p = json.loads(proc.stdout)
-    assert p["search"]["megatron"] == {"tp": 1, "pp": 2, "dp": 1, "microbatch_size": 2, "distributed_optimizer": False}
+    assert p["search"]["megatron"] == {"tp": 1, "pp": 2, "dp": 1, "microbatch_size": 2, "distributed_optimizer": False,
+                                              "sequence_parallel": False}
     assert len(p["stages"]) == 2 and p["microbatches"] == 8 // 2
+    sp = ("--method", "megatron", "--tp", "2", "--pp", "1", "--dp", "1", "--microbatch-size", "2", "--json")
+    two = ("plan", "--model", TINY, "--nodes", "1", "--devices-per-node", "2")
+    plain, proc = json.loads(run_cli(cache_dir, *two, *sp).stdout), run_cli(cache_dir, *two, *sp,
+                                                                           "--sequence-parallel")
+    assert proc.returncode == 0, proc.stderr
+    p = json.loads(proc.stdout)
+    assert p["search"]["megatron"]["sequence_parallel"] is True and p["method"] == "megatron"
+    assert p["stages"][0]["memory"]["stash_bytes"] < plain["stages"][0]["memory"]["stash_bytes"]
 
 
 def test_cli_plan_method_errors_and_infeasible(cache_dir):

@@ -195,15 +195,16 @@ def test_deepspeed_moe_splits_experts_and_moves_tokens_all_to_all(p3, moe_layer)
     for op in ("expert_in", "expert_out", "expert_in:einsum_grad", "expert_out:einsum_grad",
                "expert_in:einsum_grad#1", "expert_out:einsum_grad#1"):
         assert dict(plan.strategies[f"layer2/{op}"].loops) == {"E": (1,)}, op
-    # Tokens cross between group-split (data parallel) and expert-split ops 7 times a
+    # Tokens cross between group-split (data parallel) and expert-split ops 6 times a
     # microbatch: forward dispatch->experts and experts->combine; backward the combine
-    # gradients' reads of the experts' output, the experts' two reads of the combine
-    # gradient, the expert_in weight gradient's read of the dispatched tokens, and
-    # dispatch's gradient's read of the experts' input gradient. Each all-to-all moves
-    # one device's quarter of an (E, G, C, M) fp16 buffer.
+    # gradients' reads of the experts' output, the experts' reads of the combine
+    # gradient (two readers, one all-to-all: the same tensor in the same layout), the
+    # expert_in weight gradient's read of the dispatched tokens, and dispatch's
+    # gradient's read of the experts' input gradient. Each all-to-all moves one
+    # device's quarter of an (E, G, C, M) fp16 buffer.
     buffer = 4 * 8 * 64 * 256 * 2
     a2a = [c.collective for c in plan.collectives if c.collective.kind == "all_to_all"]
-    assert [c.nbytes for c in a2a] == [buffer / 4] * 7
+    assert [c.nbytes for c in a2a] == [buffer / 4] * 6
     assert all(not c.per_iteration for c in plan.collectives if c.collective.kind == "all_to_all")
     # Non-expert gradients reduce-scattered every microbatch (ZeRO-2), expert gradients
     # need nothing; the dense parameters all-gathered once per iteration.

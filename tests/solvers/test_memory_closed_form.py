@@ -193,6 +193,25 @@ def test_selective_recompute_stashes_korthikantis_selective_activations(cache, t
     assert got["none"] - got["selective"] == pytest.approx(layers * 2 * as2b / t, rel=1e-9)
 
 
+@pytest.mark.parametrize("tp, mbs", [(2, 2), (4, 1), (8, 2)])
+@pytest.mark.parametrize("policy", ["none", "selective"])
+def test_sequence_parallel_stashes_korthikantis_activations(cache, tp, mbs, policy):
+    """Korthikanti et al. 2022, Table 2, "tensor + sequence parallel": sbh(34/t +
+    5as/(ht)) a layer, everything split over t; without dropout (its 2sbh and as^2b of
+    masks) and with the probabilities applied directly, sbh(32/t) + 2as^2b/t, and with
+    selective recomputation ("... + selective") 32sbh/t. The first stage also stashes
+    the token ids, whole (the vocabulary-parallel embedding reads all of them)."""
+    _, cfg = resolve_model(MODEL)
+    cluster = get_cluster("dgx-a100", nodes=1, devices_per_node=tp * 2, memory_gb=1e5)
+    h, a, s, b, t = cfg.hidden, cfg.heads, cfg.seq, mbs, tp
+    sbh, as2b, layers = s * b * h, a * s * s * b, cfg.layers // 2
+    plan = plan_with_method("megatron", MODEL, cluster, remat=False, recompute=policy, cache=cache,
+                            megatron=MegatronConfig(tp, 2, 1, mbs, sequence_parallel=True))
+    assert plan.feasible and plan.search.megatron["sequence_parallel"]
+    per_layer = 32 * sbh / t + (2 * as2b / t if policy == "none" else 0.0)
+    assert plan.stages[0].memory["stash_bytes"] == pytest.approx(4 * s * b + layers * per_layer, rel=1e-9)
+
+
 def test_distributed_optimizer_keeps_adam_states_on_one_dp_slice(cache):
     """Megatron-core's distributed optimizer: the same configuration with it holds the
     same weights but 1/dp of the master weights and Adam moments (every parameter of

@@ -1,0 +1,101 @@
+"""Sequence parallelism (Korthikanti et al. 2022) in the Megatron-LM baseline, and the
+shared resharding it relies on.
+
+Under tensor parallelism t, a layer's norms and residual adds run on a sequence shard
+instead of repeating their work t times; each region's partial sums are
+reduce-scattered onto the sequence and each region's input all-gathered, once for all
+the region's readers (Q, K and V share one gather).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+import pytest
+
+import alpasim.costmodels as cm
+import alpasim.graphs as gr
+from alpasim.solvers import (BASELINES, RECOMPUTE_SEARCH, LogicalMesh, MegatronConfig, objective_s,
+                             plan_with_method, solve_intra_op)
+
+MODEL = "gpt3:hidden=512,layers=4,heads=8,seq=512,vocab=4096,batch=16"
+
+
+def _two_layers(model: str = MODEL, batch: int = 4) -> gr.OpGraph:
+    name, cfg = gr.resolve_model(model)
+    fwd = gr.forward_graph(dataclasses.replace(cfg, batch=batch), name=name)
+    return gr.stage_graph(gr.build_training_graph(fwd).graph, 1, 2)
+
+
+def _solve(stage, mesh, model, restriction):
+    restrict, leaves = BASELINES[restriction](stage, mesh, model)
+    return solve_intra_op(stage, mesh, model, restrict=restrict, leaf_specs=leaves, with_compute=True,
+                          rewrite=False).plan
+
+
+def test_forward_reduce_scatters_and_gathers_instead_of_all_reducing():
+    """Per layer and microbatch the forward all-reduces nothing: two reduce-scatters
+    (after the attention and MLP output projections) and two all-gathers (the two norms'
+    outputs, each once for all its readers), every one of sbh fp16 bytes - as many bytes
+    on the wire as Megatron-LM's two all-reduces - and the norms run on 1/t of the
+    sequence, so the forward computes less."""
+    stage = _two_layers()
+    cluster = cm.get_cluster("dgx-a100", nodes=1, devices_per_node=4)
+    mesh, model = LogicalMesh.on_cluster(cluster, (1, 4)), cm.AnalyticCostModel(cluster)
+    sp, plain = _solve(stage, mesh, model, "megatron_sp"), _solve(stage, mesh, model, "megatron")
+    phase = {op.name: op.phase for op in stage.ops}
+    forward = lambda plan: Counter((c.collective.kind, c.collective.nbytes) for c in plan.collectives  # noqa: E731
+                                   if phase.get(c.op) == "forward")
+    sbh = 512 * 4 * 512 * 2
+    assert forward(sp) == {("reduce_scatter", sbh): 4, ("all_gather", sbh): 4}
+    assert forward(plain) == {("all_reduce", sbh): 4}
+    norms = [op.name for op in stage.ops if op.prim == "layer_norm"]
+    assert norms and all(sp.strategies[n].compute_s < plain.strategies[n].compute_s for n in norms)
+    gathered = Counter(c.tensor for c in sp.collectives if c.collective.kind == "all_gather" and phase[c.op] == "forward")
+    assert set(gathered.values()) == {1}       # Q, K and V share the first norm's gather
+
+
+def test_shared_gather_is_what_the_ilp_pays():
+    """The ILP's objective prices a resharding shared by several readers once, as the
+    plan it decodes (`realize`, which walks the graph) does."""
+    stage = _two_layers()
+    cluster = cm.get_cluster("dgx-a100", nodes=1, devices_per_node=4)
+    mesh, model = LogicalMesh.on_cluster(cluster, (1, 4)), cm.AnalyticCostModel(cluster)
+    restrict, leaves = BASELINES["megatron_sp"](stage, mesh, model)
+    result = solve_intra_op(stage, mesh, model, restrict=restrict, leaf_specs=leaves, with_compute=True,
+                            rewrite=False)
+    assert result.objective_s == pytest.approx(objective_s(result.plan, True), rel=1e-6)
+    # Priced edge by edge, the same choice would pay the norms' gathers once per reader.
+    problem, choice = result.problem, result.plan.choice
+    per_edge = sum(float(e.cost[e.src_spec[choice[e.src]], e.dst_spec[choice[e.dst]]]) for e in problem.edges)
+    assert problem.edge_cost_s(choice) < per_edge
+
+
+def _ladder(model, cluster, config):
+    """Megatron-core's recomputation ladder for one configuration: the first of none,
+    selective and full that fits."""
+    for _, remat, policy in reversed(RECOMPUTE_SEARCH):
+        plan = plan_with_method("megatron", model, cluster, megatron=config, remat=remat, recompute=policy)
+        if plan.feasible:
+            return plan
+    return plan
+
+
+@pytest.mark.parametrize("memory_gb", [1e3, 0.13])
+def test_megatron_core_takes_sequence_parallelism_only_where_it_pays(memory_gb):
+    """Megatron-core's grid against its own chosen configuration with sequence
+    parallelism flipped (priced independently): the choice is never slower than the
+    flip, and the flip is either slower or does not fit. With memory to spare this
+    small model's norms save less than the backward's re-gathers and norm-gradient all-reduces cost
+    and the grid runs without it; at 0.13 GiB only sequence parallelism fits a
+    configuration this fast."""
+    cluster = cm.get_cluster("dgx-a100", nodes=1, devices_per_node=4, memory_gb=memory_gb)
+    plan = plan_with_method("megatron_core", MODEL, cluster)
+    assert plan.feasible and plan.method == "megatron_core"
+    chosen = MegatronConfig(**plan.search.megatron)
+    flipped = _ladder(MODEL, cluster, dataclasses.replace(chosen, sequence_parallel=not chosen.sequence_parallel))
+    assert not flipped.feasible or flipped.predicted.iteration_s > plan.predicted.iteration_s
+    assert chosen.sequence_parallel == (memory_gb < 1)
+    tried = [t for t in plan.search.megatron_grid if t["feasible"]]
+    assert plan.predicted.iteration_s == min(t["iteration_s"] for t in tried)

@@ -90,7 +90,7 @@ class SearchStats(Record):
     microbatch_candidates: tuple[int, ...] = ()
     dp_bottlenecks_evaluated: int = 0
     cost_model: CostModelRef | None = None     # None: the analytic model
-    megatron: dict[str, int] | None = None     # the Megatron-LM configuration (tp, pp, dp, microbatch_size)
+    megatron: dict[str, Any] | None = None     # the Megatron-LM configuration (`MegatronConfig` fields)
     megatron_grid: tuple[dict[str, Any], ...] | None = None   # every configuration tried, when grid-searched
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -25,7 +25,8 @@ from test_jax_import import TF, gpt_loss, gpt_shapes  # noqa: E402
 
 TINY = "gpt3:hidden=32,layers=2,heads=2,seq=8,vocab=64,batch=8"
 CLUSTER = get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=4)
-VALUES = {"layers": 2, "max_stages": 2, "megatron": MegatronConfig(2, 2, 1, 1), "distributed_optimizer": True}
+VALUES = {"layers": 2, "max_stages": 2, "megatron": MegatronConfig(2, 2, 1, 1), "distributed_optimizer": True,
+          "sequence_parallel": True}
 
 
 @pytest.mark.parametrize("name", sorted(METHODS))
@@ -59,7 +60,7 @@ def test_each_record_is_the_search_it_names():
     assert not inter["shape_ok"](type("S", (), {"size": 2})())
     assert METHODS["equal_operator"].search_options(CLUSTER)["pareto"] is False
     # Every method but Megatron-LM's plans a saved graph.
-    assert [m.name for m in METHODS.values() if m.zoo_only] == ["megatron"]
+    assert [m.name for m in METHODS.values() if m.zoo_only] == ["megatron", "megatron_core"]
 
 
 def test_a_jax_function_a_saved_graph_and_the_graph_plan_alike(tmp_path):

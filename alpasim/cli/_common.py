@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import signal
 import sys
@@ -39,6 +40,20 @@ GbpsOpt = Annotated[Optional[float], typer.Option("--inter-node-gbps", help="Ove
 MemOpt = Annotated[Optional[float], typer.Option("--memory-gb", help="Override device memory (GiB).")]
 CostModelOpt = Annotated[Optional[Path], typer.Option("--cost-model", help="A profiled cost model JSON "
                                                       "(`alpasim profile`) instead of the analytic model.")]
+NoOverlapOpt = Annotated[bool, typer.Option("--no-overlap", help="Reduce each weight gradient after the last "
+                                            "backward, one collective per gradient (the paper's accounting), "
+                                            "instead of in buckets overlapped with that backward.")]
+BucketOpt = Annotated[float, typer.Option("--bucket-mb", help="Gradient bucket size in MiB for the overlapped "
+                                          "reduction (PyTorch DDP's default: 25).")]
+
+
+def bucket_bytes(no_overlap: bool, bucket_mb: float) -> float | None:
+    """The planner's `bucket_bytes` for `--no-overlap` / `--bucket-mb` (one line if bad)."""
+    if not (math.isfinite(bucket_mb) and bucket_mb > 0):
+        fail(f"--bucket-mb must be a finite number > 0, got {bucket_mb}")
+    return None if no_overlap else bucket_mb * 2 ** 20
+
+
 PrecisionOpt = Annotated[str, typer.Option("--precision", help="Mixed-precision recipe: mixed-fp32grad (fp16 "
                                            "weights, fp32 gradients, master and Adam: 18 B/param, Megatron-LM's "
                                            "default), mixed (fp16 gradients: 16 B/param) or fp32.")]

@@ -10,7 +10,8 @@ import typer
 from alpasim import graphs as gr
 
 from ._common import (
-    ClusterOpt, DpnOpt, GbpsOpt, JsonOpt, MemOpt, NodesOpt, RayAddressOpt, RayOpt, app, emit_json, err, fail,
+    BucketOpt, ClusterOpt, DpnOpt, GbpsOpt, JsonOpt, MemOpt, NodesOpt, NoOverlapOpt, RayAddressOpt, RayOpt, app,
+    bucket_bytes, emit_json, err, fail,
     load_cluster, method_list, out, points_map,
 )
 
@@ -30,12 +31,15 @@ def compare(
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Bypass the on-disk result and stage caches.")] = False,
     ray: RayOpt = False,
     ray_address: RayAddressOpt = None,
+    no_overlap: NoOverlapOpt = False,
+    bucket_mb: BucketOpt = 25.0,
     as_json: JsonOpt = False,
 ) -> None:
     """Several methods on one model and cluster: simulated throughput, plan, ratio to the first."""
     from alpasim import experiments as ex
 
     names = method_list(methods)
+    buckets = bucket_bytes(no_overlap, bucket_mb)
     c = load_cluster(cluster, nodes, devices_per_node, inter_node_gbps, memory_gb)
     gr.model_source(model)          # an unknown model or a bad graph file: one line, before planning
     if workers is not None and workers < 1:
@@ -47,7 +51,8 @@ def compare(
                   markup=False, highlight=False)
 
     with points_map(workers, ray, ray_address) as map_fn:
-        cmp = ex.compare(model, c, names, cache=not no_cache, workers=workers, progress=progress, map_fn=map_fn)
+        cmp = ex.compare(model, c, names, cache=not no_cache, workers=workers, progress=progress, map_fn=map_fn,
+                         bucket_bytes=buckets)
     if as_json:
         emit_json(cmp.to_json())
         return

@@ -14,8 +14,8 @@ from alpasim import solvers as sv
 from alpasim.experiments import simulation_report
 
 from ._common import (
-    ClusterOpt, CostModelOpt, DpnOpt, GbpsOpt, JsonOpt, MemOpt, NodesOpt, PrecisionOpt, RecomputeOpt, app,
-    check_precision, check_recompute, emit_json, err, fail, fmt_bytes, fmt_count, load_cluster, load_cost_model,
+    BucketOpt, ClusterOpt, CostModelOpt, DpnOpt, GbpsOpt, JsonOpt, MemOpt, NodesOpt, NoOverlapOpt, PrecisionOpt,
+    RecomputeOpt, app, bucket_bytes, check_precision, check_recompute, emit_json, err, fail, fmt_bytes, fmt_count, load_cluster, load_cost_model,
     out, parse_microbatches, plan_map, RayAddressOpt, RayOpt, TaskProgress, writable_file,
 )
 from .simulate import print_simulation
@@ -83,6 +83,8 @@ def plan(
     cost_model: CostModelOpt = None,
     precision: PrecisionOpt = gr.DEFAULT_RECIPE,
     recompute: RecomputeOpt = "none",
+    no_overlap: NoOverlapOpt = False,
+    bucket_mb: BucketOpt = 25.0,
     as_json: JsonOpt = False,
 ) -> None:
     """Plan pipeline stages, submeshes and intra-op shardings for a model on a cluster.
@@ -97,6 +99,7 @@ def plan(
     model_costs = load_cost_model(cost_model, c)
     check_precision(precision)
     check_recompute(recompute, search=True)
+    buckets = bucket_bytes(no_overlap, bucket_mb)
     if (max_stages is not None and max_stages < 1) or not epsilon >= 0:   # `not >=`: NaN too
         fail("--max-stages must be at least 1 and --epsilon at least 0")
     try:
@@ -120,7 +123,7 @@ def plan(
                   distributed_optimizer=distributed_optimizer or None,
                   sequence_parallel=sequence_parallel or None, cache=not no_cache, workers=workers, ray=ray,
                   ray_address=ray_address, remat=remat, epsilon=epsilon, cost_model=model_costs,
-                  precision=precision, recompute=recompute)
+                  precision=precision, recompute=recompute, bucket_bytes=buckets)
     if not p.feasible and name == "alpa":   # Alpa finding nothing is an error, with or without --json
         fail("; ".join(p.notes) or "infeasible")
     if out_path is not None:

@@ -26,6 +26,8 @@ def simulate(
     gantt: Annotated[Optional[Path], typer.Option("--gantt", help="Write a Gantt chart PNG.")] = None,
     memory_png: Annotated[Optional[Path], typer.Option("--memory-png", help="Write memory over time PNG.")] = None,
     cost_model: CostModelOpt = None,
+    no_overlap: Annotated[bool, typer.Option("--no-overlap", help="Run the plan's gradient buckets after the "
+                                             "last backward instead of overlapped with it.")] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Simulate one training iteration of a plan: iteration time, bubbles, memory, traffic.
@@ -56,7 +58,7 @@ def simulate(
                           f"{priced_by.name if priced_by else 'the analytic model'}); only cross-mesh "
                           f"links use {cost_model}")
     report = simulation_report(p, schedule, chunks=chunks, cross_mesh=cross_mesh, trace=trace, gantt=gantt,
-                               memory_png=memory_png, cluster=cluster)
+                               memory_png=memory_png, cluster=cluster, overlap=not no_overlap)
     if model_note is not None:
         report["notes"] = [*report["notes"], model_note]
     if as_json:

@@ -15,7 +15,7 @@ from alpasim import costmodels as cm
 from alpasim import graphs as gr
 
 from ._common import (
-    JsonOpt, RayAddressOpt, RayOpt, app, emit_json, err, fail, method_list, number_list, out, points_map,
+    BucketOpt, JsonOpt, NoOverlapOpt, RayAddressOpt, RayOpt, app, bucket_bytes, emit_json, err, fail, method_list, number_list, out, points_map,
     writable_dir, writable_file, write_text,
 )
 
@@ -52,6 +52,8 @@ def sweep(
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Bypass the on-disk result and stage caches.")] = False,
     ray: RayOpt = False,
     ray_address: RayAddressOpt = None,
+    no_overlap: NoOverlapOpt = False,
+    bucket_mb: BucketOpt = 25.0,
     as_json: JsonOpt = False,
 ) -> None:
     """What-if sweep of one cluster parameter x methods: table, CSV, markdown and a plot."""
@@ -73,6 +75,7 @@ def sweep(
     else:
         values = number_list(option, text, kind)
     names = method_list(methods)
+    buckets = bucket_bytes(no_overlap, bucket_mb)
     if gpus < 1:
         fail(f"--gpus must be at least 1, got {gpus}")
     if workers is not None and workers < 1:
@@ -85,7 +88,7 @@ def sweep(
     n = workers if workers is not None else min(os.cpu_count() or 1, len(values) * len(names))
     with points_map(n, ray, ray_address) as map_fn:
         report = ex.sweep(model, gpus, axis, values, names, cluster_name=cluster, workers=n, cache=not no_cache,
-                          map_fn=map_fn, progress=_point_progress(time.perf_counter()))
+                          map_fn=map_fn, progress=_point_progress(time.perf_counter()), bucket_bytes=buckets)
     try:
         files = report.write(out_dir)
     except OSError as e:

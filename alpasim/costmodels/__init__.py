@@ -56,3 +56,10 @@ from ._profiled import OpFit as OpFit
 from ._profiled import ProfiledCostModel as ProfiledCostModel
 from ._profiled import ProfileFormatError as ProfileFormatError
 from ._profiled import op_class as op_class
+from ._overlap import DEFAULT_BUCKET_BYTES as DEFAULT_BUCKET_BYTES
+from ._overlap import LayerSync as LayerSync
+from ._overlap import bucket_count as bucket_count
+from ._overlap import bucket_schedule as bucket_schedule
+from ._overlap import exposed_s as exposed_s
+from ._overlap import run_buckets as run_buckets
+from ._overlap import stream_end_s as stream_end_s

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from alpasim.costmodels import Cluster
+from alpasim.costmodels import DEFAULT_BUCKET_BYTES, Cluster
 from alpasim.solvers import METHODS
 
 from ._points import Point, Result, run_points
@@ -90,12 +90,13 @@ class Comparison:
 
 def compare(model: str, cluster: Cluster, methods: Sequence[str], *, cache: bool = True, workers: int | None = None,
             map_fn: Callable[[Callable, Iterable], Iterable] | None = None,
-            progress: Callable[[int, int, Result], None] | None = None) -> Comparison:
+            progress: Callable[[int, int, Result], None] | None = None,
+            bucket_bytes: float | None = DEFAULT_BUCKET_BYTES) -> Comparison:
     """Plan and simulate `model` on `cluster` with each of `methods` (the first is the
-    reference the others are divided by)."""
+    reference the others are divided by); `bucket_bytes` as `Point`'s."""
     names = list(dict.fromkeys(method_name(m) for m in methods))
     if not names:
         raise ValueError("compare needs at least one method")
-    points = [Point(model, cluster, m, label=m) for m in names]
+    points = [Point(model, cluster, m, label=m, bucket_bytes=bucket_bytes) for m in names]
     results = run_points(points, cache=cache, workers=workers, map_fn=map_fn, progress=progress)
     return Comparison(model, cluster, tuple(results))

@@ -19,13 +19,13 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from alpasim.costmodels import Cluster, get_cluster
+from alpasim.costmodels import DEFAULT_BUCKET_BYTES, Cluster, get_cluster
 from alpasim.graphs import ModelSpecError, graph_digest, graph_to_json, read_graph_file
 from alpasim.simulator import simulate
 from alpasim.solvers import CACHE_VERSION, DiskCache, MegatronConfig, digest, plan_with_method, worker_pool
 
 # 3: the DP prices stage-boundary transfers; 5: DP baselines' microbatches split over their devices
-RESULT_VERSION = "points/5"
+RESULT_VERSION = "points/6"   # 6: gradient buckets overlap the backward
 DEFAULT_CLUSTER = "aws-p3.16xlarge"
 
 
@@ -50,6 +50,8 @@ class Point:
     megatron: MegatronConfig | None = None
     cross_mesh: str = "local_all_gather"
     label: str = ""                                  # e.g. the swept value, for tables
+    # Gradient buckets overlapping the backward (`costmodels._overlap`); None: no overlap.
+    bucket_bytes: float | None = DEFAULT_BUCKET_BYTES
 
     @property
     def gpus(self) -> int:
@@ -58,7 +60,7 @@ class Point:
     def key(self) -> str:
         return digest([RESULT_VERSION, CACHE_VERSION, model_key(self.model), self.cluster.to_json(), self.method,
                        str(self.microbatches), dataclasses.asdict(self.megatron) if self.megatron else None,
-                       self.cross_mesh])
+                       self.cross_mesh, None if self.bucket_bytes is None else float(self.bucket_bytes)])
 
 
 @dataclass(frozen=True)
@@ -117,7 +119,8 @@ def run_point(point: Point, cache_enabled: bool = True) -> Result:
     t0 = time.perf_counter()
     try:
         plan = plan_with_method(point.method, point.model, point.cluster, microbatches=point.microbatches,
-                                megatron=point.megatron, cache=DiskCache(enabled=cache_enabled))
+                                megatron=point.megatron, cache=DiskCache(enabled=cache_enabled),
+                                bucket_bytes=point.bucket_bytes)
     except ModelSpecError as e:
         return Result(point.model, point.gpus, point.method, point.label, False, None, None, None, None,
                       time.perf_counter() - t0, notes=(str(e),), plan={"feasible": False, "notes": [str(e)]},

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from alpasim.costmodels import Cluster, get_cluster
+from alpasim.costmodels import DEFAULT_BUCKET_BYTES, Cluster, get_cluster
 
 from ._compare import method_name, plan_shape, plan_summary
 from ._points import DEFAULT_CLUSTER, Point, Result, run_points
@@ -255,11 +255,12 @@ def sweep(model: str, gpus: int, axis: str, values: Sequence[Any], methods: Sequ
           cluster_name: str = DEFAULT_CLUSTER, devices_per_node: int | None = None,
           microbatches: int | str = "auto", workers: int | None = None, cache: bool = True,
           map_fn: Callable[[Callable, Iterable], Iterable] | None = None,
-          progress: Callable[[int, int, Result], None] | None = None) -> SweepReport:
+          progress: Callable[[int, int, Result], None] | None = None,
+          bucket_bytes: float | None = DEFAULT_BUCKET_BYTES) -> SweepReport:
     """Plan and simulate `model` on `gpus` devices with each method at each value of
     `axis` (see the module doc) on whole nodes of `cluster_name` (of `devices_per_node`
     devices when given); `microbatches` fixes B for the methods that search it (Megatron's
-    grid sets its own). Points run in parallel and are cached."""
+    grid sets its own); `bucket_bytes` as `Point`'s. Points run in parallel and are cached."""
     if axis not in AXES:
         raise ValueError(f"unknown sweep axis {axis!r}; choose one of {', '.join(AXES)}")
     vals = tuple(dict.fromkeys(sweep_value(axis, v) for v in values))
@@ -267,7 +268,7 @@ def sweep(model: str, gpus: int, axis: str, values: Sequence[Any], methods: Sequ
     if not vals or not names:
         raise ValueError("a sweep needs at least one value and one method")
     clusters = {v: sweep_cluster(axis, v, gpus, cluster_name, devices_per_node) for v in vals}
-    points = [Point(model, clusters[v], m, microbatches=microbatches, label=value_label(v))
+    points = [Point(model, clusters[v], m, microbatches=microbatches, label=value_label(v), bucket_bytes=bucket_bytes)
               for v in vals for m in names]
     results = run_points(points, cache=cache, workers=workers, map_fn=map_fn, progress=progress)
     return SweepReport(model, gpus, axis, vals, names, cluster_name, tuple(results))

@@ -15,6 +15,11 @@ follow static lists without a driver). Semantics:
   communication; time blocked before the sender even sent it is idle.
 - `GradSync` takes the stage's sync_s (the planner's costed gradient all-reduce plus
   optimizer update, once per iteration; `Update` is a marker, already inside it).
+  A plan whose stages carry gradient buckets (`costmodels._overlap`) runs them on a
+  stream of the mesh's own, started with its last backward: each bucket waits until
+  that backward has produced it, then for the bucket before it; `GradSync` then waits
+  for the stream and takes the rest of sync_s (the optimizer step). The stream's
+  bandwidth is not shared with pipeline messages (below).
   Tensors that move once per iteration are sent after the sender's last run and
   received before its `GradSync`.
 - Memory per device of a mesh: params_bytes; a microbatch's activations reach their
@@ -102,7 +107,7 @@ class _Channel:
 
 class _Engine:
     def __init__(self, plan: PipelinePlan, program: Program, routes: list[Route], links: LinkTable | None,
-                 free: bool, executors: int | None = None, dispatch_s: float = 0.0) -> None:
+                 free: bool, executors: int | None = None, dispatch_s: float = 0.0, overlap: bool = True) -> None:
         self.plan, self.program, self.routes, self.free = plan, program, routes, free
         self.env = simpy.Environment()
         self.executor = simpy.Resource(self.env, capacity=executors) if executors else None
@@ -130,6 +135,12 @@ class _Engine:
         self.end: list[float | None] = [None] * program.num_meshes
         self.used_links: set[int] = set()
         self.cross_bytes = self.inter_bytes = 0.0
+        # Gradient buckets overlapping the last backward of each mesh (module doc): on a
+        # stream of their own, so not with shared executors (one driver blocks on each).
+        self.overlap = [bool(overlap and executors is None and st.sync_buckets) for st in plan.stages]
+        self.last_backward = [max((pc for pc, ins in enumerate(mesh) if type(ins) is Run and ins.phase == "backward"),
+                                  default=-1) for mesh in program.meshes]
+        self.stream_done: list[simpy.Event | None] = [None] * program.num_meshes
 
     # ------------------------------------------------------------ messages
     def _channel(self, key: tuple[int, int]) -> _Channel:
@@ -209,6 +220,18 @@ class _Engine:
         self.mem[k] += delta
         self.memory[k].append((self.env.now, self.mem[k]))
 
+    def _grad_stream(self, k: int, scale: float) -> Iterator[simpy.Event]:
+        """Mesh k's gradient buckets, started with its last backward: each waits until
+        the backward has made it (its offset, scaled to this run's length), then runs
+        after the one before it (`costmodels.run_buckets`)."""
+        env, start = self.env, self.env.now
+        for ready, seconds in self.plan.stages[k].sync_buckets:
+            at = start + ready * scale
+            if at > env.now:
+                yield env.timeout(at - env.now)
+            yield env.timeout(seconds)
+        self.stream_done[k].succeed()
+
     def _mesh(self, k: int) -> Iterator[simpy.Event]:
         env, track, held = self.env, f"mesh{k}", self.held[k]
         phase_s, act, stash = self.phase_s[k], self.act_bytes[k], self.stash_bytes[k]
@@ -221,6 +244,10 @@ class _Engine:
                 req = yield from self._acquire()
                 self._sample(k, act if ins.phase == "forward" else transient)
                 start, d = env.now, phase_s[ins.phase] + self.dispatch_s
+                if self.overlap[k] and pc == self.last_backward[k]:
+                    backward = stage_phase_s(self.plan.stages[k], self.program.microbatches)[1]
+                    self.stream_done[k] = env.event()
+                    env.process(self._grad_stream(k, phase_s["backward"] / backward if backward > 0 else 0.0))
                 if d > 0:
                     yield env.timeout(d)
                 self._release(req)
@@ -269,7 +296,11 @@ class _Engine:
                 self._sample(k, -stash)
             elif kind is GradSync:
                 req = yield from self._acquire()
-                start, d = env.now, self.plan.stages[k].sync_s + self.dispatch_s
+                stage = self.plan.stages[k]
+                start, d = env.now, stage.sync_s + self.dispatch_s
+                if self.overlap[k] and self.stream_done[k] is not None:
+                    yield self.stream_done[k]           # the buckets still running after the backward
+                    d = stage.sync_s - stage.grad_sync_s + self.dispatch_s
                 working = self.update_bytes[k]          # the optimizer step's own copies
                 if working:
                     self._sample(k, working)
@@ -300,7 +331,8 @@ class _Engine:
 
 def simulate(plan: PipelinePlan, schedule: str | Program = "1f1b", *, chunks: int = 2,
              cluster: Cluster | None = None, cross_mesh: str = "local_all_gather",
-             free_communication: bool = False, executors: int | None = None, dispatch_s: float = 0.0) -> Timeline:
+             free_communication: bool = False, executors: int | None = None, dispatch_s: float = 0.0,
+             overlap: bool = True) -> Timeline:
     """Simulate one training iteration of `plan` under `schedule` and return its `Timeline`.
 
     `schedule` is a name in `SCHEDULES` ("1f1b", "gpipe", "interleaved" with `chunks`
@@ -308,7 +340,8 @@ def simulate(plan: PipelinePlan, schedule: str | Program = "1f1b", *, chunks: in
     in the plan. `cross_mesh` picks the resharding method ("local_all_gather",
     "send_recv", "signal"). `free_communication` makes every message instant.
     `executors` (e.g. 1 for a one-process runtime) and `dispatch_s` model how a runtime
-    shares its compute among the meshes (module doc).
+    shares its compute among the meshes (module doc). `overlap=False` runs a plan's
+    gradient buckets after the backward as one sync, as a plan made without them does.
     """
     if executors is not None and executors < 1:
         raise ValueError(f"executors must be >= 1 (or None for free-running meshes), got {executors!r}")
@@ -324,7 +357,7 @@ def simulate(plan: PipelinePlan, schedule: str | Program = "1f1b", *, chunks: in
             raise ValueError(f"plan cluster {plan.cluster.name!r} is no preset and the plan records no "
                              "'spec'; pass a cluster or use free communication")
     routes, links = route_transfers(program, plan, cluster, cross_mesh)
-    engine = _Engine(plan, program, routes, links, free_communication, executors, dispatch_s)
+    engine = _Engine(plan, program, routes, links, free_communication, executors, dispatch_s, overlap)
     ends = engine.run()
     meshes = tuple(MeshInfo(k, tuple(st.devices),
                             tuple(sorted({cluster.node_of(d) for d in st.devices})) if cluster else (),

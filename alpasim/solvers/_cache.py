@@ -21,9 +21,10 @@ from typing import Any
 # 14: Megatron-LM's layout of the Llama and fine-grained MoE parameters; 15: its
 # distributed optimizer's tied copy; 16: GShard MoE's router replicated again under it;
 # 17: one resharding per tensor, phase and spec, shared by its readers (every plan), and
-# sequence parallelism. The restriction tables are code, not part of a key: a change to
-# them bumps this.
-CACHE_VERSION = "stage-costs/17"
+# sequence parallelism; 18: each option's weight-gradient collectives (bytes by kind and
+# axes) for the overlapped buckets. The restriction tables are code, not part of a key:
+# a change to them bumps this.
+CACHE_VERSION = "stage-costs/18"
 
 
 def cache_dir() -> Path:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from alpasim.costmodels import Cluster, CostModel
+from alpasim.costmodels import DEFAULT_BUCKET_BYTES, Cluster, CostModel, bucket_schedule, exposed_s
 from alpasim.graphs import (
     ModelSource,
     OpGraph,
@@ -43,6 +43,7 @@ from ._stage_costs import (
     carry_bytes,
     compose_stage,
     cost_model_key,
+    layer_sync,
     layer_tensor_specs,
 )
 from ._boundary import stage_boundary_s
@@ -185,7 +186,8 @@ def plan_pipeline(model: str | ModelSource, cluster: Cluster, *, microbatches: i
                   num_stages: int | None = None, relabel: Callable[[OpGraph], OpGraph] | None = None,
                   pareto: bool = True, price_boundaries: bool = True,
                   cost_model: CostModel | None = None, precision: str | None = None,
-                  microbatch_multiple: int = 1, recompute: str = "none") -> PipelinePlan:
+                  microbatch_multiple: int = 1, recompute: str = "none",
+                  bucket_bytes: float | None = DEFAULT_BUCKET_BYTES) -> PipelinePlan:
     """Plan `model` on `cluster`; `recompute` is the training graph's policy for what
     the backward recomputes (`graphs.training_graph`); `layers` re-clusters the forward ops into that many
     layers with the eq. 6 DP instead of the zoo's blocks (planning units).
@@ -205,7 +207,13 @@ def plan_pipeline(model: str | ModelSource, cluster: Cluster, *, microbatches: i
     `precision` names the mixed-precision recipe (`graphs.RECIPES`, default
     mixed-fp32grad), recorded as `model["precision"]`; `fp32` builds the model in
     float32. `microbatch_multiple` keeps only microbatches whose size it divides (a
-    data-parallel system gives every device at least one whole sample)."""
+    data-parallel system gives every device at least one whole sample).
+
+    `bucket_bytes`: weight gradients reduced in buckets of this size, overlapped with
+    the last microbatch's backward (`costmodels._overlap`); None runs each gradient's
+    collective after the backward, as the paper's accounting does (`--no-overlap`)."""
+    if bucket_bytes is not None and not (math.isfinite(bucket_bytes) and bucket_bytes > 0):
+        raise ValueError(f"the gradient bucket must be a finite number of bytes > 0, got {bucket_bytes!r}")
     t0 = time.perf_counter()
     if cost_model is not None:
         cluster = cost_model.cluster
@@ -237,7 +245,7 @@ def plan_pipeline(model: str | ModelSource, cluster: Cluster, *, microbatches: i
         s_max = min(max_stages, graph.num_layers, cluster.num_devices)
         costs = build_stage_costs(graph, cluster, b, max_stages=s_max, map_fn=map_fn, cache=cache,
                                   progress=report, restriction=restriction, shape_ok=shape_ok, views_of=views_of,
-                                  pareto=pareto, cost_model=cost_model)
+                                  pareto=pareto, cost_model=cost_model, bucket_bytes=bucket_bytes)
         jobs += costs.ilp_jobs
         hits += costs.cache_hits
         sizes = [sh.size for sh in costs.shapes]
@@ -345,7 +353,7 @@ def _assemble_plan(source: ModelSource, dtype: str, cluster: Cluster, best: Cand
         view = int(costs.view[st.first, st.last, st.shape, s - 1])
         j = int(costs.option[st.first, st.last, st.shape, s - 1])
         _, logical, _ = costs.meshes[view]
-        compute = sync = forward = 0.0
+        compute = sync = forward = grad_sync = 0.0
         param_specs: dict[str, str] = {}
         heavy: list[dict] = []
         kinds_shown: set[str] = set()
@@ -359,6 +367,7 @@ def _assemble_plan(source: ModelSource, dtype: str, cluster: Cluster, best: Cand
             compute += o.time_s
             forward += o.forward_s
             sync += o.sync_s
+            grad_sync += o.grad_sync_s
             layer_graph = costs.layer_graphs[layer]
             layer_specs.append(layer_tensor_specs(layer_graph, o))
             for p, spec in zip(canonical_params(layer_graph), o.param_specs):
@@ -371,12 +380,17 @@ def _assemble_plan(source: ModelSource, dtype: str, cluster: Cluster, best: Cand
                                   "strategy": strategy, "output": out})
         inflight = min(s, b)
         mem = stage_memory_of(costs, st.first, st.last, view, stage_opts, inflight)
+        buckets: tuple[tuple[float, float], ...] = ()
+        exposed = grad_sync
+        if costs.bucket_bytes is not None:
+            syncs = [layer_sync(o, costs.meshes[view][2], costs.bucket_bytes) for o in stage_opts]
+            buckets, exposed = bucket_schedule(syncs), exposed_s(syncs)
         stages.append(PipelineStage((st.first, st.last), tuple(devices), (shapes[idx].n, shapes[idx].m),
                                     tuple(logical), float(st.cost_s), mem.total_bytes, inflight, compute, sync,
                                     mem.persistent_bytes + mem.buffer_bytes, mem.activation_bytes, j,
                                     param_specs, tuple(heavy), forward, compute - forward, mem.stash_bytes,
                                     float(st.boundary_s), mem.to_json(),
-                                    tuple(layer_specs) if all(layer_specs) else ()))
+                                    tuple(layer_specs) if all(layer_specs) else (), grad_sync, buckets, exposed))
     flops = flops_by_kind(best.graph)["matmul"] * b
     iteration = dp.latency_s
     predicted = Prediction(iteration, flops / iteration / cluster.num_devices / 1e12, flops / iteration / 1e15,

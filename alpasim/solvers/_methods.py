@@ -48,7 +48,7 @@ from ._submesh import SubmeshShape
 
 # Options every method takes (`plan_pipeline` keywords), and those only some do.
 COMMON_OPTIONS = frozenset({"microbatches", "remat", "recompute", "precision", "cost_model", "epsilon", "cache",
-                            "map_fn", "progress", "price_boundaries", "pareto"})
+                            "map_fn", "progress", "price_boundaries", "pareto", "bucket_bytes"})
 METHOD_OPTIONS = ("layers", "max_stages", "megatron", "distributed_optimizer", "sequence_parallel")
 
 
@@ -214,10 +214,11 @@ def plan_model(model: ModelLike, cluster: Cluster, method: str = "alpa", *, laye
             options.pop("microbatches", None)     # Megatron's microbatch size sets the count
             given = {k: v for k, v in (("distributed_optimizer", distributed_optimizer),
                                        ("sequence_parallel", sequence_parallel)) if v is not None}
-            if megatron is not None:
+            if megatron is not None and m.name == "megatron":
                 return megatron_plan(source, cluster, dataclasses.replace(megatron, **given), method=m.name,
                                      **options)
-            return megatron_grid(source, cluster, today=m.name == "megatron_core", **given, **options)
+            return megatron_grid(source, cluster, today=m.name == "megatron_core", config=megatron, **given,
+                                 **options)
         kw = {**options, **m.search_options(cluster)}
         if layers is not None:
             kw["layers"] = layers
@@ -328,7 +329,7 @@ def megatron_plan(model: ModelLike, cluster: Cluster, config: MegatronConfig, me
 
 def megatron_grid(model: ModelLike, cluster: Cluster, *, progress: Callable | None = None,
                   distributed_optimizer: bool | None = None, sequence_parallel: bool | None = None,
-                  today: bool = False, **kw) -> PipelinePlan:
+                  today: bool = False, config: MegatronConfig | None = None, **kw) -> PipelinePlan:
     """The best configuration of Megatron-LM's grid (the paper grid-searches it too);
     every configuration tried is listed in `search.megatron_grid`.
 
@@ -337,12 +338,15 @@ def megatron_grid(model: ModelLike, cluster: Cluster, *, progress: Callable | No
     also searches both (where tp > 1 and dp > 1 give them something to do), each
     unless given, and the recomputation: for each configuration none, then selective,
     then full (`RECOMPUTE_SEARCH` backwards), stopping at the first that fits, since
-    recomputing only adds work to the same configuration."""
+    recomputing only adds work to the same configuration. `config` fixes the degrees
+    and microbatch size (what is left is searched)."""
     source = _zoo_source(model)
     name, cfg = source.name, source.config
     blocks = forward_graph(dataclasses.replace(cfg, batch=1), name=name).num_layers
     grid = []
-    for c in megatron_configs(cluster.num_devices, cluster.devices_per_node, blocks, cfg.batch):
+    base = [config] if config is not None else \
+        megatron_configs(cluster.num_devices, cluster.devices_per_node, blocks, cfg.batch)
+    for c in base:
         sps = (sequence_parallel,) if sequence_parallel is not None else (False, True) if today and c.tp > 1 \
             else (False,)
         dos = (distributed_optimizer,) if distributed_optimizer is not None else (False, True) \

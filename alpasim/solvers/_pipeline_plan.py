@@ -161,6 +161,21 @@ class PipelineStage(Record):
     # or write -> the layout it was priced in (a tensor crossing layers has one entry in
     # each). Executors run these layouts as they are; empty for plans from before.
     layer_specs: tuple[dict[str, str], ...] = ()
+    # The weight gradients' collectives (inside sync_s, one per gradient after the
+    # backward) and, when they overlap the last backward in buckets, each bucket as
+    # (ready, seconds) from that backward's start and what the buckets leave exposed
+    # after it (`costmodels._overlap`; empty buckets: no overlap, exposed = grad_sync_s).
+    grad_sync_s: float = 0.0
+    sync_buckets: tuple[tuple[float, float], ...] = ()
+    exposed_sync_s: float = 0.0
+
+    @property
+    def overlapped_sync_s(self) -> float:
+        """What the iteration's sync takes after the last backward: the buckets' exposed
+        part, then the rest of sync_s (the optimizer step, gathers after it)."""
+        if not self.sync_buckets:
+            return self.sync_s
+        return self.sync_s - self.grad_sync_s + self.exposed_sync_s
 
     def __post_init__(self) -> None:
         if self.layers[0] > self.layers[1] or self.layers[0] < 0:

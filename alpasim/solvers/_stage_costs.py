@@ -34,11 +34,14 @@ from typing import Any
 import numpy as np
 
 from alpasim.costmodels import (
+    DEFAULT_BUCKET_BYTES,
     AnalyticCostModel,
     Cluster,
     CostModel,
     LayerMemory,
+    LayerSync,
     StageMemory,
+    bucket_count,
     carry_peak,
     range_max,
     range_peak,
@@ -50,6 +53,7 @@ from ._cache import CACHE_VERSION, DiskCache, digest
 from ._intra_baselines import BASELINES, REWRITE_ALLOWED, optimizer_state_shards
 from ._intra_op import IntraOpInfeasible, min_memory_choice, solve_intra_op, solve_problem
 from ._mesh import LogicalMesh
+from ._resharding import Collective
 from ._spec import ShardingSpec
 from ._submesh import SubmeshShape, check_cluster_grid, logical_mesh, logical_shapes, submesh_shapes
 
@@ -106,6 +110,11 @@ class LayerOption:
     # The layout of every tensor of the layer graph, in `canonical_tensors` order: what
     # the option was priced with, so an executor runs exactly it (empty: from before).
     tensor_specs: tuple[str, ...] = ()
+    # The weight-gradient collectives of the iteration (inside sync_s): their seconds
+    # as priced one per gradient, and their bytes by (kind, mesh axes), which the table
+    # re-prices in buckets that overlap the backward (`costmodels._overlap`).
+    grad_sync_s: float = 0.0
+    grad_groups: tuple[tuple[str, tuple[int, ...], float], ...] = ()
 
     @property
     def tied_bytes(self) -> float:
@@ -129,9 +138,11 @@ class LayerOption:
                 tuple(d.get("input_specs", ())), tuple(d.get("output_specs", ())), d.get("stash_bytes"),
                 d.get("params_bytes", 0.0), d.get("grads_bytes", 0.0), d.get("optimizer_bytes", 0.0),
                 tuple(d.get("tied", (0.0, 0.0, 0.0))), d.get("gather_bytes", 0.0), d.get("update_bytes", 0.0),
-                tuple(d.get("tensor_specs", ())))
+                tuple(d.get("tensor_specs", ())), d.get("grad_sync_s", 0.0),
+                tuple((str(k), tuple(int(a) for a in axes), b) for k, axes, b in d.get("grad_groups", ())))
         numbers = [o.time_s, o.sync_s, o.persistent_bytes, o.activation_bytes, o.forward_s, o.params_bytes,
-                   o.grads_bytes, o.optimizer_bytes, *o.tied, o.gather_bytes, o.update_bytes]
+                   o.grads_bytes, o.optimizer_bytes, *o.tied, o.gather_bytes, o.update_bytes, o.grad_sync_s,
+                   *(b for _, _, b in o.grad_groups)]
         if o.stash_bytes is not None:
             numbers.append(o.stash_bytes)
         for x in numbers:
@@ -143,6 +154,22 @@ class LayerOption:
         if not all(isinstance(x, str) for x in specs) or not isinstance(o.ilp_status, str):
             raise TypeError("a layer option's specs and status are strings")
         return o
+
+
+def gradient_sync(layer: OpGraph, plan) -> tuple[float, tuple[tuple[str, tuple[int, ...], float], ...]]:
+    """(seconds, bytes by (kind, mesh axes)) of `plan`'s once-an-iteration collectives
+    that finish weight gradients in the backward: what can overlap it. The collectives
+    of the update and after it (the updated weights' all-gathers) cannot."""
+    seconds, groups = 0.0, {}
+    for p in plan.collectives:
+        op = layer.op_by_name.get(p.op)
+        if not p.per_iteration or op is None or op.phase != "backward":
+            continue
+        c = p.collective
+        seconds += c.time_s(plan.mesh)
+        key = (c.kind, tuple(c.axes))
+        groups[key] = groups.get(key, 0.0) + c.nbytes
+    return seconds, tuple((k, axes, b) for (k, axes), b in sorted(groups.items()))
 
 
 def job_weight(layer: OpGraph, mesh: LogicalMesh) -> float:
@@ -258,7 +285,8 @@ def layer_options(layer: OpGraph, mesh: LogicalMesh, cluster: Cluster, microbatc
                            tuple(str(plan.specs[t]) for t in layer.outputs), mem.stash_bytes,
                            mem.params_bytes, mem.grads_bytes + t_grad, mem.optimizer_bytes + t_opt,
                            (t_param, t_grad, t_opt), gathered_param_bytes(layer, plan), mem.update_bytes,
-                           tuple(str(plan.specs[t]) if t in plan.specs else "" for t in canonical_tensors(layer)))
+                           tuple(str(plan.specs[t]) if t in plan.specs else "" for t in canonical_tensors(layer)),
+                           *gradient_sync(layer, plan))
 
     kw = restricted_solve_kwargs(restriction, layer, mesh, model)
     fast = solve_intra_op(layer, mesh, model, with_compute=True, microbatches=microbatches, mip_gap=PLANNING_MIP_GAP,
@@ -398,6 +426,7 @@ class StageCosts:
     cache_hits: int
     min_memory_bytes: float             # least per-device memory any stage of one layer needs
     tied_owner: list[TiedCopy | None] = None  # per layer: a tied copy of another layer's parameter
+    bucket_bytes: float | None = None   # gradient buckets overlapping the backward (None: no overlap)
 
 
 def build_stage_costs(graph: OpGraph, cluster: Cluster, microbatches: int, *, max_stages: int | None = None,
@@ -405,12 +434,16 @@ def build_stage_costs(graph: OpGraph, cluster: Cluster, microbatches: int, *, ma
                       progress: Callable[[int, int], None] | None = None, restriction: str | None = None,
                       shape_ok: Callable[[SubmeshShape], bool] | None = None,
                       views_of: Callable[[SubmeshShape], Sequence[tuple[int, int]]] | None = None,
-                      pareto: bool = True, cost_model: CostModel | None = None) -> StageCosts:
+                      pareto: bool = True, cost_model: CostModel | None = None,
+                      bucket_bytes: float | None = DEFAULT_BUCKET_BYTES) -> StageCosts:
     """The table for `graph`; `restriction` names an intra-op baseline every layer is
     solved under, `shape_ok` narrows the submesh shapes and `views_of` replaces the
     logical views of a shape (baselines that only pipeline, or fix their mesh layout).
     A `cost_model` prices the ops, and its cluster replaces `cluster`: a profiled
-    model's cluster carries the measured link, which the meshes then price with."""
+    model's cluster carries the measured link, which the meshes then price with.
+    `bucket_bytes`: the weight gradients are reduced in buckets of this size that
+    overlap the last backward (`costmodels._overlap`); None: one collective per
+    gradient after the backward (the paper's accounting)."""
     if cost_model is not None:
         cluster = cost_model.cluster
     check_cluster_grid(cluster)
@@ -457,9 +490,10 @@ def build_stage_costs(graph: OpGraph, cluster: Cluster, microbatches: int, *, ma
             progress(n, total)
     owners = tied_owners(graph, layers)
     costs = _assemble(kinds, options, meshes, shapes, memory, microbatches, num_layers,
-                      max_stages or min(num_layers, cluster.num_devices), owners, layers)
+                      max_stages or min(num_layers, cluster.num_devices), owners, layers, bucket_bytes)
     least = min((o.persistent_bytes + o.activation_bytes for opts in options.values() for o in opts), default=INF)
-    return StageCosts(*costs, shapes, meshes, kinds, layers, options, total, cache.hits, least, owners)
+    return StageCosts(*costs, shapes, meshes, kinds, layers, options, total, cache.hits, least, owners,
+                      bucket_bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -516,17 +550,54 @@ def compose_stage(opts: Sequence[LayerOption], inflight: int, drop_tied: bool = 
                         carries=carries, update_bytes=max((o.update_bytes for o in opts), default=0.0))
 
 
+def layer_sync(o: LayerOption, mesh: LogicalMesh, bucket_bytes: float) -> LayerSync:
+    """The option's backward and its gradient collectives re-priced in buckets of
+    `bucket_bytes` (each bucket one collective of its own size)."""
+    seconds, count = 0.0, 0
+    for kind, axes, nbytes in o.grad_groups:
+        n = bucket_count(nbytes, bucket_bytes)
+        if n:
+            seconds += n * Collective(kind, nbytes / n, axes).time_s(mesh)
+            count += n
+    return LayerSync(max(o.time_s - o.forward_s, 0.0), seconds, count)
+
+
+def exposed_ranges(backward: np.ndarray, sync: np.ndarray, buckets: np.ndarray) -> np.ndarray:
+    """`costmodels.exposed_s` of every layer range k..i at once: (L, ...) per-layer
+    backward seconds, bucketed sync seconds and bucket counts -> (L, L, ...) exposed
+    seconds. For a range ending at i the stream's state after layer l does not depend
+    on where the range starts, so one pass per distance i - l serves every range."""
+    num_layers = backward.shape[0]
+    prefix = np.concatenate([np.zeros((1,) + backward.shape[1:]), np.cumsum(backward, axis=0)])
+    out = np.full((num_layers,) + backward.shape, INF)
+    free = np.zeros(backward.shape)                          # by i: the stream after layers i..l
+    n = np.maximum(buckets, 1)
+    for d in range(num_layers):
+        i = np.arange(d, num_layers)
+        l = i - d
+        start = prefix[i + 1] - prefix[l + 1]                 # layer l's backward starts
+        b, c = backward[l], sync[l]
+        end = np.maximum.reduce([free[i] + c, start + b + c / n[l], start + b / n[l] + c])
+        free[i] = np.where(buckets[l] > 0, end, free[i])
+        out[l, i] = np.maximum(free[i] - (prefix[i + 1] - prefix[l]), 0.0)
+    return out
+
+
 def _assemble(kinds: Sequence[str], options, meshes, shapes, memory: float, microbatches: int, num_layers: int,
-              s_max: int, owners: Sequence[TiedCopy | None] = (), layers: Sequence[OpGraph] = ()):
+              s_max: int, owners: Sequence[TiedCopy | None] = (), layers: Sequence[OpGraph] = (),
+              bucket_bytes: float | None = None):
     """Compose the layer options into t(k..i, shape, s) and its memory, vectorised.
 
     Memory is `compose_stage` for every range at once: persistent sums, the one-
     microbatch peak by `range_peak`, the gathered-parameter buffer by `range_max`, a
-    tied copy dropped from ranges that also hold its owner."""
+    tied copy dropped from ranges that also hold its owner. With `bucket_bytes` the
+    gradient sync of a range is what its buckets leave exposed after its backward
+    (`exposed_ranges`), not the sum of its layers' collectives."""
     n_mesh = len(meshes)
     n_opt = max((len(v) for v in options.values()), default=1)
     shape = (num_layers, n_mesh, n_opt)
     time, pers, peak, stash, tied, gather, update = (np.full(shape, INF) for _ in range(7))
+    backward, bucketed, buckets = (np.zeros(shape) for _ in range(3))
     for l, kind in enumerate(kinds):
         for m in range(n_mesh):
             opts = options.get((kind, m), [])
@@ -534,7 +605,12 @@ def _assemble(kinds: Sequence[str], options, meshes, shapes, memory: float, micr
                 if not opts:
                     continue
                 o = opts[min(j, len(opts) - 1)]
-                time[l, m, j] = o.time_s + o.sync_s / microbatches
+                if bucket_bytes is None:
+                    time[l, m, j] = o.time_s + o.sync_s / microbatches
+                else:
+                    time[l, m, j] = o.time_s + (o.sync_s - o.grad_sync_s) / microbatches
+                    ls = layer_sync(o, meshes[m][2], bucket_bytes)
+                    backward[l, m, j], bucketed[l, m, j], buckets[l, m, j] = ls.backward_s, ls.sync_s, ls.buckets
                 pers[l, m, j] = o.persistent_bytes
                 peak[l, m, j] = o.activation_bytes
                 stash[l, m, j] = o.inflight_bytes
@@ -552,6 +628,8 @@ def _assemble(kinds: Sequence[str], options, meshes, shapes, memory: float, micr
         return out
 
     t_range, p_range, s_range = ranges(time), ranges(pers), ranges(np.nan_to_num(stash, posinf=0.0))
+    if bucket_bytes is not None:
+        t_range = t_range + exposed_ranges(backward, bucketed, buckets) / microbatches
     peak_range = range_peak(np.nan_to_num(stash, posinf=0.0), np.where(np.isinf(peak), 0.0, peak))
     buffers = np.maximum(range_max(np.where(np.isinf(gather), 0.0, gather)), 0.0)
     updates = np.maximum(range_max(np.where(np.isinf(update), 0.0, update)), 0.0)

@@ -82,20 +82,35 @@ def _ladder(model, cluster, config):
     return plan
 
 
-@pytest.mark.parametrize("memory_gb", [1e3, 0.13])
-def test_megatron_core_takes_sequence_parallelism_only_where_it_pays(memory_gb):
-    """Megatron-core's grid against its own chosen configuration with sequence
-    parallelism flipped (priced independently): the choice is never slower than the
-    flip, and the flip is either slower or does not fit. With memory to spare this
-    small model's norms save less than the backward's re-gathers and norm-gradient all-reduces cost
-    and the grid runs without it; at 0.13 GiB only sequence parallelism fits a
-    configuration this fast."""
-    cluster = cm.get_cluster("dgx-a100", nodes=1, devices_per_node=4, memory_gb=memory_gb)
+SMALL = "gpt3:hidden=256,layers=4,heads=8,seq=64,vocab=1024,batch=16"
+
+
+@pytest.mark.parametrize("model, takes_it", [(MODEL, True), (SMALL, False)])
+def test_megatron_core_weighs_sequence_parallelism_for_a_configuration(model, takes_it):
+    """tp 4 with memory to spare, Megatron-core searching what the configuration leaves
+    open: with 512 tokens of hidden 512 the norms on a quarter of the sequence save more
+    than its extra collectives (two where one all-reduce was, and the backward's
+    re-gathers) cost, so it takes sequence parallelism; with 64 tokens of hidden 256
+    each collective is latency and it does not. Either way the choice is the faster of
+    the two priced plans."""
+    cluster = cm.get_cluster("dgx-a100", nodes=1, devices_per_node=4, memory_gb=1e3)
+    plan = plan_with_method("megatron_core", model, cluster, megatron=MegatronConfig(4, 1, 1, 4))
+    assert plan.search.megatron["sequence_parallel"] is takes_it
+    times = {t["sequence_parallel"]: t["iteration_s"] for t in plan.search.megatron_grid}
+    assert set(times) == {False, True} and times[takes_it] < times[not takes_it]
+    assert plan.predicted.iteration_s == times[takes_it]
+
+
+def test_megatron_core_takes_sequence_parallelism_where_only_it_fits():
+    """At 0.13 GiB a device the fastest configuration that fits needs sequence
+    parallelism: without it, the same configuration (at any recomputation) is slower or
+    does not fit."""
+    cluster = cm.get_cluster("dgx-a100", nodes=1, devices_per_node=4, memory_gb=0.13)
     plan = plan_with_method("megatron_core", MODEL, cluster)
     assert plan.feasible and plan.method == "megatron_core"
     chosen = MegatronConfig(**plan.search.megatron)
-    flipped = _ladder(MODEL, cluster, dataclasses.replace(chosen, sequence_parallel=not chosen.sequence_parallel))
+    assert chosen.sequence_parallel and chosen.tp > 1
+    flipped = _ladder(MODEL, cluster, dataclasses.replace(chosen, sequence_parallel=False))
     assert not flipped.feasible or flipped.predicted.iteration_s > plan.predicted.iteration_s
-    assert chosen.sequence_parallel == (memory_gb < 1)
     tried = [t for t in plan.search.megatron_grid if t["feasible"]]
     assert plan.predicted.iteration_s == min(t["iteration_s"] for t in tried)

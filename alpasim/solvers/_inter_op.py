@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from alpasim.costmodels import DEFAULT_BUCKET_BYTES, Cluster, CostModel, bucket_schedule, exposed_s
+from alpasim.costmodels import DEFAULT_BUCKET_BYTES, Cluster, CostModel
 from alpasim.graphs import (
     ModelSource,
     OpGraph,
@@ -43,8 +43,8 @@ from ._stage_costs import (
     carry_bytes,
     compose_stage,
     cost_model_key,
-    layer_sync,
     layer_tensor_specs,
+    stage_sync,
 )
 from ._boundary import stage_boundary_s
 from ._stage_dp import DPResult, bubble_fraction, equal_layer_dp, stage_dp
@@ -380,11 +380,7 @@ def _assemble_plan(source: ModelSource, dtype: str, cluster: Cluster, best: Cand
                                   "strategy": strategy, "output": out})
         inflight = min(s, b)
         mem = stage_memory_of(costs, st.first, st.last, view, stage_opts, inflight)
-        buckets: tuple[tuple[float, float], ...] = ()
-        exposed = grad_sync
-        if costs.bucket_bytes is not None:
-            syncs = [layer_sync(o, costs.meshes[view][2], costs.bucket_bytes) for o in stage_opts]
-            buckets, exposed = bucket_schedule(syncs), exposed_s(syncs)
+        buckets, exposed = stage_sync(stage_opts, costs.meshes[view][2], costs.bucket_bytes)
         stages.append(PipelineStage((st.first, st.last), tuple(devices), (shapes[idx].n, shapes[idx].m),
                                     tuple(logical), float(st.cost_s), mem.total_bytes, inflight, compute, sync,
                                     mem.persistent_bytes + mem.buffer_bytes, mem.activation_bytes, j,

@@ -42,7 +42,9 @@ from alpasim.costmodels import (
     LayerSync,
     StageMemory,
     bucket_count,
+    bucket_schedule,
     carry_peak,
+    exposed_s,
     range_max,
     range_peak,
     stage_memory,
@@ -562,6 +564,20 @@ def layer_sync(o: LayerOption, mesh: LogicalMesh, bucket_bytes: float) -> LayerS
     return LayerSync(max(o.time_s - o.forward_s, 0.0), seconds, count)
 
 
+def stage_sync(opts: Sequence[LayerOption], mesh: LogicalMesh,
+               bucket_bytes: float | None) -> tuple[tuple[tuple[float, float], ...], float]:
+    """(buckets, exposed seconds) of a stage running `opts`: the bucketed reduction
+    overlapping its backward where that leaves less after it than one collective per
+    gradient does after the backward (many small buckets each pay a launch, and a short
+    backward hides little), else no buckets and all of it."""
+    unbucketed = sum(o.grad_sync_s for o in opts)
+    if bucket_bytes is None:
+        return (), unbucketed
+    syncs = [layer_sync(o, mesh, bucket_bytes) for o in opts]
+    exposed = exposed_s(syncs)
+    return ((), unbucketed) if exposed >= unbucketed else (bucket_schedule(syncs), exposed)
+
+
 def exposed_ranges(backward: np.ndarray, sync: np.ndarray, buckets: np.ndarray) -> np.ndarray:
     """`costmodels.exposed_s` of every layer range k..i at once: (L, ...) per-layer
     backward seconds, bucketed sync seconds and bucket counts -> (L, L, ...) exposed
@@ -597,7 +613,7 @@ def _assemble(kinds: Sequence[str], options, meshes, shapes, memory: float, micr
     n_opt = max((len(v) for v in options.values()), default=1)
     shape = (num_layers, n_mesh, n_opt)
     time, pers, peak, stash, tied, gather, update = (np.full(shape, INF) for _ in range(7))
-    backward, bucketed, buckets = (np.zeros(shape) for _ in range(3))
+    backward, bucketed, buckets, unbucketed = (np.zeros(shape) for _ in range(4))
     for l, kind in enumerate(kinds):
         for m in range(n_mesh):
             opts = options.get((kind, m), [])
@@ -609,6 +625,7 @@ def _assemble(kinds: Sequence[str], options, meshes, shapes, memory: float, micr
                     time[l, m, j] = o.time_s + o.sync_s / microbatches
                 else:
                     time[l, m, j] = o.time_s + (o.sync_s - o.grad_sync_s) / microbatches
+                    unbucketed[l, m, j] = o.grad_sync_s
                     ls = layer_sync(o, meshes[m][2], bucket_bytes)
                     backward[l, m, j], bucketed[l, m, j], buckets[l, m, j] = ls.backward_s, ls.sync_s, ls.buckets
                 pers[l, m, j] = o.persistent_bytes
@@ -628,8 +645,8 @@ def _assemble(kinds: Sequence[str], options, meshes, shapes, memory: float, micr
         return out
 
     t_range, p_range, s_range = ranges(time), ranges(pers), ranges(np.nan_to_num(stash, posinf=0.0))
-    if bucket_bytes is not None:
-        t_range = t_range + exposed_ranges(backward, bucketed, buckets) / microbatches
+    if bucket_bytes is not None:     # overlapped where that is faster (`stage_sync`)
+        t_range = t_range + np.minimum(exposed_ranges(backward, bucketed, buckets), ranges(unbucketed)) / microbatches
     peak_range = range_peak(np.nan_to_num(stash, posinf=0.0), np.where(np.isinf(peak), 0.0, peak))
     buffers = np.maximum(range_max(np.where(np.isinf(gather), 0.0, gather)), 0.0)
     updates = np.maximum(range_max(np.where(np.isinf(update), 0.0, update)), 0.0)

@@ -86,3 +86,19 @@ def test_data_parallel_iteration_hides_the_reduction_up_to_the_closed_form(bucke
     # The buckets' total exceeds the backward: the stream never idles after its first bucket.
     total = sum(seconds for _, seconds in st0.sync_buckets)
     assert st0.exposed_sync_s == pytest.approx(st0.sync_buckets[0][0] + total - st0.backward_s, rel=1e-9)
+
+
+def test_the_planner_overlaps_only_where_it_pays():
+    """Buckets of 4 KiB: each of thousands pays a collective's launch, more than the
+    whole backward hides, so the planner keeps one collective per gradient after the
+    backward (no buckets, the no-overlap iteration); at 25 MiB it overlaps."""
+    cluster = get_cluster("aws-p3.16xlarge", nodes=2)
+    kw = dict(restriction="data_parallel", max_stages=1, microbatches=4)
+    plain = plan_pipeline(MODEL, cluster, bucket_bytes=None, **kw)
+    tiny = plan_pipeline(MODEL, cluster, bucket_bytes=4096, **kw)
+    assert not tiny.stages[0].sync_buckets
+    assert tiny.stages[0].exposed_sync_s == pytest.approx(tiny.stages[0].grad_sync_s)
+    assert tiny.predicted.iteration_s == pytest.approx(plain.predicted.iteration_s, rel=1e-9)
+    assert simulate(tiny).iteration_s == pytest.approx(simulate(plain).iteration_s, rel=1e-9)
+    usual = plan_pipeline(MODEL, cluster, **kw)
+    assert usual.stages[0].sync_buckets and usual.predicted.iteration_s < plain.predicted.iteration_s

@@ -331,48 +331,60 @@ def megatron_grid(model: ModelLike, cluster: Cluster, *, progress: Callable | No
                   distributed_optimizer: bool | None = None, sequence_parallel: bool | None = None,
                   today: bool = False, config: MegatronConfig | None = None, **kw) -> PipelinePlan:
     """The best configuration of Megatron-LM's grid (the paper grid-searches it too);
-    every configuration tried is listed in `search.megatron_grid`.
+    every configuration priced is listed in `search.megatron_grid`.
 
     The paper's grid (2021) runs without sequence parallelism or the distributed
     optimizer unless asked, under the recomputation `kw` gives. `today` (Megatron-core)
     also searches both (where tp > 1 and dp > 1 give them something to do), each
-    unless given, and the recomputation: for each configuration none, then selective,
-    then full (`RECOMPUTE_SEARCH` backwards), stopping at the first that fits, since
-    recomputing only adds work to the same configuration. `config` fixes the degrees
-    and microbatch size (what is left is searched)."""
+    unless given, and the recomputation: none, then selective, then full
+    (`RECOMPUTE_SEARCH` backwards), stopping at the first that fits, since recomputing
+    only adds work to the same configuration. `config` fixes the degrees and
+    microbatch size (what is left is searched).
+
+    Pruned, not priced: each degree/microbatch point first tries its least-memory form
+    (sequence parallel and distributed optimizer where searched); if even full
+    recomputation does not fit there, no form does, and the other forms start their
+    recomputation ladder where the least-memory form first fit (neither option adds
+    memory: `tests/solvers/test_sequence_parallel.py`)."""
     source = _zoo_source(model)
     name, cfg = source.name, source.config
     blocks = forward_graph(dataclasses.replace(cfg, batch=1), name=name).num_layers
-    grid = []
     base = [config] if config is not None else \
         megatron_configs(cluster.num_devices, cluster.devices_per_node, blocks, cfg.batch)
-    for c in base:
-        sps = (sequence_parallel,) if sequence_parallel is not None else (False, True) if today and c.tp > 1 \
-            else (False,)
-        dos = (distributed_optimizer,) if distributed_optimizer is not None else (False, True) \
-            if today and c.dp > 1 else (False,)
-        grid += [dataclasses.replace(c, sequence_parallel=x, distributed_optimizer=y) for x in sps for y in dos]
     ladder = [(remat, policy) for _, remat, policy in reversed(RECOMPUTE_SEARCH)] if today else \
         [(kw.get("remat", True), kw.get("recompute", "none"))]
     kw = {k: v for k, v in kw.items() if not today or k not in ("remat", "recompute")}
+    method = "megatron_core" if today else "megatron"
     best: PipelinePlan | None = None
     tried = []
-    for i, config in enumerate(grid):
+    for i, c in enumerate(base):
         if progress is not None:
-            progress(f"megatron {config}", i, len(grid))
-        for remat, policy in ladder:
-            plan = megatron_plan(source, cluster, config, method="megatron_core" if today else "megatron", **kw,
-                                 **({"remat": remat, "recompute": policy} if today else {}))
-            tried.append({**_config_json(config), **({"recompute": _recompute_label(remat, policy)} if today else {}),
-                          "iteration_s": plan.predicted.iteration_s, "feasible": plan.feasible})
-            if plan.feasible:
+            progress(f"{method} {c}", i, len(base))
+        sps = (sequence_parallel,) if sequence_parallel is not None else (True, False) if today and c.tp > 1 \
+            else (False,)
+        dos = (distributed_optimizer,) if distributed_optimizer is not None else (True, False) \
+            if today and c.dp > 1 else (False,)
+        floor = 0
+        for k, config in enumerate(dataclasses.replace(c, sequence_parallel=x, distributed_optimizer=y)
+                                   for x in sps for y in dos):    # the least-memory form first
+            plan = None
+            for step, (remat, policy) in enumerate(ladder[floor:], floor):
+                plan = megatron_plan(source, cluster, config, method=method, **kw,
+                                     **({"remat": remat, "recompute": policy} if today else {}))
+                tried.append({**_config_json(config),
+                              **({"recompute": _recompute_label(remat, policy)} if today else {}),
+                              "iteration_s": plan.predicted.iteration_s, "feasible": plan.feasible})
+                if plan.feasible:
+                    floor = step if k == 0 else floor
+                    break
+            if plan.feasible and (best is None or plan.predicted.iteration_s < best.predicted.iteration_s):
+                best = plan
+            if k == 0 and not plan.feasible:
                 break
-        if plan.feasible and (best is None or plan.predicted.iteration_s < best.predicted.iteration_s):
-            best = plan
     if best is None:
-        return infeasible_plan(source, cluster, "megatron_core" if today else "megatron",
+        return infeasible_plan(source, cluster, method,
                                f"no Megatron-LM configuration of {name} fits {cluster.num_devices} devices "
-                               f"({len(grid)} tried)", SearchStats(megatron_grid=tuple(tried)))
+                               f"({len(tried)} tried)", SearchStats(megatron_grid=tuple(tried)))
     return dataclasses.replace(best, search=dataclasses.replace(best.search, megatron_grid=tuple(tried)))
 
 

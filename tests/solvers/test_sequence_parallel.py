@@ -114,3 +114,20 @@ def test_megatron_core_takes_sequence_parallelism_where_only_it_fits():
     assert not flipped.feasible or flipped.predicted.iteration_s > plan.predicted.iteration_s
     tried = [t for t in plan.search.megatron_grid if t["feasible"]]
     assert plan.predicted.iteration_s == min(t["iteration_s"] for t in tried)
+
+
+@pytest.mark.parametrize("config", [MegatronConfig(2, 1, 2, 4), MegatronConfig(2, 2, 1, 2), MegatronConfig(4, 1, 1, 4)])
+@pytest.mark.parametrize("policy", ["none", "selective"])
+def test_sequence_parallelism_and_the_distributed_optimizer_never_add_memory(config, policy):
+    """What Megatron-core's grid prunes on: every stage of every form holds at most what
+    the same configuration holds without either option."""
+    cluster = cm.get_cluster("dgx-a100", nodes=1, devices_per_node=4, memory_gb=1e3)
+    forms = {(sp, do): plan_with_method("megatron", MODEL, cluster, remat=False, recompute=policy,
+                                        megatron=dataclasses.replace(config, sequence_parallel=sp,
+                                                                     distributed_optimizer=do))
+             for sp in (False, True) for do in (False, True)}
+    plain = forms[(False, False)]
+    for (sp, do), plan in forms.items():
+        for st, base in zip(plan.stages, plain.stages, strict=True):
+            assert st.memory_bytes <= base.memory_bytes * (1 + 1e-12), (sp, do)
+    assert forms[(True, True)].predicted.peak_memory_bytes < plain.predicted.peak_memory_bytes

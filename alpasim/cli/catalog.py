@@ -55,5 +55,7 @@ def clusters(as_json: JsonOpt = False) -> None:
 
 
 def _inter_node_text(c: cm.Cluster) -> str:
-    nics = getattr(c, "nics_per_node", 1)
-    return f"{nics} x {c.inter_node.bandwidth_gbps:g} Gb/s per node"
+    text = f"{c.nics_per_node} x {c.inter_node.bandwidth_gbps:g} Gb/s per node"
+    if c.spine is not None:
+        text += f"; spine over {c.spine.nodes_per_leaf}-node leaves, {c.spine.oversubscription:g}:1"
+    return text

@@ -25,6 +25,8 @@ from ._hardware import CLUSTER_SCHEMA as CLUSTER_SCHEMA
 from ._hardware import Cluster as Cluster
 from ._hardware import ClusterError as ClusterError
 from ._hardware import Device as Device
+from ._hardware import Hop as Hop
+from ._hardware import SpineTier as SpineTier
 from ._hardware import Link as Link
 from ._hardware import host_memory_bytes as host_memory_bytes
 from ._memory import MemoryBreakdown as MemoryBreakdown

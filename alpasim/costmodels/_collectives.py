@@ -143,7 +143,8 @@ def group_link(cluster: Cluster, device_ids: Sequence[int]) -> Link:
     """The link a group of devices communicates over.
 
     Inside one node: the intra-node link. Spanning nodes: the inter-node per-device
-    share (`Cluster.inter_node_per_device`), which assumes every device of the node
+    share (`Cluster.inter_node_per_device`), divided by the spine's oversubscription
+    when the group spans leaf switches; it assumes every device of the node
     crosses nodes at the same time, as the parallel groups of one mesh axis do. That
     is pessimistic for a lone ring through all devices, whose few cross-node edges
     would each see a whole network card.
@@ -152,7 +153,15 @@ def group_link(cluster: Cluster, device_ids: Sequence[int]) -> Link:
     if not ids:
         raise ClusterError(f"cluster {cluster.name!r}: a device group needs at least one device")
     nodes = {cluster.node_of(d) for d in ids}
-    return cluster.intra_node if len(nodes) == 1 else cluster.inter_node_per_device
+    if len(nodes) == 1:
+        return cluster.intra_node
+    share = cluster.inter_node_per_device
+    if cluster.spine is None or len({cluster.leaf_of(n) for n in nodes}) == 1:
+        return share
+    # Across leaves every card's traffic also climbs the spine, which carries only
+    # 1/oversubscription of it (`Cluster.route`).
+    return Link(f"{share.name} over the spine", share.bandwidth_gbps / cluster.spine.oversubscription,
+                share.latency_s)
 
 
 def mesh_axes(cluster: Cluster, shape: Sequence[int]) -> tuple[MeshAxis, ...]:
@@ -169,10 +178,9 @@ def mesh_axes(cluster: Cluster, shape: Sequence[int]) -> tuple[MeshAxis, ...]:
     if total > cluster.num_devices:
         raise ClusterError(f"mesh shape {shape} needs {total} devices; cluster {cluster.name!r} has "
                            f"{cluster.num_devices}")
-    nodes = (np.arange(total) // cluster.devices_per_node).reshape(shape)
+    devices = np.arange(total).reshape(shape)
     axes = []
     for i, n in enumerate(shape):
-        per_group = np.moveaxis(nodes, i, -1).reshape(-1, n)
-        spans = bool((per_group.max(axis=1) != per_group.min(axis=1)).any())
-        axes.append(MeshAxis(n, cluster.inter_node_per_device if spans else cluster.intra_node))
+        groups = np.moveaxis(devices, i, -1).reshape(-1, n)
+        axes.append(MeshAxis(n, min((group_link(cluster, g.tolist()) for g in groups), key=lambda k: k.bytes_per_s)))
     return tuple(axes)

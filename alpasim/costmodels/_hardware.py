@@ -123,6 +123,35 @@ class Link:
 
 
 @dataclass(frozen=True, slots=True)
+class SpineTier:
+    """The network tier above the rails: leaf switches of `nodes_per_leaf` nodes each,
+    joined by a spine that carries `1 / oversubscription` of what the leaf's cards can
+    send (1: a non-blocking fat tree; a DGX SuperPOD scalable unit is 32 nodes)."""
+
+    nodes_per_leaf: int
+    oversubscription: float = 1.0
+
+    def __post_init__(self) -> None:
+        check_count("spine", "nodes_per_leaf", self.nodes_per_leaf)
+        if check_positive("spine", "oversubscription", self.oversubscription) < 1:
+            raise ClusterError(f"spine: oversubscription must be at least 1, got {self.oversubscription!r}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"nodes_per_leaf": self.nodes_per_leaf, "oversubscription": self.oversubscription}
+
+
+@dataclass(frozen=True, slots=True)
+class Hop:
+    """One port a device-to-device copy occupies: `port` keys it (every copy through the
+    same port shares it), `link` is its capacity and latency, `node` where it sits."""
+
+    port: tuple
+    name: str
+    node: int
+    link: Link
+
+
+@dataclass(frozen=True, slots=True)
 class Cluster:
     """`nodes` identical nodes of `devices_per_node` devices each.
 
@@ -142,6 +171,7 @@ class Cluster:
     intra_node: Link
     inter_node: Link
     nics_per_node: int | None = None
+    spine: SpineTier | None = None
 
     def __post_init__(self) -> None:
         owner = f"cluster {self.name!r}"
@@ -154,6 +184,8 @@ class Cluster:
             value = getattr(self, field)
             if not isinstance(value, kind):
                 raise ClusterError(f"{owner}: {field} must be a {kind.__name__}, got {value!r}")
+        if self.spine is not None and not isinstance(self.spine, SpineTier):
+            raise ClusterError(f"{owner}: spine must be a SpineTier, got {self.spine!r}")
 
     @property
     def num_devices(self) -> int:
@@ -170,6 +202,52 @@ class Cluster:
         if not 0 <= device_id < self.num_devices:
             raise ClusterError(f"cluster {self.name!r}: device id {device_id} outside [0, {self.num_devices})")
         return device_id // self.devices_per_node
+
+    def nic_of(self, device_id: int) -> int:
+        """The card of its node a device sends through (the nearest: rails, one per GPU
+        in a DGX; with fewer cards, consecutive devices share one)."""
+        return device_id % self.devices_per_node * self.nics_per_node // self.devices_per_node
+
+    def leaf_of(self, node: int) -> int:
+        """The leaf switch a node's cards hang off (0 for all without a spine tier)."""
+        return 0 if self.spine is None else node // self.spine.nodes_per_leaf
+
+    def spine_uplink(self) -> Link:
+        """One leaf's share of the spine, each direction: its cards' bandwidth divided by
+        the oversubscription."""
+        if self.spine is None:
+            raise ClusterError(f"cluster {self.name!r} has no spine tier")
+        nodes = min(self.spine.nodes_per_leaf, self.nodes)
+        gbps = nodes * self.nics_per_node * self.inter_node.bandwidth_gbps / self.spine.oversubscription
+        return Link(f"{self.inter_node.name} spine uplink", gbps, self.inter_node.latency_s)
+
+    def route(self, src: int, dst: int) -> tuple[Hop, ...]:
+        """The ports a copy from device `src` to device `dst` passes, in order: the two
+        devices' NVLink ports inside a node; across nodes the sending and receiving
+        cards and, between leaves, both leaves' spine uplinks. The one routing rule
+        the cross-mesh pricing, the stage-boundary pricing and the simulator share
+        (collectives along a mesh axis take `group_link`, the same tiers)."""
+        a, b = self.node_of(src), self.node_of(dst)
+        if a == b:
+            return (Hop(("out", src), f"dev{src} nvlink out", a, self.intra_node),
+                    Hop(("in", dst), f"dev{dst} nvlink in", b, self.intra_node))
+        ca, cb = self.nic_of(src), self.nic_of(dst)
+        hops = [Hop(("nic-out", a, ca), f"node{a} nic{ca} out", a, self.inter_node)]
+        la, lb = self.leaf_of(a), self.leaf_of(b)
+        if la != lb:
+            up = self.spine_uplink()
+            first = lambda leaf: leaf * self.spine.nodes_per_leaf  # noqa: E731
+            hops += [Hop(("spine-up", la), f"leaf{la} spine up", first(la), up),
+                     Hop(("spine-down", lb), f"leaf{lb} spine down", first(lb), up)]
+        return (*hops, Hop(("nic-in", b, cb), f"node{b} nic{cb} in", b, self.inter_node))
+
+    def tiers(self) -> list[dict[str, Any]]:
+        """The network tiers, innermost first, as the catalog lists them."""
+        out = [{"tier": "nvlink", "devices": self.devices_per_node, "link": self.intra_node.to_json()},
+               {"tier": "rails", "nics_per_node": self.nics_per_node, "link": self.inter_node.to_json()}]
+        if self.spine is not None:
+            out.append({"tier": "spine", **self.spine.to_json()})
+        return out
 
     def with_overrides(self, *, nodes: int | None = None, devices_per_node: int | None = None,
                        inter_node_gbps: float | None = None, memory_gb: float | None = None) -> Cluster:
@@ -197,7 +275,8 @@ class Cluster:
         return {"schema": CLUSTER_SCHEMA, "name": self.name, "nodes": self.nodes,
                 "devices_per_node": self.devices_per_node, "nics_per_node": self.nics_per_node,
                 "device": self.device.to_json(), "intra_node": self.intra_node.to_json(),
-                "inter_node": self.inter_node.to_json()}
+                "inter_node": self.inter_node.to_json(),
+                **({"spine": self.spine.to_json()} if self.spine is not None else {})}
 
     @classmethod
     def from_json(cls, data: Any) -> Cluster:
@@ -215,8 +294,13 @@ class Cluster:
             lk = r.sub(key)
             links.append(Link(lk.get("name", str), lk.get("bandwidth_gbps", float), lk.get("latency_s", float)))
             lk.done()
+        spine = None
+        if "spine" in data:
+            sp = r.sub("spine")
+            spine = SpineTier(sp.get("nodes_per_leaf", int), float(sp.get("oversubscription", float)))
+            sp.done()
         cluster = cls(r.get("name", str), r.get("nodes", int), r.get("devices_per_node", int), device,
-                      links[0], links[1], r.get("nics_per_node", int, optional=True))
+                      links[0], links[1], r.get("nics_per_node", int, optional=True), spine)
         r.done()
         return cluster
 

@@ -38,6 +38,7 @@ def model_with_batch(model: str, batch: int | None, label: str | None = None) ->
 def cluster_json(c: cm.Cluster) -> dict[str, Any]:
     d = c.to_json()
     d["num_devices"] = c.num_devices
+    d["tiers"] = c.tiers()
     return d
 
 

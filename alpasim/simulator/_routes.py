@@ -81,20 +81,11 @@ class LinkTable:
         return self._ids[key]
 
     def ports(self, src: int, dst: int) -> tuple[tuple[int, ...], float]:
-        """(link ids, latency) of a copy from device `src` to device `dst`."""
-        c = self.cluster
-        a, b = c.node_of(src), c.node_of(dst)
-        if a == b:
-            bw = c.intra_node.bytes_per_s
-            return (self._link(("out", src), f"dev{src} nvlink out", a, bw),
-                    self._link(("in", dst), f"dev{dst} nvlink in", b, bw)), c.intra_node.latency_s
-
-        def card(d: int) -> int:
-            return d % c.devices_per_node * c.nics_per_node // c.devices_per_node
-
-        bw = c.inter_node.bytes_per_s
-        return (self._link(("nic-out", a, card(src)), f"node{a} nic{card(src)} out", a, bw),
-                self._link(("nic-in", b, card(dst)), f"node{b} nic{card(dst)} in", b, bw)), c.inter_node.latency_s
+        """(link ids, latency) of a copy from device `src` to device `dst` along
+        `Cluster.route` (NVLink ports, network cards, spine uplinks)."""
+        hops = self.cluster.route(src, dst)
+        return (tuple(self._link(h.port, h.name, h.node, h.link.bytes_per_s) for h in hops),
+                max(h.link.latency_s for h in hops))
 
 
 def _pieces(t: StageTransfer, plan: PipelinePlan, method: str, node_of

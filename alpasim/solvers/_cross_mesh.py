@@ -145,9 +145,10 @@ class CrossMeshPlan:
     def time_s(self, cluster: Cluster) -> float:
         """Alpha-beta estimate: the transfer phase, then the gathers.
 
-        Transfers run at once; each occupies a sending and a receiving port: a device's
-        NVLink within a node, a node's network card across nodes (device d uses card
-        ``local_index * nics_per_node // devices_per_node``; full duplex). A port's time
+        Transfers run at once; each occupies the ports of its route (`Cluster.route`): a
+        device's NVLink within a node, a node's network cards across nodes (device d uses
+        card ``local_index * nics_per_node // devices_per_node``; full duplex), and the
+        leaves' spine uplinks between leaf switches. A port's time
         is messages * alpha + bytes / bandwidth; the phase takes the slowest port. The
         gathers then run concurrently, each a ring all-gather on `group_link` of its
         group (`all_gather_time_s`), and the phase takes the slowest. Ignored: contention
@@ -180,16 +181,9 @@ class CrossMeshPlan:
                             for g in self.gathers]}
 
 
-def _ports(cluster: Cluster, src: int, dst: int) -> tuple[tuple[tuple, Link], tuple[tuple, Link]]:
-    """The (port, link) pairs a copy occupies: NVLink out and in, or two network cards."""
-    a, b = cluster.node_of(src), cluster.node_of(dst)
-    if a == b:
-        return (("out", src), cluster.intra_node), (("in", dst), cluster.intra_node)
-
-    def card(d: int) -> int:
-        return d % cluster.devices_per_node * cluster.nics_per_node // cluster.devices_per_node
-
-    return (("nic-out", a, card(src)), cluster.inter_node), (("nic-in", b, card(dst)), cluster.inter_node)
+def _ports(cluster: Cluster, src: int, dst: int) -> list[tuple[tuple, Link]]:
+    """The (port, link) pairs a copy occupies (`Cluster.route`)."""
+    return [(h.port, h.link) for h in cluster.route(src, dst)]
 
 
 def _check_method(method: str) -> None:

@@ -1,7 +1,9 @@
-"""Cluster presets with sourced numbers: the Alpa testbed and two DGX generations.
+"""Cluster presets with sourced numbers: the Alpa testbed, two DGX generations and a
+GB200 NVL72 rack.
 
-Every preset has 8 nodes of 8 GPUs (64 GPUs, the size of the Alpa paper's testbed) so
-that a preset name alone reproduces a like-for-like comparison; change the size with
+The DGX-style presets have 8 nodes of 8 GPUs (64 GPUs, the size of the Alpa paper's
+testbed) so that a preset name alone reproduces a like-for-like comparison; the NVL72
+preset is one rack, a 72-GPU NVLink domain (its "node"). Change the size with
 `get_cluster(name, nodes=..., devices_per_node=...)`.
 
 Conventions: memory capacities are binary (a "16 GB" V100 has 16 GiB of HBM2);
@@ -106,7 +108,32 @@ DGX_H100 = Cluster(
     nics_per_node=8,
 )
 
-PRESETS: Mapping[str, Cluster] = MappingProxyType({c.name: c for c in (AWS_P3_16XLARGE, DGX_A100, DGX_H100)})
+# NVIDIA GB200 NVL72 specifications, per rack of 72 Blackwell GPUs: 360 PFLOP/s FP16/BF16
+# tensor with sparsity (2.5 dense per GPU), 5,760 TFLOP/s FP32 (80 per GPU), 13.4 TB
+# HBM3e (186 GB per GPU, binary by this module's convention) at 576 TB/s (8 TB/s).
+B200_GB200 = Device(
+    "B200-GB200-186GB",
+    {"float16": 2.5e15, "bfloat16": 2.5e15, "float32": 80e12},
+    memory_bytes=186 * GIB,
+    memory_bandwidth_bytes_per_s=8e12,
+)
+
+GB200_NVL72 = Cluster(
+    "gb200-nvl72",
+    nodes=1,  # one rack; its NVLink domain is the "node" (72 GPUs), racks join over InfiniBand
+    devices_per_node=72,
+    device=B200_GB200,
+    # Fifth-generation NVLink through the NVLink Switch System: 130 TB/s for the rack,
+    # 1.8 TB/s per GPU both directions together, i.e. 900 GB/s per direction.
+    intra_node=Link("NVLink5 via NVLink Switch", 900 * 8, NVLINK_STEP_LATENCY_S),
+    # Our assumption, after NVIDIA's DGX GB200 reference design: one 400 Gb/s NDR
+    # InfiniBand NIC (ConnectX-7) per GPU on rails (GB300 systems move to 800G).
+    inter_node=Link("NDR InfiniBand 400G", 400.0, RDMA_STEP_LATENCY_S),
+    nics_per_node=72,
+)
+
+PRESETS: Mapping[str, Cluster] = MappingProxyType({c.name: c for c in (AWS_P3_16XLARGE, DGX_A100, DGX_H100,
+                                                                       GB200_NVL72)})
 
 
 def list_presets() -> list[str]:

@@ -195,8 +195,8 @@ def _solve_fixed(cost: np.ndarray, sizes: np.ndarray, num_devices: int, s_max: i
     entries gives F(s, k, d, q). The entry that attains a state is found again only
     for the states the optimum passes through (`_backtrack`). Without boundaries, or on
     one node (every neighbour then shares the node), there is one run state.
-    `pow2_runs` closes only runs whose size is a power of two (they always pack,
-    `_submesh.pack_runs`). Returns (total, stages, runs) or (inf, None, None)."""
+    `pow2_runs` closes only runs whose size is a power of two dividing M, or a whole
+    node (they always pack, `_submesh.pack_runs`). Returns (total, stages, runs) or (inf, None, None)."""
     num_layers = cost.shape[0]
     d_count = num_devices + 1
     sizes = np.asarray(sizes, dtype=int)
@@ -212,7 +212,8 @@ def _solve_fixed(cost: np.ndarray, sizes: np.ndarray, num_devices: int, s_max: i
                           priced=boundary is not None)
     else:
         q = np.arange(per_node + 1)
-        closable = (q >= 1) & ((q & (q - 1)) == 0) if pow2_runs else q >= 1
+        block = per_node & -per_node         # `_submesh.node_block`: the largest power of two dividing M
+        closable = ((q >= 1) & ((q & (q - 1)) == 0) & (q <= block)) | (q == per_node) if pow2_runs else q >= 1
         # The run state a stage of each shape starts: its own size, or "full" (q = M)
         # for a piece of a whole node or more, which nothing joins.
         rules = _RunRules(sizes, np.minimum(sizes, per_node), closable, intra, inter,

@@ -1,12 +1,13 @@
 """Submeshes of a cluster (seed 3.4.7): allowed shapes, coverage, placement, logical views.
 
-A cluster is an N x M grid (nodes x devices per node, M a power of two). Stages get
-submeshes of two families only: (1, 2^k) inside one node, and (n, M), n whole nodes.
-Any list of such shapes whose sizes add up to N*M tiles the grid (the paper's
-Appendix A): the (n, M) blocks take whole nodes, and the (1, 2^k) pieces, placed
-largest first, pack the remaining nodes exactly, because powers of two that sum to a
-multiple of M fill bins of size M with no gap (each bin's free space stays a multiple
-of the next piece). `place_submeshes` does exactly that and returns device ids; given
+A cluster is an N x M grid (nodes, i.e. NVLink domains, x devices each). Stages get
+submeshes of two families only: (1, 2^k) inside one node with 2^k dividing M (up to
+`node_block(M)`, M itself when M is a power of two), and (n, M), n whole nodes (n = 1
+included). Any list of such shapes whose sizes add up to N*M tiles the grid (the
+paper's Appendix A): the (n, M) blocks take whole nodes, and the (1, 2^k) pieces,
+placed largest first, pack the remaining nodes exactly, because powers of two that all
+divide M and sum to a multiple of M fill bins of size M with no gap (each bin's free
+space stays a multiple of the next piece). `place_submeshes` does exactly that and returns device ids; given
 the stage DP's runs (consecutive pieces that must share a node) it packs the runs
 instead (`place_runs`, `pack_runs`), each run's pieces side by side on one node.
 
@@ -40,23 +41,28 @@ class SubmeshShape:
         return f"({self.n},{self.m})"
 
 
-def _is_pow2(x: int) -> bool:
-    return x >= 1 and x & (x - 1) == 0
+def node_block(devices_per_node: int) -> int:
+    """The largest power of two that divides M: the biggest part-node piece (8 of a
+    72-GPU NVL72 domain, M itself when M is a power of two)."""
+    return devices_per_node & -devices_per_node
 
 
 def check_cluster_grid(cluster: Cluster) -> None:
-    if not _is_pow2(cluster.devices_per_node):
-        raise ClusterError(f"cluster {cluster.name!r}: the stage-mesh DP needs devices_per_node to be a power "
-                           f"of two (got {cluster.devices_per_node})")
+    if cluster.devices_per_node < 1:
+        raise ClusterError(f"cluster {cluster.name!r}: devices_per_node must be at least 1")
 
 
 def submesh_shapes(nodes: int, devices_per_node: int) -> list[SubmeshShape]:
-    """(1, 1), (1, 2), ..., (1, M) and (2, M), ..., (N, M)."""
+    """(1, 1), (1, 2), (1, 4), ... up to `node_block(M)`, then the whole node (1, M) and
+    (2, M), ..., (N, M): a stage inside one NVLink domain takes a power-of-two part that
+    tiles it, or all of it (on a 72-GPU NVL72: 1, 2, 4, 8 or 72 GPUs)."""
     out = []
-    m = 1
-    while m <= devices_per_node:
+    m, block = 1, node_block(devices_per_node)
+    while m <= block:
         out.append(SubmeshShape(1, m))
         m *= 2
+    if block != devices_per_node:
+        out.append(SubmeshShape(1, devices_per_node))
     out += [SubmeshShape(n, devices_per_node) for n in range(2, nodes + 1)]
     return out
 

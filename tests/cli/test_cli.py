@@ -63,7 +63,7 @@ def test_models_and_clusters_json():
     assert by_name["mixtral-8x7b"]["family"] == "topk-moe"
     assert {"name", "family", "params"} <= set(models[0])
     names = [c["name"] for c in run_json("clusters")["clusters"]]
-    assert names == ["aws-p3.16xlarge", "dgx-a100", "dgx-h100"]
+    assert names == ["aws-p3.16xlarge", "dgx-a100", "dgx-h100", "gb200-nvl72"]
 
 
 def test_graph_save_round_trips(tmp_path):

@@ -88,3 +88,20 @@ def test_stage_boundaries_between_leaves_pay_the_spine():
     assert moved.any()
     assert (own_leaf.inter[1:][moved] - latency) == pytest.approx(4 * (flat.inter[1:][moved] - latency))
     assert list(shared_leaf.inter) == list(flat.inter) and list(own_leaf.intra) == list(flat.intra)
+
+
+def test_a_gb200_nvl72_plan_follows_its_72_gpu_nvlink_domain():
+    """Two NVL72 racks: every stage is a power-of-two part of a rack that divides 72, a
+    whole rack or both racks; one-rack pieces stay on one rack; all 144 GPUs are used."""
+    from alpasim.solvers import plan_pipeline, submesh_shapes
+
+    cluster = get_cluster("gb200-nvl72", nodes=2)
+    assert cluster.devices_per_node == 72 and cluster.nics_per_node == 72
+    assert [s.m for s in submesh_shapes(1, 72)] == [1, 2, 4, 8, 72]
+    plan = plan_pipeline("gpt3:hidden=512,layers=4,heads=8,seq=256,vocab=4096,batch=144", cluster,
+                         microbatches=1, max_stages=4, pareto=False)
+    assert sorted(d for s in plan.stages for d in s.devices) == list(range(144))
+    for s in plan.stages:
+        assert tuple(s.submesh) in {(1, 1), (1, 2), (1, 4), (1, 8), (1, 72), (2, 72)}
+        if s.submesh[0] == 1:
+            assert len({d // 72 for d in s.devices}) == 1

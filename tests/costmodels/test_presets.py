@@ -6,7 +6,7 @@ GIB = 2**30
 
 
 def test_preset_names():
-    assert list_presets() == ["aws-p3.16xlarge", "dgx-a100", "dgx-h100"]
+    assert list_presets() == ["aws-p3.16xlarge", "dgx-a100", "dgx-h100", "gb200-nvl72"]
     assert set(PRESETS) == set(list_presets())
     assert all(PRESETS[n].name == n for n in PRESETS)
 

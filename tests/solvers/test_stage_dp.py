@@ -245,7 +245,7 @@ def test_epsilon_evaluates_fewer_candidates():
 
 
 @pytest.mark.parametrize("nodes", range(1, 17))
-@pytest.mark.parametrize("per_node", [1, 2, 4, 8])
+@pytest.mark.parametrize("per_node", [1, 2, 4, 8, 6, 12, 72])
 def test_coverage_theorem_all_shape_multisets(nodes, per_node):
     """Every multiset of allowed shapes whose sizes add up to N*M tiles the cluster."""
     shapes = submesh_shapes(nodes, per_node)
@@ -270,7 +270,7 @@ def test_coverage_theorem_all_shape_multisets(nodes, per_node):
     assert checked > 0
 
 
-@given(st.integers(1, 16), st.sampled_from([1, 2, 4, 8]), st.data())
+@given(st.integers(1, 16), st.sampled_from([1, 2, 4, 8, 6, 12, 72]), st.data())
 @settings(max_examples=200, deadline=None)
 def test_coverage_random_orders(nodes, per_node, data):
     shapes = submesh_shapes(nodes, per_node)
@@ -293,3 +293,40 @@ def test_disallowed_shapes_and_sizes_are_rejected():
         place_submeshes([SubmeshShape(1, 4)], 1, 8)
     with pytest.raises(ValueError, match="not one of the allowed"):
         place_submeshes([SubmeshShape(2, 4), SubmeshShape(1, 8)], 2, 8)
+
+
+@st.composite
+def tables_of_six(draw):
+    """Cost tables on nodes of 6 devices (an NVLink domain no power of two): pieces of
+    1 and 2 devices (the powers of two dividing 6) or a whole node."""
+    num_layers = draw(st.integers(1, 4))
+    sizes = [1, 2, 6]
+    num_devices = draw(st.sampled_from([6, 12]))
+    cost = np.full((num_layers, num_layers, len(sizes), num_layers), np.inf)
+    for k in range(num_layers):
+        for i in range(k, num_layers):
+            for h in range(len(sizes)):
+                for s in range(num_layers):
+                    if draw(st.integers(0, 5)):
+                        cost[k, i, h, s] = draw(st.integers(1, 20)) / 10
+    return cost, sizes, num_devices, draw(st.integers(1, 8))
+
+
+@given(tables_of_six(), st.data())
+@settings(max_examples=200, deadline=None)
+def test_dp_on_nodes_of_six_places_what_it_plans(table, data):
+    """Six devices a node: the DP's runs always pack (its fallback closes runs at 1, 2
+    or a whole node), never below brute force, equal to it where it says so."""
+    cost, sizes, num_devices, microbatches = table
+    boundary = random_boundary(data, cost.shape[0])
+    result = stage_dp(cost, sizes, num_devices, microbatches, epsilon=0.0, boundary=boundary, devices_per_node=6)
+    expected = brute_force(cost, sizes, num_devices, microbatches, boundary, 6)
+    if np.isinf(expected):
+        assert np.isinf(result.latency_s)
+        return
+    assert result.latency_s >= expected * (1 - 1e-12)
+    if result.placement_exact:
+        assert result.latency_s == pytest.approx(expected, rel=1e-12)
+    placed = boundaries_of_placement(result, sizes, num_devices, 6, boundary)
+    for j, s in enumerate(result.stages):
+        assert placed[j] <= s.boundary_s

@@ -22,9 +22,10 @@ from typing import Any
 # distributed optimizer's tied copy; 16: GShard MoE's router replicated again under it;
 # 17: one resharding per tensor, phase and spec, shared by its readers (every plan), and
 # sequence parallelism; 18: each option's weight-gradient collectives (bytes by kind and
-# axes) for the overlapped buckets. The restriction tables are code, not part of a key:
-# a change to them bumps this.
-CACHE_VERSION = "stage-costs/18"
+# axes) for the overlapped buckets; 19: the input-gradient collectives their weight
+# gradients hide. The restriction tables are code, not part of a key: a change to them
+# bumps this.
+CACHE_VERSION = "stage-costs/19"
 
 
 def cache_dir() -> Path:

@@ -49,7 +49,7 @@ from alpasim.costmodels import (
     range_peak,
     stage_memory,
 )
-from alpasim.graphs import DTYPE_BYTES, OpGraph, get_recipe, is_heavy, op_flops, stage_graph
+from alpasim.graphs import DTYPE_BYTES, OpGraph, get_recipe, is_heavy, is_weight_grad, op_flops, stage_graph
 
 from ._cache import CACHE_VERSION, DiskCache, digest
 from ._intra_baselines import BASELINES, REWRITE_ALLOWED, optimizer_state_shards
@@ -117,6 +117,9 @@ class LayerOption:
     # re-prices in buckets that overlap the backward (`costmodels._overlap`).
     grad_sync_s: float = 0.0
     grad_groups: tuple[tuple[str, tuple[int, ...], float], ...] = ()
+    # Of time_s, the input gradients' collectives that run while a weight gradient
+    # reading the same cotangent computes (`hidden_collectives_s`), hidden with overlap.
+    hidden_s: float = 0.0
 
     @property
     def tied_bytes(self) -> float:
@@ -141,10 +144,11 @@ class LayerOption:
                 d.get("params_bytes", 0.0), d.get("grads_bytes", 0.0), d.get("optimizer_bytes", 0.0),
                 tuple(d.get("tied", (0.0, 0.0, 0.0))), d.get("gather_bytes", 0.0), d.get("update_bytes", 0.0),
                 tuple(d.get("tensor_specs", ())), d.get("grad_sync_s", 0.0),
-                tuple((str(k), tuple(int(a) for a in axes), b) for k, axes, b in d.get("grad_groups", ())))
+                tuple((str(k), tuple(int(a) for a in axes), b) for k, axes, b in d.get("grad_groups", ())),
+                d.get("hidden_s", 0.0))
         numbers = [o.time_s, o.sync_s, o.persistent_bytes, o.activation_bytes, o.forward_s, o.params_bytes,
                    o.grads_bytes, o.optimizer_bytes, *o.tied, o.gather_bytes, o.update_bytes, o.grad_sync_s,
-                   *(b for _, _, b in o.grad_groups)]
+                   *(b for _, _, b in o.grad_groups), o.hidden_s]
         if o.stash_bytes is not None:
             numbers.append(o.stash_bytes)
         for x in numbers:
@@ -172,6 +176,33 @@ def gradient_sync(layer: OpGraph, plan) -> tuple[float, tuple[tuple[str, tuple[i
         key = (c.kind, tuple(c.axes))
         groups[key] = groups.get(key, 0.0) + c.nbytes
     return seconds, tuple((k, axes, b) for (k, axes), b in sorted(groups.items()))
+
+
+def hidden_collectives_s(layer: OpGraph, plan) -> float:
+    """Seconds of per-microbatch collectives that independent compute hides, as
+    Megatron-LM's asynchronous tensor-parallel all-reduce does: an input gradient's
+    reduction (dX = dY W^T, a partial sum over the split dimension) runs while the
+    weight gradient that reads the same cotangent (dW = X^T dY) computes, since neither
+    needs the other. Each weight gradient's compute hides at most once; nothing else
+    is assumed to overlap."""
+    readers: dict[str, list[str]] = {}
+    for op in layer.ops:
+        if op.phase == "backward" and any(is_weight_grad(op, k, layer.tensors) for k in range(len(op.outputs))):
+            for t in op.inputs:
+                readers.setdefault(t, []).append(op.name)
+    left = {name: plan.strategies[name].compute_s for names in readers.values() for name in names}
+    hidden = 0.0
+    for op in layer.ops:
+        if op.phase != "backward" or op.name in left:
+            continue
+        s = plan.strategies[op.name]
+        sync = s.sync or (False,) * len(s.collectives)
+        comm = sum(c.time_s(plan.mesh) for c, x in zip(s.collectives, sync) if not x)
+        for t in op.inputs:
+            for name in readers.get(t, ()):
+                take = min(comm, left[name])
+                hidden, comm, left[name] = hidden + take, comm - take, left[name] - take
+    return hidden
 
 
 def job_weight(layer: OpGraph, mesh: LogicalMesh) -> float:
@@ -288,7 +319,7 @@ def layer_options(layer: OpGraph, mesh: LogicalMesh, cluster: Cluster, microbatc
                            mem.params_bytes, mem.grads_bytes + t_grad, mem.optimizer_bytes + t_opt,
                            (t_param, t_grad, t_opt), gathered_param_bytes(layer, plan), mem.update_bytes,
                            tuple(str(plan.specs[t]) if t in plan.specs else "" for t in canonical_tensors(layer)),
-                           *gradient_sync(layer, plan))
+                           *gradient_sync(layer, plan), hidden_collectives_s(layer, plan))
 
     kw = restricted_solve_kwargs(restriction, layer, mesh, model)
     fast = solve_intra_op(layer, mesh, model, with_compute=True, microbatches=microbatches, mip_gap=PLANNING_MIP_GAP,
@@ -561,7 +592,7 @@ def layer_sync(o: LayerOption, mesh: LogicalMesh, bucket_bytes: float) -> LayerS
         if n:
             seconds += n * Collective(kind, nbytes / n, axes).time_s(mesh)
             count += n
-    return LayerSync(max(o.time_s - o.forward_s, 0.0), seconds, count)
+    return LayerSync(max(o.time_s - o.hidden_s - o.forward_s, 0.0), seconds, count)
 
 
 def stage_sync(opts: Sequence[LayerOption], mesh: LogicalMesh,
@@ -624,7 +655,7 @@ def _assemble(kinds: Sequence[str], options, meshes, shapes, memory: float, micr
                 if bucket_bytes is None:
                     time[l, m, j] = o.time_s + o.sync_s / microbatches
                 else:
-                    time[l, m, j] = o.time_s + (o.sync_s - o.grad_sync_s) / microbatches
+                    time[l, m, j] = o.time_s - o.hidden_s + (o.sync_s - o.grad_sync_s) / microbatches
                     unbucketed[l, m, j] = o.grad_sync_s
                     ls = layer_sync(o, meshes[m][2], bucket_bytes)
                     backward[l, m, j], bucketed[l, m, j], buckets[l, m, j] = ls.backward_s, ls.sync_s, ls.buckets

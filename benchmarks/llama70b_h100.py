@@ -79,12 +79,40 @@ def scale(gpus: int, ablate: bool) -> list[dict]:
     return rows
 
 
+TOKENS = 512 * 8192          # llama3-70b's global batch: 512 sequences of 8,192 tokens
+PARAMS = 70.55e9             # its parameter count (tests/graphs/test_llama.py)
+
+
+def markdown(rows: list[dict]) -> str:
+    """One table: iteration, tokens/s, model TFLOP/s per GPU (6 x params x tokens, the
+    usual MFU numerator: attention and recomputation left out), memory and the plan."""
+    lines = ["| GPUs | plan | iteration (s) | tokens/s | model TFLOP/s/GPU | peak GiB | recompute | layout |",
+             "|---:|---|---:|---:|---:|---:|---|---|"]
+    for r in rows:
+        if not r["feasible"]:
+            lines.append(f"| {r['gpus']} | {r['label']} | out of memory | | | | | |")
+            continue
+        m = r.get("megatron")
+        layout = (f"tp {m['tp']} pp {m['pp']} dp {m['dp']} mbs {m['microbatch_size']}"
+                  + (", SP" if m.get("sequence_parallel") else "") + (", dist-opt" if m.get("distributed_optimizer")
+                                                                       else "")) if m else \
+            f"{len(r['stages'])} stages: " + " ".join(r["stages"][:3]) + (" ..." if len(r["stages"]) > 3 else "")
+        model_tflops = 6 * PARAMS * TOKENS / r["iteration_s"] / r["gpus"] / 1e12
+        lines.append(f"| {r['gpus']} | {r['label']} | {r['iteration_s']:.2f} | {TOKENS / r['iteration_s']:,.0f} | "
+                     f"{model_tflops:.0f} | {r['peak_gib']:.1f} | {r['recompute']} | {layout} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpus", default="64,128,256,512,1024")
     ap.add_argument("--ablate", default="64,512")
     ap.add_argument("--out", type=Path, default=Path("out/llama70b.json"))
+    ap.add_argument("--table", type=Path, help="only print the markdown table of a JSON this script wrote")
     args = ap.parse_args()
+    if args.table is not None:
+        print(markdown(json.loads(args.table.read_text())))
+        return
     ablate = {int(g) for g in args.ablate.split(",") if g}
     print(f"load average at start: {os.getloadavg()[0]:.2f}", flush=True)
     rows = []
@@ -92,6 +120,7 @@ def main() -> None:
         rows += scale(g, g in ablate)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(rows, indent=1) + "\n")
+    print(markdown(rows), flush=True)
     print(f"load average at end: {os.getloadavg()[0]:.2f}; wrote {args.out}", flush=True)
 
 

@@ -30,7 +30,10 @@ def small_plan():
     """family ("gpt", "moe", "wresnet") -> a plan from the planner itself, narrowed so that
     it plans in seconds and pipelines: microbatches B = 2, submeshes of 2 or 4 devices
     viewed as 1x2 and 2x2 meshes (so the stages' meshes differ in shape), at most 3
-    stages on 8 devices. Cached: the runtime tests of both backends share them."""
+    stages on 8 devices, priced without overlap (the runtimes do not overlap; with it,
+    Wide-ResNet's first stage moves to a 2x2 mesh whose forward temporaries the memory
+    model under-predicts: `test_memory.py::test_wresnet_first_stage_on_2x2`). Cached:
+    the runtime tests of both backends share them."""
     from alpasim.costmodels import get_cluster
     from alpasim.solvers import plan_pipeline
 
@@ -40,7 +43,7 @@ def small_plan():
         if family not in plans:
             plans[family] = plan_pipeline(MODELS[family], get_cluster("aws-p3.16xlarge", nodes=1), microbatches=2,
                                           pareto=False, shape_ok=lambda sh: sh.size in VIEWS,
-                                          views_of=lambda sh: VIEWS[sh.size], max_stages=3)
+                                          views_of=lambda sh: VIEWS[sh.size], max_stages=3, bucket_bytes=None)
         return plans[family]
 
     return make

@@ -296,3 +296,21 @@ def test_megatron_sequence_parallel_plan_runs_and_stashes_the_sequence_shard():
         m = stage_memory(stage, st.inflight_microbatches)
         assert m.stash_bytes == pytest.approx(st.memory["stash_bytes"], rel=1e-9)
         assert m.total_bytes == pytest.approx(st.memory_bytes, rel=0.1)
+
+
+@needs_8
+@pytest.mark.xfail(strict=True, reason="known gap: on a 2x2 mesh, Wide-ResNet's first stage holds forward "
+                                       "temporaries the memory model does not price (bench_memory: 0.86 "
+                                       "predicted / measured without remat)")
+def test_wresnet_first_stage_on_2x2():
+    """The plan the planner makes with overlap on (its default) puts Wide-ResNet's first
+    stage on a 2x2 mesh; issue 13's bound (within 10 % of XLA) does not hold there yet."""
+    plan = plan_pipeline("wresnet:channels=8,width=1,image=64,classes=16,batch=8",
+                         get_cluster("aws-p3.16xlarge", nodes=1), microbatches=2, pareto=False, remat=False,
+                         shape_ok=lambda sh: sh.size in (2, 4),
+                         views_of=lambda sh: {2: [(1, 2)], 4: [(2, 2)]}[sh.size], max_stages=3)
+    st = plan.stages[0]
+    assert tuple(st.logical_mesh) == (2, 2)
+    graph = planning_graph(plan.model)
+    stage = lower_stage(plan, graph, 0, jax.devices()[:4])
+    assert stage_memory(stage, st.inflight_microbatches).total_bytes == pytest.approx(st.memory_bytes, rel=0.1)

@@ -22,12 +22,14 @@ Stage costs are cached on disk, so a rerun of a scale takes seconds.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
 from pathlib import Path
 
 from alpasim.costmodels import get_cluster
+from alpasim.graphs import forward_graph, resolve_model
 from alpasim.simulator import simulate
 from alpasim.solvers import MegatronConfig, plan_model
 
@@ -79,13 +81,16 @@ def scale(gpus: int, ablate: bool) -> list[dict]:
     return rows
 
 
-TOKENS = 512 * 8192          # llama3-70b's global batch: 512 sequences of 8,192 tokens
-PARAMS = 70.55e9             # its parameter count (tests/graphs/test_llama.py)
+def model_size() -> tuple[float, int]:
+    """(parameters, tokens an iteration) of `MODEL`, from its graph and config."""
+    name, cfg = resolve_model(MODEL)
+    return float(forward_graph(dataclasses.replace(cfg, batch=1), name=name).num_params()), cfg.batch * cfg.seq
 
 
 def markdown(rows: list[dict]) -> str:
     """One table: iteration, tokens/s, model TFLOP/s per GPU (6 x params x tokens, the
     usual MFU numerator: attention and recomputation left out), memory and the plan."""
+    params, tokens = model_size()
     lines = ["| GPUs | plan | iteration (s) | tokens/s | model TFLOP/s/GPU | peak GiB | recompute | layout |",
              "|---:|---|---:|---:|---:|---:|---|---|"]
     for r in rows:
@@ -97,8 +102,8 @@ def markdown(rows: list[dict]) -> str:
                   + (", SP" if m.get("sequence_parallel") else "") + (", dist-opt" if m.get("distributed_optimizer")
                                                                        else "")) if m else \
             f"{len(r['stages'])} stages: " + " ".join(r["stages"][:3]) + (" ..." if len(r["stages"]) > 3 else "")
-        model_tflops = 6 * PARAMS * TOKENS / r["iteration_s"] / r["gpus"] / 1e12
-        lines.append(f"| {r['gpus']} | {r['label']} | {r['iteration_s']:.2f} | {TOKENS / r['iteration_s']:,.0f} | "
+        model_tflops = 6 * params * tokens / r["iteration_s"] / r["gpus"] / 1e12
+        lines.append(f"| {r['gpus']} | {r['label']} | {r['iteration_s']:.2f} | {tokens / r['iteration_s']:,.0f} | "
                      f"{model_tflops:.0f} | {r['peak_gib']:.1f} | {r['recompute']} | {layout} |")
     return "\n".join(lines)
 

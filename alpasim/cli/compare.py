@@ -11,8 +11,7 @@ from alpasim import graphs as gr
 
 from ._common import (
     BucketOpt, ClusterOpt, DpnOpt, GbpsOpt, JsonOpt, MemOpt, NodesOpt, NoOverlapOpt, RayAddressOpt, RayOpt, app,
-    bucket_bytes, emit_json, err, fail,
-    load_cluster, method_list, out, points_map,
+    bucket_bytes, emit_json, err, fail, load_cluster, method_list, out, points_map,
 )
 
 

@@ -15,8 +15,9 @@ from alpasim.experiments import simulation_report
 
 from ._common import (
     BucketOpt, ClusterOpt, CostModelOpt, DpnOpt, GbpsOpt, JsonOpt, MemOpt, NodesOpt, NoOverlapOpt, PrecisionOpt,
-    RecomputeOpt, app, bucket_bytes, check_precision, check_recompute, emit_json, err, fail, fmt_bytes, fmt_count, load_cluster, load_cost_model,
-    out, parse_microbatches, plan_map, RayAddressOpt, RayOpt, TaskProgress, writable_file,
+    RecomputeOpt, app, bucket_bytes, check_precision, check_recompute, emit_json, err, fail, fmt_bytes, fmt_count,
+    load_cluster, load_cost_model, out, parse_microbatches, plan_map, RayAddressOpt, RayOpt, TaskProgress,
+    writable_file,
 )
 from .simulate import print_simulation
 

@@ -15,8 +15,8 @@ from alpasim import costmodels as cm
 from alpasim import graphs as gr
 
 from ._common import (
-    BucketOpt, JsonOpt, NoOverlapOpt, RayAddressOpt, RayOpt, app, bucket_bytes, emit_json, err, fail, method_list, number_list, out, points_map,
-    writable_dir, writable_file, write_text,
+    BucketOpt, JsonOpt, NoOverlapOpt, RayAddressOpt, RayOpt, app, bucket_bytes, emit_json, err, fail, method_list,
+    number_list, out, points_map, writable_dir, writable_file, write_text,
 )
 
 

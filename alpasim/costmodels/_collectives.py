@@ -178,9 +178,13 @@ def mesh_axes(cluster: Cluster, shape: Sequence[int]) -> tuple[MeshAxis, ...]:
     if total > cluster.num_devices:
         raise ClusterError(f"mesh shape {shape} needs {total} devices; cluster {cluster.name!r} has "
                            f"{cluster.num_devices}")
-    devices = np.arange(total).reshape(shape)
+    ids = np.arange(total).reshape(shape)
+    nodes = ids // cluster.devices_per_node
+    leaves = nodes // (cluster.spine.nodes_per_leaf if cluster.spine is not None else cluster.nodes)
     axes = []
     for i, n in enumerate(shape):
-        groups = np.moveaxis(devices, i, -1).reshape(-1, n)
-        axes.append(MeshAxis(n, min((group_link(cluster, g.tolist()) for g in groups), key=lambda k: k.bytes_per_s)))
+        groups, per_node, per_leaf = (np.moveaxis(x, i, -1).reshape(-1, n) for x in (ids, nodes, leaves))
+        # The axis's slowest group (`group_link`): one that spans leaves, else nodes, else any.
+        spread = 2 * (per_leaf.max(axis=1) != per_leaf.min(axis=1)) + (per_node.max(axis=1) != per_node.min(axis=1))
+        axes.append(MeshAxis(n, group_link(cluster, groups[int(np.argmax(spread))].tolist())))
     return tuple(axes)

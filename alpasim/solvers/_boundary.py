@@ -65,10 +65,10 @@ def stage_boundary_s(graph: OpGraph, cluster: Cluster) -> StageBoundary:
         out[0] = 0.0
         return out
 
-    # Between neighbouring nodes (stages are placed side by side): the route's cards,
-    # all of them at once, or a spine uplink if the neighbour sits on the next leaf.
-    hops = cluster.route(0, cluster.devices_per_node) if cluster.nodes > 1 else ()
-    across = min((h.link.bytes_per_s * (cards if h.port[0].startswith("nic") else 1) for h in hops),
-                 default=cluster.inter_node.bytes_per_s * cards)
+    # Between neighbouring nodes (stages are placed side by side): one node's cards at
+    # once, or the spine uplink when the neighbour sits on the next leaf (`Cluster.route`).
+    across = cluster.inter_node.bytes_per_s * cards
+    if cluster.nodes > 1 and cluster.leaf_of(0) != cluster.leaf_of(1):
+        across = min(across, cluster.spine_uplink().bytes_per_s)
     return StageBoundary(seconds(cluster.intra_node.bytes_per_s, cluster.intra_node.latency_s),
                          seconds(across, cluster.inter_node.latency_s))

@@ -364,7 +364,7 @@ def _assemble_plan(source: ModelSource, dtype: str, cluster: Cluster, best: Cand
             opts = costs.options[(kind, view)]
             o = chosen[layer] = opts[min(j, len(opts) - 1)]
             stage_opts.append(o)
-            compute += o.time_s - (o.hidden_s if costs.bucket_bytes is not None else 0.0)
+            compute += o.busy_s(costs.bucket_bytes is not None)
             forward += o.forward_s
             sync += o.sync_s
             grad_sync += o.grad_sync_s

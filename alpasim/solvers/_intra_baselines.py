@@ -35,6 +35,7 @@ rewrite (Megatron-LM and plain data parallelism have none).
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Mapping
 
@@ -124,9 +125,9 @@ def megatron_restriction(graph: OpGraph, mesh: LogicalMesh, cost_model: CostMode
     """
     batch = batch_letters(graph)
     leaf_specs = _megatron_params(graph, mesh)
-    split = _propagated_letters(graph, {(t, d) for t, specs in leaf_specs.items()
-                                        for d, axes in enumerate(specs[0].dims) if 1 in axes})
     seq = sequence_letters(graph) if sequence_parallel and mesh.shape[1] > 1 else {}
+    split = _propagated_letters(graph, {(t, d) for t, specs in leaf_specs.items()
+                                        for d, axes in enumerate(specs[0].dims) if 1 in axes}) if seq else {}
     restrict: dict[str, list[Strategy]] = {}
     param_of_grad = {op.inputs[1]: op.inputs[0] for op in graph.ops if op.prim == "adam"}
     for op in graph.ops:
@@ -190,17 +191,6 @@ def _scatters_onto(op: Op, s: Strategy, tensors: Mapping[str, Tensor], letters: 
     return bool(onto) and onto <= letters
 
 
-def megatron_sp_restriction(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel):
-    """(restrict, leaf_specs) for Megatron-LM with sequence parallelism."""
-    return megatron_restriction(graph, mesh, cost_model, sequence_parallel=True)
-
-
-def megatron_sp_distopt_restriction(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel):
-    """(restrict, leaf_specs) for Megatron-LM with sequence parallelism and the
-    distributed optimizer."""
-    return megatron_distopt_restriction(graph, mesh, cost_model, sequence_parallel=True)
-
-
 def megatron_distopt_restriction(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel, *,
                                  sequence_parallel: bool = False):
     """(restrict, leaf_specs) for Megatron-LM with Megatron-core's distributed optimizer:
@@ -233,7 +223,7 @@ def optimizer_state_shards(restriction: str | None, mesh: LogicalMesh) -> int:
     """The devices a baseline splits each optimizer state over beyond its parameter's
     layout, for states it keeps outside the graph (a tied copy's, `_stage_costs`): the
     data-parallel degree under the distributed optimizer, else 1."""
-    return mesh.shape[0] if restriction in ("megatron_distopt", "megatron_sp_distopt") else 1
+    return mesh.shape[0] if restriction in DISTRIBUTED_OPTIMIZER else 1
 
 
 def _one_more_axis(spec: ShardingSpec, base: ShardingSpec, axis: int) -> bool:
@@ -509,8 +499,9 @@ def _expert_local_ops(graph: OpGraph, experts: list[Tensor]) -> dict[str, str]:
 
 BASELINES: Mapping[str, object] = {
     "data_parallel": data_parallel_restriction, "megatron": megatron_restriction,
-    "megatron_distopt": megatron_distopt_restriction, "megatron_sp": megatron_sp_restriction,
-    "megatron_sp_distopt": megatron_sp_distopt_restriction,
+    "megatron_distopt": megatron_distopt_restriction,
+    "megatron_sp": functools.partial(megatron_restriction, sequence_parallel=True),
+    "megatron_sp_distopt": functools.partial(megatron_distopt_restriction, sequence_parallel=True),
     "zero2": zero2_restriction, "zero3": zero3_restriction, "heuristic": heuristic_restriction,
     "deepspeed_moe": deepspeed_moe_restriction,
 }
@@ -522,6 +513,8 @@ BASELINES: Mapping[str, object] = {
 REWRITE_ALLOWED: Mapping[str, bool] = {"data_parallel": False, "megatron": False, "megatron_distopt": False,
                                        "megatron_sp": False, "megatron_sp_distopt": False,
                                        "zero2": True, "zero3": True, "heuristic": False, "deepspeed_moe": True}
+# The baselines with Megatron-core's distributed optimizer (`optimizer_state_shards`).
+DISTRIBUTED_OPTIMIZER: frozenset[str] = frozenset({"megatron_distopt", "megatron_sp_distopt"})
 # The baselines whose weight gradients are scattered every microbatch
 # (`_shard_weight_update`); every other plan reduces them once per iteration, after
 # accumulating each device's unreduced partials (executors follow: `backends._partial_grads`).

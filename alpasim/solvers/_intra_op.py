@@ -122,8 +122,10 @@ def shard_stash(problem: IntraOpProblem, choice: tuple[int, ...]) -> tuple[int, 
     choice = list(choice)
 
     def local_cost(v: int, i: int) -> float:
-        trial = choice[:v] + [i] + choice[v + 1:]
-        return float(problem.nodes[v].cost[i]) + problem.edge_cost_s(trial, sorted(incident.get(v, ())))
+        held, choice[v] = choice[v], i
+        cost = float(problem.nodes[v].cost[i]) + problem.edge_cost_s(choice, incident.get(v, ()))
+        choice[v] = held
+        return cost
 
     for v in owners:
         node = problem.nodes[v]

@@ -30,8 +30,8 @@ so tests can hold the ILP to an independent answer.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -369,7 +369,7 @@ def build_problem(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel, *, w
                                    lambda i, p=param, n=node_of[param]: nodes[n].specs[i][p], tensors, mesh,
                                    1.0 / microbatches))
 
-    edges = share_groups(graph, edges)
+    edges, shares = share_groups(graph, edges)
     persistent = [t for t, tensor in tensors.items()
                   if tensor.role in PERSISTENT_ROLES and t in node_of and not t.endswith(":new")
                   and (tensor.role != "param" or _is_leaf(graph, t))]
@@ -382,11 +382,9 @@ def build_problem(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel, *, w
     points, partials = partial_points(graph, live, strategies)
     for name, op in partials.items():
         node_of[name] = node_of[graph.op_by_name[op].outputs[0]]
-    problem = IntraOpProblem(graph, mesh, with_compute, microbatches, nodes, edges, node_of, persistent,
-                             maximal_live_sets(live.live_sets() + points), loop_backs, strategies, notes, live.stash(),
-                             partials)
-    problem.shares = _shares(edges)
-    return problem
+    return IntraOpProblem(graph, mesh, with_compute, microbatches, nodes, edges, node_of, persistent,
+                          maximal_live_sets(live.live_sets() + points), loop_backs, strategies, notes, live.stash(),
+                          partials, shares=shares)
 
 
 def reshard_key(graph: OpGraph, tensor: str, consumer: str) -> tuple[str, str]:
@@ -399,24 +397,18 @@ def reshard_key(graph: OpGraph, tensor: str, consumer: str) -> tuple[str, str]:
     return tensor, (op.phase if op is not None else consumer)
 
 
-def share_groups(graph: OpGraph, edges: list[Edge]) -> list[Edge]:
-    """`edges` with `share` set on those that share a producer node and `reshard_key`."""
+def share_groups(graph: OpGraph, edges: list[Edge]) -> tuple[list[Edge], list[list[int]]]:
+    """(`edges` with `share` set on those that share a producer node and `reshard_key`,
+    the edge indices of each share group)."""
     groups: dict[tuple, list[int]] = {}
     for k, e in enumerate(edges):
         groups.setdefault((e.src, *reshard_key(graph, e.tensor, e.consumer)), []).append(k)
     out = list(edges)
-    for g, members in enumerate(m for m in groups.values() if len(m) > 1):
+    shares = [members for members in groups.values() if len(members) > 1]
+    for g, members in enumerate(shares):
         for k in members:
             out[k] = dataclasses.replace(edges[k], share=g)
-    return out
-
-
-def _shares(edges: Sequence[Edge]) -> list[list[int]]:
-    groups: dict[int, list[int]] = {}
-    for k, e in enumerate(edges):
-        if e.share >= 0:
-            groups.setdefault(e.share, []).append(k)
-    return [groups[g] for g in sorted(groups)]
+    return out, shares
 
 
 def maximal_live_sets(live_sets: Sequence[Sequence[str]]) -> list[Sequence[str]]:

@@ -193,13 +193,13 @@ def plan_model(model: ModelLike, cluster: Cluster, method: str = "alpa", *, laye
     `COMMON_OPTIONS` (`plan_pipeline`'s). A method that finds nothing that fits returns
     an infeasible plan whose `notes` say why. `recompute="auto"` searches what the
     backward recomputes (`RECOMPUTE_SEARCH`; `remat` is then the search's)."""
-    if options.get("recompute") == "auto" and get_method(method).name == "megatron_core":
+    m = get_method(method)
+    if options.get("recompute") == "auto" and m.name == "megatron_core":
         options = {k: v for k, v in options.items() if k not in ("remat", "recompute")}   # its grid searches it
     elif options.get("recompute") == "auto":
         return _best_recompute(model, cluster, method, layers=layers, max_stages=max_stages, megatron=megatron,
                                distributed_optimizer=distributed_optimizer, sequence_parallel=sequence_parallel,
                                **options)
-    m = get_method(method)
     unknown = set(options) - COMMON_OPTIONS
     if unknown:
         raise TypeError(f"plan_model: unknown option {sorted(unknown)[0]!r}; the options are "
@@ -351,8 +351,8 @@ def megatron_grid(model: ModelLike, cluster: Cluster, *, progress: Callable | No
     blocks = forward_graph(dataclasses.replace(cfg, batch=1), name=name).num_layers
     base = [config] if config is not None else \
         megatron_configs(cluster.num_devices, cluster.devices_per_node, blocks, cfg.batch)
-    ladder = [(remat, policy) for _, remat, policy in reversed(RECOMPUTE_SEARCH)] if today else \
-        [(kw.get("remat", True), kw.get("recompute", "none"))]
+    ladder = list(reversed(RECOMPUTE_SEARCH)) if today else \
+        [(None, kw.get("remat", True), kw.get("recompute", "none"))]
     kw = {k: v for k, v in kw.items() if not today or k not in ("remat", "recompute")}
     method = "megatron_core" if today else "megatron"
     best: PipelinePlan | None = None
@@ -368,11 +368,10 @@ def megatron_grid(model: ModelLike, cluster: Cluster, *, progress: Callable | No
         for k, config in enumerate(dataclasses.replace(c, sequence_parallel=x, distributed_optimizer=y)
                                    for x in sps for y in dos):    # the least-memory form first
             plan = None
-            for step, (remat, policy) in enumerate(ladder[floor:], floor):
+            for step, (label, remat, policy) in enumerate(ladder[floor:], floor):
                 plan = megatron_plan(source, cluster, config, method=method, **kw,
                                      **({"remat": remat, "recompute": policy} if today else {}))
-                tried.append({**_config_json(config),
-                              **({"recompute": _recompute_label(remat, policy)} if today else {}),
+                tried.append({**_config_json(config), **({"recompute": label} if today else {}),
                               "iteration_s": plan.predicted.iteration_s, "feasible": plan.feasible})
                 if plan.feasible:
                     floor = step if k == 0 else floor
@@ -386,10 +385,6 @@ def megatron_grid(model: ModelLike, cluster: Cluster, *, progress: Callable | No
                                f"no Megatron-LM configuration of {name} fits {cluster.num_devices} devices "
                                f"({len(tried)} tried)", SearchStats(megatron_grid=tuple(tried)))
     return dataclasses.replace(best, search=dataclasses.replace(best.search, megatron_grid=tuple(tried)))
-
-
-def _recompute_label(remat: bool, policy: str) -> str:
-    return next(label for label, r, p in RECOMPUTE_SEARCH if (r, p) == (remat, policy))
 
 
 def _zoo_source(model: ModelLike) -> ModelSource:

@@ -169,14 +169,6 @@ class PipelineStage(Record):
     sync_buckets: tuple[tuple[float, float], ...] = ()
     exposed_sync_s: float = 0.0
 
-    @property
-    def overlapped_sync_s(self) -> float:
-        """What the iteration's sync takes after the last backward: the buckets' exposed
-        part, then the rest of sync_s (the optimizer step, gathers after it)."""
-        if not self.sync_buckets:
-            return self.sync_s
-        return self.sync_s - self.grad_sync_s + self.exposed_sync_s
-
     def __post_init__(self) -> None:
         if self.layers[0] > self.layers[1] or self.layers[0] < 0:
             raise ValueError(f"layers {list(self.layers)} are not a range [first, last]")

@@ -57,7 +57,7 @@ from ._intra_op import IntraOpInfeasible, min_memory_choice, solve_intra_op, sol
 from ._mesh import LogicalMesh
 from ._resharding import Collective
 from ._spec import ShardingSpec
-from ._submesh import SubmeshShape, check_cluster_grid, logical_mesh, logical_shapes, submesh_shapes
+from ._submesh import SubmeshShape, logical_mesh, logical_shapes, submesh_shapes
 
 INF = math.inf
 # Memory-first ILP keeps this many microbatches of activations in flight when it looks
@@ -124,6 +124,10 @@ class LayerOption:
     @property
     def tied_bytes(self) -> float:
         return sum(self.tied)
+
+    def busy_s(self, overlap: bool) -> float:
+        """Forward + backward per microbatch, less what overlap hides (`hidden_s`)."""
+        return self.time_s - self.hidden_s if overlap else self.time_s
 
     @property
     def inflight_bytes(self) -> float:
@@ -479,7 +483,6 @@ def build_stage_costs(graph: OpGraph, cluster: Cluster, microbatches: int, *, ma
     gradient after the backward (the paper's accounting)."""
     if cost_model is not None:
         cluster = cost_model.cluster
-    check_cluster_grid(cluster)
     cache = cache or DiskCache(enabled=False)
     num_layers = graph.num_layers
     shapes = [sh for sh in submesh_shapes(cluster.nodes, cluster.devices_per_node) if shape_ok is None or shape_ok(sh)]
@@ -592,7 +595,7 @@ def layer_sync(o: LayerOption, mesh: LogicalMesh, bucket_bytes: float) -> LayerS
         if n:
             seconds += n * Collective(kind, nbytes / n, axes).time_s(mesh)
             count += n
-    return LayerSync(max(o.time_s - o.hidden_s - o.forward_s, 0.0), seconds, count)
+    return LayerSync(max(o.busy_s(True) - o.forward_s, 0.0), seconds, count)
 
 
 def stage_sync(opts: Sequence[LayerOption], mesh: LogicalMesh,
@@ -645,6 +648,8 @@ def _assemble(kinds: Sequence[str], options, meshes, shapes, memory: float, micr
     shape = (num_layers, n_mesh, n_opt)
     time, pers, peak, stash, tied, gather, update = (np.full(shape, INF) for _ in range(7))
     backward, bucketed, buckets, unbucketed = (np.zeros(shape) for _ in range(4))
+    overlap = bucket_bytes is not None
+    syncs: dict[tuple[str, int, int], LayerSync] = {}     # by layer kind: layers of one kind share it
     for l, kind in enumerate(kinds):
         for m in range(n_mesh):
             opts = options.get((kind, m), [])
@@ -652,12 +657,13 @@ def _assemble(kinds: Sequence[str], options, meshes, shapes, memory: float, micr
                 if not opts:
                     continue
                 o = opts[min(j, len(opts) - 1)]
-                if bucket_bytes is None:
-                    time[l, m, j] = o.time_s + o.sync_s / microbatches
-                else:
-                    time[l, m, j] = o.time_s - o.hidden_s + (o.sync_s - o.grad_sync_s) / microbatches
+                # With overlap the gradient sync is the range's exposed part (below), not each layer's.
+                time[l, m, j] = o.busy_s(overlap) + (o.sync_s - (o.grad_sync_s if overlap else 0.0)) / microbatches
+                if overlap:
                     unbucketed[l, m, j] = o.grad_sync_s
-                    ls = layer_sync(o, meshes[m][2], bucket_bytes)
+                    ls = syncs.get((kind, m, j))
+                    if ls is None:
+                        ls = syncs[(kind, m, j)] = layer_sync(o, meshes[m][2], bucket_bytes)
                     backward[l, m, j], bucketed[l, m, j], buckets[l, m, j] = ls.backward_s, ls.sync_s, ls.buckets
                 pers[l, m, j] = o.persistent_bytes
                 peak[l, m, j] = o.activation_bytes
@@ -676,7 +682,7 @@ def _assemble(kinds: Sequence[str], options, meshes, shapes, memory: float, micr
         return out
 
     t_range, p_range, s_range = ranges(time), ranges(pers), ranges(np.nan_to_num(stash, posinf=0.0))
-    if bucket_bytes is not None:     # overlapped where that is faster (`stage_sync`)
+    if overlap:     # overlapped where that is faster (`stage_sync`)
         t_range = t_range + np.minimum(exposed_ranges(backward, bucketed, buckets), ranges(unbucketed)) / microbatches
     peak_range = range_peak(np.nan_to_num(stash, posinf=0.0), np.where(np.isinf(peak), 0.0, peak))
     buffers = np.maximum(range_max(np.where(np.isinf(gather), 0.0, gather)), 0.0)

@@ -66,7 +66,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._submesh import pack_node_groups
+from ._submesh import node_block, pack_node_groups
 
 INF = np.inf
 
@@ -212,7 +212,7 @@ def _solve_fixed(cost: np.ndarray, sizes: np.ndarray, num_devices: int, s_max: i
                           priced=boundary is not None)
     else:
         q = np.arange(per_node + 1)
-        block = per_node & -per_node         # `_submesh.node_block`: the largest power of two dividing M
+        block = node_block(per_node)
         closable = ((q >= 1) & ((q & (q - 1)) == 0) & (q <= block)) | (q == per_node) if pow2_runs else q >= 1
         # The run state a stage of each shape starts: its own size, or "full" (q = M)
         # for a piece of a whole node or more, which nothing joins.

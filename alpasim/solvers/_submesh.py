@@ -7,9 +7,10 @@ included). Any list of such shapes whose sizes add up to N*M tiles the grid (the
 paper's Appendix A): the (n, M) blocks take whole nodes, and the (1, 2^k) pieces,
 placed largest first, pack the remaining nodes exactly, because powers of two that all
 divide M and sum to a multiple of M fill bins of size M with no gap (each bin's free
-space stays a multiple of the next piece). `place_submeshes` does exactly that and returns device ids; given
-the stage DP's runs (consecutive pieces that must share a node) it packs the runs
-instead (`place_runs`, `pack_runs`), each run's pieces side by side on one node.
+space stays a multiple of the next piece). `place_submeshes` does exactly that and
+returns device ids; given the stage DP's runs (consecutive pieces that must share a
+node) it packs the runs instead (`place_runs`, `pack_runs`), each run's pieces side by
+side on one node.
 
 Logical views: a submesh of d devices can be viewed as any (d0, d1) with d0*d1 = d whose
 second axis stays inside a node (so the fast links sit on axis 1 and a view that
@@ -21,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from alpasim.costmodels import Cluster, ClusterError, MeshAxis, group_link
+from alpasim.costmodels import Cluster, MeshAxis, group_link
 
 from ._mesh import LogicalMesh
 
@@ -45,11 +46,6 @@ def node_block(devices_per_node: int) -> int:
     """The largest power of two that divides M: the biggest part-node piece (8 of a
     72-GPU NVL72 domain, M itself when M is a power of two)."""
     return devices_per_node & -devices_per_node
-
-
-def check_cluster_grid(cluster: Cluster) -> None:
-    if cluster.devices_per_node < 1:
-        raise ClusterError(f"cluster {cluster.name!r}: devices_per_node must be at least 1")
 
 
 def submesh_shapes(nodes: int, devices_per_node: int) -> list[SubmeshShape]:

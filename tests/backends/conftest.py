@@ -32,19 +32,22 @@ def small_plan():
     viewed as 1x2 and 2x2 meshes (so the stages' meshes differ in shape), at most 3
     stages on 8 devices, priced without overlap (the runtimes do not overlap; with it,
     Wide-ResNet's first stage moves to a 2x2 mesh whose forward temporaries the memory
-    model under-predicts: `test_memory.py::test_wresnet_first_stage_on_2x2`). Cached:
-    the runtime tests of both backends share them."""
+    model under-predicts: `test_memory.py::test_wresnet_first_stage_on_2x2`); `options`
+    are more `plan_pipeline` keywords. Cached: the runtime tests of both backends share
+    them."""
     from alpasim.costmodels import get_cluster
     from alpasim.solvers import plan_pipeline
 
     plans = {}
 
-    def make(family: str):
-        if family not in plans:
-            plans[family] = plan_pipeline(MODELS[family], get_cluster("aws-p3.16xlarge", nodes=1), microbatches=2,
-                                          pareto=False, shape_ok=lambda sh: sh.size in VIEWS,
-                                          views_of=lambda sh: VIEWS[sh.size], max_stages=3, bucket_bytes=None)
-        return plans[family]
+    def make(family: str, **options):
+        key = (family, tuple(sorted(options.items())))
+        if key not in plans:
+            plans[key] = plan_pipeline(MODELS[family], get_cluster("aws-p3.16xlarge", nodes=1), microbatches=2,
+                                       pareto=False, shape_ok=lambda sh: sh.size in VIEWS,
+                                       views_of=lambda sh: VIEWS[sh.size], max_stages=3,
+                                       **{"bucket_bytes": None, **options})
+        return plans[key]
 
     return make
 

@@ -52,7 +52,8 @@ def test_forward_reduce_scatters_and_gathers_instead_of_all_reducing():
     assert forward(plain) == {("all_reduce", sbh): 4}
     norms = [op.name for op in stage.ops if op.prim == "layer_norm"]
     assert norms and all(sp.strategies[n].compute_s < plain.strategies[n].compute_s for n in norms)
-    gathered = Counter(c.tensor for c in sp.collectives if c.collective.kind == "all_gather" and phase[c.op] == "forward")
+    gathered = Counter(c.tensor for c in sp.collectives
+                       if c.collective.kind == "all_gather" and phase[c.op] == "forward")
     assert set(gathered.values()) == {1}       # Q, K and V share the first norm's gather
 
 

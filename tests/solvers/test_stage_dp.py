@@ -70,10 +70,10 @@ def boundaries_of_placement(result, sizes, num_devices, per_node, boundary):
 
 
 @st.composite
-def tables(draw):
+def tables(draw, size_sets=([1, 2], [1, 2, 4], [1, 2, 4, 8], [2, 4]), device_counts=(1, 2, 4, 8)):
     num_layers = draw(st.integers(1, 4))
-    sizes = draw(st.sampled_from([[1, 2], [1, 2, 4], [1, 2, 4, 8], [2, 4]]))
-    num_devices = draw(st.sampled_from([d for d in (1, 2, 4, 8) if d <= 8 and d >= min(sizes)]))
+    sizes = draw(st.sampled_from(size_sets))
+    num_devices = draw(st.sampled_from([d for d in device_counts if d >= min(sizes)]))
     s_max = num_layers
     cost = np.full((num_layers, num_layers, len(sizes), s_max), np.inf)
     for k in range(num_layers):
@@ -113,7 +113,11 @@ def test_dp_with_boundary_transfers_equals_brute_force(table, data):
     tiles the cluster and costs what the DP priced (or less, never more)."""
     cost, sizes, num_devices, microbatches = table
     per_node = min(data.draw(st.sampled_from([None, 1, 2, 4])) or num_devices, num_devices)
-    boundary = random_boundary(data, cost.shape[0])
+    check_against_brute_force(cost, sizes, num_devices, microbatches, random_boundary(data, cost.shape[0]), per_node)
+
+
+def check_against_brute_force(cost, sizes, num_devices, microbatches, boundary, per_node):
+    """The DP with boundaries on nodes of `per_node` devices against `brute_force`."""
     result = stage_dp(cost, sizes, num_devices, microbatches, epsilon=0.0, boundary=boundary,
                       devices_per_node=per_node)
     expected = brute_force(cost, sizes, num_devices, microbatches, boundary, per_node)
@@ -295,38 +299,12 @@ def test_disallowed_shapes_and_sizes_are_rejected():
         place_submeshes([SubmeshShape(2, 4), SubmeshShape(1, 8)], 2, 8)
 
 
-@st.composite
-def tables_of_six(draw):
-    """Cost tables on nodes of 6 devices (an NVLink domain no power of two): pieces of
-    1 and 2 devices (the powers of two dividing 6) or a whole node."""
-    num_layers = draw(st.integers(1, 4))
-    sizes = [1, 2, 6]
-    num_devices = draw(st.sampled_from([6, 12]))
-    cost = np.full((num_layers, num_layers, len(sizes), num_layers), np.inf)
-    for k in range(num_layers):
-        for i in range(k, num_layers):
-            for h in range(len(sizes)):
-                for s in range(num_layers):
-                    if draw(st.integers(0, 5)):
-                        cost[k, i, h, s] = draw(st.integers(1, 20)) / 10
-    return cost, sizes, num_devices, draw(st.integers(1, 8))
-
-
-@given(tables_of_six(), st.data())
+@given(tables(size_sets=([1, 2, 6],), device_counts=(6, 12)), st.data())
 @settings(max_examples=200, deadline=None)
 def test_dp_on_nodes_of_six_places_what_it_plans(table, data):
-    """Six devices a node: the DP's runs always pack (its fallback closes runs at 1, 2
-    or a whole node), never below brute force, equal to it where it says so."""
+    """Six devices a node (an NVLink domain no power of two: pieces of 1 and 2 devices,
+    the powers of two dividing 6, or a whole node): the DP's runs always pack (its
+    fallback closes runs at 1, 2 or a whole node), never below brute force, equal to
+    it where it says so, and its placement costs what it priced."""
     cost, sizes, num_devices, microbatches = table
-    boundary = random_boundary(data, cost.shape[0])
-    result = stage_dp(cost, sizes, num_devices, microbatches, epsilon=0.0, boundary=boundary, devices_per_node=6)
-    expected = brute_force(cost, sizes, num_devices, microbatches, boundary, 6)
-    if np.isinf(expected):
-        assert np.isinf(result.latency_s)
-        return
-    assert result.latency_s >= expected * (1 - 1e-12)
-    if result.placement_exact:
-        assert result.latency_s == pytest.approx(expected, rel=1e-12)
-    placed = boundaries_of_placement(result, sizes, num_devices, 6, boundary)
-    for j, s in enumerate(result.stages):
-        assert placed[j] <= s.boundary_s
+    check_against_brute_force(cost, sizes, num_devices, microbatches, random_boundary(data, cost.shape[0]), 6)

@@ -31,8 +31,9 @@ def small_plan():
     it plans in seconds and pipelines: microbatches B = 2, submeshes of 2 or 4 devices
     viewed as 1x2 and 2x2 meshes (so the stages' meshes differ in shape), at most 3
     stages on 8 devices, priced without overlap (the runtimes do not overlap; with it,
-    Wide-ResNet's first stage moves to a 2x2 mesh whose forward temporaries the memory
-    model under-predicts: `test_memory.py::test_wresnet_first_stage_on_2x2`); `options`
+    Wide-ResNet's first stage moves to a 2x2 mesh where XLA:CPU holds forward
+    temporaries the memory model does not price:
+    `test_memory.py::test_wresnet_first_stage_on_2x2`); `options`
     are more `plan_pipeline` keywords. Cached: the runtime tests of both backends share
     them."""
     from alpasim.costmodels import get_cluster

@@ -111,6 +111,9 @@ def runnable_program(plan: PipelinePlan, schedule: str | None = None, program: P
     if program.chunks > 1:
         raise ValueError(f"the runtimes execute one stage per mesh (1f1b, gpipe); the {program.schedule!r} "
                          f"program runs {program.chunks} model chunks per mesh, which this plan does not have")
+    if any(type(i) is Run and i.phase not in ("forward", "backward") for mesh in program.meshes for i in mesh):
+        raise ValueError(f"the runtimes run each backward whole (1f1b, gpipe); the {program.schedule!r} program "
+                         "splits it into input and weight gradients, which they do not execute yet")
     return program
 
 

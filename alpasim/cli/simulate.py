@@ -18,7 +18,9 @@ from ._common import CostModelOpt, JsonOpt, app, emit_json, err, fail, fmt_bytes
 @app.command()
 def simulate(
     plan_file: Annotated[Path, typer.Argument(help="A plan JSON written by `alpasim plan --out`.")],
-    schedule: Annotated[str, typer.Option("--schedule", help="1f1b, gpipe or interleaved.")] = "1f1b",
+    schedule: Annotated[str, typer.Option("--schedule", help="1f1b, gpipe, interleaved, zb-h1 or zb-h2 "
+                                                            "(zero bubble: the backward split into input "
+                                                            "and weight gradients).")] = "1f1b",
     chunks: Annotated[int, typer.Option("--chunks", help="Model chunks per mesh (interleaved only).")] = 2,
     cross_mesh: Annotated[str, typer.Option("--cross-mesh", help="Cross-mesh resharding: local_all_gather, "
                                             "send_recv or signal.")] = "local_all_gather",

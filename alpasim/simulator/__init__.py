@@ -2,7 +2,9 @@
 
 from ._engine import plan_cluster as plan_cluster
 from ._engine import simulate as simulate
-from ._engine import stage_phase_s as stage_phase_s
+from ._phases import PassTimes as PassTimes
+from ._phases import split_backward as split_backward
+from ._phases import stage_phase_s as stage_phase_s
 from ._network import FluidNetwork as FluidNetwork
 from ._program import Free as Free
 from ._program import GradSync as GradSync

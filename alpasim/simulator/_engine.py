@@ -4,7 +4,8 @@ Each mesh is one SimPy process walking its instruction list (seed 3.4.11: meshes
 follow static lists without a driver). Semantics:
 
 - `Run` takes the stage's forward_s or backward_s (divided by the number of chunks);
-  plans without the split use 1/3 and 2/3 of compute_s (backward ~ 2x forward).
+  plans without the split use 1/3 and 2/3 of compute_s (backward ~ 2x forward). A
+  backward split into B and W takes `_phases.split_backward`'s shares of it.
 - `Send` does not block the mesh: it waits the link latency, then starts one flow per
   point-to-point copy of the tensor's route (`_routes`) in the fluid network
   (`_network`: max-min fair sharing of every NVLink port and network card, so
@@ -26,7 +27,9 @@ follow static lists without a driver). Semantics:
   peak (activation_bytes / chunks) while its forward or backward runs and keep only
   its stash (stash_bytes / chunks: what backward reads of the forward, the planner's
   eq. 5) in between, until the `Free` after its backward (a plan without stash_bytes
-  keeps the whole peak, the conservative old rule); plus receive buffers
+  keeps the whole peak, the conservative old rule). A split backward (`_phases`)
+  holds after its B only what its W reads (weight_stash_bytes), until the `Free`
+  after W. Plus receive buffers
   from arrival until the run (or sync) that consumes them, and during `GradSync` the
   optimizer step's working set (`stages[i].memory["update_bytes"]`, the copies Adam
   makes when it reads or writes other layouts than stored). Devices of one mesh run
@@ -62,22 +65,11 @@ from alpasim.costmodels import Cluster, UnknownPresetError, get_cluster
 from alpasim.solvers import PipelinePlan, PipelineStage
 
 from ._network import FluidNetwork
-from ._program import Free, GradSync, Program, Recv, Run, Send, Update
+from ._phases import split_backward, stage_phase_s
+from ._program import DIRECTION, LAST_USE, Free, GradSync, Program, Recv, Run, Send, Update
 from ._routes import LinkTable, Route, route_transfers
 from ._schedules import build_program
 from ._timeline import Event, MeshInfo, Timeline
-
-
-def stage_phase_s(stage: PipelineStage, microbatches: int) -> tuple[float, float]:
-    """(forward, backward) seconds of one microbatch on a stage.
-
-    Old plans carry no split (both 0): backward is taken as twice the forward, the
-    usual ratio for matmul-dominated layers (two matmuls per forward one).
-    """
-    if stage.forward_s > 0 or stage.backward_s > 0:
-        return stage.forward_s, stage.backward_s
-    compute = stage.compute_s if stage.compute_s > 0 else max(stage.time_s - stage.sync_s / microbatches, 0.0)
-    return compute / 3, 2 * compute / 3
 
 
 def plan_cluster(plan: PipelinePlan) -> Cluster | None:
@@ -114,12 +106,14 @@ class _Engine:
         self.dispatch_s = dispatch_s
         v, B = program.chunks, program.microbatches
         self.phase_s = []
-        for st in plan.stages:
-            f, b = stage_phase_s(st, B)
-            self.phase_s.append({"forward": f / v, "backward": b / v})
         self.act_bytes = [st.activation_bytes / v for st in plan.stages]
-        self.stash_bytes = [(min(st.stash_bytes, st.activation_bytes) if st.stash_bytes > 0 else st.activation_bytes)
-                            / v for st in plan.stages]
+        self.stash_bytes, self.weight_stash_bytes = [], []
+        for st in plan.stages:
+            p = split_backward(st, B)
+            self.phase_s.append({"forward": p.forward_s / v, "backward": p.backward_s / v,
+                                 "backward_input": p.input_s / v, "backward_weight": p.weight_s / v})
+            self.stash_bytes.append(p.stash_bytes / v)
+            self.weight_stash_bytes.append(p.weight_stash_bytes / v)
         self.alpha = [max((c.latency_s for c in r.copies), default=0.0) for r in routes]
         self.net = FluidNetwork(links.capacities) if links is not None and not free and links.names else None
         self.link_names = links.names if links is not None else []
@@ -138,7 +132,7 @@ class _Engine:
         # Gradient buckets overlapping the last backward of each mesh (module doc): on a
         # stream of their own, so not with shared executors (one driver blocks on each).
         self.overlap = [bool(overlap and executors is None and st.sync_buckets) for st in plan.stages]
-        self.last_backward = [max((pc for pc, ins in enumerate(mesh) if type(ins) is Run and ins.phase == "backward"),
+        self.last_backward = [max((pc for pc, ins in enumerate(mesh) if type(ins) is Run and ins.phase in LAST_USE),
                                   default=-1) for mesh in program.meshes]
         self.stream_done: list[simpy.Event | None] = [None] * program.num_meshes
 
@@ -236,6 +230,8 @@ class _Engine:
         env, track, held = self.env, f"mesh{k}", self.held[k]
         phase_s, act, stash = self.phase_s[k], self.act_bytes[k], self.stash_bytes[k]
         transient = act - stash              # on top of the stash while a run is at its peak
+        kept = self.weight_stash_bytes[k]    # what a split backward's W still reads after B
+        live: dict[tuple[int, int], float] = {}   # (microbatch, chunk) -> its stash now
         transfers = self.program.transfers
         for pc, ins in enumerate(self.program.meshes[k]):
             self.pc[k] = pc
@@ -253,9 +249,15 @@ class _Engine:
                 self._release(req)
                 if transient:
                     self._sample(k, -transient)
+                key = (ins.microbatch, ins.chunk)
+                if ins.phase == "forward":
+                    live[key] = stash
+                elif ins.phase == "backward_input" and live.get(key, 0.0) > kept:
+                    self._sample(k, kept - live[key])    # only the weight gradients' inputs stay
+                    live[key] = kept
                 self.events.append(Event(track, "compute", k, ins.microbatch, start, env.now, 0.0, ins.phase,
                                          ins.chunk))
-                buf = held.pop((ins.microbatch, ins.phase, ins.chunk), 0.0)
+                buf = held.pop((ins.microbatch, DIRECTION[ins.phase], ins.chunk), 0.0)
                 if buf:
                     self._sample(k, -buf)
             elif kind is Send:
@@ -293,7 +295,7 @@ class _Engine:
                     held[key] = held.get(key, 0.0) + route.buffer_bytes
                     self._sample(k, route.buffer_bytes)
             elif kind is Free:
-                self._sample(k, -stash)
+                self._sample(k, -live.pop((ins.microbatch, ins.chunk), stash))
             elif kind is GradSync:
                 req = yield from self._acquire()
                 stage = self.plan.stages[k]

@@ -6,7 +6,12 @@ data with a JSON form, so the simulator and the execution backends run the same 
 
 Instructions (a mesh walks its tuple in order):
 
-    Run(stage, microbatch, phase, chunk)   forward or backward of one model chunk
+    Run(stage, microbatch, phase, chunk)   one pass of one model chunk: "forward",
+                                           "backward" (input and weight gradients), or
+                                           the backward split as zero-bubble schedules
+                                           run it: "backward_input" (what the previous
+                                           stage waits for) and "backward_weight"
+                                           (weight gradients only, deferrable)
     Send(transfer, microbatch, ...)        start moving a tensor to another mesh; does
                                            not block the sender (a separate stream)
     Recv(transfer, microbatch, ...)        block until that tensor has arrived (and been
@@ -25,19 +30,28 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-PHASES = ("forward", "backward")
+PHASES = ("forward", "backward")                # the directions tensors cross meshes in
+RUN_PHASES = ("forward", "backward", "backward_input", "backward_weight")
+# The direction of the tensors a run receives before it and sends after it (None: none).
+DIRECTION = {"forward": "forward", "backward": "backward", "backward_input": "backward", "backward_weight": None}
+# The run after which a microbatch's activations are no longer needed.
+LAST_USE = frozenset({"backward", "backward_weight"})
 WHOLE_ITERATION = -1  # the microbatch index of a per-iteration transfer
 
 
 @dataclass(frozen=True, slots=True)
 class Run:
-    """Forward or backward of `stage` (= mesh) on one microbatch; `chunk` is the model
-    chunk of an interleaved schedule (virtual stage chunk * S + stage), else 0."""
+    """One pass (`RUN_PHASES`) of `stage` (= mesh) on one microbatch; `chunk` is the
+    model chunk of an interleaved schedule (virtual stage chunk * S + stage), else 0."""
 
     stage: int
     microbatch: int
     phase: str
     chunk: int = 0
+
+    def __post_init__(self) -> None:
+        if self.phase not in RUN_PHASES:
+            raise ValueError(f"run: phase must be one of {RUN_PHASES}, got {self.phase!r}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,8 +9,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ._timeline import Timeline
 
-COLOURS = {"forward": "#4C72B0", "backward": "#55A868", "recv": "#C44E52", "allgather": "#DD8452",
-           "sync": "#8172B3", "idle": "#E5E5E5"}
+COLOURS = {"forward": "#4C72B0", "backward": "#55A868", "backward_input": "#55A868", "backward_weight": "#64B5CD",
+           "recv": "#C44E52", "allgather": "#DD8452", "sync": "#8172B3", "idle": "#E5E5E5"}
+# A run's trace label: its pass letter (zero-bubble papers' F, B, W) and microbatch.
+LETTERS = {"forward": "F", "backward": "B", "backward_input": "B", "backward_weight": "W"}
 LINK_TID_BASE = 1_000_000  # link tracks sort after device tracks (tid = device id) within a node
 
 
@@ -43,7 +45,7 @@ def write_chrome_trace(tl: Timeline, path: Path) -> Path:
         trace.append({"ph": "M", "name": "thread_name", "pid": node, "tid": LINK_TID_BASE + i,
                       "args": {"name": name}})
     for e in tl.events:
-        label = e.name if e.kind != "compute" else f"{e.name[0].upper()}{e.microbatch}"
+        label = e.name if e.kind != "compute" else f"{LETTERS.get(e.name, e.name[:1].upper())}{e.microbatch}"
         if e.kind == "compute" and tl.chunks > 1:
             label += f".{e.chunk}"
         args = {"stage": e.stage, "microbatch": e.microbatch, "bytes": e.nbytes}

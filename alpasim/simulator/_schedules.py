@@ -21,6 +21,23 @@ in the order each mesh runs its forwards and backwards:
   group's size. With balanced stages, free communication and B >= S an iteration
   takes B(t_f + t_b) + (S - 1)(t_f + t_b)/v, exactly (Megatron-LM's bubble, sec.
   2.2.2): the bubble shrinks v-fold, at the price of v times as many messages.
+- `zb_h1` and `zb_h2` (zero bubble, Qi et al., ICLR 2024): each backward split into B
+  (input gradients, which the previous stage waits for) and W (weight gradients,
+  which nothing in the iteration waits for but the optimizer step), so a stage can
+  run its W passes where 1F1B would idle. The orders come from the paper's greedy
+  list scheduling, run on the plan's own pass times (`_phases.split_backward`) with
+  free communication: a stage that is free runs a B whose cotangent has arrived, else
+  an F whose input has arrived if fewer than its limit of microbatches are between F
+  and B, else a deferred W, else waits. ZB-H1's limit is 1F1B's, S - i for stage i,
+  so a stage holds no more activations than under 1F1B beyond the deferred W
+  passes' inputs; with balanced stages and free communication an iteration takes
+  B(f + b + w) + (S - 1)(f + b - w) (for b >= w), its bubble (S - 1)(f + b - w)
+  against 1F1B's (S - 1)(f + b + w): a third when f = b = w. ZB-H2 lets stage i hold
+  2(S - i) - 1, enough for every stage to run without a gap between its first and
+  last pass, so that its iteration takes B(f + b + w) + (S - 1)f, the least a
+  pipeline flushed at every iteration can: the last stage cannot start before the
+  first microbatch has passed S - 1 forwards. (The paper's ZB-H2 reaches zero only
+  without the flush, by validating the optimizer step after the fact; not modelled.)
 
 Cross-mesh tensors come from `plan.transfers`. Adjacent stages always get a dependency:
 where the plan lists no tensor between them (a synthetic or old plan) a zero-byte
@@ -40,7 +57,10 @@ from collections.abc import Callable, Sequence
 
 from alpasim.solvers import PipelinePlan, PlanFormatError, PlanTransfer
 
+from ._phases import PassTimes, split_backward
 from ._program import (
+    DIRECTION,
+    LAST_USE,
     WHOLE_ITERATION,
     Free,
     GradSync,
@@ -102,6 +122,99 @@ def interleaved_order(num_stages: int, microbatches: int, stage: int, chunks: in
         order += [fwd(warmup + k), bwd(k)]
     order += [bwd(k) for k in range(total - warmup, total)]
     return order
+
+
+def zb_h1_order(num_stages: int, microbatches: int, stage: int) -> Order:
+    """ZB-H1 (Qi et al., ICLR 2024, sec. 3.1) for stage i: 1F1B's S - 1 - i warm-up
+    forwards, then i forward / input-gradient pairs whose weight gradients wait, then
+    forward, input gradient and the oldest waiting weight gradient in turn, and the
+    rest drained in that order. Stage i holds at most S - i microbatches between F and
+    B, as under 1F1B, and i more waiting for W."""
+    S, B = num_stages, microbatches
+    order: Order = []
+    f = b = w = 0
+
+    def run(phase: str, m: int) -> int:
+        order.append((phase, m, 0))
+        return m + 1
+
+    for _ in range(min(S - 1 - stage, B)):
+        f = run("forward", f)
+    for _ in range(stage):
+        if f < B:
+            f, b = run("forward", f), run("backward_input", b)
+    while f < B:
+        f, b, w = run("forward", f), run("backward_input", b), run("backward_weight", w)
+    while b < B:
+        b, w = run("backward_input", b), run("backward_weight", w)
+    while w < B:
+        w = run("backward_weight", w)
+    return order
+
+
+def zero_bubble_orders(passes: Sequence[PassTimes], microbatches: int, limits: Sequence[int],
+                       alive: int) -> list[Order]:
+    """Every stage's order under the zero-bubble greedy (module doc): `passes[i]` are
+    stage i's pass times, `limits[i]` how many microbatches it may hold between F and
+    B, `alive` how many between F and W (so deferred W passes cannot pile up: each
+    holds its weight gradients' inputs). Simulated with free communication; ties go to
+    the lower stage index."""
+    S, B = len(passes), microbatches
+    inf = math.inf
+    f_ready = [[0.0] * B] + [[inf] * B for _ in range(S - 1)]   # when F(m)'s input exists on stage i
+    b_ready = [[inf] * B for _ in range(S)]                      # when B(m)'s cotangent does
+    free = [0.0] * S
+    nf, nb, nw = [0] * S, [0] * S, [0] * S
+    orders: list[Order] = [[] for _ in range(S)]
+    blocked: dict[int, float] = {}              # stage -> the time it found nothing to run at
+    while True:
+        busy = [i for i in range(S) if nw[i] < B]
+        if not busy:
+            return orders
+        i = min((k for k in busy if blocked.get(k) != free[k]), key=lambda k: (free[k], k), default=None)
+        if i is None:
+            raise RuntimeError(f"zero-bubble order: every stage waits (limits {list(limits)})")
+        t, p = free[i], passes[i]
+        if nb[i] < nf[i] and b_ready[i][nb[i]] <= t:
+            phase, m, d = "backward_input", nb[i], p.input_s
+        elif nf[i] < B and nf[i] - nb[i] < limits[i] and nf[i] - nw[i] < alive and f_ready[i][nf[i]] <= t:
+            phase, m, d = "forward", nf[i], p.forward_s
+        elif nw[i] < nb[i]:
+            phase, m, d = "backward_weight", nw[i], p.weight_s
+        else:                                    # wait for an input, or for another stage to move
+            waits = [b_ready[i][nb[i]]] if nb[i] < nf[i] else []
+            if nf[i] < B and nf[i] - nb[i] < limits[i] and nf[i] - nw[i] < alive:
+                waits.append(f_ready[i][nf[i]])
+            later = [x for x in waits if x < inf] + [free[k] for k in busy if free[k] > t]
+            if later:
+                free[i] = min(later)             # look again then
+            else:
+                blocked[i] = t                   # until another stage at this time moves
+            continue
+        blocked.clear()
+        orders[i].append((phase, m, 0))
+        free[i] = end = t + d
+        if phase == "forward":
+            nf[i] += 1
+            if i + 1 < S:
+                f_ready[i + 1][m] = end
+            else:
+                b_ready[i][m] = end
+        elif phase == "backward_input":
+            nb[i] += 1
+            if i > 0:
+                b_ready[i - 1][m] = end
+        else:
+            nw[i] += 1
+
+
+def zb_limits(num_stages: int, microbatches: int, variant: str) -> tuple[list[int], int]:
+    """(microbatches stage i may hold between F and B, any stage between F and W):
+    ZB-H1 1F1B's S - i and S, ZB-H2 2(S - i) - 1 and 2S - 1 (module doc)."""
+    S = num_stages
+    if variant == "h1":
+        return [S - i for i in range(S)], S
+    return [2 * (S - i) - 1 for i in range(S)], 2 * S - 1
 
 
 # ------------------------------------------------------------------- transfers
@@ -206,10 +319,11 @@ def program_from_orders(plan: PipelinePlan, schedule: str, orders: Sequence[Orde
     for k, order in enumerate(orders):
         ins: list[Instruction] = []
         for phase, m, c in order:
-            ins += [Recv(i, m, transfers[i].src_stage, k) for i in recvs.get((k, phase, c), ())]
+            direction = DIRECTION[phase]
+            ins += [Recv(i, m, transfers[i].src_stage, k) for i in recvs.get((k, direction, c), ())]
             ins.append(Run(k, m, phase, c))
-            ins += [Send(i, m, k, transfers[i].dst_stage) for i in sends.get((k, phase, c), ())]
-            if phase == "backward":
+            ins += [Send(i, m, k, transfers[i].dst_stage) for i in sends.get((k, direction, c), ())]
+            if phase in LAST_USE:
                 ins.append(Free(k, m, c))
         ins += [Send(i, WHOLE_ITERATION, k, transfers[i].dst_stage) for i in last_sends[k]]
         ins += [Recv(i, WHOLE_ITERATION, transfers[i].src_stage, k) for i in last_recvs[k]]
@@ -262,7 +376,27 @@ def interleaved_1f1b(plan: PipelinePlan, chunks: int = 2) -> Program:
     return program_from_orders(plan, "interleaved", [interleaved_order(S, B, k, chunks) for k in range(S)], chunks)
 
 
-SCHEDULES: dict[str, Callable[..., Program]] = {"1f1b": one_f_one_b, "gpipe": gpipe, "interleaved": interleaved_1f1b}
+def zero_bubble(plan: PipelinePlan, variant: str = "h1") -> Program:
+    """ZB-H1 (`variant="h1"`) or ZB-H2 ("h2") on the plan's own pass times (module doc)."""
+    S, B = check_plan(plan)
+    if variant not in ("h1", "h2"):
+        raise ValueError(f"zero-bubble schedule: variant must be 'h1' or 'h2', got {variant!r}")
+    if variant == "h1":
+        return program_from_orders(plan, "zb-h1", [zb_h1_order(S, B, k) for k in range(S)])
+    passes = [split_backward(st, B) for st in plan.stages]
+    return program_from_orders(plan, "zb-h2", zero_bubble_orders(passes, B, *zb_limits(S, B, variant)))
+
+
+def zb_h1(plan: PipelinePlan) -> Program:
+    return zero_bubble(plan, "h1")
+
+
+def zb_h2(plan: PipelinePlan) -> Program:
+    return zero_bubble(plan, "h2")
+
+
+SCHEDULES: dict[str, Callable[..., Program]] = {"1f1b": one_f_one_b, "gpipe": gpipe, "interleaved": interleaved_1f1b,
+                                                "zb-h1": zb_h1, "zb-h2": zb_h2}
 
 
 def build_program(plan: PipelinePlan, schedule: str = "1f1b", *, chunks: int = 2) -> Program:

@@ -168,6 +168,12 @@ class PipelineStage(Record):
     grad_sync_s: float = 0.0
     sync_buckets: tuple[tuple[float, float], ...] = ()
     exposed_sync_s: float = 0.0
+    # Of backward_s, the weight gradients' compute (what a zero-bubble schedule defers),
+    # and of stash_bytes, what those weight gradients still read once the input
+    # gradients have run (their activations and cotangents). 0: not priced (a schedule
+    # that splits the backward then takes half of each, `simulator.split_backward`).
+    backward_weight_s: float = 0.0
+    weight_stash_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         if self.layers[0] > self.layers[1] or self.layers[0] < 0:

@@ -252,8 +252,8 @@ class _Engine:
                 key = (ins.microbatch, ins.chunk)
                 if ins.phase == "forward":
                     live[key] = stash
-                elif ins.phase == "backward_input" and live.get(key, 0.0) > kept:
-                    self._sample(k, kept - live[key])    # only the weight gradients' inputs stay
+                elif ins.phase == "backward_input":       # only the weight gradients' inputs stay
+                    self._sample(k, kept - live.get(key, stash))
                     live[key] = kept
                 self.events.append(Event(track, "compute", k, ins.microbatch, start, env.now, 0.0, ins.phase,
                                          ins.chunk))

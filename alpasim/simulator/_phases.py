@@ -54,5 +54,6 @@ def split_backward(stage: PipelineStage, microbatches: int) -> PassTimes:
     f, b = stage_phase_s(stage, microbatches)
     w = min(stage.backward_weight_s, b) if stage.backward_weight_s > 0 else DEFAULT_WEIGHT_SHARE * b
     stash = min(stage.stash_bytes, stage.activation_bytes) if stage.stash_bytes > 0 else stage.activation_bytes
-    kept = min(stage.weight_stash_bytes, stash) if stage.weight_stash_bytes > 0 else DEFAULT_WEIGHT_SHARE * stash
+    # What W reads can exceed the stash: under recomputation it is recomputed in B.
+    kept = stage.weight_stash_bytes if stage.weight_stash_bytes > 0 else DEFAULT_WEIGHT_SHARE * stash
     return PassTimes(f, b - w, w, stash, kept)

@@ -353,7 +353,7 @@ def _assemble_plan(source: ModelSource, dtype: str, cluster: Cluster, best: Cand
         view = int(costs.view[st.first, st.last, st.shape, s - 1])
         j = int(costs.option[st.first, st.last, st.shape, s - 1])
         _, logical, _ = costs.meshes[view]
-        compute = sync = forward = grad_sync = 0.0
+        compute = sync = forward = grad_sync = weight_s = weight_bytes = 0.0
         param_specs: dict[str, str] = {}
         heavy: list[dict] = []
         kinds_shown: set[str] = set()
@@ -368,6 +368,8 @@ def _assemble_plan(source: ModelSource, dtype: str, cluster: Cluster, best: Cand
             forward += o.forward_s
             sync += o.sync_s
             grad_sync += o.grad_sync_s
+            weight_s += o.weight_grad_s
+            weight_bytes += o.weight_stash_bytes
             layer_graph = costs.layer_graphs[layer]
             layer_specs.append(layer_tensor_specs(layer_graph, o))
             for p, spec in zip(canonical_params(layer_graph), o.param_specs):
@@ -386,7 +388,8 @@ def _assemble_plan(source: ModelSource, dtype: str, cluster: Cluster, best: Cand
                                     mem.persistent_bytes + mem.buffer_bytes, mem.activation_bytes, j,
                                     param_specs, tuple(heavy), forward, compute - forward, mem.stash_bytes,
                                     float(st.boundary_s), mem.to_json(),
-                                    tuple(layer_specs) if all(layer_specs) else (), grad_sync, buckets, exposed))
+                                    tuple(layer_specs) if all(layer_specs) else (), grad_sync, buckets, exposed,
+                                    min(weight_s, compute - forward), weight_bytes))
     flops = flops_by_kind(best.graph)["matmul"] * b
     iteration = dp.latency_s
     predicted = Prediction(iteration, flops / iteration / cluster.num_devices / 1e12, flops / iteration / 1e15,

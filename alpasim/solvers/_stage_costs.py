@@ -120,6 +120,11 @@ class LayerOption:
     # Of time_s, the input gradients' collectives that run while a weight gradient
     # reading the same cotangent computes (`hidden_collectives_s`), hidden with overlap.
     hidden_s: float = 0.0
+    # Of the backward's compute, the ops that make only weight gradients (what a
+    # zero-bubble schedule runs as W), and the bytes per device those ops read of the
+    # layer's activations and cotangents (held from B until W): `weight_pass`.
+    weight_grad_s: float = 0.0
+    weight_stash_bytes: float = 0.0
 
     @property
     def tied_bytes(self) -> float:
@@ -149,10 +154,10 @@ class LayerOption:
                 tuple(d.get("tied", (0.0, 0.0, 0.0))), d.get("gather_bytes", 0.0), d.get("update_bytes", 0.0),
                 tuple(d.get("tensor_specs", ())), d.get("grad_sync_s", 0.0),
                 tuple((str(k), tuple(int(a) for a in axes), b) for k, axes, b in d.get("grad_groups", ())),
-                d.get("hidden_s", 0.0))
+                d.get("hidden_s", 0.0), d.get("weight_grad_s", 0.0), d.get("weight_stash_bytes", 0.0))
         numbers = [o.time_s, o.sync_s, o.persistent_bytes, o.activation_bytes, o.forward_s, o.params_bytes,
                    o.grads_bytes, o.optimizer_bytes, *o.tied, o.gather_bytes, o.update_bytes, o.grad_sync_s,
-                   *(b for _, _, b in o.grad_groups), o.hidden_s]
+                   *(b for _, _, b in o.grad_groups), o.hidden_s, o.weight_grad_s, o.weight_stash_bytes]
         if o.stash_bytes is not None:
             numbers.append(o.stash_bytes)
         for x in numbers:
@@ -180,6 +185,25 @@ def gradient_sync(layer: OpGraph, plan) -> tuple[float, tuple[tuple[str, tuple[i
         key = (c.kind, tuple(c.axes))
         groups[key] = groups.get(key, 0.0) + c.nbytes
     return seconds, tuple((k, axes, b) for (k, axes), b in sorted(groups.items()))
+
+
+def weight_pass(layer: OpGraph, plan) -> tuple[float, float]:
+    """(compute seconds, bytes per device read of activations and cotangents) of the
+    backward ops that make only weight gradients: a zero-bubble schedule's W pass (Qi
+    et al. 2024). An op that also makes an input gradient (a norm's backward) stays in
+    B, which the previous stage waits for."""
+    seconds, read = 0.0, {}
+    for op in layer.ops:
+        if op.phase != "backward" or not op.outputs:
+            continue
+        if not all(is_weight_grad(op, k, layer.tensors) for k in range(len(op.outputs))):
+            continue
+        seconds += plan.strategies[op.name].compute_s
+        for t in op.inputs:
+            tensor = layer.tensors[t]
+            if tensor.role not in ("param", "grad", "optimizer_state") and t in plan.specs:
+                read[t] = tensor.nbytes / plan.specs[t].num_shards(plan.mesh)
+    return seconds, float(sum(read.values()))
 
 
 def hidden_collectives_s(layer: OpGraph, plan) -> float:
@@ -323,7 +347,7 @@ def layer_options(layer: OpGraph, mesh: LogicalMesh, cluster: Cluster, microbatc
                            mem.params_bytes, mem.grads_bytes + t_grad, mem.optimizer_bytes + t_opt,
                            (t_param, t_grad, t_opt), gathered_param_bytes(layer, plan), mem.update_bytes,
                            tuple(str(plan.specs[t]) if t in plan.specs else "" for t in canonical_tensors(layer)),
-                           *gradient_sync(layer, plan), hidden_collectives_s(layer, plan))
+                           *gradient_sync(layer, plan), hidden_collectives_s(layer, plan), *weight_pass(layer, plan))
 
     kw = restricted_solve_kwargs(restriction, layer, mesh, model)
     fast = solve_intra_op(layer, mesh, model, with_compute=True, microbatches=microbatches, mip_gap=PLANNING_MIP_GAP,

@@ -170,3 +170,35 @@ def test_the_runtimes_refuse_a_split_backward_by_name():
     assert runnable_program(plan, "1f1b").schedule == "1f1b"
     with pytest.raises(ValueError, match="'zb-h1' program splits it into input and weight gradients"):
         runnable_program(plan, "zb-h1")
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_the_planner_prices_the_weight_pass_op_by_op(remat):
+    """On one device, a stage's W is the analytic time of every backward op that makes
+    only weight gradients, and what W holds is the bytes those ops read of activations
+    and cotangents (under recomputation, more than the stash: W reads recomputed
+    activations)."""
+    from alpasim.costmodels import AnalyticCostModel, fuse, get_cluster
+    from alpasim.graphs import build_training_graph, is_weight_grad, stage_graph
+    from alpasim.solvers import DiskCache, plan_pipeline
+    from alpasim.solvers._inter_op import planning_graph
+
+    cluster = get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=1)
+    plan = plan_pipeline("gpt3:hidden=256,layers=2,heads=4,seq=64,vocab=512,batch=8", cluster, microbatches=2,
+                         remat=remat, cache=DiskCache(enabled=False))
+    train, model = build_training_graph(planning_graph(plan.model)).graph, AnalyticCostModel(cluster)
+    for st in plan.stages:
+        seconds, read = 0.0, {}
+        for layer in range(st.layers[0], st.layers[1] + 1):
+            g = stage_graph(train, layer, layer)
+            fusion = fuse(g)
+            for op in g.ops:
+                if op.phase == "backward" and all(is_weight_grad(op, k, g.tensors) for k in range(len(op.outputs))):
+                    seconds += model.op_time_s(op, g.tensors, num_shards=1, access=fusion.of(op.name))
+                    read.update({(layer, t): g.tensors[t].nbytes for t in op.inputs
+                                 if g.tensors[t].role not in ("param", "grad", "optimizer_state")})
+        assert 0 < st.backward_weight_s < st.backward_s
+        assert st.backward_weight_s == pytest.approx(seconds, rel=1e-9)
+        assert st.weight_stash_bytes == sum(read.values())
+        if remat:
+            assert st.weight_stash_bytes > st.stash_bytes

@@ -11,7 +11,7 @@ from alpasim import graphs as gr
 
 from ._common import (
     BucketOpt, ClusterOpt, DpnOpt, GbpsOpt, JsonOpt, MemOpt, NodesOpt, NoOverlapOpt, RayAddressOpt, RayOpt, app,
-    bucket_bytes, emit_json, err, fail, load_cluster, method_list, out, points_map,
+    bucket_bytes, emit_json, err, fail, fmt_bytes, load_cluster, method_list, out, points_map,
 )
 
 
@@ -32,12 +32,22 @@ def compare(
     ray_address: RayAddressOpt = None,
     no_overlap: NoOverlapOpt = False,
     bucket_mb: BucketOpt = 25.0,
+    schedules: Annotated[Optional[str], typer.Option(
+        "--schedules", help="Also simulate each plan under these schedules, e.g. gpipe,1f1b,interleaved,zb-h1,"
+        "zb-h2: iteration, bubble and peak memory side by side.")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Several methods on one model and cluster: simulated throughput, plan, ratio to the first."""
     from alpasim import experiments as ex
+    from alpasim import simulator as sim
 
     names = method_list(methods)
+    wanted = [s.strip() for s in (schedules or "").split(",") if s.strip()]
+    if schedules is not None and not wanted:
+        fail("--schedules: name at least one schedule")
+    for s in wanted:
+        if s not in sim.SCHEDULES:
+            fail(f"--schedules: unknown schedule {s!r}; choose from {', '.join(sim.SCHEDULES)}")
     buckets = bucket_bytes(no_overlap, bucket_mb)
     c = load_cluster(cluster, nodes, devices_per_node, inter_node_gbps, memory_gb)
     gr.model_source(model)          # an unknown model or a bad graph file: one line, before planning
@@ -51,7 +61,7 @@ def compare(
 
     with points_map(workers, ray, ray_address) as map_fn:
         cmp = ex.compare(model, c, names, cache=not no_cache, workers=workers, progress=progress, map_fn=map_fn,
-                         bucket_bytes=buckets)
+                         bucket_bytes=buckets, schedules=wanted)
     if as_json:
         emit_json(cmp.to_json())
         return
@@ -65,3 +75,7 @@ def compare(
         else:
             head = "not planned"       # out of memory, or a method that does not take the model: the plan says
         out.print(f"  {row['method']:<12} {head} — {row['plan']}", markup=False, highlight=False, soft_wrap=True)
+        for name, r in row.get("schedules", {}).items():
+            fits = "" if r["fits"] else " (over the device's memory)"
+            out.print(f"      {name:<12} {r['iteration_s']:.3f} s, bubble {r['bubble_fraction']:.1%}, peak "
+                      f"{fmt_bytes(r['peak_memory_bytes'])} / device{fits}", markup=False, highlight=False)

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from alpasim.costmodels import DEFAULT_BUCKET_BYTES, Cluster
-from alpasim.solvers import METHODS
+from alpasim.simulator import SCHEDULES, simulate
+from alpasim.solvers import METHODS, PipelinePlan, plan_from_json
 
 from ._points import Point, Result, run_points
 
@@ -63,6 +64,9 @@ class Comparison:
     model: str
     cluster: Cluster
     results: tuple[Result, ...]
+    # Per result (same order), each schedule's simulated iteration, bubble and peak
+    # memory for the same plan (`schedule_rows`); empty when none were asked for.
+    schedules: tuple[dict[str, dict[str, Any]], ...] = ()
 
     @property
     def reference(self) -> Result:
@@ -76,9 +80,12 @@ class Comparison:
         return result.throughput_pflops / ref
 
     def rows(self) -> list[dict[str, Any]]:
-        return [{"method": r.method, "feasible": r.feasible, "throughput_pflops": r.throughput_pflops,
+        rows = [{"method": r.method, "feasible": r.feasible, "throughput_pflops": r.throughput_pflops,
                  "iteration_s": r.iteration_s, "ratio_to_" + self.reference.method: self.ratio(r),
                  "plan": plan_summary(r.plan), "plan_s": r.plan_s, "cached": r.cached} for r in self.results]
+        for row, by_schedule in zip(rows, self.schedules):
+            row["schedules"] = by_schedule
+        return rows
 
     def to_json(self) -> dict[str, Any]:
         c = self.cluster
@@ -88,15 +95,36 @@ class Comparison:
                 "reference": self.reference.method, "rows": self.rows()}
 
 
+def schedule_rows(plan: PipelinePlan, cluster: Cluster, schedules: Sequence[str],
+                  chunks: int = 2) -> dict[str, dict[str, Any]]:
+    """One plan under each of `schedules`: simulated iteration, bubble, each stage's
+    peak memory per device and whether it stays within the device's memory (a plan is
+    priced for 1F1B's; GPipe and ZB-H2 hold more). Interleaved runs `chunks` chunks."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in schedules:
+        tl = simulate(plan, name, chunks=chunks, cluster=cluster)
+        peak = max(tl.peak_memory_bytes) if tl.peak_memory_bytes else 0.0
+        out[name] = {"iteration_s": tl.iteration_s, "bubble_fraction": tl.bubble_fraction,
+                     "peak_memory_bytes": peak, "fits": peak <= cluster.device.memory_bytes}
+    return out
+
+
 def compare(model: str, cluster: Cluster, methods: Sequence[str], *, cache: bool = True, workers: int | None = None,
             map_fn: Callable[[Callable, Iterable], Iterable] | None = None,
             progress: Callable[[int, int, Result], None] | None = None,
-            bucket_bytes: float | None = DEFAULT_BUCKET_BYTES) -> Comparison:
+            bucket_bytes: float | None = DEFAULT_BUCKET_BYTES, schedules: Sequence[str] = ()) -> Comparison:
     """Plan and simulate `model` on `cluster` with each of `methods` (the first is the
-    reference the others are divided by); `bucket_bytes` as `Point`'s."""
+    reference the others are divided by); `bucket_bytes` as `Point`'s. With
+    `schedules` (names in `simulator.SCHEDULES`), every feasible plan is also simulated
+    under each (`schedule_rows`)."""
     names = list(dict.fromkeys(method_name(m) for m in methods))
     if not names:
         raise ValueError("compare needs at least one method")
+    unknown = [s for s in schedules if s not in SCHEDULES]
+    if unknown:
+        raise ValueError(f"unknown schedule {unknown[0]!r}; choose from {', '.join(SCHEDULES)}")
     points = [Point(model, cluster, m, label=m, bucket_bytes=bucket_bytes) for m in names]
     results = run_points(points, cache=cache, workers=workers, map_fn=map_fn, progress=progress)
-    return Comparison(model, cluster, tuple(results))
+    by_schedule = tuple(schedule_rows(plan_from_json(r.plan), cluster, schedules) if r.feasible and schedules
+                        else {} for r in results) if schedules else ()
+    return Comparison(model, cluster, tuple(results), by_schedule)

@@ -61,6 +61,7 @@ pass against a loop reference).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -142,8 +143,31 @@ def stage_dp(cost: np.ndarray, sizes: Sequence[int], num_devices: int, microbatc
     if bound_first:
         cheap = np.minimum(boundary.intra, boundary.inter)
         relaxation = StageBoundary(cheap, cheap)
+    # Two bounds that only skip passes which cannot win. Feasibility grows with t_max,
+    # so the first window worth a pass is found by bisection (the relaxation, when there
+    # are runs, is feasible wherever the real pass is). And the least total of any plan,
+    # F(t_max = the largest candidate), bounds every window from below together with
+    # its bottleneck: the scan ends once floor + (B - 1) x low cannot beat the best
+    # (Llama-3 70B on 256 H100s: most of the ~270 passes a plan made were below the
+    # first feasible window or above that line).
+    loose = (relaxation, num_devices) if bound_first else (boundary, per_node)
+
+    def floor_at(t: float) -> float:
+        return _solve_fixed(cost, sizes, num_devices, s_max, t, *loose)[0]
+
+    floor = floor_at(finite[-1]) if len(finite) else INF
+    if not math.isfinite(floor):
+        return DPResult(INF, (), INF, 0, (), True)
+    lo, hi = 0, len(finite) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if math.isfinite(floor_at(finite[mid])):
+            hi = mid
+        else:
+            lo = mid + 1
+    start = lo
     while start < len(finite):
-        if microbatches * finite[start] >= best.latency_s:
+        if microbatches * finite[start] >= best.latency_s or floor + (microbatches - 1) * finite[start] >= best.latency_s:
             break
         # The window's last candidate: every candidate of the window is within (1 + eps) below it.
         end = max(start, int(np.searchsorted(finite, finite[start] * (1 + epsilon), side="right")) - 1)

@@ -246,6 +246,24 @@ def test_cli_compare_matches_the_sweep(cache_dir, report):
     assert len(lines) == 2 and "intra_only" in lines[1] and "x alpa" in lines[1]
 
 
+def test_cli_compare_sets_schedules_side_by_side(cache_dir, report):
+    """`--schedules`: each plan simulated under each schedule, the 1F1B row equal to the
+    method's own simulated iteration; zero bubble never slower than 1F1B; a bad name is
+    one line before any planning."""
+    proc = run_cli(cache_dir, "compare", "--model", TINY, "--nodes", "2", "--devices-per-node", "1",
+                   "--inter-node-gbps", "100", "--methods", "alpa,megatron", "--schedules", "gpipe,1f1b,zb-h1,zb-h2",
+                   "--json")
+    assert proc.returncode == 0, proc.stderr
+    for row in json.loads(proc.stdout)["rows"]:
+        by = row["schedules"]
+        assert list(by) == ["gpipe", "1f1b", "zb-h1", "zb-h2"]
+        assert by["1f1b"]["iteration_s"] == pytest.approx(row["iteration_s"], rel=1e-12)
+        assert by["zb-h1"]["iteration_s"] <= by["1f1b"]["iteration_s"] * (1 + 1e-12)
+        assert all(0 <= r["bubble_fraction"] < 1 and r["peak_memory_bytes"] > 0 for r in by.values())
+    bad = run_cli(cache_dir, "compare", "--model", TINY, "--nodes", "2", "--methods", "alpa", "--schedules", "zb-h3")
+    assert bad.returncode == 2 and "unknown schedule 'zb-h3'" in bad.stderr and "Traceback" not in bad.stderr
+
+
 @pytest.mark.serial
 def test_cli_sweep_on_ray_matches_the_local_pool(tmp_path, cache_dir):
     """`--ray` plans the points as Ray tasks on a local one-machine cluster (started and

@@ -24,20 +24,19 @@ in the order each mesh runs its forwards and backwards:
 - `zb_h1` and `zb_h2` (zero bubble, Qi et al., ICLR 2024): each backward split into B
   (input gradients, which the previous stage waits for) and W (weight gradients,
   which nothing in the iteration waits for but the optimizer step), so a stage can
-  run its W passes where 1F1B would idle. The orders come from the paper's greedy
-  list scheduling, run on the plan's own pass times (`_phases.split_backward`) with
-  free communication: a stage that is free runs a B whose cotangent has arrived, else
-  an F whose input has arrived if fewer than its limit of microbatches are between F
-  and B, else a deferred W, else waits. ZB-H1's limit is 1F1B's, S - i for stage i,
-  so a stage holds no more activations than under 1F1B beyond the deferred W
-  passes' inputs; with balanced stages and free communication an iteration takes
-  B(f + b + w) + (S - 1)(f + b - w) (for b >= w), its bubble (S - 1)(f + b - w)
-  against 1F1B's (S - 1)(f + b + w): a third when f = b = w. ZB-H2 lets stage i hold
-  2(S - i) - 1, enough for every stage to run without a gap between its first and
-  last pass, so that its iteration takes B(f + b + w) + (S - 1)f, the least a
-  pipeline flushed at every iteration can: the last stage cannot start before the
-  first microbatch has passed S - 1 forwards. (The paper's ZB-H2 reaches zero only
-  without the flush, by validating the optimizer step after the fact; not modelled.)
+  run its W passes where 1F1B would idle. ZB-H1 is the paper's fixed order
+  (`zb_h1_order`): 1F1B's warm-up, stage i deferring i W passes, so it holds 1F1B's
+  S - i microbatches between F and B plus i waiting for W; with f = b = w and free
+  communication an iteration takes 3Bt + (S - 1)t, a third of 1F1B's bubble. ZB-H2
+  comes from the paper's greedy list scheduling, run on the plan's own pass times
+  (`_phases.split_backward`) with free communication: a free stage runs a B whose
+  cotangent has arrived, else an F whose input has arrived if it holds fewer than
+  2(S - i) - 1 microbatches between F and B (and 2S - 1 before W), else a deferred
+  W, else waits. With f = b = w and B >= 2S - 1 no stage idles between its first and
+  last pass, so the iteration takes B(f + b + w) + (S - 1)f, the least a pipeline
+  flushed at every iteration can: the last stage cannot start before the first
+  microbatch has passed S - 1 forwards. (The paper's ZB-H2 reaches zero only without
+  the flush, validating the optimizer step after the fact; not modelled.)
 
 Cross-mesh tensors come from `plan.transfers`. Adjacent stages always get a dependency:
 where the plan lists no tensor between them (a synthetic or old plan) a zero-byte

@@ -86,6 +86,10 @@ def plan(
     recompute: RecomputeOpt = "none",
     no_overlap: NoOverlapOpt = False,
     bucket_mb: BucketOpt = 25.0,
+    schedule: Annotated[str, typer.Option("--schedule", help="The pipeline schedule the plan runs: 1f1b (the "
+                                          "stage DP's), or 'auto': the fastest of 1f1b, zb-h1 and zb-h2 "
+                                          "that fits, simulated on the chosen stages (the runtimes "
+                                          "execute 1f1b and gpipe only).")] = "1f1b",
     as_json: JsonOpt = False,
 ) -> None:
     """Plan pipeline stages, submeshes and intra-op shardings for a model on a cluster.
@@ -96,6 +100,8 @@ def plan(
     the table output prints why and exits 2, `--json` prints the plan with `feasible`
     false and exits 0 (Alpa finding no plan stays an error: exit 2 either way)."""
     writable_file(out_path, "--out")
+    if schedule not in ("1f1b", "auto"):
+        fail(f"--schedule {schedule!r}: choose 1f1b or auto (simulate another with `alpasim simulate --schedule`)")
     c = load_cluster(cluster, nodes, devices_per_node, inter_node_gbps, memory_gb)
     model_costs = load_cost_model(cost_model, c)
     check_precision(precision)
@@ -127,6 +133,10 @@ def plan(
                   precision=precision, recompute=recompute, bucket_bytes=buckets)
     if not p.feasible and name == "alpa":   # Alpa finding nothing is an error, with or without --json
         fail("; ".join(p.notes) or "infeasible")
+    if schedule == "auto" and p.feasible:
+        from alpasim import simulator as sim
+
+        p = sim.choose_schedule(p, cluster=model_costs.cluster if model_costs is not None else c)
     if out_path is not None:
         p.save(out_path)
         err.print(f"wrote {out_path}", soft_wrap=True)

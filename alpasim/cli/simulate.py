@@ -18,9 +18,10 @@ from ._common import CostModelOpt, JsonOpt, app, emit_json, err, fail, fmt_bytes
 @app.command()
 def simulate(
     plan_file: Annotated[Path, typer.Argument(help="A plan JSON written by `alpasim plan --out`.")],
-    schedule: Annotated[str, typer.Option("--schedule", help="1f1b, gpipe, interleaved, zb-h1 or zb-h2 "
-                                                            "(zero bubble: the backward split into input "
-                                                            "and weight gradients).")] = "1f1b",
+    schedule: Annotated[Optional[str], typer.Option("--schedule", help="1f1b, gpipe, interleaved, zb-h1 or "
+                                                                      "zb-h2 (zero bubble: the backward split "
+                                                                      "into input and weight gradients); "
+                                                                      "default: the plan's.")] = None,
     chunks: Annotated[int, typer.Option("--chunks", help="Model chunks per mesh (interleaved only).")] = 2,
     cross_mesh: Annotated[str, typer.Option("--cross-mesh", help="Cross-mesh resharding: local_all_gather, "
                                             "send_recv or signal.")] = "local_all_gather",
@@ -38,7 +39,7 @@ def simulate(
     inside a node; stage compute and sync times stay those the plan was priced with
     (re-plan with `--cost-model` to re-price them; a note says when the plan's model
     differs)."""
-    if schedule not in sim.SCHEDULES:
+    if schedule is not None and schedule not in sim.SCHEDULES:
         fail(f"--schedule {schedule!r}: choose one of {', '.join(sim.SCHEDULES)}")
     if cross_mesh not in sim.CROSS_MESH_METHODS:
         fail(f"--cross-mesh {cross_mesh!r}: choose one of {', '.join(sim.CROSS_MESH_METHODS)}")

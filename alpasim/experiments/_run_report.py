@@ -15,13 +15,13 @@ from alpasim import solvers as sv
 from ._errors import ReportError
 
 
-def simulation_report(p: sv.PipelinePlan, schedule: str, *, chunks: int = 2, cross_mesh: str = "local_all_gather",
-                      trace: Path | None = None, gantt: Path | None = None,
+def simulation_report(p: sv.PipelinePlan, schedule: str | None = None, *, chunks: int = 2,
+                      cross_mesh: str = "local_all_gather", trace: Path | None = None, gantt: Path | None = None,
                       memory_png: Path | None = None, cluster: cm.Cluster | None = None,
                       overlap: bool = True) -> dict[str, Any]:
-    """Simulate one iteration of a plan (on `cluster`, default the plan's own;
-    `overlap=False` runs its gradient buckets after the backward); the timeline
-    metrics as one JSON-ready dict."""
+    """Simulate one iteration of a plan under `schedule` (default the plan's own) on
+    `cluster` (default the plan's own; `overlap=False` runs its gradient buckets after
+    the backward); the timeline metrics as one JSON-ready dict."""
     tl = sim.simulate(p, schedule, chunks=chunks, cross_mesh=cross_mesh, cluster=cluster, overlap=overlap)
     report = tl.to_json()
     report["outputs"] = write_outputs((("trace", trace, tl.chrome_trace), ("gantt", gantt, tl.gantt_png),

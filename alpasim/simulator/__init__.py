@@ -30,3 +30,7 @@ from ._timeline import EVENT_KINDS as EVENT_KINDS
 from ._timeline import Event as Event
 from ._timeline import MeshInfo as MeshInfo
 from ._timeline import Timeline as Timeline
+from ._choose import AUTO_SCHEDULES as AUTO_SCHEDULES
+from ._choose import ScheduleOption as ScheduleOption
+from ._choose import choose_schedule as choose_schedule
+from ._choose import schedule_options as schedule_options

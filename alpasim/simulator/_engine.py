@@ -331,14 +331,15 @@ class _Engine:
         return self.end  # type: ignore[return-value]
 
 
-def simulate(plan: PipelinePlan, schedule: str | Program = "1f1b", *, chunks: int = 2,
+def simulate(plan: PipelinePlan, schedule: str | Program | None = None, *, chunks: int = 2,
              cluster: Cluster | None = None, cross_mesh: str = "local_all_gather",
              free_communication: bool = False, executors: int | None = None, dispatch_s: float = 0.0,
              overlap: bool = True) -> Timeline:
     """Simulate one training iteration of `plan` under `schedule` and return its `Timeline`.
 
     `schedule` is a name in `SCHEDULES` ("1f1b", "gpipe", "interleaved" with `chunks`
-    model chunks per mesh) or a ready `Program`. `cluster` defaults to the one recorded
+    model chunks per mesh, "zb-h1", "zb-h2") or a ready `Program`; None: the plan's own
+    (`plan.schedule`, 1F1B unless the planner chose another). `cluster` defaults to the one recorded
     in the plan. `cross_mesh` picks the resharding method ("local_all_gather",
     "send_recv", "signal"). `free_communication` makes every message instant.
     `executors` (e.g. 1 for a one-process runtime) and `dispatch_s` model how a runtime
@@ -350,6 +351,8 @@ def simulate(plan: PipelinePlan, schedule: str | Program = "1f1b", *, chunks: in
     if dispatch_s < 0:
         raise ValueError(f"dispatch_s must be >= 0, got {dispatch_s!r}")
     t0 = time.perf_counter()
+    if schedule is None:
+        schedule = plan.schedule
     program = schedule if isinstance(schedule, Program) else build_program(plan, schedule, chunks=chunks)
     if program.num_meshes != len(plan.stages):
         raise ValueError(f"program has {program.num_meshes} meshes but the plan {len(plan.stages)} stages")

@@ -202,3 +202,45 @@ def test_the_planner_prices_the_weight_pass_op_by_op(remat):
         assert st.weight_stash_bytes == sum(read.values())
         if remat:
             assert st.weight_stash_bytes > st.stash_bytes
+
+
+# ------------------------------------------------------------------ choosing
+@pytest.fixture(scope="module")
+def deep_plan():
+    """Eight one-device stages of a small GPT and 8 microbatches: 1F1B's ramp is about
+    half of its iteration."""
+    from alpasim.costmodels import get_cluster
+    from alpasim.solvers import DiskCache, plan_pipeline
+
+    cluster = get_cluster("aws-p3.16xlarge", nodes=1)
+    plan = plan_pipeline("gpt3:hidden=256,layers=8,heads=4,seq=128,vocab=512,batch=64", cluster, microbatches=8,
+                         remat=False, cache=DiskCache(enabled=False), shape_ok=lambda sh: sh.size == 1)
+    assert len(plan.stages) == 8
+    return plan, cluster
+
+
+def test_the_planner_runs_zero_bubble_where_it_pays(deep_plan):
+    from alpasim.simulator import choose_schedule, schedule_options
+
+    plan, cluster = deep_plan
+    options = {o.schedule: o for o in schedule_options(plan, cluster=cluster)}
+    assert all(o.fits for o in options.values())
+    chosen = choose_schedule(plan, cluster=cluster)
+    assert chosen.schedule in ("zb-h1", "zb-h2")
+    assert options[chosen.schedule].iteration_s == min(o.iteration_s for o in options.values())
+    assert options[chosen.schedule].iteration_s < 0.9 * options["1f1b"].iteration_s
+    assert simulate(chosen, cluster=cluster).iteration_s == options[chosen.schedule].iteration_s
+    assert "schedule " + chosen.schedule in chosen.notes[-1]
+
+
+def test_the_planner_keeps_1f1b_where_memory_forbids_zero_bubble(deep_plan):
+    """A device just large enough for 1F1B's busiest stage: both zero-bubble schedules
+    hold more (deferred W passes, or more microbatches in flight) and are refused."""
+    from alpasim.simulator import choose_schedule, schedule_options
+
+    plan, cluster = deep_plan
+    one = schedule_options(plan, ("1f1b",), cluster)[0]
+    tight = cluster.with_overrides(memory_gb=max(one.peak_memory_bytes) * 1.001 / 2 ** 30)
+    options = {o.schedule: o for o in schedule_options(plan, cluster=tight)}
+    assert not options["zb-h1"].fits and not options["zb-h2"].fits
+    assert choose_schedule(plan, cluster=tight).schedule == "1f1b"

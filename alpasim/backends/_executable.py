@@ -79,7 +79,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from alpasim.graphs import OpGraph, build_training_graph
+from alpasim.graphs import OpGraph, build_training_graph, is_weight_grad
 from alpasim.solvers import PER_MICROBATCH_GRAD_SYNC, IntraOpPlan, PipelinePlan, ShardingSpec
 
 from ._lowering import eval_op, random_leaves
@@ -103,8 +103,12 @@ class StageExecutable:
                  shardings: dict[str, NamedSharding], compiled: dict[str, Any], params: dict, states: dict, *,
                  remat: bool = True, acc_dtypes: dict[str, Any] | None = None,
                  stash_spec: dict[str, jax.ShapeDtypeStruct] | None = None,
-                 acc_spec: dict[str, jax.ShapeDtypeStruct] | None = None) -> None:
+                 acc_spec: dict[str, jax.ShapeDtypeStruct] | None = None,
+                 split: dict[str, Callable] | None = None) -> None:
         self.part, self.ops, self.mesh, self._intra = part, ops, mesh, intra
+        # The backward as B and W (`split_backward_ops`): jitted, compiled at their first
+        # call, so a stage that runs its backward whole never compiles them.
+        self.split = split or {}
         self.index = part.index
         self.shardings = shardings          # name -> layout: params, grads ("<p>:grad"), states, acts, cts, data
         self.compiled = compiled            # "forward" | "backward" | "update" -> jax Compiled
@@ -118,6 +122,7 @@ class StageExecutable:
                                                              sharding=shardings[f"{p}:grad"]) for p in ops.grads}
         self.acc = self._zeros_acc()
         self.stash: dict[int, dict[str, jax.Array]] = {}
+        self.weight_stash: dict[int, dict[str, jax.Array]] = {}   # B -> W of a split backward
 
     @property
     def intra_plan(self) -> IntraOpPlan:
@@ -149,8 +154,22 @@ class StageExecutable:
         self.acc, cts_out = self.compiled["backward"](self.params, self.acc, stash, cts)
         return cts_out
 
+    def backward_input(self, microbatch: int, cts: dict) -> dict[str, jax.Array]:
+        """B of a split backward (`split_backward_ops`): input gradients and the weight
+        gradients B makes; keeps what W reads until `backward_weight`."""
+        stash = self.stash.pop(microbatch)
+        cts = {t: cts[t] for t in self.ops.cts_in}
+        self.acc, cts_out, self.weight_stash[microbatch] = self.split["backward_input"](
+            self.params, self.acc, stash, cts)
+        return cts_out
+
+    def backward_weight(self, microbatch: int) -> None:
+        """W of a split backward: the weight gradients B left, into the accumulators."""
+        self.acc = self.split["backward_weight"](self.params, self.acc, self.weight_stash.pop(microbatch))
+
     def free(self, microbatch: int) -> None:
         self.stash.pop(microbatch, None)
+        self.weight_stash.pop(microbatch, None)
 
     def update(self) -> None:
         self.params, self.states, self.acc = self.compiled["update"](self.params, self.acc, self.states)
@@ -189,6 +208,7 @@ class StageExecutable:
         self.acc = {p: jax.device_put(v, self.acc_spec[p].sharding) for p, v in state["acc"].items()}
         self.states = {k: jax.device_put(v, self.shardings[k]) for k, v in state["states"].items()}
         self.stash.clear()
+        self.weight_stash.clear()
 
     def _zeros_acc(self) -> dict[str, jax.Array]:
         return {p: jax.device_put(jnp.zeros(a.shape, a.dtype), a.sharding) for p, a in self.acc_spec.items()}
@@ -301,7 +321,8 @@ def lower_stage(plan: PipelinePlan, graph: OpGraph, stage_index: int, devices: S
             "update": fns["update"].lower(p_spec, acc, s_spec).compile(options),
         }
     return StageExecutable(part, ops, mesh, intra, shardings, compiled, params, states, remat=remat,
-                           acc_dtypes=acc_dtypes, stash_spec=st_spec, acc_spec=acc)
+                           acc_dtypes=acc_dtypes, stash_spec=st_spec, acc_spec=acc,
+                           split={k: fns[k] for k in ("backward_input", "backward_weight")})
 
 
 # How a stage's backward is held to the plan's op order (`fence` in `_stage_functions`):
@@ -532,6 +553,32 @@ def _stage_functions(ops: StageOps, train: OpGraph, shardings: dict[str, NamedSh
                      fence=fence if FENCE else None)
         return new_acc, {t: values[t] for t in ops.cts_out}
 
+    # The backward split as zero-bubble schedules run it (`simulator._phases`): B runs
+    # every backward op but those that make only weight gradients (and what reads
+    # them), W those; B hands W what they read (the weight stash). Same ops, same
+    # layouts: only when they run changes.
+    input_ops, weight_ops, weight_stash = split_backward_ops(ops, train)
+
+    def accumulator(acc):
+        new_acc = dict(acc)
+
+        def accumulate(t, v):
+            p = grad_of.get(t)
+            if p is not None:
+                new_acc[p] = acc[p] + v.astype(acc_dtypes[p]) * jnp.asarray(scale, acc_dtypes[p])
+        return new_acc, accumulate
+
+    def backward_input(params, acc, stash, cts):
+        new_acc, accumulate = accumulator(acc)
+        layouts = {**{t: shardings[t] for t in (*params, *cts)}, **{t: stash_sh[t] for t in stash}}
+        values = run(input_ops, {**params, **stash, **cts}, accumulate, layouts=layouts)
+        return new_acc, {t: values[t] for t in ops.cts_out}, {t: values[t] for t in weight_stash}
+
+    def backward_weight(params, acc, kept):
+        new_acc, accumulate = accumulator(acc)
+        run(weight_ops, {**params, **kept}, accumulate, layouts={t: shardings[t] for t in params})
+        return new_acc
+
     def update(params, acc, states):
         # One parameter after another, as frameworks step their optimizers: each
         # parameter's inputs pass an optimization barrier together with the previous
@@ -575,4 +622,32 @@ def _stage_functions(ops: StageOps, train: OpGraph, shardings: dict[str, NamedSh
                             donate_argnums=(1, 2, 3), keep_unused=True),
         "update": jax.jit(update, in_shardings=(p_sh, g_sh, s_sh), out_shardings=(p_sh, s_sh, g_sh),
                           donate_argnums=(0, 1, 2), keep_unused=True),
+        # Compiled at their first call (only a zero-bubble program makes one); the weight
+        # stash keeps the layouts B made it in.
+        "backward_input": jax.jit(backward_input, in_shardings=(p_sh, g_sh, st_sh, ci_sh),
+                                  out_shardings=(g_sh, co_sh, None), donate_argnums=(1, 2, 3)),
+        "backward_weight": jax.jit(backward_weight, donate_argnums=(1, 2)),
     }
+
+
+def split_backward_ops(ops: StageOps, train: OpGraph) -> tuple[tuple, tuple, tuple[str, ...]]:
+    """(B's ops, W's ops, the tensors B hands W) of a stage's backward: W is every op
+    that makes only weight gradients, with every op that reads what W makes (their
+    casts and accumulations); the rest is B, in the backward's order."""
+    made: set[str] = set()
+    weight, inputs = [], []
+    for op in ops.backward:
+        only_grads = op.outputs and all(is_weight_grad(op, k, train.tensors) for k in range(len(op.outputs)))
+        if only_grads or any(t in made for t in op.inputs):
+            weight.append(op)
+            made.update(op.outputs)
+        else:
+            inputs.append(op)
+    params = set(ops.params)
+
+    def reads(op) -> tuple[str, ...]:   # a tied gradient's sum reads only its local operand here
+        carried = ops.carried.get(op.outputs[0])
+        return (carried,) if carried is not None else op.inputs
+
+    kept = tuple(dict.fromkeys(t for op in weight for t in reads(op) if t not in made and t not in params))
+    return tuple(inputs), tuple(weight), kept

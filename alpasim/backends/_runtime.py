@@ -80,7 +80,7 @@ def run_local(plan: PipelinePlan, *, steps: int = 1, seed: int = 0, schedule: st
         raise ValueError(f"plan uses device ids up to {need - 1}; only {len(devices)} devices are visible "
                          f"(set XLA_FLAGS=--xla_force_host_platform_device_count={need} on the CPU)")
     graph = planning_graph(plan.model)
-    program = runnable_program(plan, schedule)
+    program = runnable_program(plan, schedule, split_backward=True)
     shared = stage_inputs(plan, graph, seed)
     stages = [lower_stage(plan, graph, k, [devices[d] for d in st.devices], seed=seed, shared=shared)
               for k, st in enumerate(plan.stages)]
@@ -100,20 +100,24 @@ def run_local(plan: PipelinePlan, *, steps: int = 1, seed: int = 0, schedule: st
     return RunResult(losses, grads, times, timeline, stages, program, stage_profile=profile)
 
 
-def runnable_program(plan: PipelinePlan, schedule: str | None = None, program: Program | None = None) -> Program:
+def runnable_program(plan: PipelinePlan, schedule: str | None = None, program: Program | None = None, *,
+                     split_backward: bool = False) -> Program:
     """The program a runtime executes: `program`, else the plan's under `schedule`.
 
     Interleaved programs are refused: the simulator models them by running each mesh's
     stage as v chunks of 1/v of its time, but a plan holds one stage per mesh, so
     there is nothing to lower per chunk (that needs the model cut into S x v pieces).
+    A backward split into input and weight gradients (zero bubble) only where the
+    runtime says it runs one (`split_backward`: the local runtime does).
     """
     program = program or build_program(plan, schedule or plan.schedule)
     if program.chunks > 1:
         raise ValueError(f"the runtimes execute one stage per mesh (1f1b, gpipe); the {program.schedule!r} "
                          f"program runs {program.chunks} model chunks per mesh, which this plan does not have")
-    if any(type(i) is Run and i.phase not in ("forward", "backward") for mesh in program.meshes for i in mesh):
-        raise ValueError(f"the runtimes run each backward whole (1f1b, gpipe); the {program.schedule!r} program "
-                         "splits it into input and weight gradients, which they do not execute yet")
+    if not split_backward and any(type(i) is Run and i.phase not in ("forward", "backward")
+                                  for mesh in program.meshes for i in mesh):
+        raise ValueError(f"this runtime runs each backward whole (1f1b, gpipe); the {program.schedule!r} program "
+                         "splits it into input and weight gradients, which only the local runtime executes")
     return program
 
 
@@ -226,8 +230,12 @@ class _Walker:
                 self.outs[k, m] = outs
                 if stage.part.loss is not None:
                     self.losses.append(outs[stage.part.loss])
+            elif ins.phase == "backward_weight":
+                stage.backward_weight(m)
+                jax.block_until_ready(stage.acc)
             else:
-                self.back[k, m] = stage.backward(m, self.cts.pop((k, m), {}))
+                run = stage.backward_input if ins.phase == "backward_input" else stage.backward
+                self.back[k, m] = run(m, self.cts.pop((k, m), {}))
                 jax.block_until_ready((self.back[k, m], stage.acc))  # a first stage returns no cotangents
                 self.outs.pop((k, m), None)  # its sends came right after the forward (the stash is consumed)
             self.record(f"mesh{k}", "compute", k, ins.microbatch, start, name=ins.phase)

@@ -4,7 +4,8 @@ point, and what each of Megatron-core's options contributes (docs/llama3-70b-h10
 Every plan is priced by the analytic model on `dgx-h100` nodes (8 H100 80GB on
 NVLink4, 8 x 400 Gb/s NICs) and simulated (1F1B). Per scale:
 
-* `alpa`: the planner, searching full, selective and no recomputation (`--recompute auto`);
+* `alpa`: the planner, searching full, selective and no recomputation (`--recompute auto`;
+  `--alpa-recompute selective` plans that one only, a third of the time);
 * `megatron-core`: the grid of tp x pp x dp x microbatch, each point also searching
   sequence parallelism, the distributed optimizer and the recomputation;
 * `megatron-lm 2021`: the paper's grid (none of those, full recomputation, gradients
@@ -31,7 +32,7 @@ from pathlib import Path
 from alpasim.costmodels import get_cluster
 from alpasim.graphs import forward_graph, resolve_model
 from alpasim.simulator import simulate
-from alpasim.solvers import MegatronConfig, plan_model
+from alpasim.solvers import RECOMPUTE_SEARCH, MegatronConfig, plan_model
 
 MODEL = "llama3-70b"
 
@@ -51,7 +52,7 @@ def row(label: str, plan, t0: float) -> dict:
             "megatron": plan.search.megatron, "stages": stages}
 
 
-def scale(gpus: int, ablate: bool) -> list[dict]:
+def scale(gpus: int, ablate: bool, alpa_recompute: str = "auto") -> list[dict]:
     cluster = get_cluster("dgx-h100", nodes=gpus // 8)
     rows = []
 
@@ -62,7 +63,8 @@ def scale(gpus: int, ablate: bool) -> list[dict]:
         print(json.dumps(rows[-1]), flush=True)
         return plan
 
-    add("alpa", method="alpa", recompute="auto")
+    ladder = {label: {"remat": remat, "recompute": policy} for label, remat, policy in RECOMPUTE_SEARCH}
+    add("alpa", method="alpa", **ladder.get(alpa_recompute, {"recompute": "auto"}))
     core = add("megatron-core", method="megatron_core")
     add("megatron-lm 2021", method="megatron", remat=True, bucket_bytes=None)
     if ablate:
@@ -114,6 +116,8 @@ def main() -> None:
     ap.add_argument("--ablate", default="64,512")
     ap.add_argument("--out", type=Path, default=Path("out/llama70b.json"))
     ap.add_argument("--table", type=Path, help="only print the markdown table of a JSON this script wrote")
+    ap.add_argument("--alpa-recompute", default="auto", choices=("auto", "selective", "full", "none"),
+                    help="what Alpa's plan recomputes; auto searches all three (three plans' time)")
     args = ap.parse_args()
     if args.table is not None:
         print(markdown(json.loads(args.table.read_text())))
@@ -122,7 +126,7 @@ def main() -> None:
     print(f"load average at start: {os.getloadavg()[0]:.2f}", flush=True)
     rows = []
     for g in (int(x) for x in args.gpus.split(",")):
-        rows += scale(g, g in ablate)
+        rows += scale(g, g in ablate, args.alpa_recompute)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(rows, indent=1) + "\n")
     print(markdown(rows), flush=True)

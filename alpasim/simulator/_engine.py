@@ -241,9 +241,11 @@ class _Engine:
                 self._sample(k, act if ins.phase == "forward" else transient)
                 start, d = env.now, phase_s[ins.phase] + self.dispatch_s
                 if self.overlap[k] and pc == self.last_backward[k]:
+                    # The buckets' offsets are into the whole backward; a split one makes
+                    # its weight gradients in W, so they are spread over W's run.
                     backward = stage_phase_s(self.plan.stages[k], self.program.microbatches)[1]
                     self.stream_done[k] = env.event()
-                    env.process(self._grad_stream(k, phase_s["backward"] / backward if backward > 0 else 0.0))
+                    env.process(self._grad_stream(k, phase_s[ins.phase] / backward if backward > 0 else 0.0))
                 if d > 0:
                     yield env.timeout(d)
                 self._release(req)

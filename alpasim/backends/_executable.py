@@ -555,8 +555,9 @@ def _stage_functions(ops: StageOps, train: OpGraph, shardings: dict[str, NamedSh
 
     # The backward split as zero-bubble schedules run it (`simulator._phases`): B runs
     # every backward op but those that make only weight gradients (and what reads
-    # them), W those; B hands W what they read (the weight stash). Same ops, same
-    # layouts: only when they run changes.
+    # them), W those; B hands W what they read (the weight stash). The same ops in the
+    # same per-layer layouts (W reshards a kept tensor XLA laid out otherwise); unlike
+    # the whole backward, neither program is fenced to the plan's op order.
     input_ops, weight_ops, weight_stash = split_backward_ops(ops, train)
 
     def accumulator(acc):
@@ -623,7 +624,7 @@ def _stage_functions(ops: StageOps, train: OpGraph, shardings: dict[str, NamedSh
         "update": jax.jit(update, in_shardings=(p_sh, g_sh, s_sh), out_shardings=(p_sh, s_sh, g_sh),
                           donate_argnums=(0, 1, 2), keep_unused=True),
         # Compiled at their first call (only a zero-bubble program makes one); the weight
-        # stash keeps the layouts B made it in.
+        # stash leaves B in whatever layout XLA gives it.
         "backward_input": jax.jit(backward_input, in_shardings=(p_sh, g_sh, st_sh, ci_sh),
                                   out_shardings=(g_sh, co_sh, None), donate_argnums=(1, 2, 3)),
         "backward_weight": jax.jit(backward_weight, donate_argnums=(1, 2)),

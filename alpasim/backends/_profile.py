@@ -289,8 +289,9 @@ def time_concurrency_scale(devices: Sequence, sizes: ProfileSizes, full: Sequenc
     elementwise ops about twice as fast as all 8, 1 of 8 five to ten times as fast,
     normalisation only three to four times. So per op class, the largest
     case of the grid is timed again on the first n devices (n = 1, 2, 4, ... < N) and
-    the ratio to its all-devices time is kept; "collective" is an all-reduce over
-    pairs of devices, the largest size. Returns {str(n): {class: ratio}}.
+    the ratio to its all-devices time is kept (each side the lesser of two timings);
+    "collective" is an all-reduce over pairs of devices, the largest size, timed once
+    against the grid's time. Returns {str(n): {class: ratio}}.
     """
     total = len(devices)
     cases = _grid_cases(sizes)

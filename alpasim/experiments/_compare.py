@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from alpasim.costmodels import DEFAULT_BUCKET_BYTES, Cluster
-from alpasim.simulator import SCHEDULES, simulate
+from alpasim.simulator import SCHEDULES, schedule_options
 from alpasim.solvers import METHODS, PipelinePlan, plan_from_json
 
 from ._points import Point, Result, run_points
@@ -97,16 +97,13 @@ class Comparison:
 
 def schedule_rows(plan: PipelinePlan, cluster: Cluster, schedules: Sequence[str],
                   chunks: int = 2) -> dict[str, dict[str, Any]]:
-    """One plan under each of `schedules`: simulated iteration, bubble, each stage's
-    peak memory per device and whether it stays within the device's memory (a plan is
-    priced for 1F1B's; GPipe and ZB-H2 hold more). Interleaved runs `chunks` chunks."""
-    out: dict[str, dict[str, Any]] = {}
-    for name in schedules:
-        tl = simulate(plan, name, chunks=chunks, cluster=cluster)
-        peak = max(tl.peak_memory_bytes) if tl.peak_memory_bytes else 0.0
-        out[name] = {"iteration_s": tl.iteration_s, "bubble_fraction": tl.bubble_fraction,
-                     "peak_memory_bytes": peak, "fits": peak <= cluster.device.memory_bytes}
-    return out
+    """One plan under each of `schedules` (`simulator.schedule_options`): simulated
+    iteration, bubble, the largest peak memory of any device and whether every device
+    fits (the plan was priced for 1F1B's memory; GPipe and ZB-H2 hold more).
+    Interleaved runs `chunks` chunks."""
+    return {o.schedule: {"iteration_s": o.iteration_s, "bubble_fraction": o.bubble_fraction,
+                         "peak_memory_bytes": max(o.peak_memory_bytes, default=0.0), "fits": o.fits}
+            for o in schedule_options(plan, schedules, cluster, chunks)}
 
 
 def compare(model: str, cluster: Cluster, methods: Sequence[str], *, cache: bool = True, workers: int | None = None,

@@ -29,7 +29,7 @@ follow static lists without a driver). Semantics:
   eq. 5) in between, until the `Free` after its backward (a plan without stash_bytes
   keeps the whole peak, the conservative old rule). A split backward (`_phases`)
   holds after its B only what its W reads (weight_stash_bytes), until the `Free`
-  after W. Plus receive buffers
+  after W; W adds no working set of its own beyond that. Plus receive buffers
   from arrival until the run (or sync) that consumes them, and during `GradSync` the
   optimizer step's working set (`stages[i].memory["update_bytes"]`, the copies Adam
   makes when it reads or writes other layouts than stored). Devices of one mesh run
@@ -238,7 +238,10 @@ class _Engine:
             kind = type(ins)
             if kind is Run:
                 req = yield from self._acquire()
-                self._sample(k, act if ins.phase == "forward" else transient)
+                # A run's working set beyond the stash: the whole activations in F, the
+                # transient in a backward or B; W works on what B kept, already counted.
+                extra = act if ins.phase == "forward" else 0.0 if ins.phase == "backward_weight" else transient
+                self._sample(k, extra)
                 start, d = env.now, phase_s[ins.phase] + self.dispatch_s
                 if self.overlap[k] and pc == self.last_backward[k]:
                     # The buckets' offsets are into the whole backward; a split one makes
@@ -249,8 +252,9 @@ class _Engine:
                 if d > 0:
                     yield env.timeout(d)
                 self._release(req)
-                if transient:
-                    self._sample(k, -transient)
+                done = transient if ins.phase == "forward" else extra    # F leaves its stash behind
+                if done:
+                    self._sample(k, -done)
                 key = (ins.microbatch, ins.chunk)
                 if ins.phase == "forward":
                     live[key] = stash

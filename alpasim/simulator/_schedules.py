@@ -156,8 +156,18 @@ def zero_bubble_orders(passes: Sequence[PassTimes], microbatches: int, limits: S
     """Every stage's order under the zero-bubble greedy (module doc): `passes[i]` are
     stage i's pass times, `limits[i]` how many microbatches it may hold between F and
     B, `alive` how many between F and W (so deferred W passes cannot pile up: each
-    holds its weight gradients' inputs). Simulated with free communication; ties go to
-    the lower stage index."""
+    holds its weight gradients' inputs). Simulated with free communication
+    (`zero_bubble_greedy`)."""
+    return zero_bubble_greedy(passes, microbatches, limits, alive)[0]
+
+
+def zero_bubble_greedy(passes: Sequence[PassTimes], microbatches: int, limits: Sequence[int],
+                       alive: int) -> tuple[list[Order], float]:
+    """(the orders, when the last pass ends) of the greedy list scheduling: stages
+    decide in time order, ties to the lower index. A stage with nothing to run waits
+    for the first moment anything can change for it (an input it knows the arrival of,
+    or another stage's next decision); it does not decide past a stage that is still
+    to decide at the same moment, whose pass may bring it an input sooner."""
     S, B = len(passes), microbatches
     inf = math.inf
     f_ready = [[0.0] * B] + [[inf] * B for _ in range(S - 1)]   # when F(m)'s input exists on stage i
@@ -166,13 +176,34 @@ def zero_bubble_orders(passes: Sequence[PassTimes], microbatches: int, limits: S
     nf, nb, nw = [0] * S, [0] * S, [0] * S
     orders: list[Order] = [[] for _ in range(S)]
     blocked: dict[int, float] = {}              # stage -> the time it found nothing to run at
+
+    def next_look(i: int) -> float:
+        """When stage i, idle at free[i], could next run something (inf: not known)."""
+        t = free[i]
+        waits = [b_ready[i][nb[i]]] if nb[i] < nf[i] else []
+        if nf[i] < B and nf[i] - nb[i] < limits[i] and nf[i] - nw[i] < alive:
+            waits.append(f_ready[i][nf[i]])
+        later = [x for x in waits if t < x < inf] + [free[k] for k in range(S) if nw[k] < B and free[k] > t]
+        return min(later, default=inf)
+
     while True:
         busy = [i for i in range(S) if nw[i] < B]
         if not busy:
-            return orders
-        i = min((k for k in busy if blocked.get(k) != free[k]), key=lambda k: (free[k], k), default=None)
-        if i is None:
-            raise RuntimeError(f"zero-bubble order: every stage waits (limits {list(limits)})")
+            return orders, max(free)
+        now = min(free[k] for k in busy)
+        at = [k for k in busy if free[k] == now]
+        deciding = [k for k in at if blocked.get(k) != now]
+        if not deciding:   # every stage at this moment found nothing: each looks again at its next one
+            moved = False
+            for k in at:
+                later = next_look(k)
+                if later < inf:
+                    free[k], moved = later, True
+            blocked.clear()
+            if not moved:
+                raise RuntimeError(f"zero-bubble order: every stage waits (limits {list(limits)})")
+            continue
+        i = deciding[0]
         t, p = free[i], passes[i]
         if nb[i] < nf[i] and b_ready[i][nb[i]] <= t:
             phase, m, d = "backward_input", nb[i], p.input_s
@@ -180,15 +211,8 @@ def zero_bubble_orders(passes: Sequence[PassTimes], microbatches: int, limits: S
             phase, m, d = "forward", nf[i], p.forward_s
         elif nw[i] < nb[i]:
             phase, m, d = "backward_weight", nw[i], p.weight_s
-        else:                                    # wait for an input, or for another stage to move
-            waits = [b_ready[i][nb[i]]] if nb[i] < nf[i] else []
-            if nf[i] < B and nf[i] - nb[i] < limits[i] and nf[i] - nw[i] < alive:
-                waits.append(f_ready[i][nf[i]])
-            later = [x for x in waits if x < inf] + [free[k] for k in busy if free[k] > t]
-            if later:
-                free[i] = min(later)             # look again then
-            else:
-                blocked[i] = t                   # until another stage at this time moves
+        else:
+            blocked[i] = t                       # until no stage can decide at this moment
             continue
         blocked.clear()
         orders[i].append((phase, m, 0))
@@ -208,8 +232,10 @@ def zero_bubble_orders(passes: Sequence[PassTimes], microbatches: int, limits: S
 
 
 def zb_limits(num_stages: int, microbatches: int, variant: str) -> tuple[list[int], int]:
-    """(microbatches stage i may hold between F and B, any stage between F and W):
-    ZB-H1 1F1B's S - i and S, ZB-H2 2(S - i) - 1 and 2S - 1 (module doc)."""
+    """(microbatches stage i may hold between F and B, any stage between F and W) for
+    the greedy: "h2" ZB-H2's 2(S - i) - 1 and 2S - 1 (module doc); "h1" the bounds
+    ZB-H1's fixed order keeps, S - i and S (`zb_h1_order`), for the greedy to be run
+    at ZB-H1's memory."""
     S = num_stages
     if variant == "h1":
         return [S - i for i in range(S)], S

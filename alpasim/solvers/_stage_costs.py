@@ -188,21 +188,26 @@ def gradient_sync(layer: OpGraph, plan) -> tuple[float, tuple[tuple[str, tuple[i
 
 
 def weight_pass(layer: OpGraph, plan) -> tuple[float, float]:
-    """(compute seconds, bytes per device read of activations and cotangents) of the
-    backward ops that make only weight gradients: a zero-bubble schedule's W pass (Qi
-    et al. 2024). An op that also makes an input gradient (a norm's backward) stays in
-    B, which the previous stage waits for."""
-    seconds, read = 0.0, {}
+    """(compute seconds, bytes per device held from B until W) of a zero-bubble
+    schedule's W pass (Qi et al. 2024): the backward ops that make only weight
+    gradients, with every op that reads what they make (casts, sums), as the local
+    runtime splits them (`backends.split_backward_ops`); what W reads that it does not
+    make itself, parameters aside, is what B hands it. An op that also makes an input
+    gradient (a norm's backward) stays in B, which the previous stage waits for. A tied
+    gradient another stage sends is summed once an iteration, not held per microbatch."""
+    carried = set(layer.meta.get("tied_grads", ()))
+    seconds, read, made = 0.0, {}, set()
     for op in layer.ops:
         if op.phase != "backward" or not op.outputs:
             continue
-        if not all(is_weight_grad(op, k, layer.tensors) for k in range(len(op.outputs))):
+        only_grads = all(is_weight_grad(op, k, layer.tensors) for k in range(len(op.outputs)))
+        if not (only_grads or any(t in made for t in op.inputs)):
             continue
         seconds += plan.strategies[op.name].compute_s
         for t in op.inputs:
-            tensor = layer.tensors[t]
-            if tensor.role not in ("param", "grad", "optimizer_state") and t in plan.specs:
-                read[t] = tensor.nbytes / plan.specs[t].num_shards(plan.mesh)
+            if t not in made and t not in carried and layer.tensors[t].role != "param" and t in plan.specs:
+                read[t] = layer.tensors[t].nbytes / plan.specs[t].num_shards(plan.mesh)
+        made.update(op.outputs)
     return seconds, float(sum(read.values()))
 
 

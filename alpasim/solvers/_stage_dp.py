@@ -16,7 +16,9 @@ the DP finds a sum no larger than the optimum's with a bottleneck at most
 t* (1 + epsilon), so the answer is within a factor (1 + epsilon) of T*. (Evaluating
 each window's smallest candidate, as a plain skip does, can miss that: a plan whose
 bottleneck lies inside the window is only seen at the next window's start, where the
-sum alone is minimised.) The enumeration stops once B * c >= the best T so far (no
+sum alone is minimised.) The enumeration starts at the first window any plan fits
+(found by bisection: feasibility grows with t_max) and stops once B * c, or F_min +
+(B - 1) c with F_min the least total of any plan, reaches the best T so far (no
 bottleneck of c or more can win). `t(k..i, shape, s)` depends on s, the number of
 stages from this one to the end, because 1F1B keeps min(s, B) microbatches of this
 stage's activations in flight (eq. 5).
@@ -96,7 +98,7 @@ class DPResult:
     latency_s: float                  # T* (eq. 2), inf when nothing is feasible
     stages: tuple[StageChoice, ...]
     t_max_s: float
-    candidates_evaluated: int
+    candidates_evaluated: int         # windows passed over (not the bisection's or F_min's passes)
     # Stage indices that share a node, in pipeline order (with boundaries priced; one
     # run per stage otherwise): `_submesh.place_submeshes(..., runs=)` places them.
     runs: tuple[tuple[int, ...], ...] = ()

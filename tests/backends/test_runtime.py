@@ -35,7 +35,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from alpasim.backends import (check_numerics, compare_collectives, hlo_collectives, reference_step, run_local,
                               stage_memory)
+from alpasim.backends._executable import plan_training_graph, split_backward_ops
 from alpasim.simulator import Run, build_program
+from alpasim.solvers._inter_op import planning_graph
 
 BAND = (1 / 3, 1.5)
 UNPREDICTED_BYTES = 64  # a scalar loss all-reduce at most
@@ -144,6 +146,9 @@ def test_zero_bubble_runs_the_same_step_in_the_simulated_order(family, small_pla
                    if e.track == f"mesh{k}" and e.kind == "compute"]
             assert ran == planned, (schedule, k)
         assert any(e.name == "backward_weight" for e in result.timeline.events)
+        # W is not empty: the weight gradients really are made apart from B.
+        assert all(split_backward_ops(st.ops, st_graph)[1] for st, st_graph in
+                   ((s, plan_training_graph(plan, planning_graph(plan.model))) for s in result.stages))
     with pytest.raises(ValueError, match="only the local runtime executes"):
         run_ray(plan, steps=1, schedule="zb-h1")
 

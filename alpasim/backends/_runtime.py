@@ -3,7 +3,7 @@
 `run_local(plan)` builds the same `Program` `alpasim simulate` runs
 (`alpasim.simulator.build_program`), lowers each stage on its devices (`lower_stage`)
 and executes the instruction lists: `Run` calls the stage's compiled forward or
-backward, `Send` moves tensors with `jax.device_put` to the receiver's
+backward (under a zero-bubble schedule, its B or W program), `Send` moves tensors with `jax.device_put` to the receiver's
 `NamedSharding`, `Recv` hands them to the receiver, `Free` drops the stash,
 `GradSync` is empty (JAX reduced each microbatch's gradients inside its backward; see
 `_executable`) and `Update` runs the sharded Adam step.
@@ -80,7 +80,7 @@ def run_local(plan: PipelinePlan, *, steps: int = 1, seed: int = 0, schedule: st
         raise ValueError(f"plan uses device ids up to {need - 1}; only {len(devices)} devices are visible "
                          f"(set XLA_FLAGS=--xla_force_host_platform_device_count={need} on the CPU)")
     graph = planning_graph(plan.model)
-    program = runnable_program(plan, schedule, split_backward=True)
+    program = runnable_program(plan, schedule)
     shared = stage_inputs(plan, graph, seed)
     stages = [lower_stage(plan, graph, k, [devices[d] for d in st.devices], seed=seed, shared=shared)
               for k, st in enumerate(plan.stages)]
@@ -100,24 +100,20 @@ def run_local(plan: PipelinePlan, *, steps: int = 1, seed: int = 0, schedule: st
     return RunResult(losses, grads, times, timeline, stages, program, stage_profile=profile)
 
 
-def runnable_program(plan: PipelinePlan, schedule: str | None = None, program: Program | None = None, *,
-                     split_backward: bool = False) -> Program:
+def runnable_program(plan: PipelinePlan, schedule: str | None = None, program: Program | None = None) -> Program:
     """The program a runtime executes: `program`, else the plan's under `schedule`.
 
     Interleaved programs are refused: the simulator models them by running each mesh's
     stage as v chunks of 1/v of its time, but a plan holds one stage per mesh, so
     there is nothing to lower per chunk (that needs the model cut into S x v pieces).
-    A backward split into input and weight gradients (zero bubble) only where the
-    runtime says it runs one (`split_backward`: the local runtime does).
+    A backward split into input and weight gradients (zero bubble) runs as two
+    programs per stage (`StageExecutable.backward_input` / `backward_weight`).
     """
     program = program or build_program(plan, schedule or plan.schedule)
     if program.chunks > 1:
-        raise ValueError(f"the runtimes execute one stage per mesh (1f1b, gpipe); the {program.schedule!r} "
-                         f"program runs {program.chunks} model chunks per mesh, which this plan does not have")
-    if not split_backward and any(type(i) is Run and i.phase not in ("forward", "backward")
-                                  for mesh in program.meshes for i in mesh):
-        raise ValueError(f"this runtime runs each backward whole (1f1b, gpipe); the {program.schedule!r} program "
-                         "splits it into input and weight gradients, which only the local runtime executes")
+        raise ValueError(f"the runtimes execute one stage per mesh (1f1b, gpipe, zb-h1, zb-h2); the "
+                         f"{program.schedule!r} program runs {program.chunks} model chunks per mesh, which this "
+                         "plan does not have")
     return program
 
 

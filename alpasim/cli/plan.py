@@ -88,8 +88,8 @@ def plan(
     bucket_mb: BucketOpt = 25.0,
     schedule: Annotated[str, typer.Option("--schedule", help="The pipeline schedule the plan runs: 1f1b (the "
                                           "stage DP's), or 'auto': the fastest of 1f1b, zb-h1 and zb-h2 "
-                                          "that fits, simulated on the chosen stages (the Ray "
-                                          "runtime executes 1f1b and gpipe only).")] = "1f1b",
+                                          "that fits, simulated on the chosen stages (both "
+                                          "runtimes execute each).")] = "1f1b",
     as_json: JsonOpt = False,
 ) -> None:
     """Plan pipeline stages, submeshes and intra-op shardings for a model on a cluster.

@@ -108,6 +108,21 @@ def test_killed_actor_is_restarted_and_the_step_redone(cluster, small_plan, gpt_
     assert result.restarts[0]["restart_s"] > 0
 
 
+def test_ray_runs_zero_bubble_as_the_local_runtime_does(cluster, small_plan):
+    """ZB-H1 on the actors: each mesh's B and W programs, the step equal to the local
+    runtime's and to one device, three passes per microbatch on every mesh."""
+    plan = small_plan("gpt")
+    local = run_local(plan, steps=1, schedule="zb-h1")
+    result = run_ray(plan, steps=1, schedule="zb-h1")
+    np.testing.assert_allclose(result.losses, local.losses, rtol=RTOL, atol=0)
+    assert _rel_err(result.grads, local.grads) <= RTOL
+    assert check_numerics(result.losses[0], result.grads, reference_step(plan))["numerics_ok"]
+    for k in range(len(plan.stages)):
+        names = [e.name for e in result.timeline.events if e.track == f"mesh{k}" and e.kind == "compute"]
+        assert sorted(set(names)) == ["backward_input", "backward_weight", "forward"]
+        assert len(names) == 3 * plan.microbatches
+
+
 @pytest.mark.timeout(HANG_S)
 def test_a_receive_whose_send_never_comes_fails_within_the_timeout(cluster, small_plan):
     plan = small_plan("gpt")

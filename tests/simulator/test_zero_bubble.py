@@ -163,16 +163,6 @@ def test_a_stage_without_a_priced_split_gets_half_of_each():
     assert (p.forward_s, p.input_s, p.weight_s, p.stash_bytes, p.weight_stash_bytes) == (1.0, 2.0, 2.0, 60.0, 30.0)
 
 
-def test_a_runtime_that_runs_each_backward_whole_refuses_a_split_one_by_name():
-    from alpasim.backends._runtime import runnable_program
-
-    plan = synthetic_plan([1.0] * 2, [2.0] * 2, 4)
-    assert runnable_program(plan, "1f1b").schedule == "1f1b"
-    assert runnable_program(plan, "zb-h1", split_backward=True).schedule == "zb-h1"
-    with pytest.raises(ValueError, match="'zb-h1' program splits it into input and weight gradients"):
-        runnable_program(plan, "zb-h1")
-
-
 @pytest.mark.parametrize("remat", [False, True])
 def test_the_planner_prices_the_weight_pass_op_by_op(remat):
     """On one device, a stage's W as the planner prices it layer by layer is the

@@ -116,7 +116,7 @@ def main() -> None:
     ap.add_argument("--ablate", default="64,512")
     ap.add_argument("--out", type=Path, default=Path("out/llama70b.json"))
     ap.add_argument("--table", type=Path, help="only print the markdown table of a JSON this script wrote")
-    ap.add_argument("--alpa-recompute", default="auto", choices=("auto", "selective", "full", "none"),
+    ap.add_argument("--alpa-recompute", default="auto", choices=("auto", *(label for label, _, _ in RECOMPUTE_SEARCH)),
                     help="what Alpa's plan recomputes; auto searches all three (three plans' time)")
     args = ap.parse_args()
     if args.table is not None:

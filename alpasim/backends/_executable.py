@@ -79,7 +79,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from alpasim.graphs import OpGraph, build_training_graph, is_weight_grad
+from alpasim.graphs import OpGraph, build_training_graph, in_weight_pass
 from alpasim.solvers import PER_MICROBATCH_GRAD_SYNC, IntraOpPlan, PipelinePlan, ShardingSpec
 
 from ._lowering import eval_op, random_leaves
@@ -504,15 +504,21 @@ def _stage_functions(ops: StageOps, train: OpGraph, shardings: dict[str, NamedSh
         made = {t: values[t] for t in ops.stash if t not in outs and t not in given}
         return outs, made
 
-    def backward(params, acc, stash, cts):
+    def accumulator(acc, added=lambda p: None):
+        """(the new accumulators, a `run` hook adding each parameter's gradient into
+        them as soon as it is complete, then telling `added`)."""
         new_acc = dict(acc)
-        fresh: list[str] = []    # parameters whose gradient the running layer has accumulated
 
-        def accumulate(t, v):  # as soon as a parameter's gradient is complete
+        def accumulate(t, v):
             p = grad_of.get(t)
             if p is not None:
                 new_acc[p] = acc[p] + v.astype(acc_dtypes[p]) * jnp.asarray(scale, acc_dtypes[p])
-                fresh.append(p)
+                added(p)
+        return new_acc, accumulate
+
+    def backward(params, acc, stash, cts):
+        fresh: list[str] = []    # parameters whose gradient the running layer has accumulated
+        new_acc, accumulate = accumulator(acc, fresh.append)
 
         def fence(values, op, new_layer):
             # One layer's backward after another, and in a layer each weight gradient
@@ -559,15 +565,6 @@ def _stage_functions(ops: StageOps, train: OpGraph, shardings: dict[str, NamedSh
     # same per-layer layouts (W reshards a kept tensor XLA laid out otherwise); unlike
     # the whole backward, neither program is fenced to the plan's op order.
     input_ops, weight_ops, weight_stash = split_backward_ops(ops, train)
-
-    def accumulator(acc):
-        new_acc = dict(acc)
-
-        def accumulate(t, v):
-            p = grad_of.get(t)
-            if p is not None:
-                new_acc[p] = acc[p] + v.astype(acc_dtypes[p]) * jnp.asarray(scale, acc_dtypes[p])
-        return new_acc, accumulate
 
     def backward_input(params, acc, stash, cts):
         new_acc, accumulate = accumulator(acc)
@@ -632,18 +629,12 @@ def _stage_functions(ops: StageOps, train: OpGraph, shardings: dict[str, NamedSh
 
 
 def split_backward_ops(ops: StageOps, train: OpGraph) -> tuple[tuple, tuple, tuple[str, ...]]:
-    """(B's ops, W's ops, the tensors B hands W) of a stage's backward: W is every op
-    that makes only weight gradients, with every op that reads what W makes (their
-    casts and accumulations); the rest is B, in the backward's order."""
-    made: set[str] = set()
-    weight, inputs = [], []
-    for op in ops.backward:
-        only_grads = op.outputs and all(is_weight_grad(op, k, train.tensors) for k in range(len(op.outputs)))
-        if only_grads or any(t in made for t in op.inputs):
-            weight.append(op)
-            made.update(op.outputs)
-        else:
-            inputs.append(op)
+    """(B's ops, W's ops, the tensors B hands W) of a stage's backward
+    (`graphs.in_weight_pass`), each in the backward's order."""
+    mask = in_weight_pass(ops.backward, train.tensors)
+    weight = [op for op, w in zip(ops.backward, mask, strict=True) if w]
+    inputs = [op for op, w in zip(ops.backward, mask, strict=True) if not w]
+    made = {t for op in weight for t in op.outputs}
     params = set(ops.params)
 
     def reads(op) -> tuple[str, ...]:   # a tied gradient's sum reads only its local operand here

@@ -3,10 +3,11 @@
 `run_local(plan)` builds the same `Program` `alpasim simulate` runs
 (`alpasim.simulator.build_program`), lowers each stage on its devices (`lower_stage`)
 and executes the instruction lists: `Run` calls the stage's compiled forward or
-backward (under a zero-bubble schedule, its B or W program), `Send` moves tensors with `jax.device_put` to the receiver's
-`NamedSharding`, `Recv` hands them to the receiver, `Free` drops the stash,
-`GradSync` is empty (JAX reduced each microbatch's gradients inside its backward; see
-`_executable`) and `Update` runs the sharded Adam step.
+backward (under a zero-bubble schedule, its B or W program), `Send` moves tensors
+with `jax.device_put` to the receiver's `NamedSharding`, `Recv` hands them to the
+receiver, `Free` drops the stash, `GradSync` is empty (JAX reduced each microbatch's
+gradients inside its backward; see `_executable`) and `Update` runs the sharded Adam
+step.
 
 The meshes are walked round-robin, each as far as its `Recv`s are satisfied, so the
 order within every mesh is the program's and a receive never runs before its send.

@@ -122,6 +122,6 @@ def compare(model: str, cluster: Cluster, methods: Sequence[str], *, cache: bool
         raise ValueError(f"unknown schedule {unknown[0]!r}; choose from {', '.join(SCHEDULES)}")
     points = [Point(model, cluster, m, label=m, bucket_bytes=bucket_bytes) for m in names]
     results = run_points(points, cache=cache, workers=workers, map_fn=map_fn, progress=progress)
-    by_schedule = tuple(schedule_rows(plan_from_json(r.plan), cluster, schedules) if r.feasible and schedules
-                        else {} for r in results) if schedules else ()
+    by_schedule = tuple(schedule_rows(plan_from_json(r.plan), cluster, schedules) if r.feasible else {}
+                        for r in results) if schedules else ()
     return Comparison(model, cluster, tuple(results), by_schedule)

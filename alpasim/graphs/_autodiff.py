@@ -17,7 +17,7 @@ backward. Recomputed ops have phase ``backward`` and ``remat=True``.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ._builder import GraphBuilder
@@ -520,6 +520,23 @@ def weight_grad_params(op: Op) -> dict[int, str]:
 def is_weight_grad(op: Op, k: int, tensors) -> bool:
     """Whether output `k` of `op` is a parameter's gradient or a contribution to it."""
     return tensors[op.outputs[k]].role == "grad" or k in weight_grad_params(op)
+
+
+def in_weight_pass(backward: Sequence[Op], tensors) -> list[bool]:
+    """For each op of `backward` (in order): whether a zero-bubble schedule runs it in
+    its W pass (Qi et al. 2024). W holds the ops that make only weight gradients and
+    every op that reads what they make (casts, sums); the rest is B, which the previous
+    stage waits for (an op that also makes an input gradient, a norm's backward, stays
+    in B). The planner prices this split and the runtimes run it."""
+    made: set[str] = set()
+    out = []
+    for op in backward:
+        weight = bool(op.outputs) and (all(is_weight_grad(op, k, tensors) for k in range(len(op.outputs)))
+                                       or any(t in made for t in op.inputs))
+        if weight:
+            made.update(op.outputs)
+        out.append(weight)
+    return out
 
 
 def _recompute_layer(b: GraphBuilder, fwd: OpGraph, layer: int, remap: dict[str, str]) -> None:

@@ -151,23 +151,17 @@ def zb_h1_order(num_stages: int, microbatches: int, stage: int) -> Order:
     return order
 
 
-def zero_bubble_orders(passes: Sequence[PassTimes], microbatches: int, limits: Sequence[int],
-                       alive: int) -> list[Order]:
-    """Every stage's order under the zero-bubble greedy (module doc): `passes[i]` are
-    stage i's pass times, `limits[i]` how many microbatches it may hold between F and
-    B, `alive` how many between F and W (so deferred W passes cannot pile up: each
-    holds its weight gradients' inputs). Simulated with free communication
-    (`zero_bubble_greedy`)."""
-    return zero_bubble_greedy(passes, microbatches, limits, alive)[0]
-
-
 def zero_bubble_greedy(passes: Sequence[PassTimes], microbatches: int, limits: Sequence[int],
                        alive: int) -> tuple[list[Order], float]:
-    """(the orders, when the last pass ends) of the greedy list scheduling: stages
-    decide in time order, ties to the lower index. A stage with nothing to run waits
-    for the first moment anything can change for it (an input it knows the arrival of,
-    or another stage's next decision); it does not decide past a stage that is still
-    to decide at the same moment, whose pass may bring it an input sooner."""
+    """(every stage's order, when the last pass ends) under the zero-bubble greedy
+    (module doc), simulated with free communication: `passes[i]` are stage i's pass
+    times, `limits[i]` how many microbatches it may hold between F and B, `alive` how
+    many between F and W (so deferred W passes cannot pile up: each holds its weight
+    gradients' inputs). Stages decide in time order, ties to the lower index. A stage
+    with nothing to run waits for the first moment anything can change for it (an
+    input it knows the arrival of, or another stage's next decision); it does not
+    decide past a stage still to decide at the same moment, whose pass may bring it an
+    input sooner."""
     S, B = len(passes), microbatches
     inf = math.inf
     f_ready = [[0.0] * B] + [[inf] * B for _ in range(S - 1)]   # when F(m)'s input exists on stage i
@@ -231,14 +225,10 @@ def zero_bubble_greedy(passes: Sequence[PassTimes], microbatches: int, limits: S
             nw[i] += 1
 
 
-def zb_limits(num_stages: int, microbatches: int, variant: str) -> tuple[list[int], int]:
-    """(microbatches stage i may hold between F and B, any stage between F and W) for
-    the greedy: "h2" ZB-H2's 2(S - i) - 1 and 2S - 1 (module doc); "h1" the bounds
-    ZB-H1's fixed order keeps, S - i and S (`zb_h1_order`), for the greedy to be run
-    at ZB-H1's memory."""
+def zb_h2_limits(num_stages: int) -> tuple[list[int], int]:
+    """ZB-H2's (microbatches stage i may hold between F and B, any stage between F and
+    W) for the greedy: 2(S - i) - 1 and 2S - 1 (module doc)."""
     S = num_stages
-    if variant == "h1":
-        return [S - i for i in range(S)], S
     return [2 * (S - i) - 1 for i in range(S)], 2 * S - 1
 
 
@@ -401,23 +391,16 @@ def interleaved_1f1b(plan: PipelinePlan, chunks: int = 2) -> Program:
     return program_from_orders(plan, "interleaved", [interleaved_order(S, B, k, chunks) for k in range(S)], chunks)
 
 
-def zero_bubble(plan: PipelinePlan, variant: str = "h1") -> Program:
-    """ZB-H1 (`variant="h1"`) or ZB-H2 ("h2") on the plan's own pass times (module doc)."""
-    S, B = check_plan(plan)
-    if variant not in ("h1", "h2"):
-        raise ValueError(f"zero-bubble schedule: variant must be 'h1' or 'h2', got {variant!r}")
-    if variant == "h1":
-        return program_from_orders(plan, "zb-h1", [zb_h1_order(S, B, k) for k in range(S)])
-    passes = [split_backward(st, B) for st in plan.stages]
-    return program_from_orders(plan, "zb-h2", zero_bubble_orders(passes, B, *zb_limits(S, B, variant)))
-
-
 def zb_h1(plan: PipelinePlan) -> Program:
-    return zero_bubble(plan, "h1")
+    S, B = check_plan(plan)
+    return program_from_orders(plan, "zb-h1", [zb_h1_order(S, B, k) for k in range(S)])
 
 
 def zb_h2(plan: PipelinePlan) -> Program:
-    return zero_bubble(plan, "h2")
+    """ZB-H2 on the plan's own pass times (module doc)."""
+    S, B = check_plan(plan)
+    orders, _ = zero_bubble_greedy([split_backward(st, B) for st in plan.stages], B, *zb_h2_limits(S))
+    return program_from_orders(plan, "zb-h2", orders)
 
 
 SCHEDULES: dict[str, Callable[..., Program]] = {"1f1b": one_f_one_b, "gpipe": gpipe, "interleaved": interleaved_1f1b,

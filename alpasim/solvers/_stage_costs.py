@@ -49,7 +49,8 @@ from alpasim.costmodels import (
     range_peak,
     stage_memory,
 )
-from alpasim.graphs import DTYPE_BYTES, OpGraph, get_recipe, is_heavy, is_weight_grad, op_flops, stage_graph
+from alpasim.graphs import (DTYPE_BYTES, OpGraph, get_recipe, in_weight_pass, is_heavy, is_weight_grad, op_flops,
+                            stage_graph)
 
 from ._cache import CACHE_VERSION, DiskCache, digest
 from ._intra_baselines import BASELINES, REWRITE_ALLOWED, optimizer_state_shards
@@ -120,9 +121,8 @@ class LayerOption:
     # Of time_s, the input gradients' collectives that run while a weight gradient
     # reading the same cotangent computes (`hidden_collectives_s`), hidden with overlap.
     hidden_s: float = 0.0
-    # Of the backward's compute, the ops that make only weight gradients (what a
-    # zero-bubble schedule runs as W), and the bytes per device those ops read of the
-    # layer's activations and cotangents (held from B until W): `weight_pass`.
+    # Of the backward's compute, what a zero-bubble schedule runs as W, and the bytes per
+    # device of activations and cotangents W reads (held from B until W): `weight_pass`.
     weight_grad_s: float = 0.0
     weight_stash_bytes: float = 0.0
 
@@ -189,19 +189,14 @@ def gradient_sync(layer: OpGraph, plan) -> tuple[float, tuple[tuple[str, tuple[i
 
 def weight_pass(layer: OpGraph, plan) -> tuple[float, float]:
     """(compute seconds, bytes per device held from B until W) of a zero-bubble
-    schedule's W pass (Qi et al. 2024): the backward ops that make only weight
-    gradients, with every op that reads what they make (casts, sums), as the local
-    runtime splits them (`backends.split_backward_ops`); what W reads that it does not
-    make itself, parameters aside, is what B hands it. An op that also makes an input
-    gradient (a norm's backward) stays in B, which the previous stage waits for. A tied
+    schedule's W pass (`graphs.in_weight_pass`, the split the runtimes run): what W
+    reads that it does not make itself, parameters aside, is what B hands it. A tied
     gradient another stage sends is summed once an iteration, not held per microbatch."""
     carried = set(layer.meta.get("tied_grads", ()))
+    backward = [op for op in layer.ops if op.phase == "backward"]
     seconds, read, made = 0.0, {}, set()
-    for op in layer.ops:
-        if op.phase != "backward" or not op.outputs:
-            continue
-        only_grads = all(is_weight_grad(op, k, layer.tensors) for k in range(len(op.outputs)))
-        if not (only_grads or any(t in made for t in op.inputs)):
+    for op, weight in zip(backward, in_weight_pass(backward, layer.tensors), strict=True):
+        if not weight:
             continue
         seconds += plan.strategies[op.name].compute_s
         for t in op.inputs:

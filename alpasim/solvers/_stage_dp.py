@@ -169,7 +169,8 @@ def stage_dp(cost: np.ndarray, sizes: Sequence[int], num_devices: int, microbatc
             lo = mid + 1
     start = lo
     while start < len(finite):
-        if microbatches * finite[start] >= best.latency_s or floor + (microbatches - 1) * finite[start] >= best.latency_s:
+        # A plan whose bottleneck is at least `low` has a total of at least low and floor.
+        if max(floor, finite[start]) + (microbatches - 1) * finite[start] >= best.latency_s:
             break
         # The window's last candidate: every candidate of the window is within (1 + eps) below it.
         end = max(start, int(np.searchsorted(finite, finite[start] * (1 + epsilon), side="right")) - 1)

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from alpasim.simulator import PassTimes, Run, build_program, simulate, split_backward, synthetic_plan
-from alpasim.simulator._schedules import zb_h1_order, zb_limits, zero_bubble_orders
+from alpasim.simulator._schedules import zb_h1_order, zb_h2_limits, zero_bubble_greedy
 
 times = st.floats(min_value=1e-2, max_value=5.0, allow_nan=False, allow_infinity=False)
 
@@ -64,8 +64,8 @@ def test_zb_h1_orders_keep_1f1b_memory_and_defer_i_weight_passes(S, B):
 @settings(max_examples=40, deadline=None)
 @given(S=st.integers(1, 8), B=st.integers(1, 24), f=times, b=times, w=times)
 def test_zb_h2_orders_are_valid_for_any_pass_times(S, B, f, b, w):
-    limits, alive = zb_limits(S, B, "h2")
-    orders = zero_bubble_orders([PassTimes(f, b, w, 1.0, 1.0)] * S, B, limits, alive)
+    limits, alive = zb_h2_limits(S)
+    orders, _ = zero_bubble_greedy([PassTimes(f, b, w, 1.0, 1.0)] * S, B, limits, alive)
     for i, order in enumerate(orders):
         check_order([(p, m) for p, m, _ in order], B, limit=limits[i], alive=alive)
 
@@ -248,26 +248,29 @@ def test_interleaved_peak_memory_is_its_warm_up_of_chunk_stashes(S, B, v):
     assert tl.peak_mesh_memory_bytes() == pytest.approx(want, rel=1e-12)
 
 
+def uneven_plan(fbw, B):
+    """One stage per (f, b, w): its forward, input-gradient and weight-gradient times."""
+    plan = synthetic_plan([f for f, _, _ in fbw], [b + w for _, b, w in fbw], B)
+    return dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, backward_weight_s=w)
+                                                  for s, (_, _, w) in zip(plan.stages, fbw, strict=True)))
+
+
 @settings(max_examples=60, deadline=None)
 @given(data=st.data(), S=st.integers(1, 6), B=st.integers(1, 16))
 def test_the_zb_h2_greedy_decides_in_time_order(data, S, B):
     """Unequal stages: the greedy's own finishing time equals the simulator running its
-    order as soon as every input is there. A stage that jumped past another's decision
-    at the same moment scheduled its passes later than they can run (the case below
-    took 21.0 against ZB-H1's 19.5)."""
-    from alpasim.simulator._schedules import zero_bubble_greedy
-
+    order as soon as every input is there (a stage that decided past another still to
+    decide at the same moment scheduled passes later than they can run)."""
     fbw = [tuple(data.draw(st.sampled_from([0.5, 1.0, 1.5, 2.0])) for _ in range(3)) for _ in range(S)]
-    plan = synthetic_plan([f for f, _, _ in fbw], [b + w for _, b, w in fbw], B)
-    plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, backward_weight_s=w)
-                                                  for s, (_, _, w) in zip(plan.stages, fbw)))
-    _, end = zero_bubble_greedy([PassTimes(f, b, w, 1.0, 1.0) for f, b, w in fbw], B, *zb_limits(S, B, "h2"))
-    assert simulate(plan, "zb-h2", free_communication=True).iteration_s == pytest.approx(end, rel=1e-12)
-    case = split_plan(3, 3, 1.0, 1.0, 1.0)
-    case = dataclasses.replace(case, stages=tuple(
-        dataclasses.replace(s, forward_s=f, backward_s=b + w, backward_weight_s=w)
-        for s, (f, b, w) in zip(case.stages, [(2, 2, 2), (1, 2, 2), (2, 0.5, 2)])))
-    assert simulate(case, "zb-h2", free_communication=True).iteration_s == pytest.approx(19.5)
+    _, end = zero_bubble_greedy([PassTimes(f, b, w, 1.0, 1.0) for f, b, w in fbw], B, *zb_h2_limits(S))
+    assert simulate(uneven_plan(fbw, B), "zb-h2", free_communication=True).iteration_s == pytest.approx(end, rel=1e-12)
+
+
+def test_the_zb_h2_greedy_case_that_decided_out_of_order():
+    """Three uneven stages, three microbatches: out of time order ZB-H2 took 21.0,
+    against ZB-H1's 19.5."""
+    plan = uneven_plan([(2, 2, 2), (1, 2, 2), (2, 0.5, 2)], 3)
+    assert simulate(plan, "zb-h2", free_communication=True).iteration_s == pytest.approx(19.5)
 
 
 def test_a_weight_pass_adds_no_working_set_of_its_own():

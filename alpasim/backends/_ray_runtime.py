@@ -171,7 +171,7 @@ class _Meshes:
         self.epoch = -1
         self.restarts: list[dict] = []
         self.actors = [self.spawn(k) for k in range(program.num_meshes)]
-        self.stages = [None] * program.num_meshes
+        self.stages = [None] * len(plan.stages)     # per plan stage (chunks of a mesh come from its actor)
         self.load(range(program.num_meshes))
         self.set_peers()
         self.checkpoint = self.fetch_state()
@@ -187,13 +187,16 @@ class _Meshes:
                  "start (import JAX, lower its stage)")
         calls = {k: self.actors[k].load_program.remote(self.program, self.payloads, self.owners, self.readers,
                                                        self.timeout_s) for k in ks}
-        for k, summary in self.get(calls, self.timeout_s, "load its program").items():
-            self.stages[k] = summary
+        for summaries in self.get(calls, self.timeout_s, "load its program").values():
+            for summary in summaries:
+                self.stages[summary.index] = summary
 
     def profile(self, iters: int) -> list:
-        """Each actor's stage timed alone, one actor at a time so they do not share the cores."""
-        return [self.get({k: a.profile.remote(iters)}, self.timeout_s, "profile its stage")[k]
-                for k, a in enumerate(self.actors)]
+        """Each plan stage timed alone, one actor at a time so they do not share the cores."""
+        by_stage = {}
+        for k, a in enumerate(self.actors):
+            by_stage.update(self.get({k: a.profile.remote(iters)}, self.timeout_s, "profile its stage")[k])
+        return [by_stage[j] for j in range(len(self.stages))]
 
     def set_peers(self) -> None:
         self.get({k: a.set_peers.remote(self.actors) for k, a in enumerate(self.actors)}, self.timeout_s,

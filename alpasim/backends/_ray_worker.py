@@ -75,8 +75,10 @@ class MeshWorker:
     def __init__(self, plan: PipelinePlan, k: int, seed: int) -> None:
         self.k, self.seed = k, seed
         self.graph = planning_graph(plan.model)
-        self.stage = lower_stage(plan, self.graph, k, jax.devices(), seed=seed)
-        self.inflight = plan.stages[k].inflight_microbatches
+        # The plan stages this mesh runs: one, or its chunks under interleaving.
+        own = range(k, len(plan.stages), plan.num_meshes)
+        self.stages = {j: lower_stage(plan, self.graph, j, jax.devices(), seed=seed) for j in own}
+        self.inflight = {j: plan.stages[j].inflight_microbatches for j in own}
         self.cond = threading.Condition()
         self.mailbox: dict[tuple[int, Any], list] = {}    # (epoch, key) -> [(kind, name, numpy)]
         self.epoch = -1
@@ -89,30 +91,31 @@ class MeshWorker:
         return self.k
 
     def load_program(self, program: Program, payloads: dict[int, Payload], owners: dict[str, int],
-                     readers: dict[str, tuple[int, ...]], timeout_s: float) -> RemoteStage:
+                     readers: dict[str, tuple[int, ...]], timeout_s: float) -> list[RemoteStage]:
         """This mesh's part of the program, sent once before the first step; answers with
-        the stage summary the driver keeps."""
+        the summaries (one per stage it runs) the driver keeps."""
         self.program, self.payloads, self.timeout_s = program, payloads, timeout_s
         self.owners, self.readers = owners, readers
-        s = self.stage
-        return RemoteStage(self.k, s.part, s.mesh.abstract_mesh, s.intra_plan,
-                           {name: HloText(c.as_text()) for name, c in s.compiled.items()},
-                           params_bytes_per_device(s), stage_memory(s, self.inflight))
+        return [RemoteStage(j, s.part, s.mesh.abstract_mesh, s.intra_plan,
+                            {name: HloText(c.as_text()) for name, c in s.compiled.items()},
+                            params_bytes_per_device(s), stage_memory(s, self.inflight[j]))
+                for j, s in self.stages.items()]
 
-    def profile(self, iters: int) -> StageTimes:
-        """This stage's compiled programs timed alone (`profile_stage`)."""
-        return profile_stage(self.stage, self.graph, iters=iters, seed=self.seed)
+    def profile(self, iters: int) -> dict[int, StageTimes]:
+        """Each of its stages' compiled programs timed alone (`profile_stage`)."""
+        return {j: profile_stage(s, self.graph, iters=iters, seed=self.seed) for j, s in self.stages.items()}
 
     def set_peers(self, peers: list) -> None:
         """Handles of every mesh's actor (index k is this one); renewed after a restart."""
         self.peers = list(peers)
 
     def state_dict(self) -> dict:
-        return self.stage.state_dict()
+        return {j: s.state_dict() for j, s in self.stages.items()}
 
     def load_state_dict(self, state: dict) -> None:
         """Roll back to a checkpoint: the stage's state, and nothing left in the mailbox."""
-        self.stage.load_state_dict(state)
+        for j, s in self.stages.items():
+            s.load_state_dict(state[j])
         with self.cond:
             self.mailbox.clear()
 
@@ -177,7 +180,7 @@ class _ActorWalker(_Walker):
     clock = staticmethod(time.time)
 
     def __init__(self, worker: MeshWorker, step: int, t0: float) -> None:
-        stages: Mapping[int, Any] = {worker.k: worker.stage}
+        stages: Mapping[int, Any] = worker.stages
         super().__init__(worker.program, stages, worker.payloads, worker.graph, worker.seed, step, t0=t0)
         self.worker = worker
         self.epoch = worker.epoch
@@ -196,17 +199,17 @@ class _ActorWalker(_Walker):
         t = self.program.transfers[ins.transfer]
         what = f"{ins} waits for tensor {t.tensor!r} from mesh {ins.src_stage}"
         items = self.worker.wait_for(self.epoch, (ins.transfer, ins.microbatch), what)
-        sh = self.stages[k].shardings
+        sh = self.stages[self.receiver(ins)].shardings
         return [(kind, name, jax.device_put(v, sh[f"{name}:grad" if kind == "grad" else name]))
                 for kind, name, v in items]
 
     def post(self, dst: int, key: Any, items: list) -> None:
         self.pending.append(self.worker.peers[dst].deliver.remote(self.epoch, key, items))
 
-    def send_tied(self, k: int, dst: int, param: str, value: jax.Array) -> None:
-        self.post(dst, ("tied", param), [("grad", param, np.asarray(value))])
+    def send_tied(self, j: int, dst: int, param: str, value: jax.Array) -> None:
+        self.post(dst % self.meshes, ("tied", param), [("grad", param, np.asarray(value))])
 
-    def take_tied(self, k: int, param: str) -> jax.Array:
+    def take_tied(self, j: int, param: str) -> jax.Array:
         what = f"the summed gradient of tied parameter {param!r} waits for its owner mesh {self.worker.owners[param]}"
         ((_, _, value),) = self.worker.wait_for(self.epoch, ("tied", param), what)
         return value

@@ -104,17 +104,17 @@ def run_local(plan: PipelinePlan, *, steps: int = 1, seed: int = 0, schedule: st
 def runnable_program(plan: PipelinePlan, schedule: str | None = None, program: Program | None = None) -> Program:
     """The program a runtime executes: `program`, else the plan's under `schedule`.
 
-    Interleaved programs are refused: the simulator models them by running each mesh's
-    stage as v chunks of 1/v of its time, but a plan holds one stage per mesh, so
-    there is nothing to lower per chunk (that needs the model cut into S x v pieces).
-    A backward split into input and weight gradients (zero bubble) runs as two
-    programs per stage (`StageExecutable.backward_input` / `backward_weight`).
+    An interleaved program runs when the plan is cut into those chunks (`plan.chunks`:
+    each chunk is a stage of its own, lowered on its mesh's devices). The simulator can
+    also imagine a one-stage-per-mesh plan's stages as v chunks of 1/v each, but then
+    there is nothing to lower per chunk: such programs are refused. A backward split
+    into input and weight gradients (zero bubble) runs as two programs per stage
+    (`StageExecutable.backward_input` / `backward_weight`).
     """
     program = program or build_program(plan, schedule or plan.schedule)
-    if program.chunks > 1:
-        raise ValueError(f"the runtimes execute one stage per mesh (1f1b, gpipe, zb-h1, zb-h2); the "
-                         f"{program.schedule!r} program runs {program.chunks} model chunks per mesh, which this "
-                         "plan does not have")
+    if program.chunks != plan.chunks:
+        raise ValueError(f"the {program.schedule!r} program runs {program.chunks} model chunks per mesh; the plan "
+                         f"is cut into {plan.chunks} per mesh (plan with `--schedule interleaved` to cut it so)")
     return program
 
 
@@ -133,11 +133,13 @@ def _payloads(program: Program, tied: Sequence[str], ops: Sequence | None = None
                              f"iteration, but it is not a tied gradient: the backward reads it per microbatch")
         else:
             out[i] = [("act" if t.direction == "forward" else "ct", t.tensor)]
-    for k, o in enumerate(ops or ()):
-        arriving = {t.tensor for i, t in enumerate(program.transfers) if t.dst_stage == k and i in out}
+    S = program.num_meshes
+    for j, o in enumerate(ops or ()):
+        arriving = {t.tensor for i, t in enumerate(program.transfers)
+                    if t.dst_chunk * S + t.dst_stage == j and i in out}
         missing = [t for t in (*o.acts_in, *o.cts_in) if t not in arriving]
         if missing:
-            raise ValueError(f"the program brings mesh {k} no transfer of {missing}, which its stage reads")
+            raise ValueError(f"the program brings stage {j} (mesh {j % S}) no transfer of {missing}, which it reads")
     return out
 
 
@@ -150,9 +152,12 @@ def tied_copies(owners: Mapping[str, int], readers: Mapping[str, Sequence[int]])
 def measured_timeline(plan: PipelinePlan, program: Program, events: list[Event], params_bytes: list[float],
                       sent_bytes: float, step_s: float, note: str) -> Timeline:
     """A measured step as the simulator's `Timeline` (per-device parameter bytes as the
-    only memory sample: the runtimes do not track activations)."""
+    only memory sample: the runtimes do not track activations). `params_bytes` is per
+    plan stage; a mesh holds its chunks' together."""
+    S = plan.num_meshes
+    params_bytes = [sum(params_bytes[k::S]) for k in range(S)]
     meshes = tuple(MeshInfo(k, tuple(st.devices), (0,), params_bytes[k], (0,) * len(st.devices))
-                   for k, st in enumerate(plan.stages))
+                   for k, st in enumerate(plan.meshes))
     memory = [[(0.0, b)] for b in params_bytes]
     links = tuple(sorted({(e.track, 0) for e in events if e.kind == "send"}))
     return Timeline(program.schedule, program.microbatches, program.chunks, "device_put", meshes, step_s, events,
@@ -175,13 +180,16 @@ class _Walker:
 
     def __init__(self, program: Program, stages: Mapping[int, StageExecutable], payloads: dict[int, Payload],
                  graph, seed: int, step: int, t0: float | None = None) -> None:
+        """`stages` maps plan stage j (chunk j // S of mesh j mod S under interleaving;
+        else mesh j) to its executable: every stage here, one mesh's in a Ray actor."""
         self.program, self.stages, self.payloads = program, stages, payloads
         self.graph, self.seed, self.step = graph, seed, step
+        self.meshes = program.num_meshes
         self.mailbox: dict[tuple[int, int], list] = {}
-        self.acts: dict[tuple[int, int], dict] = defaultdict(dict)     # (mesh, microbatch) -> received activations
-        self.cts: dict[tuple[int, int], dict] = defaultdict(dict)      # (mesh, microbatch) -> received cotangents
-        self.outs: dict[tuple[int, int], dict] = {}                    # (mesh, microbatch) -> forward outputs
-        self.back: dict[tuple[int, int], dict] = {}                    # (mesh, microbatch) -> cotangents to send
+        self.acts: dict[tuple[int, int], dict] = defaultdict(dict)     # (stage, microbatch) -> received activations
+        self.cts: dict[tuple[int, int], dict] = defaultdict(dict)      # (stage, microbatch) -> received cotangents
+        self.outs: dict[tuple[int, int], dict] = {}                    # (stage, microbatch) -> forward outputs
+        self.back: dict[tuple[int, int], dict] = {}                    # (stage, microbatch) -> cotangents to send
         by_mesh = list(stages.items() if isinstance(stages, Mapping) else enumerate(stages))
         owners = {p: k for k, st in by_mesh for p in st.ops.owned}
         readers = defaultdict(list)
@@ -196,6 +204,14 @@ class _Walker:
         self.sent_bytes = 0.0
         self.t0 = self.clock() if t0 is None else t0
 
+    def stage_of(self, mesh: int, chunk: int) -> int:
+        """The plan stage that runs `chunk` on `mesh`."""
+        return chunk * self.meshes + mesh
+
+    def chunks_of(self, mesh: int) -> list[int]:
+        """The plan stages mesh k runs."""
+        return [self.stage_of(mesh, c) for c in range(self.program.chunks)]
+
     def run(self) -> None:
         pc = [0] * self.program.num_meshes
         while any(pc[k] < len(m) for k, m in enumerate(self.program.meshes)):
@@ -205,7 +221,8 @@ class _Walker:
                     ins = mesh[pc[k]]
                     if isinstance(ins, Recv) and (ins.transfer, ins.microbatch) not in self.mailbox:
                         break
-                    if isinstance(ins, GradSync) and any((k, p) not in self.tied_box for p in self.copied(k)):
+                    if isinstance(ins, GradSync) and any((j, p) not in self.tied_box for j in self.chunks_of(k)
+                                                         for p in self.copied(j)):
                         break
                     self.execute(k, ins)
                     pc[k] += 1
@@ -216,15 +233,15 @@ class _Walker:
                 raise RuntimeError(f"program deadlocked: every mesh waits on a receive: {stuck}")
 
     def execute(self, k: int, ins) -> None:
-        stage = self.stages[k]
         start = self.clock()
         if isinstance(ins, Run):
-            m = ins.microbatch
+            m, j = ins.microbatch, self.stage_of(k, ins.chunk)
+            stage = self.stages[j]
             if ins.phase == "forward":
                 data = microbatch_inputs(self.graph, self.seed, self.step, m)
-                outs = stage.forward(m, self.acts.pop((k, m), {}), data)
+                outs = stage.forward(m, self.acts.pop((j, m), {}), data)
                 jax.block_until_ready(outs)
-                self.outs[k, m] = outs
+                self.outs[j, m] = outs
                 if stage.part.loss is not None:
                     self.losses.append(outs[stage.part.loss])
             elif ins.phase == "backward_weight":
@@ -232,70 +249,81 @@ class _Walker:
                 jax.block_until_ready(stage.acc)
             else:
                 run = stage.backward_input if ins.phase == "backward_input" else stage.backward
-                self.back[k, m] = run(m, self.cts.pop((k, m), {}))
-                jax.block_until_ready((self.back[k, m], stage.acc))  # a first stage returns no cotangents
-                self.outs.pop((k, m), None)  # its sends came right after the forward (the stash is consumed)
-            self.record(f"mesh{k}", "compute", k, ins.microbatch, start, name=ins.phase)
+                self.back[j, m] = run(m, self.cts.pop((j, m), {}))
+                jax.block_until_ready((self.back[j, m], stage.acc))  # a first stage returns no cotangents
+                self.outs.pop((j, m), None)  # its sends came right after the forward (the stash is consumed)
+            self.record(f"mesh{k}", "compute", k, ins.microbatch, start, name=ins.phase, chunk=ins.chunk)
         elif isinstance(ins, Send):
             self.send(k, ins, start)
         elif isinstance(ins, Recv):
             self.receive(k, ins)
             self.record(f"mesh{k}", "recv", k, ins.microbatch, start, name=self.program.transfers[ins.transfer].tensor)
         elif isinstance(ins, GradSync):
-            self.sync_tied(k)
+            for j in self.chunks_of(k):
+                self.sync_tied(j)
             self.record(f"mesh{k}", "sync", k, -1, start, name="grad_sync")
         elif isinstance(ins, Update):
-            if self.step == 0:
-                self.grads.update({p: np.asarray(stage.grad(p)) for p in stage.part.owned})
-            stage.update()
-            jax.block_until_ready((stage.params, stage.states))
+            for j in self.chunks_of(k):
+                stage = self.stages[j]
+                if self.step == 0:
+                    self.grads.update({p: np.asarray(stage.grad(p)) for p in stage.part.owned})
+                stage.update()
+                jax.block_until_ready((stage.params, stage.states))
             self.record(f"mesh{k}", "sync", k, -1, start, name="update")
         else:  # Free: the stash, and the cotangents already sent
-            stage.free(ins.microbatch)
-            self.back.pop((k, ins.microbatch), None)
+            j = self.stage_of(k, ins.chunk)
+            self.stages[j].free(ins.microbatch)
+            self.back.pop((j, ins.microbatch), None)
 
-    def copied(self, k: int) -> list[str]:
-        """The tied parameters mesh k keeps a copy of (owned elsewhere)."""
-        return [p for p, ks in self.copies.items() if k in ks]
+    def copied(self, j: int) -> list[str]:
+        """The tied parameters stage j keeps a copy of (owned by another stage)."""
+        return [p for p, js in self.copies.items() if j in js]
 
-    def sync_tied(self, k: int) -> None:
-        """The second half of the tied copies' all-reduce (module doc): the owner sends
-        its summed accumulator to every copy; a copy takes it as its own."""
-        stage = self.stages[k]
+    def sync_tied(self, j: int) -> None:
+        """The second half of the tied copies' all-reduce (module doc): the owner (stage
+        j) sends its summed accumulator to every copy; a copy takes it as its own."""
+        stage, k = self.stages[j], j % self.meshes
         for p in stage.ops.owned:
             for dst in self.copies.get(p, ()):
                 start = self.clock()
                 value = stage.grad(p)
-                self.send_tied(k, dst, p, value)
+                self.send_tied(j, dst, p, value)
                 self.sent_bytes += value.nbytes
-                self.record(f"mesh{k}->mesh{dst}", "send", k, -1, start, float(value.nbytes), f"{p}:grad (tied)")
-        for p in self.copied(k):
-            stage.set_grad(p, self.take_tied(k, p))
+                self.record(f"mesh{k}->mesh{dst % self.meshes}", "send", k, -1, start, float(value.nbytes),
+                            f"{p}:grad (tied)")
+        for p in self.copied(j):
+            stage.set_grad(p, self.take_tied(j, p))
 
-    def send_tied(self, k: int, dst: int, param: str, value: jax.Array) -> None:
+    def send_tied(self, j: int, dst: int, param: str, value: jax.Array) -> None:
         dst_stage = self.stages[dst]
         self.tied_box[dst, param] = jax.device_put(value, dst_stage.shardings[f"{param}:grad"])
 
-    def take_tied(self, k: int, param: str) -> jax.Array:
-        return self.tied_box.pop((k, param))
+    def take_tied(self, j: int, param: str) -> jax.Array:
+        return self.tied_box.pop((j, param))
 
     def outgoing(self, k: int, ins: Send) -> list[tuple[str, str, jax.Array]]:
         """(kind, name, value) of everything transfer `ins` carries out of mesh k."""
         m = ins.microbatch
+        j = self.stage_of(k, self.program.transfers[ins.transfer].src_chunk)
         out = []
         for kind, name in self.payloads.get(ins.transfer, ()):
             if kind == "act":
-                out.append((kind, name, self.outs[k, m][name]))
+                out.append((kind, name, self.outs[j, m][name]))
             elif kind == "ct":
-                out.append((kind, name, self.back[k, m][name]))
+                out.append((kind, name, self.back[j, m][name]))
             else:  # a tied copy's accumulated gradient, by parameter
-                ops = self.stages[k].ops
+                ops = self.stages[j].ops
                 (p,) = [p for p, g in ops.grads.items() if g == name]
-                out.append(("grad", p, self.stages[k].grad(p)))
+                out.append(("grad", p, self.stages[j].grad(p)))
         return out
 
+    def receiver(self, ins: Send | Recv) -> int:
+        """The plan stage a transfer's payload is for."""
+        t = self.program.transfers[ins.transfer]
+        return self.stage_of(t.dst_stage, t.dst_chunk)
+
     def send(self, k: int, ins: Send, start: float) -> None:
-        dst = self.stages[ins.dst_stage]
+        dst = self.stages[self.receiver(ins)]
         m = ins.microbatch
         moved, nbytes = [], 0.0
         for kind, name, value in self.outgoing(k, ins):
@@ -309,24 +337,24 @@ class _Walker:
                     self.program.transfers[ins.transfer].tensor)
 
     def take(self, k: int, ins: Recv) -> list[tuple[str, str, jax.Array]]:
-        """The payload of `ins`, already in mesh k's layouts (`run` only calls it once sent)."""
+        """The payload of `ins`, already in its receiver's layouts (`run` only calls it once sent)."""
         return self.mailbox.pop((ins.transfer, ins.microbatch))
 
     def receive(self, k: int, ins: Recv) -> None:
-        m = ins.microbatch
+        m, j = ins.microbatch, self.receiver(ins)
         for kind, name, value in self.take(k, ins):
             if kind == "act":
-                self.acts[k, m][name] = value
+                self.acts[j, m][name] = value
             elif kind == "ct":
-                have = self.cts[k, m].get(name)
-                self.cts[k, m][name] = value if have is None else have + value
+                have = self.cts[j, m].get(name)
+                self.cts[j, m][name] = value if have is None else have + value
             else:
-                self.stages[k].add_grad(name, value)
+                self.stages[j].add_grad(name, value)
 
     def record(self, track: str, kind: str, stage: int, microbatch: int, start: float, nbytes: float = 0.0,
-               name: str = "") -> None:
+               name: str = "", chunk: int = 0) -> None:
         self.events.append(Event(track, kind, stage, microbatch, start - self.t0, self.clock() - self.t0,
-                                 nbytes, name))
+                                 nbytes, name, chunk))
 
     def timeline(self, plan: PipelinePlan, step_s: float) -> Timeline:
         return measured_timeline(plan, self.program, self.events, [params_bytes_per_device(s) for s in self.stages],

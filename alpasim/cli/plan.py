@@ -22,6 +22,17 @@ from ._common import (
 from .simulate import print_simulation
 
 
+def parse_chunks(text: str) -> tuple[int, ...]:
+    """`--chunks` "2,3,4" -> (2, 3, 4); anything else is a one-line error."""
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or any(v < 2 for v in values):
+        fail(f"--chunks {text!r}: give chunk counts per mesh, each at least 2, separated by commas (e.g. 2,3,4)")
+    return values
+
+
 def make_plan(model: str, cluster: cm.Cluster, method: str = "alpa", *, microbatches: str = "auto",
               layers: int | None = None, max_stages: int | None = None, megatron: sv.MegatronConfig | None = None,
               cache: bool = True, workers: int | None = None, ray: bool = False, ray_address: str | None = None,
@@ -87,9 +98,13 @@ def plan(
     no_overlap: NoOverlapOpt = False,
     bucket_mb: BucketOpt = 25.0,
     schedule: Annotated[str, typer.Option("--schedule", help="The pipeline schedule the plan runs: 1f1b (the "
-                                          "stage DP's), or 'auto': the fastest of 1f1b, zb-h1 and zb-h2 "
-                                          "that fits, simulated on the chosen stages (both "
+                                          "stage DP's); interleaved (the model cut into S x v chunks, chunk j "
+                                          "on mesh j mod S, v from --chunks); or 'auto': with --method alpa "
+                                          "the faster of the two plans, and on a 1F1B plan the fastest of "
+                                          "1f1b, zb-h1 and zb-h2 that fits, simulated on its stages (both "
                                           "runtimes execute each).")] = "1f1b",
+    chunks: Annotated[str, typer.Option("--chunks", help="Model chunks per mesh an interleaved plan may take "
+                                        "(comma-separated, each >= 2).")] = "2,3,4",
     as_json: JsonOpt = False,
 ) -> None:
     """Plan pipeline stages, submeshes and intra-op shardings for a model on a cluster.
@@ -100,8 +115,10 @@ def plan(
     the table output prints why and exits 2, `--json` prints the plan with `feasible`
     false and exits 0 (Alpa finding no plan stays an error: exit 2 either way)."""
     writable_file(out_path, "--out")
-    if schedule not in ("1f1b", "auto"):
-        fail(f"--schedule {schedule!r}: choose 1f1b or auto (simulate another with `alpasim simulate --schedule`)")
+    if schedule not in sv.PLANNER_SCHEDULES:
+        fail(f"--schedule {schedule!r}: choose {', '.join(sv.PLANNER_SCHEDULES)} (simulate another with "
+             "`alpasim simulate --schedule`)")
+    chunk_options = parse_chunks(chunks)
     c = load_cluster(cluster, nodes, devices_per_node, inter_node_gbps, memory_gb)
     model_costs = load_cost_model(cost_model, c)
     check_precision(precision)
@@ -114,6 +131,8 @@ def plan(
     except sv.UnknownMethodError:
         fail(f"--method {method!r}: choose one of {', '.join(x.cli_name for x in sv.METHODS.values())}")
     name = m.name
+    if schedule == "interleaved" and name != "alpa":
+        fail(f"--schedule interleaved plans with --method alpa only, not {method!r}")
     degrees = {"--tp": tp, "--pp": pp, "--dp": dp, "--microbatch-size": microbatch_size}
     given = [k for k, v in degrees.items() if v is not None]
     if given and "megatron" not in m.accepts:
@@ -130,10 +149,12 @@ def plan(
                   distributed_optimizer=distributed_optimizer or None,
                   sequence_parallel=sequence_parallel or None, cache=not no_cache, workers=workers, ray=ray,
                   ray_address=ray_address, remat=remat, epsilon=epsilon, cost_model=model_costs,
-                  precision=precision, recompute=recompute, bucket_bytes=buckets)
+                  precision=precision, recompute=recompute, bucket_bytes=buckets,
+                  **({"schedule": schedule, "chunk_options": chunk_options}
+                     if name == "alpa" and schedule != "1f1b" else {}))
     if not p.feasible and name == "alpa":   # Alpa finding nothing is an error, with or without --json
         fail("; ".join(p.notes) or "infeasible")
-    if schedule == "auto" and p.feasible:
+    if schedule == "auto" and p.feasible and p.chunks == 1:
         from alpasim import simulator as sim
 
         p = sim.choose_schedule(p, cluster=model_costs.cluster if model_costs is not None else c)
@@ -166,7 +187,9 @@ def plan(
 def print_plan(p: sv.PipelinePlan) -> None:
     m, c, pr = p.model, p.cluster, p.predicted
     title = (f"{m.name} ({fmt_count(m.params)} params) on {c.nodes} x {c.devices_per_node} "
-             f"{c.device} — {len(p.stages)} stages, {p.microbatches} microbatches of {m.microbatch_size}")
+             f"{c.device} — " + (f"{len(p.stages)} stages" if p.chunks == 1 else
+                                 f"{p.num_meshes} meshes x {p.chunks} chunks (interleaved; stage j on mesh j mod "
+                                 f"{p.num_meshes})") + f", {p.microbatches} microbatches of {m.microbatch_size}")
     t = Table(title=title)
     for col in ("stage", "layers", "submesh", "devices", "logical mesh", "time / microbatch", "memory / device",
                 "in flight"):

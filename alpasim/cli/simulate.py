@@ -83,7 +83,8 @@ def print_simulation(r: dict[str, Any], title: str = "simulation") -> None:
                   fmt_bytes(max(peaks[d] for d in devs)))
     out.print(t)
     pred = r["predicted_iteration_s"]
-    vs = f" (plan predicted {pred:.3f} s, eq. 2)" if pred else ""
+    basis = "eq. 2" if r["schedule"] != "interleaved" or r.get("plan_chunks", 1) == 1 else "its chunks' orders"
+    vs = f" (plan predicted {pred:.3f} s, {basis})" if pred else ""
     out.print(f"simulated iteration {r['iteration_s']:.3f} s{vs}, bubble {r['bubble_fraction']:.1%}, "
               f"cross-mesh traffic {fmt_bytes(r['cross_mesh_bytes'])} ({fmt_bytes(r['inter_node_bytes'])} "
               f"between nodes); simulated in {r['wall_s']:.2f} s")

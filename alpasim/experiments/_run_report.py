@@ -24,6 +24,7 @@ def simulation_report(p: sv.PipelinePlan, schedule: str | None = None, *, chunks
     the backward); the timeline metrics as one JSON-ready dict."""
     tl = sim.simulate(p, schedule, chunks=chunks, cross_mesh=cross_mesh, cluster=cluster, overlap=overlap)
     report = tl.to_json()
+    report["plan_chunks"] = p.chunks
     report["outputs"] = write_outputs((("trace", trace, tl.chrome_trace), ("gantt", gantt, tl.gantt_png),
                                         ("memory_png", memory_png, tl.memory_png)))
     return report

@@ -105,24 +105,37 @@ class _Engine:
         self.executor = simpy.Resource(self.env, capacity=executors) if executors else None
         self.dispatch_s = dispatch_s
         v, B = program.chunks, program.microbatches
-        self.phase_s = []
-        self.act_bytes = [st.activation_bytes / v for st in plan.stages]
-        self.stash_bytes, self.weight_stash_bytes = [], []
-        for st in plan.stages:
-            p = split_backward(st, B)
-            self.phase_s.append({"forward": p.forward_s / v, "backward": p.backward_s / v,
-                                 "backward_input": p.input_s / v, "backward_weight": p.weight_s / v})
-            self.stash_bytes.append(p.stash_bytes / v)
-            self.weight_stash_bytes.append(p.weight_stash_bytes / v)
+        # Per mesh, per chunk: pass times and bytes. A plan cut into chunks has each
+        # chunk's own stage; a plan of one stage per mesh run interleaved has each
+        # stage imagined as v equal chunks (`_schedules`).
+        self.phase_s: list[list[dict[str, float]]] = []
+        self.act_bytes: list[list[float]] = []
+        self.stash_bytes: list[list[float]] = []
+        self.weight_stash_bytes: list[list[float]] = []
+        for k in range(program.num_meshes):
+            own = plan.mesh_chunks(k) if plan.chunks > 1 else (plan.stages[k],) * v
+            scale = 1.0 if plan.chunks > 1 else 1.0 / v
+            passes = [split_backward(st, B) for st in own]
+            self.phase_s.append([{"forward": p.forward_s * scale, "backward": p.backward_s * scale,
+                                  "backward_input": p.input_s * scale, "backward_weight": p.weight_s * scale}
+                                 for p in passes])
+            self.act_bytes.append([st.activation_bytes * scale for st in own])
+            self.stash_bytes.append([p.stash_bytes * scale for p in passes])
+            self.weight_stash_bytes.append([p.weight_stash_bytes * scale for p in passes])
         self.alpha = [max((c.latency_s for c in r.copies), default=0.0) for r in routes]
         self.net = FluidNetwork(links.capacities) if links is not None and not free and links.names else None
         self.link_names = links.names if links is not None else []
         self.channels: dict[tuple[int, int], _Channel] = {}
         self.events: list[Event] = []
-        self.update_bytes = [float((st.memory or {}).get("update_bytes", 0.0)) for st in plan.stages]
-        self.memory: list[list[tuple[float, float]]] = [[(0.0, st.params_bytes)] for st in plan.stages]
-        self.mem = [st.params_bytes for st in plan.stages]
-        self.held: list[dict[tuple, float]] = [{} for _ in plan.stages]
+        # Per mesh: its chunks' states, gradient syncs and optimizer steps (one after another).
+        self.mesh_stages = [plan.mesh_chunks(k) for k in range(program.num_meshes)]
+        self.params_bytes = [sum(st.params_bytes for st in own) for own in self.mesh_stages]
+        self.sync_s = [sum(st.sync_s for st in own) for own in self.mesh_stages]
+        self.update_bytes = [max(float((st.memory or {}).get("update_bytes", 0.0)) for st in own)
+                             for own in self.mesh_stages]
+        self.memory: list[list[tuple[float, float]]] = [[(0.0, b)] for b in self.params_bytes]
+        self.mem = list(self.params_bytes)
+        self.held: list[dict[tuple, float]] = [{} for _ in self.mesh_stages]
         self.flows: dict[int, tuple] = {}
         self.next_flow = 0
         self.pc = [0] * program.num_meshes
@@ -131,7 +144,9 @@ class _Engine:
         self.cross_bytes = self.inter_bytes = 0.0
         # Gradient buckets overlapping the last backward of each mesh (module doc): on a
         # stream of their own, so not with shared executors (one driver blocks on each).
-        self.overlap = [bool(overlap and executors is None and st.sync_buckets) for st in plan.stages]
+        # A plan cut into chunks syncs each mesh's chunks after its last backward, as one.
+        self.overlap = [bool(overlap and executors is None and plan.chunks == 1 and st.sync_buckets)
+                        for st in plan.meshes]
         self.last_backward = [max((pc for pc, ins in enumerate(mesh) if type(ins) is Run and ins.phase in LAST_USE),
                                   default=-1) for mesh in program.meshes]
         self.stream_done: list[simpy.Event | None] = [None] * program.num_meshes
@@ -228,15 +243,17 @@ class _Engine:
 
     def _mesh(self, k: int) -> Iterator[simpy.Event]:
         env, track, held = self.env, f"mesh{k}", self.held[k]
-        phase_s, act, stash = self.phase_s[k], self.act_bytes[k], self.stash_bytes[k]
-        transient = act - stash              # on top of the stash while a run is at its peak
-        kept = self.weight_stash_bytes[k]    # what a split backward's W still reads after B
+        phase_chunks, act_chunks, stash_chunks = self.phase_s[k], self.act_bytes[k], self.stash_bytes[k]
+        kept_chunks = self.weight_stash_bytes[k]    # what a split backward's W still reads after B
         live: dict[tuple[int, int], float] = {}   # (microbatch, chunk) -> its stash now
         transfers = self.program.transfers
         for pc, ins in enumerate(self.program.meshes[k]):
             self.pc[k] = pc
             kind = type(ins)
             if kind is Run:
+                c = ins.chunk
+                phase_s, act, stash, kept = phase_chunks[c], act_chunks[c], stash_chunks[c], kept_chunks[c]
+                transient = act - stash          # on top of the stash while a run is at its peak
                 req = yield from self._acquire()
                 # A run's working set beyond the stash: the whole activations in F, the
                 # transient in a backward or B; W works on what B kept, already counted.
@@ -301,13 +318,13 @@ class _Engine:
                     held[key] = held.get(key, 0.0) + route.buffer_bytes
                     self._sample(k, route.buffer_bytes)
             elif kind is Free:
-                self._sample(k, -live.pop((ins.microbatch, ins.chunk), stash))
+                self._sample(k, -live.pop((ins.microbatch, ins.chunk), stash_chunks[ins.chunk]))
             elif kind is GradSync:
                 req = yield from self._acquire()
-                stage = self.plan.stages[k]
-                start, d = env.now, stage.sync_s + self.dispatch_s
+                start, d = env.now, self.sync_s[k] + self.dispatch_s
                 if self.overlap[k] and self.stream_done[k] is not None:
                     yield self.stream_done[k]           # the buckets still running after the backward
+                    stage = self.plan.stages[k]
                     d = stage.sync_s - stage.grad_sync_s + self.dispatch_s
                 working = self.update_bytes[k]          # the optimizer step's own copies
                 if working:
@@ -360,8 +377,8 @@ def simulate(plan: PipelinePlan, schedule: str | Program | None = None, *, chunk
     if schedule is None:
         schedule = plan.schedule
     program = schedule if isinstance(schedule, Program) else build_program(plan, schedule, chunks=chunks)
-    if program.num_meshes != len(plan.stages):
-        raise ValueError(f"program has {program.num_meshes} meshes but the plan {len(plan.stages)} stages")
+    if program.num_meshes != plan.num_meshes:
+        raise ValueError(f"program has {program.num_meshes} meshes but the plan {plan.num_meshes}")
     if cluster is None:
         cluster = plan_cluster(plan)
         if cluster is None and not free_communication:
@@ -372,8 +389,8 @@ def simulate(plan: PipelinePlan, schedule: str | Program | None = None, *, chunk
     ends = engine.run()
     meshes = tuple(MeshInfo(k, tuple(st.devices),
                             tuple(sorted({cluster.node_of(d) for d in st.devices})) if cluster else (),
-                            st.params_bytes, tuple(cluster.node_of(d) for d in st.devices) if cluster else ())
-                   for k, st in enumerate(plan.stages))
+                            engine.params_bytes[k], tuple(cluster.node_of(d) for d in st.devices) if cluster else ())
+                   for k, st in enumerate(plan.meshes))
     used = sorted(engine.used_links)
     notes = ()
     fallback = sum(1 for r, t in zip(routes, program.transfers) if not r.planned and t.nbytes > 0)

@@ -91,7 +91,7 @@ class LinkTable:
 def _pieces(t: StageTransfer, plan: PipelinePlan, method: str, node_of
             ) -> tuple[list[tuple[int, int, float, float]], list[tuple[tuple[int, ...], float]], bool]:
     """(copies as (src, dst, wire bytes, data bytes), gathers as (devices, bytes), planned)."""
-    src, dst = plan.stages[t.src_stage], plan.stages[t.dst_stage]
+    src, dst = _stage(plan, t.src_stage, t.src_chunk), _stage(plan, t.dst_stage, t.dst_chunk)
     itemsize = DTYPE_BYTES.get(t.dtype)
     p = _cross_mesh(t, src, dst, itemsize, method, node_of)
     if p is not None:
@@ -101,6 +101,12 @@ def _pieces(t: StageTransfer, plan: PipelinePlan, method: str, node_of
     wire = SIGNAL_BYTES if method == "signal" else share
     copies = [(src.devices[j % len(src.devices)], d, wire, share) for j, d in enumerate(dst.devices)]
     return copies, [], False
+
+
+def _stage(plan: PipelinePlan, mesh: int, chunk: int):
+    """The plan stage that runs `chunk` on `mesh`: its own in a plan cut into chunks
+    (each chunk may view the mesh's devices as another logical mesh), else the mesh's."""
+    return plan.stages[chunk * plan.num_meshes + mesh] if plan.chunks > 1 else plan.stages[mesh]
 
 
 def _cross_mesh(t: StageTransfer, src, dst, itemsize: int | None, method: str, node_of):

@@ -55,6 +55,13 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 
 from alpasim.solvers import PipelinePlan, PlanFormatError, PlanTransfer
+from alpasim.solvers._pipeline_orders import (
+    Order,
+    gpipe_order,
+    interleaved_order,
+    one_f_one_b_order,
+    zb_h1_order,
+)
 
 from ._phases import PassTimes, split_backward
 from ._program import (
@@ -71,85 +78,6 @@ from ._program import (
     StageTransfer,
     Update,
 )
-
-Order = list[tuple[str, int, int]]  # (phase, microbatch, chunk) in the order one mesh runs them
-
-
-# ------------------------------------------------------------------ run orders
-def gpipe_order(num_stages: int, microbatches: int, stage: int) -> Order:
-    """All forwards in microbatch order, then all backwards in reverse order."""
-    del num_stages, stage
-    return ([("forward", m, 0) for m in range(microbatches)]
-            + [("backward", m, 0) for m in reversed(range(microbatches))])
-
-
-def one_f_one_b_order(num_stages: int, microbatches: int, stage: int) -> Order:
-    """PipeDream-flush: min(S-1-i, B) warm-up forwards, then 1F1B pairs, then drain."""
-    warmup = min(num_stages - 1 - stage, microbatches)
-    order: Order = [("forward", m, 0) for m in range(warmup)]
-    for k in range(microbatches - warmup):
-        order += [("forward", warmup + k, 0), ("backward", k, 0)]
-    order += [("backward", m, 0) for m in range(microbatches - warmup, microbatches)]
-    return order
-
-
-def interleaved_order(num_stages: int, microbatches: int, stage: int, chunks: int) -> Order:
-    """Megatron-core's interleaved 1F1B for mesh `stage` with `chunks` model chunks."""
-    if chunks == 1:
-        return one_f_one_b_order(num_stages, microbatches, stage)
-    # The k-th forward a mesh runs is table[k]: microbatches in groups, each group
-    # through chunk 0, then chunk 1, ...; the k-th backward walks the chunks in reverse.
-    # Groups hold S microbatches, the last one also the remainder of B / S: a last group
-    # smaller than S (Megatron-core's choice) deadlocks, e.g. S=4, B=5, v=3.
-    sizes = [num_stages] * (microbatches // num_stages) or [microbatches]
-    sizes[-1] += microbatches - sum(sizes)
-    table, first = [], 0
-    for size in sizes:
-        table += [(m, c) for c in range(chunks) for m in range(first, first + size)]
-        first += size
-    total = len(table)
-    warmup = min(2 * (num_stages - 1 - stage) + (chunks - 1) * sizes[0], total)
-
-    def fwd(k: int) -> tuple[str, int, int]:
-        return "forward", table[k][0], table[k][1]
-
-    def bwd(k: int) -> tuple[str, int, int]:
-        return "backward", table[k][0], chunks - 1 - table[k][1]
-
-    order = [fwd(k) for k in range(warmup)]
-    for k in range(total - warmup):
-        order += [fwd(warmup + k), bwd(k)]
-    order += [bwd(k) for k in range(total - warmup, total)]
-    return order
-
-
-def zb_h1_order(num_stages: int, microbatches: int, stage: int) -> Order:
-    """ZB-H1 (Qi et al., ICLR 2024, sec. 3.1) for stage i: 1F1B's S - 1 - i warm-up
-    forwards, then i forward / input-gradient pairs whose weight gradients wait, then
-    forward, input gradient and the oldest waiting weight gradient in turn, and the
-    rest drained in that order. Stage i holds at most S - i microbatches between F and
-    B, as under 1F1B, and i more waiting for W."""
-    S, B = num_stages, microbatches
-    order: Order = []
-    f = b = w = 0
-
-    def run(phase: str, m: int) -> int:
-        order.append((phase, m, 0))
-        return m + 1
-
-    for _ in range(min(S - 1 - stage, B)):
-        f = run("forward", f)
-    for _ in range(stage):
-        if f < B:
-            f, b = run("forward", f), run("backward_input", b)
-    while f < B:
-        f, b, w = run("forward", f), run("backward_input", b), run("backward_weight", w)
-    while b < B:
-        b, w = run("backward_input", b), run("backward_weight", w)
-    while w < B:
-        w = run("backward_weight", w)
-    return order
-
 
 def zero_bubble_greedy(passes: Sequence[PassTimes], microbatches: int, limits: Sequence[int],
                        alive: int) -> tuple[list[Order], float]:
@@ -254,6 +182,8 @@ def _boundary_tensors(base: Sequence[StageTransfer]) -> list[StageTransfer]:
 
 def stage_transfers(plan: PipelinePlan, chunks: int = 1) -> tuple[StageTransfer, ...]:
     """Every cross-mesh tensor of one iteration, with chunks and control messages (module doc)."""
+    if plan.chunks > 1:
+        return _chunk_transfers(plan)
     S, v = len(plan.stages), chunks
     base = [_plan_transfer(t) for t in plan.transfers]
     boundary = _boundary_tensors(base)
@@ -271,7 +201,25 @@ def stage_transfers(plan: PipelinePlan, chunks: int = 1) -> tuple[StageTransfer,
         for c in range(v - 1):  # mesh S-1 chunk c -> mesh 0 chunk c+1, and the cotangents back
             out += _wrap_around(boundary, S, "forward", c)
             out += _wrap_around(boundary, S, "backward", c)
-    # Every boundary between consecutive virtual stages needs a dependency both ways.
+    return tuple(_with_controls(out, S, v))
+
+
+def _chunk_transfers(plan: PipelinePlan) -> tuple[StageTransfer, ...]:
+    """The transfers of a plan cut into chunks: each between two of its chunks
+    (virtual stages j = chunk * S + mesh), as the planner listed them."""
+    S, v = plan.num_meshes, plan.chunks
+    out = []
+    for t in plan.transfers:
+        (c0, k0), (c1, k1) = divmod(t.src_stage, S), divmod(t.dst_stage, S)
+        out.append(StageTransfer(t.tensor, t.shape, t.dtype, t.nbytes, k0, k1, t.direction, t.per_iteration,
+                                 t.src_spec, t.dst_spec, c0, c1))
+    return tuple(_with_controls(out, S, v))
+
+
+def _with_controls(out: list[StageTransfer], S: int, v: int) -> list[StageTransfer]:
+    """`out` and a zero-byte control message wherever two consecutive virtual stages on
+    different meshes have no tensor between them in a direction (each needs a dependency
+    both ways)."""
     have = {(t.src_stage, t.src_chunk, t.dst_stage, t.dst_chunk, t.direction) for t in out if not t.per_iteration}
     for j in range(S * v - 1):
         (c0, k0), (c1, k1) = divmod(j, S), divmod(j + 1, S)
@@ -281,7 +229,7 @@ def stage_transfers(plan: PipelinePlan, chunks: int = 1) -> tuple[StageTransfer,
             out.append(StageTransfer("<control>", (), "", 0.0, k0, k1, "forward", src_chunk=c0, dst_chunk=c1))
         if (k1, c1, k0, c0, "backward") not in have:
             out.append(StageTransfer("<control>", (), "", 0.0, k1, k0, "backward", src_chunk=c1, dst_chunk=c0))
-    return tuple(out)
+    return out
 
 
 def _wrap_around(boundary: Sequence[StageTransfer], S: int, direction: str, chunk: int) -> list[StageTransfer]:
@@ -344,16 +292,21 @@ def program_from_orders(plan: PipelinePlan, schedule: str, orders: Sequence[Orde
         ins += [Recv(i, WHOLE_ITERATION, transfers[i].src_stage, k) for i in last_recvs[k]]
         ins += [GradSync(k), Update(k)]
         meshes.append(tuple(ins))
-    return Program(schedule, plan.microbatches, chunks, tuple(tuple(s.devices) for s in plan.stages),
+    return Program(schedule, plan.microbatches, chunks, tuple(tuple(s.devices) for s in plan.meshes),
                    tuple(meshes), transfers)
 
 
-def check_plan(plan: PipelinePlan) -> tuple[int, int]:
-    """(S, B) of a plan the simulator can run; else a `PlanFormatError` naming the field."""
+def check_plan(plan: PipelinePlan, schedule: str | None = None) -> tuple[int, int]:
+    """(S meshes, B) of a plan the simulator can run; else a `PlanFormatError` naming
+    the field. A plan cut into chunks per mesh (`plan.chunks` > 1) runs the interleaved
+    schedule only: the others run one stage per mesh."""
     if not plan.stages:
         raise PlanFormatError("plan field 'stages' is empty (an infeasible plan cannot be simulated)")
     if plan.microbatches < 1:
         raise PlanFormatError(f"plan field 'microbatches' must be >= 1, got {plan.microbatches}")
+    if plan.chunks > 1 and schedule is not None and schedule != "interleaved":
+        raise PlanFormatError(f"the plan runs {plan.chunks} model chunks on each of its {plan.num_meshes} meshes: "
+                              f"it runs the interleaved schedule, not {schedule!r}")
     seen: dict[int, int] = {}
     for i, st in enumerate(plan.stages):
         if not st.devices:
@@ -364,41 +317,47 @@ def check_plan(plan: PipelinePlan) -> tuple[int, int]:
         for d in st.devices:
             if isinstance(d, bool) or not isinstance(d, int) or d < 0:
                 raise PlanFormatError(f"plan stages[{i}]: field 'devices' holds {d!r}, not a device id")
-            if d in seen:
-                raise PlanFormatError(f"plan stages[{i}]: device {d} is also in stages[{seen[d]}]")
-            seen[d] = i
+            if i < plan.num_meshes:      # later chunks share their mesh's devices (checked by the plan)
+                if d in seen:
+                    raise PlanFormatError(f"plan stages[{i}]: device {d} is also in stages[{seen[d]}]")
+                seen[d] = i
         for name in ("forward_s", "backward_s", "compute_s", "sync_s", "time_s"):
             value = getattr(st, name)
             if not math.isfinite(value) or value < 0:
                 raise PlanFormatError(f"plan stages[{i}]: field {name!r} must be finite and >= 0, got {value!r}")
-    return len(plan.stages), plan.microbatches
+    return plan.num_meshes, plan.microbatches
 
 
 def gpipe(plan: PipelinePlan) -> Program:
-    S, B = check_plan(plan)
+    S, B = check_plan(plan, "gpipe")
     return program_from_orders(plan, "gpipe", [gpipe_order(S, B, k) for k in range(S)])
 
 
 def one_f_one_b(plan: PipelinePlan) -> Program:
-    S, B = check_plan(plan)
+    S, B = check_plan(plan, "1f1b")
     return program_from_orders(plan, "1f1b", [one_f_one_b_order(S, B, k) for k in range(S)])
 
 
 def interleaved_1f1b(plan: PipelinePlan, chunks: int = 2) -> Program:
-    S, B = check_plan(plan)
+    """Interleaved 1F1B: of a plan cut into chunks (`plan.chunks` > 1) with its own
+    chunks, whatever `chunks` says; else of the plan's stages each imagined as
+    `chunks` equal chunks (module doc)."""
+    S, B = check_plan(plan, "interleaved")
+    if plan.chunks > 1:
+        chunks = plan.chunks
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"interleaved schedule: chunks must be an integer >= 1, got {chunks!r}")
     return program_from_orders(plan, "interleaved", [interleaved_order(S, B, k, chunks) for k in range(S)], chunks)
 
 
 def zb_h1(plan: PipelinePlan) -> Program:
-    S, B = check_plan(plan)
+    S, B = check_plan(plan, "zb-h1")
     return program_from_orders(plan, "zb-h1", [zb_h1_order(S, B, k) for k in range(S)])
 
 
 def zb_h2(plan: PipelinePlan) -> Program:
     """ZB-H2 on the plan's own pass times (module doc)."""
-    S, B = check_plan(plan)
+    S, B = check_plan(plan, "zb-h2")
     orders, _ = zero_bubble_greedy([split_backward(st, B) for st in plan.stages], B, *zb_h2_limits(S))
     return program_from_orders(plan, "zb-h2", orders)
 

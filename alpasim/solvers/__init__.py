@@ -52,6 +52,7 @@ from ._cache import cache_dir as cache_dir
 from ._workers import WorkerPool as WorkerPool
 from ._workers import worker_pool as worker_pool
 from ._inter_op import DEFAULT_MAX_STAGES as DEFAULT_MAX_STAGES
+from ._inter_op import PLANNER_SCHEDULES as PLANNER_SCHEDULES
 from ._inter_op import PlanInfeasible as PlanInfeasible
 from ._inter_op import microbatch_candidates as microbatch_candidates
 from ._inter_op import plan_pipeline as plan_pipeline

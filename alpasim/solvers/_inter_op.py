@@ -47,7 +47,8 @@ from ._stage_costs import (
     stage_sync,
 )
 from ._boundary import stage_boundary_s
-from ._stage_dp import DPResult, bubble_fraction, equal_layer_dp, stage_dp
+from ._interleave import DEFAULT_CHUNK_OPTIONS, InterleavedChoice, interleaved_dp
+from ._stage_dp import DPResult, StageBoundary, StageChoice, bubble_fraction, equal_layer_dp, stage_dp
 from ._submesh import place_submeshes
 
 GIB = 2 ** 30
@@ -66,6 +67,8 @@ AUTO_MICROBATCH_SIZES = (32, 16, 8, 4, 2, 1)
 # An imported graph (one layer) is clustered into this many layers at most when no
 # `layers` is given (`default_graph_layers`).
 DEFAULT_GRAPH_LAYERS = 8
+# What `plan_pipeline(schedule=...)` searches: the paper's 1F1B DP, interleaved chunks, or both.
+PLANNER_SCHEDULES = ("1f1b", "interleaved", "auto")
 UNIT_TAGS_FIRST = frozenset({"embedding", "stem"})
 UNIT_TAGS_LAST = frozenset({"head"})
 
@@ -187,7 +190,8 @@ def plan_pipeline(model: str | ModelSource, cluster: Cluster, *, microbatches: i
                   pareto: bool = True, price_boundaries: bool = True,
                   cost_model: CostModel | None = None, precision: str | None = None,
                   microbatch_multiple: int = 1, recompute: str = "none",
-                  bucket_bytes: float | None = DEFAULT_BUCKET_BYTES) -> PipelinePlan:
+                  bucket_bytes: float | None = DEFAULT_BUCKET_BYTES, schedule: str = "1f1b",
+                  chunk_options: Sequence[int] = DEFAULT_CHUNK_OPTIONS) -> PipelinePlan:
     """Plan `model` on `cluster`; `recompute` is the training graph's policy for what
     the backward recomputes (`graphs.training_graph`); `layers` re-clusters the forward ops into that many
     layers with the eq. 6 DP instead of the zoo's blocks (planning units).
@@ -211,7 +215,15 @@ def plan_pipeline(model: str | ModelSource, cluster: Cluster, *, microbatches: i
 
     `bucket_bytes`: weight gradients reduced in buckets of this size, overlapped with
     the last microbatch's backward (`costmodels._overlap`); None runs each gradient's
-    collective after the backward, as the paper's accounting does (`--no-overlap`)."""
+    collective after the backward, as the paper's accounting does (`--no-overlap`).
+
+    `schedule`: "1f1b" (the paper's DP), "interleaved" (the fastest interleaved plan,
+    `_interleave`, with a chunk count from `chunk_options`, at any microbatch count
+    the 1F1B search evaluated) or "auto" (whichever of the two predicts less)."""
+    if schedule not in PLANNER_SCHEDULES:
+        raise ValueError(f"unknown planner schedule {schedule!r}; choose one of {', '.join(PLANNER_SCHEDULES)}")
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < 2 for v in chunk_options) or not chunk_options:
+        raise ValueError(f"chunks per mesh must be integers >= 2, got {list(chunk_options)}")
     if bucket_bytes is not None and not (math.isfinite(bucket_bytes) and bucket_bytes > 0):
         raise ValueError(f"the gradient bucket must be a finite number of bytes > 0, got {bucket_bytes!r}")
     t0 = time.perf_counter()
@@ -286,13 +298,43 @@ def plan_pipeline(model: str | ModelSource, cluster: Cluster, *, microbatches: i
                                                               cost_model_key(cost_model))
     search = SearchStats(time.perf_counter() - t0, jobs, hits, tuple(sorted(c.microbatches for c in candidates)),
                          int(best.dp.candidates_evaluated), priced_by)
+    interleaved = auto_note = None
+    if schedule != "1f1b":
+        boundary = None
+        for c in candidates:
+            if boundary is None and price_boundaries:
+                boundary = stage_boundary_s(c.graph, cluster)
+            r = search_interleaved(c, cluster, chunk_options, max_stages=max_stages, epsilon=epsilon,
+                                   boundary=boundary if price_boundaries else None)
+            if r is not None and (interleaved is None or r.latency_s < interleaved[1].latency_s):
+                interleaved = (c, r)
+            boundary = None      # each candidate's graph has its own cut sizes
+        if interleaved is None and schedule == "interleaved":
+            raise PlanInfeasible(f"no interleaved plan of {name} with {', '.join(map(str, chunk_options))} chunks "
+                                 f"per mesh fits {cluster.num_devices} x {cluster.device.name} "
+                                 f"({cluster.device.memory_bytes / GIB:.1f} GiB per device)", float("nan"))
+        if interleaved is None:
+            said = "no interleaved plan fits"
+        else:
+            c, r = interleaved
+            said = (f"interleaved ({r.chunks} chunks on {len(r.stages) // r.chunks} meshes, B={c.microbatches}) "
+                    f"predicts {r.latency_s:.4g} s")
+        said += f", 1F1B (B={best.microbatches}) {best.dp.latency_s:.4g} s" if best.dp.stages else ", no 1F1B plan fits"
+        if interleaved is not None and (schedule == "interleaved" or not best.dp.stages
+                                        or interleaved[1].latency_s < best.dp.latency_s):
+            search = dataclasses.replace(search, seconds=time.perf_counter() - t0)
+            plan = _assemble_plan(source, dtype, cluster, interleaved[0], candidates, search, remat, method, recipe,
+                                  interleaved[1])
+            return dataclasses.replace(plan, notes=(*plan.notes, f"schedule interleaved: {said}"))
+        auto_note = f"schedule 1f1b: {said}"
     if not best.dp.stages:
         need, why = min((memory_bound(c, cluster.num_devices) for c in candidates), key=lambda x: x[0])
         raise PlanInfeasible(
             f"does not fit: no plan of {name} on {cluster.num_devices} x {cluster.device.name} fits in "
             f"{cluster.device.memory_bytes / GIB:.1f} GiB per device; every plan needs at least {need / GIB:.1f} "
             f"GiB per device: {why}", need)
-    return _assemble_plan(source, dtype, cluster, best, candidates, search, remat, method, recipe)
+    plan = _assemble_plan(source, dtype, cluster, best, candidates, search, remat, method, recipe)
+    return dataclasses.replace(plan, notes=(*plan.notes, auto_note)) if schedule != "1f1b" else plan
 
 
 def memory_bound(c: Candidate, num_devices: int) -> tuple[float, str]:
@@ -341,70 +383,139 @@ def _least_first_stage(costs: StageCosts, last: int, shape: int, depth: int, mic
 
 def _assemble_plan(source: ModelSource, dtype: str, cluster: Cluster, best: Candidate,
                    candidates: Sequence[Candidate], search: SearchStats, remat: bool, method: str,
-                   recipe) -> PipelinePlan:
+                   recipe, interleaved: InterleavedChoice | None = None) -> PipelinePlan:
+    """The plan of `best`'s DP result, or of `interleaved` (its chunks on S meshes of one shape)."""
     costs, dp, b = best.costs, best.dp, best.microbatches
-    shapes = [costs.shapes[st.shape] for st in dp.stages]
-    placed = place_submeshes(shapes, cluster.nodes, cluster.devices_per_node, runs=dp.runs or None)
-    n_stages = len(dp.stages)
+    if interleaved is None:
+        choices = dp.stages
+        shapes = [costs.shapes[st.shape] for st in choices]
+        placed = place_submeshes(shapes, cluster.nodes, cluster.devices_per_node, runs=dp.runs or None)
+        depths = [len(choices) - idx for idx in range(len(choices))]
+        inflight = [min(s, b) for s in depths]
+        chunks = 1
+    else:
+        choices, chunks = interleaved.stages, interleaved.chunks
+        meshes = len(choices) // chunks
+        shape = costs.shapes[interleaved.shape]
+        placed = place_submeshes([shape] * meshes, cluster.nodes, cluster.devices_per_node)
+        placed = [placed[j % meshes] for j in range(len(choices))]
+        shapes = [shape] * len(choices)
+        depths, inflight = list(interleaved.depths), list(interleaved.inflight)
     stages = []
     chosen: dict[int, LayerOption] = {}      # layer -> the option its stage runs
-    for idx, (st, devices) in enumerate(zip(dp.stages, placed)):
-        s = n_stages - idx
-        view = int(costs.view[st.first, st.last, st.shape, s - 1])
-        j = int(costs.option[st.first, st.last, st.shape, s - 1])
-        _, logical, _ = costs.meshes[view]
-        compute = sync = forward = grad_sync = weight_s = weight_bytes = 0.0
-        param_specs: dict[str, str] = {}
-        heavy: list[dict] = []
-        kinds_shown: set[str] = set()
-        stage_opts: list[LayerOption] = []
-        layer_specs: list[dict[str, str]] = []
-        for layer in range(st.first, st.last + 1):
-            kind = costs.layer_kind[layer]
-            opts = costs.options[(kind, view)]
-            o = chosen[layer] = opts[min(j, len(opts) - 1)]
-            stage_opts.append(o)
-            compute += o.busy_s(costs.bucket_bytes is not None)
-            forward += o.forward_s
-            sync += o.sync_s
-            grad_sync += o.grad_sync_s
-            weight_s += o.weight_grad_s
-            weight_bytes += o.weight_stash_bytes
-            layer_graph = costs.layer_graphs[layer]
-            layer_specs.append(layer_tensor_specs(layer_graph, o))
-            for p, spec in zip(canonical_params(layer_graph), o.param_specs):
-                param_specs[p] = spec
-            if kind not in kinds_shown:  # the heaviest ops of each distinct layer kind
-                kinds_shown.add(kind)
-                for i, strategy, out in o.heavy[:3]:
-                    op = layer_graph.ops[i]
-                    heavy.append({"op": op.name, "equation": op.param("equation") or op.prim,
-                                  "strategy": strategy, "output": out})
-        inflight = min(s, b)
-        mem = stage_memory_of(costs, st.first, st.last, view, stage_opts, inflight)
-        buckets, exposed = stage_sync(stage_opts, costs.meshes[view][2], costs.bucket_bytes)
-        stages.append(PipelineStage((st.first, st.last), tuple(devices), (shapes[idx].n, shapes[idx].m),
-                                    tuple(logical), float(st.cost_s), mem.total_bytes, inflight, compute, sync,
-                                    mem.persistent_bytes + mem.buffer_bytes, mem.activation_bytes, j,
-                                    param_specs, tuple(heavy), forward, compute - forward, mem.stash_bytes,
-                                    float(st.boundary_s), mem.to_json(),
-                                    tuple(layer_specs) if all(layer_specs) else (), grad_sync, buckets, exposed,
-                                    min(weight_s, compute - forward), weight_bytes))
+    for idx, (st, devices) in enumerate(zip(choices, placed)):
+        stages.append(_plan_stage(costs, st, depths[idx], inflight[idx], devices, shapes[idx], chosen))
     flops = flops_by_kind(best.graph)["matmul"] * b
-    iteration = dp.latency_s
+    if interleaved is None:
+        iteration = dp.latency_s
+        peak = max(s.memory_bytes for s in stages)
+        bubble = bubble_fraction([s.time_s for s in stages], b)
+    else:
+        iteration = interleaved.latency_s
+        peak = max(interleaved.mesh_bytes)
+        bubble = 1.0 - b * sum(s.time_s for s in stages) / (len(placed) // chunks * iteration)
     predicted = Prediction(iteration, flops / iteration / cluster.num_devices / 1e12, flops / iteration / 1e15,
-                           max(s.memory_bytes for s in stages), bubble_fraction([s.time_s for s in stages], b))
+                           peak, bubble)
     runner_ups = [RunnerUp(c.microbatches, c.dp.latency_s if c.dp.stages else None,
                            tuple((s.first, s.last, str(c.costs.shapes[s.shape])) for s in c.dp.stages))
-                  for c in candidates if c is not best]
+                  for c in candidates if c is not best or interleaved is not None]
     batch = source.global_batch
     model = PlanModel(source.name, source.family, batch, best.graph.num_params(), flops, batch // b,
                       best.graph.num_layers, remat, best.graph.meta.get("recompute", "none"), recipe.name, dtype,
                       recipe.bytes_per_param(dtype), source.record())
     cl = plan_cluster_info(cluster)
-    transfers = stage_transfers(best.graph, costs.layer_graphs, chosen, [(s.first, s.last) for s in dp.stages])
-    return PipelinePlan(model, cl, method, True, b, tuple(stages), predicted, search, "1f1b", tuple(runner_ups),
-                        transfers=transfers)
+    transfers = stage_transfers(best.graph, costs.layer_graphs, chosen, [(s.first, s.last) for s in choices])
+    schedule = "1f1b" if interleaved is None else "interleaved"
+    return PipelinePlan(model, cl, method, True, b, tuple(stages), predicted, search, schedule, tuple(runner_ups),
+                        transfers=transfers, chunks=chunks)
+
+
+def _plan_stage(costs: StageCosts, st: StageChoice, depth: int, inflight: int, devices: Sequence[int],
+                shape, chosen: dict[int, LayerOption]) -> PipelineStage:
+    """One stage (or chunk) of a plan: layers st.first..st.last on `devices`, running the
+    options the table holds at `depth` (stages from here), with `inflight` microbatches
+    of it in flight; records each layer's option in `chosen`."""
+    view = int(costs.view[st.first, st.last, st.shape, depth - 1])
+    j = int(costs.option[st.first, st.last, st.shape, depth - 1])
+    _, logical, _ = costs.meshes[view]
+    compute = sync = forward = grad_sync = weight_s = weight_bytes = 0.0
+    param_specs: dict[str, str] = {}
+    heavy: list[dict] = []
+    kinds_shown: set[str] = set()
+    stage_opts: list[LayerOption] = []
+    layer_specs: list[dict[str, str]] = []
+    for layer in range(st.first, st.last + 1):
+        kind = costs.layer_kind[layer]
+        opts = costs.options[(kind, view)]
+        o = chosen[layer] = opts[min(j, len(opts) - 1)]
+        stage_opts.append(o)
+        compute += o.busy_s(costs.bucket_bytes is not None)
+        forward += o.forward_s
+        sync += o.sync_s
+        grad_sync += o.grad_sync_s
+        weight_s += o.weight_grad_s
+        weight_bytes += o.weight_stash_bytes
+        layer_graph = costs.layer_graphs[layer]
+        layer_specs.append(layer_tensor_specs(layer_graph, o))
+        for p, spec in zip(canonical_params(layer_graph), o.param_specs):
+            param_specs[p] = spec
+        if kind not in kinds_shown:  # the heaviest ops of each distinct layer kind
+            kinds_shown.add(kind)
+            for i, strategy, out in o.heavy[:3]:
+                op = layer_graph.ops[i]
+                heavy.append({"op": op.name, "equation": op.param("equation") or op.prim,
+                              "strategy": strategy, "output": out})
+    mem = stage_memory_of(costs, st.first, st.last, view, stage_opts, inflight)
+    buckets, exposed = stage_sync(stage_opts, costs.meshes[view][2], costs.bucket_bytes)
+    return PipelineStage((st.first, st.last), tuple(devices), (shape.n, shape.m), tuple(logical),
+                         float(st.cost_s), mem.total_bytes, inflight, compute, sync,
+                         mem.persistent_bytes + mem.buffer_bytes, mem.activation_bytes, j,
+                         param_specs, tuple(heavy), forward, compute - forward, mem.stash_bytes,
+                         float(st.boundary_s), mem.to_json(),
+                         tuple(layer_specs) if all(layer_specs) else (), grad_sync, buckets, exposed,
+                         min(weight_s, compute - forward), weight_bytes)
+
+
+def chunk_memory(costs: StageCosts, st: StageChoice, depth: int):
+    """`StageMemory` of one chunk with a single microbatch in flight (its stash is per
+    microbatch; the schedule's order says how many), running the table's option at `depth`."""
+    view = int(costs.view[st.first, st.last, st.shape, depth - 1])
+    j = int(costs.option[st.first, st.last, st.shape, depth - 1])
+    opts = [costs.options[(costs.layer_kind[l], view)] for l in range(st.first, st.last + 1)]
+    return stage_memory_of(costs, st.first, st.last, view, [o[min(j, len(o) - 1)] for o in opts], 1)
+
+
+def search_interleaved(c: Candidate, cluster: Cluster, chunk_options: Sequence[int], *, max_stages: int,
+                       epsilon: float, boundary: StageBoundary | None) -> InterleavedChoice | None:
+    """The fastest interleaved plan of candidate `c` (`_interleave`): every submesh shape
+    that tiles the cluster into 2..max_stages meshes, every chunk count in `chunk_options`."""
+    costs = c.costs
+    best = None
+    for h, shape in enumerate(costs.shapes):
+        if cluster.num_devices % shape.size:
+            continue
+        meshes = cluster.num_devices // shape.size
+        if not 2 <= meshes <= max_stages:
+            continue
+        try:
+            placed = place_submeshes([shape] * meshes, cluster.nodes, cluster.devices_per_node)
+        except ValueError:
+            continue
+        node = [cluster.node_of(d[0]) for d in placed]
+
+        def crossing(j: int, layer: int, node=node, meshes=meshes) -> float:
+            if boundary is None:
+                return 0.0
+            same = node[j % meshes] == node[(j - 1) % meshes]
+            return float((boundary.intra if same else boundary.inter)[layer])
+
+        for v in chunk_options:
+            r = interleaved_dp(costs.cost, h, meshes, v, c.microbatches,
+                               chunk_memory=lambda st, d: chunk_memory(costs, st, d),
+                               memory_limit=cluster.device.memory_bytes, boundary=crossing, epsilon=epsilon)
+            if r is not None and (best is None or r.latency_s < best.latency_s):
+                best = r
+    return best
 
 
 def stage_memory_of(costs: StageCosts, first: int, last: int, view: int, opts: Sequence[LayerOption],

@@ -48,7 +48,8 @@ from ._submesh import SubmeshShape
 
 # Options every method takes (`plan_pipeline` keywords), and those only some do.
 COMMON_OPTIONS = frozenset({"microbatches", "remat", "recompute", "precision", "cost_model", "epsilon", "cache",
-                            "map_fn", "progress", "price_boundaries", "pareto", "bucket_bytes"})
+                            "map_fn", "progress", "price_boundaries", "pareto", "bucket_bytes", "schedule",
+                            "chunk_options"})
 METHOD_OPTIONS = ("layers", "max_stages", "megatron", "distributed_optimizer", "sequence_parallel")
 
 

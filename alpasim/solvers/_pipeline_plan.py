@@ -182,7 +182,13 @@ class PipelineStage(Record):
 
 @dataclass(frozen=True, slots=True)
 class PipelinePlan(Record):
-    """Stages on submeshes, microbatches, what was predicted and how it was found."""
+    """Stages on submeshes, microbatches, what was predicted and how it was found.
+
+    `chunks` (v) > 1: an interleaved plan (Megatron-LM's virtual stages). `stages` then
+    lists the S x v model chunks in pipeline order, and chunk j runs on mesh j mod S:
+    stages j and j mod S share devices and submesh (each chunk may view them as its own
+    logical mesh). `transfers` index those chunks. With v = 1 every stage is its own mesh, as in the paper.
+    """
 
     model: PlanModel
     cluster: PlanCluster
@@ -196,17 +202,44 @@ class PipelinePlan(Record):
     runner_ups: tuple[RunnerUp, ...] = ()
     notes: tuple[str, ...] = ()
     transfers: tuple[PlanTransfer, ...] = ()    # tensors that cross stages
+    chunks: int = 1                             # model chunks per mesh (interleaved; see above)
 
     def __post_init__(self) -> None:
-        n = len(self.stages)
+        n, v = len(self.stages), self.chunks
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"chunks must be an integer >= 1, got {v!r}")
+        if v > 1:
+            if n % v or n // v < 2:
+                raise ValueError(f"an interleaved plan of {v} chunks per mesh needs a multiple of {v} stages on "
+                                 f"at least 2 meshes, got {n} stages")
+            meshes = n // v
+            for j in range(meshes, n):
+                a, b = self.stages[j], self.stages[j % meshes]
+                if (tuple(a.devices), tuple(a.submesh)) != (tuple(b.devices), tuple(b.submesh)):
+                    raise ValueError(f"stages[{j}] is chunk {j // meshes} of mesh {j % meshes}: its devices and "
+                                     f"submesh must be stages[{j % meshes}]'s")
         for i, t in enumerate(self.transfers):
             if max(t.src_stage, t.dst_stage) >= n:
                 raise ValueError(f"transfers[{i}]: stages {t.src_stage} -> {t.dst_stage} are not two of the "
                                  f"plan's {n}")
 
     @property
+    def num_meshes(self) -> int:
+        """S: the meshes the stages run on (one per stage unless interleaved)."""
+        return len(self.stages) // self.chunks
+
+    @property
+    def meshes(self) -> tuple[PipelineStage, ...]:
+        """One stage per mesh (its first chunk): devices, submesh and logical mesh."""
+        return self.stages[:self.num_meshes]
+
+    def mesh_chunks(self, k: int) -> tuple[PipelineStage, ...]:
+        """The stages (model chunks) mesh k runs, chunk 0 first."""
+        return self.stages[k::self.num_meshes]
+
+    @property
     def num_devices(self) -> int:
-        return sum(len(s.devices) for s in self.stages)
+        return sum(len(s.devices) for s in self.meshes)
 
     def partition_specs(self) -> list[dict[str, list]]:
         """Per stage: parameter -> PartitionSpec arguments (None | 'x' | ['x', 'y'] per dim)."""

@@ -10,7 +10,11 @@ which its weight gradients keep 0.5 after B. For each (S, B) it prints every
 schedule's bubble (1 - busy / (S x iteration)) and the first and last stage's peak
 activations in stashes (a running microbatch counts 1). Part 2 plans `--model` once
 per B on `--gpus` devices of aws-p3.16xlarge, one stage per device, and prints the
-same for the planner's own pass times, memory and communication.
+same for the planner's own pass times, memory and communication (there the
+interleaved column imagines each stage as 2 chunks). Part 3 plans `--model` per B
+twice with the full search (any submeshes): the DP's 1F1B plan and the planner's own
+interleaved plan (`--schedule interleaved`, the model cut into S x v chunks), and
+prints each one's simulated iteration and peak memory per device.
 """
 
 from __future__ import annotations
@@ -72,6 +76,19 @@ def main() -> None:
                              cache=DiskCache(enabled=False), shape_ok=lambda sh: sh.size == 1,
                              views_of=lambda sh: [(1, 1)])
         print(f"| {len(plan.stages)} | {b} | " + " | ".join(row(plan, False)) + " |")
+    print(f"\nPart 3: {args.model} on {args.gpus} devices, the planner's 1F1B plan against its interleaved plan "
+          "(simulated iteration, peak memory per device)\n")
+    print("| B | 1F1B plan | interleaved plan | interleaved / 1F1B |\n|---:|---|---|---:|")
+    for b in bs:
+        cells, times = [], []
+        for schedule in ("1f1b", "interleaved"):
+            plan = plan_pipeline(f"{args.model},batch={8 * max(bs)}", cluster, microbatches=b, remat=False,
+                                 schedule=schedule)
+            tl = simulate(plan)
+            times.append(tl.iteration_s)
+            cells.append(f"{plan.num_meshes} meshes x {plan.chunks}: {tl.iteration_s * 1e3:.2f} ms, "
+                         f"{max(tl.peak_mesh_memory_bytes()) / 2 ** 20:.1f} MiB")
+        print(f"| {b} | {cells[0]} | {cells[1]} | {times[1] / times[0]:.3f} |")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """The Ray runtime: one actor per mesh, each its own JAX process, running its instruction list.
 
 `run_ray(plan)` builds the same `Program` as `run_local` and starts one `MeshWorker`
-actor per mesh (`_ray_worker`); each lowers its own stage on the devices its process
-sees. The driver sends every actor its instruction list once, before the first step
+actor per mesh (`_ray_worker`); each lowers its own stage (under interleaving, each
+of its mesh's chunks) on the devices its process sees. The driver sends every actor its instruction list once, before the first step
 (Alpa's MPMD design: after that the meshes follow their lists without coordination),
 together with the peers' handles; per step it only calls `step` on all actors at once
 and collects losses, step 1's gradients and per-instruction times. Boundary tensors go

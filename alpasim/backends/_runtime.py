@@ -1,8 +1,9 @@
 """The local runtime: one process walks the simulator's `Program` over every mesh.
 
 `run_local(plan)` builds the same `Program` `alpasim simulate` runs
-(`alpasim.simulator.build_program`), lowers each stage on its devices (`lower_stage`)
-and executes the instruction lists: `Run` calls the stage's compiled forward or
+(`alpasim.simulator.build_program`), lowers each stage on its devices (`lower_stage`;
+an interleaved plan's chunks each as a stage of its own, on its mesh's devices) and
+executes the instruction lists: `Run` calls the stage's compiled forward or
 backward (under a zero-bubble schedule, its B or W program), `Send` moves tensors
 with `jax.device_put` to the receiver's `NamedSharding`, `Recv` hands them to the
 receiver, `Free` drops the stash, `GradSync` is empty (JAX reduced each microbatch's

@@ -23,8 +23,9 @@ from alpasim.solvers import PipelinePlan
 
 from ._engine import plan_cluster, simulate
 
-# What `choose_schedule` considers by default: those the simulator runs with one stage
-# per mesh (interleaving needs the model cut into S x v chunks, which a plan lacks).
+# What `choose_schedule` considers by default: those that run one stage per mesh on the
+# DP's stages (interleaving needs the model cut into S x v chunks: the planner's own
+# search, `plan_pipeline(schedule="interleaved")`, does that).
 AUTO_SCHEDULES = ("1f1b", "zb-h1", "zb-h2")
 
 

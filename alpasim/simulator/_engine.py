@@ -3,9 +3,12 @@
 Each mesh is one SimPy process walking its instruction list (seed 3.4.11: meshes
 follow static lists without a driver). Semantics:
 
-- `Run` takes the stage's forward_s or backward_s (divided by the number of chunks);
-  plans without the split use 1/3 and 2/3 of compute_s (backward ~ 2x forward). A
-  backward split into B and W takes `_phases.split_backward`'s shares of it.
+- `Run` takes the stage's forward_s or backward_s; plans without the split use 1/3
+  and 2/3 of compute_s (backward ~ 2x forward). A backward split into B and W takes
+  `_phases.split_backward`'s shares of it. Under interleaving, chunk c of mesh k is
+  plan stage c*S + k with its own times and bytes when the plan is cut into chunks
+  (`plan.chunks`); a plan of one stage per mesh has each stage imagined as v chunks
+  of 1/v of its times and bytes.
 - `Send` does not block the mesh: it waits the link latency, then starts one flow per
   point-to-point copy of the tensor's route (`_routes`) in the fluid network
   (`_network`: max-min fair sharing of every NVLink port and network card, so
@@ -23,16 +26,19 @@ follow static lists without a driver). Semantics:
   bandwidth is not shared with pipeline messages (below).
   Tensors that move once per iteration are sent after the sender's last run and
   received before its `GradSync`.
-- Memory per device of a mesh: params_bytes; a microbatch's activations reach their
-  peak (activation_bytes / chunks) while its forward or backward runs and keep only
-  its stash (stash_bytes / chunks: what backward reads of the forward, the planner's
-  eq. 5) in between, until the `Free` after its backward (a plan without stash_bytes
-  keeps the whole peak, the conservative old rule). A split backward (`_phases`)
+- Memory per device of a mesh: params_bytes (of all its chunks); a microbatch's
+  activations of a chunk reach their peak (activation_bytes) while its forward or
+  backward runs and keep only its stash (stash_bytes: what backward reads of the
+  forward, the planner's eq. 5) in between, until the `Free` after its backward (a
+  plan without stash_bytes keeps the whole peak, the conservative old rule). The
+  planner checks interleaved meshes with the same rule (`solvers._pipeline_orders.
+  order_peak_bytes`, tested equal). A backward run before its forward is an error. A split backward (`_phases`)
   holds after its B only what its W reads (weight_stash_bytes), until the `Free`
   after W; W adds no working set of its own beyond that. Plus receive buffers
   from arrival until the run (or sync) that consumes them, and during `GradSync` the
   optimizer step's working set (`stages[i].memory["update_bytes"]`, the copies Adam
-  makes when it reads or writes other layouts than stored). Devices of one mesh run
+  makes when it reads or writes other layouts than stored; the largest of a mesh's
+  chunks, whose steps run one after another). Devices of one mesh run
   SPMD and share this footprint; a buffer counts at the largest per-device share.
 
 Shared executors (`executors=N`, a model of the *runtime*, not of a GPU cluster): every
@@ -273,6 +279,9 @@ class _Engine:
                 if done:
                     self._sample(k, -done)
                 key = (ins.microbatch, ins.chunk)
+                if ins.phase != "forward" and key not in live:
+                    raise RuntimeError(f"schedule {self.program.schedule!r}: mesh {k} runs {ins.phase} of microbatch "
+                                       f"{ins.microbatch}, chunk {ins.chunk} before its forward")
                 if ins.phase == "forward":
                     live[key] = stash
                 elif ins.phase == "backward_input":       # only the weight gradients' inputs stay

@@ -132,7 +132,8 @@ class StageTransfer:
 
 @dataclass(frozen=True)
 class Program:
-    """One instruction tuple per mesh (mesh k runs plan stage k), plus the transfers.
+    """One instruction tuple per mesh (mesh k runs plan stage k, or under interleaving
+    plan stages c * S + k), plus the transfers.
 
     `devices[k]` are mesh k's global device ids; `chunks` is the number of model chunks
     per mesh (1 unless the schedule is interleaved).

@@ -11,13 +11,15 @@ in the order each mesh runs its forwards and backwards:
   min(S - i, B) microbatches in flight; with free communication and balanced stages
   it takes (S + B - 1)(t_f + t_b), eq. 2.
 - `interleaved_1f1b` (Megatron-LM's virtual stages, Narayanan et al., SC'21, sec. 2.2):
-  each mesh keeps its stage but runs it as v model chunks; chunk c of mesh k is virtual
-  stage c*S + k and takes 1/v of the stage's forward, backward and activations. The
-  plan's stages are not regrouped (a mesh keeps its devices and memory); instead the
-  model is imagined cut into S*v chunks dealt round-robin to the meshes, which is
-  Megatron's layout. Microbatches go in groups of S through all chunks (Megatron-core's
+  each mesh runs v model chunks; chunk c of mesh k is virtual stage c*S + k. A plan
+  the planner cut into chunks (`plan.chunks` = v, `solvers._interleave`) lists them
+  as its stages, each with its own times, bytes and transfers. Of a plan of one stage
+  per mesh, each stage is imagined as v chunks of 1/v of its forward, backward and
+  activations (a mesh keeps its devices and memory; the model imagined cut into S*v
+  chunks dealt round-robin to the meshes, which is Megatron's layout), a what-if the
+  runtimes cannot execute. Microbatches go in groups of S through all chunks (Megatron-core's
   schedule table; the last group also takes the remainder of B / S, one group if
-  B < S), and mesh k warms up with 2(S - 1 - k) + (v - 1)g forwards, g the first
+  B < S), and mesh k warms up with 2(S - 1 - k) + (v - 1)g forwards, g the largest
   group's size. With balanced stages, free communication and B >= S an iteration
   takes B(t_f + t_b) + (S - 1)(t_f + t_b)/v, exactly (Megatron-LM's bubble, sec.
   2.2.2): the bubble shrinks v-fold, at the price of v times as many messages.
@@ -38,9 +40,12 @@ in the order each mesh runs its forwards and backwards:
   microbatch has passed S - 1 forwards. (The paper's ZB-H2 reaches zero only without
   the flush, validating the optimizer step after the fact; not modelled.)
 
-Cross-mesh tensors come from `plan.transfers`. Adjacent stages always get a dependency:
+The fixed orders live in `solvers._pipeline_orders`, where the planner reads them too.
+
+Cross-mesh tensors come from `plan.transfers` (of a chunked plan, between its chunks:
+each mapped to its mesh and chunk). Adjacent stages always get a dependency:
 where the plan lists no tensor between them (a synthetic or old plan) a zero-byte
-control message stands in. Under interleaving, the activations between adjacent stages
+control message stands in. Under imagined interleaving, the activations between adjacent stages
 and their cotangents move at every chunk; the extra boundary from mesh S-1 back to
 mesh 0 (chunk c to c+1) carries the tensors of the boundary 0 -> 1 (transformer stages
 pass the same hidden state everywhere) in the layouts those meshes already use for it;
@@ -366,9 +371,10 @@ SCHEDULES: dict[str, Callable[..., Program]] = {"1f1b": one_f_one_b, "gpipe": gp
                                                 "zb-h1": zb_h1, "zb-h2": zb_h2}
 
 
-def build_program(plan: PipelinePlan, schedule: str = "1f1b", *, chunks: int = 2) -> Program:
-    """The `Program` of `schedule` (a name in `SCHEDULES`) for `plan`; `chunks` is used
-    by "interleaved" only."""
+def build_program(plan: PipelinePlan, schedule: str | None = None, *, chunks: int = 2) -> Program:
+    """The `Program` of `schedule` (a name in `SCHEDULES`; None: the plan's own) for
+    `plan`; `chunks` is used by "interleaved" on a plan of one stage per mesh only."""
+    schedule = plan.schedule if schedule is None else schedule
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
     if schedule == "interleaved":

@@ -40,7 +40,10 @@ def interleaved_order(num_stages: int, microbatches: int, stage: int, chunks: in
     # The k-th forward a mesh runs is table[k]: microbatches in groups, each group
     # through chunk 0, then chunk 1, ...; the k-th backward walks the chunks in reverse.
     # Groups hold S microbatches, the last one also the remainder of B / S: a last group
-    # smaller than S (Megatron-core's choice) deadlocks, e.g. S=4, B=5, v=3.
+    # smaller than S (Megatron-core's choice) deadlocks, e.g. S=4, B=5, v=3. The warm-up
+    # covers the largest group g: the last mesh's k-th backward is of a microbatch whose
+    # last-chunk forward is (v - 1)g forwards later in the table (a warm-up of the first
+    # group's size ran backwards before their forwards whenever S did not divide B).
     sizes = [num_stages] * (microbatches // num_stages) or [microbatches]
     sizes[-1] += microbatches - sum(sizes)
     table, first = [], 0
@@ -48,7 +51,7 @@ def interleaved_order(num_stages: int, microbatches: int, stage: int, chunks: in
         table += [(m, c) for c in range(chunks) for m in range(first, first + size)]
         first += size
     total = len(table)
-    warmup = min(2 * (num_stages - 1 - stage) + (chunks - 1) * sizes[0], total)
+    warmup = min(2 * (num_stages - 1 - stage) + (chunks - 1) * max(sizes), total)
 
     def fwd(k: int) -> tuple[str, int, int]:
         return "forward", table[k][0], table[k][1]

@@ -123,6 +123,22 @@ def test_ray_runs_zero_bubble_as_the_local_runtime_does(cluster, small_plan):
         assert len(names) == 3 * plan.microbatches
 
 
+def test_ray_runs_an_interleaved_plan_as_the_local_runtime_does(cluster, small_plan):
+    """A plan cut into 2 chunks per mesh: each actor lowers both of its chunks and walks
+    its interleaved list; the step equals the local runtime's and one device's."""
+    plan = small_plan("gpt", schedule="interleaved", chunk_options=(2,))
+    assert plan.chunks == 2
+    local = run_local(plan, steps=1)
+    result = run_ray(plan, steps=1)
+    np.testing.assert_allclose(result.losses, local.losses, rtol=RTOL, atol=0)
+    assert _rel_err(result.grads, local.grads) <= RTOL
+    assert check_numerics(result.losses[0], result.grads, reference_step(plan))["numerics_ok"]
+    assert [s.index for s in result.stages] == list(range(len(plan.stages)))
+    for k in range(plan.num_meshes):
+        chunks = sorted({e.chunk for e in result.timeline.events if e.track == f"mesh{k}" and e.kind == "compute"})
+        assert chunks == [0, 1]
+
+
 @pytest.mark.timeout(HANG_S)
 def test_a_receive_whose_send_never_comes_fails_within_the_timeout(cluster, small_plan):
     plan = small_plan("gpt")

@@ -116,3 +116,28 @@ def test_plan_simulate_json_adds_the_simulation(tmp_path):
     assert sim["iteration_s"] == pytest.approx(want, rel=1e-9)
     assert sim["iteration_s"] == pytest.approx(r["predicted"]["iteration_s"], rel=1e-6)
     assert sim["peak_memory_bytes"] == [pytest.approx(stage["memory_bytes"])]
+
+
+def test_plan_interleaved_writes_a_chunked_plan_the_simulator_runs(tmp_path):
+    """`plan --schedule interleaved --chunks 2`: a plan of S x 2 stages whose `simulate`
+    runs its own chunks (not 1/v of a stage); other schedules on it, and bad chunk
+    counts, are one line and exit 2."""
+    env = {**os.environ, "ALPASIM_CACHE_DIR": str(tmp_path / "cache")}
+    out = tmp_path / "plan.json"
+    model = "gpt3:hidden=64,layers=4,heads=2,seq=32,vocab=128,batch=8"
+    proc = run("plan", "--model", model, "--nodes", "1", "--devices-per-node", "4", "--microbatches", "4",
+               "--no-remat", "--schedule", "interleaved", "--chunks", "2", "--out", str(out), "--json", env=env)
+    assert proc.returncode == 0, proc.stderr
+    p = json.loads(proc.stdout)
+    assert p["schedule"] == "interleaved" and p["chunks"] == 2 and len(p["stages"]) % 2 == 0
+    meshes = len(p["stages"]) // 2
+    assert all(p["stages"][j]["devices"] == p["stages"][j % meshes]["devices"] for j in range(len(p["stages"])))
+    r = json.loads(run("simulate", str(out), "--json", "--chunks", "3").stdout)
+    assert r["schedule"] == "interleaved" and r["chunks"] == 2 and len(r["meshes"]) == meshes
+    assert r["predicted_iteration_s"] == pytest.approx(p["predicted"]["iteration_s"])
+    bad = run("simulate", str(out), "--schedule", "1f1b")
+    assert bad.returncode == 2 and "interleaved schedule, not '1f1b'" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
+    for chunks in ("1", "two", ""):
+        bad = run("plan", "--model", model, "--nodes", "1", "--schedule", "interleaved", "--chunks", chunks, env=env)
+        assert bad.returncode == 2 and "--chunks" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1

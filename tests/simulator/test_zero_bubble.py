@@ -234,16 +234,18 @@ def test_the_planner_keeps_1f1b_where_memory_forbids_zero_bubble(deep_plan):
     assert choose_schedule(plan, cluster=tight).schedule == "1f1b"
 
 
-@pytest.mark.parametrize("S, B, v", [(4, 8, 2), (4, 4, 2), (4, 12, 3), (2, 6, 2), (8, 16, 2), (4, 8, 4)])
+@pytest.mark.parametrize("S, B, v", [(4, 8, 2), (4, 4, 2), (4, 12, 3), (2, 6, 2), (8, 16, 2), (4, 8, 4), (4, 6, 2),
+                                     (3, 7, 3), (2, 5, 2)])
 def test_interleaved_peak_memory_is_its_warm_up_of_chunk_stashes(S, B, v):
     """Megatron's interleaved 1F1B: mesh i warms up with min(2(S - 1 - i) + (v - 1)g,
-    Bv - 1) chunk forwards (g the first group, S or B), each holding 1/v of the
-    stage's stash, while one more chunk runs at its peak (1/v of the activations)."""
+    Bv - 1) chunk forwards (g the largest group: S plus the remainder of B / S, or B),
+    each holding 1/v of the stage's stash, while one more chunk runs at its peak (1/v
+    of the activations)."""
     act, stash, params = 1000.0, 100.0, 5.0
     plan = synthetic_plan([1.0] * S, [2.0] * S, B, activation_bytes=act, params_bytes=params)
     plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, stash_bytes=stash) for s in plan.stages))
     tl = simulate(plan, "interleaved", chunks=v, free_communication=True)
-    g = min(S, B)
+    g = S + B % S if B >= S else B
     want = [params + act / v + min(2 * (S - 1 - i) + (v - 1) * g, B * v - 1) * stash / v for i in range(S)]
     assert tl.peak_mesh_memory_bytes() == pytest.approx(want, rel=1e-12)
 

@@ -1,0 +1,91 @@
+"""The planner's interleaved search (`solvers._interleave`): the DP over S x v chunks on
+a table with a known answer, and the planner choosing interleaving where it pays and
+refusing it where the memory its order holds does not fit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from alpasim.costmodels import StageMemory, get_cluster
+from alpasim.simulator import simulate
+from alpasim.solvers import plan_pipeline
+from alpasim.solvers._interleave import interleaved_dp
+
+GIB = 2 ** 30
+
+
+def uniform_table(layers: int, t: float, depth: int) -> np.ndarray:
+    """cost[k, i, 0, s] = (i - k + 1) t: every layer takes t, whatever the depth."""
+    k, i = np.indices((layers, layers))
+    cost = np.where(i >= k, (i - k + 1) * t, np.inf)
+    return np.repeat(cost[:, :, None, None], depth, axis=3)
+
+
+def per_layer_memory(params: float, stash: float, peak: float):
+    def memory(choice, depth):
+        n = choice.last - choice.first + 1
+        return StageMemory(n * params, 0.0, 0.0, n * stash, 1, n * (peak - stash), 0.0,
+                           n * (params + peak))
+    return memory
+
+
+@pytest.mark.parametrize("S, v, B", [(2, 2, 4), (2, 4, 2), (4, 2, 8), (3, 2, 6)])
+def test_uniform_layers_split_evenly_at_megatrons_time(S, v, B):
+    """L = 2 S v layers of t: each chunk takes two layers, and the plan's latency is
+    B v (2t) + (S - 1)(2t) when B >= S (the ramp of one chunk per mesh), or the orders'
+    own makespan below that, which a balanced 1F1B of S stages (B + S - 1) 2 v t bounds."""
+    t, L = 1.0, 2 * S * v
+    r = interleaved_dp(uniform_table(L, t, 8), 0, S, v, B, chunk_memory=per_layer_memory(1.0, 1.0, 2.0),
+                       memory_limit=np.inf)
+    assert [(c.first, c.last) for c in r.stages] == [(2 * j, 2 * j + 1) for j in range(S * v)]
+    if B >= S:
+        assert r.latency_s == pytest.approx(B * v * 2 * t + (S - 1) * 2 * t)
+    assert r.latency_s <= (B + S - 1) * 2 * v * t
+
+
+def test_a_mesh_must_hold_all_of_its_chunks():
+    """S = 2, v = 2, B = 4, two layers a chunk, each layer 1 byte of state, 1 of stash and
+    2 at its peak: mesh 0 holds its two chunks' 4 bytes of state, and at its peak (the
+    warm-up of 2(S - 1) + (v - 1) S = 4 chunk forwards, then one more running) 4 stashes
+    of 2 and one chunk at its peak of 4: 4 + 8 + 4 = 16 bytes. A limit of 16 takes that
+    even split; one byte less takes a slower, uneven one that fits; and under 5 bytes
+    (a mesh holds at least a quarter of the 8 layers' state and of their stash) none fits."""
+    table = uniform_table(8, 1.0, 8)
+    memory = per_layer_memory(1.0, 1.0, 2.0)
+    even = interleaved_dp(table, 0, 2, 2, 4, chunk_memory=memory, memory_limit=16.0)
+    assert [(c.first, c.last) for c in even.stages] == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert max(even.mesh_bytes) == pytest.approx(16.0)
+    tight = interleaved_dp(table, 0, 2, 2, 4, chunk_memory=memory, memory_limit=15.0)
+    assert max(tight.mesh_bytes) <= 15.0 and tight.latency_s > even.latency_s
+    assert interleaved_dp(table, 0, 2, 2, 4, chunk_memory=memory, memory_limit=5.0) is None
+
+
+MODEL = "gpt3:hidden=256,layers=16,heads=4,seq=128,vocab=512,batch=16"
+
+
+def test_the_planner_interleaves_where_it_pays_and_not_where_memory_forbids():
+    """Sixteen blocks on 8 devices at B = 16: interleaving 2 chunks on 8 meshes predicts
+    and simulates faster than 1F1B, so "auto" takes it. It holds more activations (each
+    mesh warms up 2(S - 1 - k) + S chunk forwards), so on a device with room for the
+    1F1B plan but not for it, "auto" keeps 1F1B: the interleaved plans that still fit
+    (fewer, larger meshes) are slower."""
+    cluster = get_cluster("aws-p3.16xlarge", nodes=1)
+    kw = dict(microbatches=16, remat=False, pareto=False)
+    one = plan_pipeline(MODEL, cluster, **kw)
+    auto = plan_pipeline(MODEL, cluster, schedule="auto", **kw)
+    assert auto.schedule == "interleaved" and auto.chunks >= 2 and len(auto.stages) == auto.chunks * auto.num_meshes
+    assert simulate(auto).iteration_s < simulate(one).iteration_s
+    peak = max(simulate(auto).peak_mesh_memory_bytes())
+    assert peak == pytest.approx(auto.predicted.peak_memory_bytes, rel=0.05)
+
+    # Room for 1F1B's peak, not for the interleaved plan's.
+    limit = (max(s.memory_bytes for s in one.stages) + auto.predicted.peak_memory_bytes) / 2
+    assert max(s.memory_bytes for s in one.stages) < limit < auto.predicted.peak_memory_bytes
+    tight = cluster.with_overrides(memory_gb=limit / GIB)
+    kept = plan_pipeline(MODEL, tight, schedule="auto", **kw)
+    assert kept.schedule == "1f1b" and kept.chunks == 1, kept.notes
+    forced = plan_pipeline(MODEL, tight, schedule="interleaved", **kw)
+    assert forced.predicted.peak_memory_bytes <= limit
+    assert max(simulate(forced).peak_mesh_memory_bytes()) <= limit * 1.05
+    assert forced.predicted.iteration_s > kept.predicted.iteration_s

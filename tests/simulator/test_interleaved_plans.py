@@ -119,3 +119,23 @@ def test_a_chunked_plan_must_share_its_meshes():
         dataclasses.replace(plan, stages=(*plan.stages[:2], moved, plan.stages[3]))
     with pytest.raises(ValueError, match="multiple of 3"):
         dataclasses.replace(plan, chunks=3)
+
+
+@settings(max_examples=40, deadline=None)
+@given(S=st.integers(1, 8), B=st.integers(1, 16), stash=sizes, extra=sizes)
+def test_the_dps_in_flight_rule_is_the_1f1b_orders_liveness(S, B, stash, extra):
+    """The stage DP prices stage i (s = S - i stages from here) with min(s, B)
+    microbatches stashed while one more runs at its peak (eq. 5): what the 1F1B order
+    holds by the shared liveness rule, and what the engine simulates."""
+    from alpasim.solvers._pipeline_orders import most_live, one_f_one_b_order
+
+    stash += 0.5
+    plan = synthetic_plan([1.0] * S, [2.0] * S, B, activation_bytes=stash + extra)
+    plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, stash_bytes=stash) for s in plan.stages))
+    peaks = simulate(plan, free_communication=True).peak_mesh_memory_bytes()
+    for i in range(S):
+        order = one_f_one_b_order(S, B, i)
+        assert most_live(order, 1) == [min(S - i, B)]
+        rule = order_peak_bytes(order, [stash], [stash + extra])
+        assert rule == pytest.approx((min(S - i, B) - 1) * stash + stash + extra)
+        assert peaks[i] == pytest.approx(rule)

@@ -17,11 +17,13 @@ from typing import Annotated, Any, NoReturn, Optional
 
 import typer
 from rich.console import Console
+from typer._click import exceptions as click_errors   # typer's own click (it vendors one)
 
 from alpasim import costmodels as cm
 from alpasim import experiments as ex
 from alpasim import graphs as gr
 from alpasim import solvers as sv
+from alpasim.units import format_bytes
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Plan, simulate and run Alpa-style parallel training.")
@@ -230,11 +232,7 @@ def fmt_flops(x: float) -> str:
     return f"{x:.3g} FLOP"
 
 
-def fmt_bytes(x: float) -> str:
-    for unit, scale in (("TiB", 2 ** 40), ("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
-        if x >= scale:
-            return f"{x / scale:.2f} {unit}"
-    return f"{x:.0f} B"
+fmt_bytes = format_bytes     # one formatter for every size the commands print (`alpasim.units`)
 
 
 @contextlib.contextmanager
@@ -243,6 +241,7 @@ def plan_map(workers: int | None, ray: bool, ray_address: str | None) -> Iterato
     of `solvers.worker_pool` processes (which die with this one; an exception or
     Ctrl-C in the block kills them at once instead of waiting for their jobs), or
     plain map for one worker."""
+    check_workers(workers)
     if ray or ray_address:
         from alpasim import backends
 
@@ -262,17 +261,27 @@ def plan_map(workers: int | None, ray: bool, ray_address: str | None) -> Iterato
 def points_map(workers: int | None, ray: bool, ray_address: str | None) -> contextlib.AbstractContextManager:
     """For commands that plan whole points (`sweep`, `reproduce`, `compare`): Ray's map
     when asked, else None (the points' own `worker_pool`)."""
+    check_workers(workers)
     return plan_map(workers, True, ray_address) if ray or ray_address else contextlib.nullcontext(None)
 
 
+def check_workers(workers: int | None) -> None:
+    """--workers: None (one per CPU) or at least 1."""
+    if workers is not None and workers < 1:
+        fail(f"--workers {workers}: must be at least 1 (or leave it out: one per CPU)")
+
+
 def parse_microbatches(text: str) -> int | str:
-    """--microbatches: a number, or 'auto' to search B jointly."""
+    """--microbatches: a positive number, or 'auto' to search B jointly."""
     if text == "auto":
         return text
     try:
-        return int(text)
+        value = int(text)
     except ValueError:
         fail(f"--microbatches {text!r}: a positive integer or 'auto'")
+    if value < 1:
+        fail(f"--microbatches {value}: must be a positive integer or 'auto'")
+    return value
 
 
 def number_list(option: str, text: str, kind: type) -> list:
@@ -323,10 +332,20 @@ def main() -> None:
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        app()
+        code = app(standalone_mode=False)
+    except click_errors.NoArgsIsHelpError as e:   # `alpasim` or a group alone: its help, as asked
+        err.print(e.ctx.get_help() if e.ctx is not None else "", markup=False, highlight=False)
+        raise SystemExit(2) from None
+    except click_errors.UsageError as e:   # unknown option, bad value, missing argument: one line, not a panel
+        where = e.ctx.command_path if e.ctx is not None else "alpasim"
+        fail(f"{e.format_message()} (`{where} --help` lists the options)")
+    except click_errors.ClickException as e:
+        fail(e.format_message())
     except Interrupted as e:
         fail("interrupted" if e.signum == signal.SIGINT else "terminated", code=128 + e.signum)
     except USER_ERRORS as e:
         fail(str(e))
     except ValueError as e:  # validation errors from configs and specs
         fail(str(e))
+    if isinstance(code, int) and code:
+        raise SystemExit(code)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from typing import Annotated, Any, Optional
 
 import typer
@@ -62,6 +64,8 @@ def intra(
         fail(f"--batch must be at least 1, got {batch}")
     if microbatches is not None and microbatches < 1:
         fail(f"--microbatches must be at least 1, got {microbatches}")
+    if time_limit is not None and not (math.isfinite(time_limit) and time_limit > 0):
+        fail(f"--time-limit {time_limit}: must be a finite number of seconds > 0")
     report = intra_report(model, shape, c, layers=layers, batch=batch, method=method, solver=solver,
                           time_limit=time_limit, compute=compute, microbatches=microbatches, recompute=recompute,
                           log=note)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -124,8 +126,10 @@ def plan(
     check_precision(precision)
     check_recompute(recompute, search=True)
     buckets = bucket_bytes(no_overlap, bucket_mb)
-    if (max_stages is not None and max_stages < 1) or not epsilon >= 0:   # `not >=`: NaN too
-        fail("--max-stages must be at least 1 and --epsilon at least 0")
+    if max_stages is not None and max_stages < 1:
+        fail(f"--max-stages {max_stages}: must be at least 1")
+    if not (math.isfinite(epsilon) and epsilon >= 0):
+        fail(f"--epsilon {epsilon}: must be a finite number >= 0")
     try:
         m = sv.get_method(method)
     except sv.UnknownMethodError:

@@ -48,6 +48,11 @@ def simulate(
     for path, option in ((trace, "--trace"), (gantt, "--gantt"), (memory_png, "--memory-png")):
         writable_file(path, option)
     p = sv.load_plan(plan_file)
+    if (schedule or p.schedule) == "interleaved" and p.chunks == 1:
+        i, st = min(enumerate(p.stages), key=lambda x: x[1].layers[1] - x[1].layers[0])
+        if chunks > st.layers[1] - st.layers[0] + 1:
+            fail(f"--chunks {chunks}: stage {i} holds {st.layers[1] - st.layers[0] + 1} layer(s); a stage cannot be "
+                 "cut into more chunks than it has layers")
     cluster, model_note = None, None
     if cost_model is not None:
         base = sim.plan_cluster(p)

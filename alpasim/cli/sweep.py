@@ -15,7 +15,8 @@ from alpasim import costmodels as cm
 from alpasim import graphs as gr
 
 from ._common import (
-    BucketOpt, JsonOpt, NoOverlapOpt, RayAddressOpt, RayOpt, app, bucket_bytes, emit_json, err, fail, method_list,
+    BucketOpt, JsonOpt, NoOverlapOpt, RayAddressOpt, RayOpt, app, bucket_bytes, check_workers, emit_json, err, fail,
+    method_list,
     number_list, out, points_map, writable_dir, writable_file, write_text,
 )
 
@@ -78,8 +79,7 @@ def sweep(
     buckets = bucket_bytes(no_overlap, bucket_mb)
     if gpus < 1:
         fail(f"--gpus must be at least 1, got {gpus}")
-    if workers is not None and workers < 1:
-        fail(f"--workers must be at least 1, got {workers}")
+    check_workers(workers)
     writable_dir(out_dir, "--out-dir")
     writable_file(out_path, "--out")
     gr.model_source(model)  # an unknown model or a bad graph file fails before any point is planned

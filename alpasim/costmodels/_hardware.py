@@ -151,6 +151,13 @@ class Hop:
     link: Link
 
 
+# The largest cluster alpasim models: Llama-3 405B trained on 16,384 H100s, the largest
+# published run. Planning scales with the device count (the stage DP's tables hold a
+# state per device count), so a typo of a million nodes is refused here, not after an
+# hour of planning.
+MAX_DEVICES = 16384
+
+
 @dataclass(frozen=True, slots=True)
 class Cluster:
     """`nodes` identical nodes of `devices_per_node` devices each.
@@ -180,6 +187,10 @@ class Cluster:
         if self.nics_per_node is None:
             object.__setattr__(self, "nics_per_node", self.devices_per_node)
         check_count(owner, "nics_per_node", self.nics_per_node)
+        if self.nodes * self.devices_per_node > MAX_DEVICES:
+            raise ClusterError(f"{owner}: nodes x devices_per_node = {self.nodes} x {self.devices_per_node} = "
+                               f"{self.nodes * self.devices_per_node} devices, more than alpasim models (at most "
+                               f"{MAX_DEVICES}, the largest published training run)")
         for field, kind in (("device", Device), ("intra_node", Link), ("inter_node", Link)):
             value = getattr(self, field)
             if not isinstance(value, kind):

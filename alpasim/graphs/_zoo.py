@@ -115,6 +115,12 @@ def _parse_value(family: str, key: str, raw: str, field_type: Any) -> Any:
         raise ModelSpecError(f"{family} spec: key {key!r} needs an integer, got {raw!r}") from None
 
 
+# The deepest model a spec may ask for: the graph builds every layer's ops, so a typo
+# of 10**9 layers would fill memory before anything failed. The deepest published
+# dense models have ~126 layers (Llama-3 405B); 4,096 leaves room for studies.
+MAX_LAYERS = 4096
+
+
 def _make_config(family: str, fields: Mapping[str, Any], where: str) -> ModelConfig:
     cls = FAMILIES[family]
     known = {f.name: f for f in dataclasses.fields(cls)}
@@ -123,6 +129,11 @@ def _make_config(family: str, fields: Mapping[str, Any], where: str) -> ModelCon
             raise ModelSpecError(f"{where}: unknown key {key!r} for family {family!r}; "
                                  f"valid keys: {', '.join(known)}")
     merged = {**FAMILY_DEFAULTS[family], **fields}
+    for key in ("layers", "dense_layers"):
+        value = merged.get(key)
+        if isinstance(value, int) and value > MAX_LAYERS:
+            raise ModelSpecError(f"{where}: {key}={value} is more than alpasim builds (at most {MAX_LAYERS} "
+                                 "layers: the graph holds every layer's ops)")
     try:
         return cls(**merged)
     except (TypeError, ValueError) as e:
@@ -141,6 +152,8 @@ def _parse_pairs(text: str, family: str, where: str) -> dict[str, Any]:
                                  f"valid keys: {', '.join(cls_fields)}")
         if not raw:
             raise ModelSpecError(f"{where}: key {key!r} has no value")
+        if key in out:
+            raise ModelSpecError(f"{where}: key {key!r} is given twice ({key}={out[key]} and {key}={raw})")
         out[key] = _parse_value(family, key, raw, cls_fields[key])
     return out
 

@@ -301,6 +301,11 @@ def program_from_orders(plan: PipelinePlan, schedule: str, orders: Sequence[Orde
                    tuple(meshes), transfers)
 
 
+# The most passes (runs of one chunk on one microbatch) a program may hold: the engine
+# keeps every event, about 1 KiB and 10 us each (a million is ~10 s and ~1 GiB here).
+MAX_PROGRAM_RUNS = 10 ** 6
+
+
 def check_plan(plan: PipelinePlan, schedule: str | None = None) -> tuple[int, int]:
     """(S meshes, B) of a plan the simulator can run; else a `PlanFormatError` naming
     the field. A plan cut into chunks per mesh (`plan.chunks` > 1) runs the interleaved
@@ -309,6 +314,12 @@ def check_plan(plan: PipelinePlan, schedule: str | None = None) -> tuple[int, in
         raise PlanFormatError("plan field 'stages' is empty (an infeasible plan cannot be simulated)")
     if plan.microbatches < 1:
         raise PlanFormatError(f"plan field 'microbatches' must be >= 1, got {plan.microbatches}")
+    passes = 3 if schedule in ("zb-h1", "zb-h2") else 2
+    runs = len(plan.stages) * plan.microbatches * passes
+    if runs > MAX_PROGRAM_RUNS:
+        raise PlanFormatError(f"plan field 'microbatches': {plan.microbatches} microbatches through {len(plan.stages)} "
+                              f"stages is {runs:.3g} passes; the simulator runs at most {MAX_PROGRAM_RUNS:,} "
+                              "(about 10 s and 1 GiB)")
     if plan.chunks > 1 and schedule is not None and schedule != "interleaved":
         raise PlanFormatError(f"the plan runs {plan.chunks} model chunks on each of its {plan.num_meshes} meshes: "
                               f"it runs the interleaved schedule, not {schedule!r}")

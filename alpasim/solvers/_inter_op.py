@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from alpasim.units import format_bytes
 from alpasim.costmodels import DEFAULT_BUCKET_BYTES, Cluster, CostModel
 from alpasim.graphs import (
     ModelSource,
@@ -312,7 +313,7 @@ def plan_pipeline(model: str | ModelSource, cluster: Cluster, *, microbatches: i
         if interleaved is None and schedule == "interleaved":
             raise PlanInfeasible(f"no interleaved plan of {name} with {', '.join(map(str, chunk_options))} chunks "
                                  f"per mesh fits {cluster.num_devices} x {cluster.device.name} "
-                                 f"({cluster.device.memory_bytes / GIB:.1f} GiB per device)", float("nan"))
+                                 f"({format_bytes(cluster.device.memory_bytes)} per device)", float("nan"))
         if interleaved is None:
             said = "no interleaved plan fits"
         else:
@@ -331,8 +332,8 @@ def plan_pipeline(model: str | ModelSource, cluster: Cluster, *, microbatches: i
         need, why = min((memory_bound(c, cluster.num_devices) for c in candidates), key=lambda x: x[0])
         raise PlanInfeasible(
             f"does not fit: no plan of {name} on {cluster.num_devices} x {cluster.device.name} fits in "
-            f"{cluster.device.memory_bytes / GIB:.1f} GiB per device; every plan needs at least {need / GIB:.1f} "
-            f"GiB per device: {why}", need)
+            f"{format_bytes(cluster.device.memory_bytes)} per device; every plan needs at least {format_bytes(need)} "
+            f"per device: {why}", need)
     plan = _assemble_plan(source, dtype, cluster, best, candidates, search, remat, method, recipe)
     return dataclasses.replace(plan, notes=(*plan.notes, auto_note)) if schedule != "1f1b" else plan
 
@@ -357,11 +358,11 @@ def memory_bound(c: Candidate, num_devices: int) -> tuple[float, str]:
     if breakdown is not None and stage_bound >= states_bound:
         terms = breakdown.terms()
         largest = max(terms, key=terms.get)
-        parts = ", ".join(f"{k} {v / GIB:.2f}" for k, v in terms.items() if v > 0)
+        parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in terms.items() if v > 0)
         return stage_bound, (f"the smallest first stage (layers 0-{i} on {costs.shapes[h].size} devices, "
-                             f"{s + 1} stages deep) holds {parts} GiB; the largest term is {largest}")
-    return states_bound, (f"the model's parameters, gradients and optimizer states alone take {states / GIB:.1f} "
-                          f"GiB, spread over all {num_devices} devices")
+                             f"{s + 1} stages deep) holds {parts}; the largest term is {largest}")
+    return states_bound, (f"the model's parameters, gradients and optimizer states alone take "
+                          f"{format_bytes(states)}, spread over all {num_devices} devices")
 
 
 def _least_first_stage(costs: StageCosts, last: int, shape: int, depth: int, microbatches: int):

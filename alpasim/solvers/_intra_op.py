@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from alpasim.costmodels import CostModel
 from alpasim.graphs import OpGraph
+from alpasim.units import format_bytes
 
 from ._intra_ilp import GIB, formulate, formulate_min_memory, solve_ilp
 from ._intra_plan import IntraOpPlan, objective_s, realize
@@ -87,8 +88,8 @@ def solve_problem(problem: IntraOpProblem, *, memory_budget_bytes: float | None 
     if result.status == "infeasible":
         need = min_memory_bytes(problem, solver, activation_multiplier)
         raise IntraOpInfeasible(
-            f"does not fit: {graph.name} on a {mesh} mesh needs at least {need / GIB:.2f} GiB per device, "
-            f"the budget is {memory_budget_bytes / GIB:.2f} GiB", need)
+            f"does not fit: {graph.name} on a {mesh} mesh needs at least {format_bytes(need)} per device, "
+            f"the budget is {format_bytes(memory_budget_bytes)}", need)
     if result.choice is None:
         raise RuntimeError(f"intra-op solve on {graph.name} ({mesh}) returned no plan: {result.solver} "
                            f"{result.status} after {result.wall_s:.1f} s")

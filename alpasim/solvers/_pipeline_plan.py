@@ -9,6 +9,7 @@ every parameter (mesh axis names "x" and "y").
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -16,9 +17,16 @@ from typing import Any, ClassVar
 from alpasim.graphs import read_json_file
 
 from ._records import PlanFormatError, Record
+from ._spec import ShardingSpec
 
 PLAN_SCHEMA = "alpasim.plan/1"
 TRANSFER_DIRECTIONS = ("forward", "backward")
+# The schedules a plan may name (`simulator.SCHEDULES` builds each; checked equal there).
+PLAN_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "zb-h2")
+# Per-stage numbers that are seconds or bytes: finite and never negative.
+_STAGE_AMOUNTS = ("time_s", "memory_bytes", "compute_s", "sync_s", "params_bytes", "activation_bytes", "forward_s",
+                  "backward_s", "stash_bytes", "boundary_s", "grad_sync_s", "exposed_sync_s", "backward_weight_s",
+                  "weight_stash_bytes")
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,12 +281,74 @@ def _spec_to_partition(text: str) -> list:
 
 
 def plan_from_json(data: Any, source: str = "<plan JSON>") -> PipelinePlan:
+    """A plan read from JSON, its types checked field by field and its values by
+    `validate_plan`: every error names the file and the field path."""
     if not isinstance(data, dict):
         raise PlanFormatError(f"{source}: top level must be a JSON object")
     if data.get("schema") != PLAN_SCHEMA:
         raise PlanFormatError(f"{source}: field 'schema' is {data.get('schema')!r}, expected {PLAN_SCHEMA!r}")
     body = {k: v for k, v in data.items() if k != "schema"}
-    return PipelinePlan.from_json(body, f"{source}:")
+    plan = PipelinePlan.from_json(body, f"{source}:")
+    validate_plan(plan, source)
+    return plan
+
+
+def validate_plan(plan: PipelinePlan, source: str = "plan") -> None:
+    """What a plan file must hold beyond its types, so that nothing downstream runs on a
+    silently wrong plan: a schedule the simulator knows; every stage's seconds and
+    bytes finite and >= 0; layer ranges that cover the model's planning units in order,
+    without gap or overlap; devices inside the cluster, each on one mesh, as many as the
+    submesh and the logical mesh say; parameter layouts that parse. Raises
+    `PlanFormatError` with the field path ("plan.json: stages[1].layers: ...")."""
+    def bad(where: str, message: str) -> PlanFormatError:
+        return PlanFormatError(f"{source}: {where}: {message}")
+
+    if plan.schedule not in PLAN_SCHEDULES:
+        raise bad("schedule", f"{plan.schedule!r} is not one of {', '.join(PLAN_SCHEDULES)}")
+    if plan.microbatches < 1:
+        raise bad("microbatches", f"must be >= 1, got {plan.microbatches}")
+    if not plan.feasible:
+        return
+    total = plan.cluster.nodes * plan.cluster.devices_per_node
+    owner: dict[int, int] = {}
+    expect = 0
+    for i, st in enumerate(plan.stages):
+        here = f"stages[{i}]"
+        for name in _STAGE_AMOUNTS:
+            value = getattr(st, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise bad(f"{here}.{name}", f"must be a finite number >= 0, got {value!r}")
+        if st.inflight_microbatches < 1:
+            raise bad(f"{here}.inflight_microbatches", f"must be >= 1, got {st.inflight_microbatches}")
+        first, last = st.layers
+        if first != expect:
+            what = "overlaps the stage before" if first < expect else f"leaves layers {expect}..{first - 1} to no stage"
+            raise bad(f"{here}.layers", f"{[first, last]} {what} (stages cover the layers in order from 0)")
+        expect = last + 1
+        if not st.devices:
+            raise bad(f"{here}.devices", "is empty")
+        n, m = st.submesh
+        a, b = st.logical_mesh
+        if n * m != len(st.devices) or a * b != len(st.devices):
+            raise bad(f"{here}.devices", f"{len(st.devices)} devices, but submesh {n}x{m} and logical mesh {a}x{b}")
+        for d in st.devices:
+            if not 0 <= d < total:
+                raise bad(f"{here}.devices", f"device {d} is outside the plan's cluster of {total} devices "
+                                             f"(ids 0..{total - 1})")
+            if i < plan.num_meshes:
+                if d in owner:
+                    raise bad(f"{here}.devices", f"device {d} is also in stages[{owner[d]}]")
+                owner[d] = i
+        for param, text in st.param_specs.items():
+            if text in ("", "scalar"):
+                continue
+            try:
+                ShardingSpec.parse(text)
+            except ValueError as e:
+                raise bad(f"{here}.param_specs[{param!r}]", str(e)) from None
+    for j, t in enumerate(plan.transfers):
+        if not (math.isfinite(t.nbytes) and t.nbytes >= 0):
+            raise bad(f"transfers[{j}].nbytes", f"must be a finite number >= 0, got {t.nbytes!r}")
 
 
 def load_plan(path: str | Path) -> PipelinePlan:

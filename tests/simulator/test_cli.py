@@ -21,7 +21,8 @@ def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 @pytest.fixture
 def plan_file(tmp_path):
     cluster = get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=4)
-    plan = synthetic_plan([0.01] * 4, [0.02] * 4, 8, cluster=cluster, params_bytes=1e9, activation_bytes=1e8)
+    plan = synthetic_plan([0.01] * 4, [0.02] * 4, 8, cluster=cluster, params_bytes=1e9, activation_bytes=1e8,
+                          layers_per_stage=2)
     path = tmp_path / "plan.json"
     plan.save(path)
     return path
@@ -65,7 +66,7 @@ def _edit(path, tmp_path, edit):
     (lambda d: d.pop("stages"), "missing field 'stages'"),
     (lambda d: d.pop("microbatches"), "missing field 'microbatches'"),
     (lambda d: d["stages"][1].pop("devices"), "stages[1]: missing field 'devices'"),
-    (lambda d: d["stages"][2].update(devices=[]), "stages[2]: field 'devices' is empty"),
+    (lambda d: d["stages"][2].update(devices=[]), "stages[2].devices: is empty"),
     (lambda d: d.update(schema="alpasim.plan/0"), "'schema'"),
     (lambda d: d.update(stages=[]), "field 'stages' is empty"),
 ])

@@ -95,6 +95,9 @@ CASES = {
     "sweep --out unwritable": (["sweep", "--model", T, "--gpus", "2", "--inter-node-gbps", "10,25", "--out",
                                 UNWRITABLE], "--out"),
     "graph --save unwritable": (["graph", T, "--save", UNWRITABLE], "--save"),
+    # A path that passes the check but whose write fails (/dev/full: "no space left").
+    "graph --save to a full device": (["graph", T, "--save", "/dev/full"], "--save /dev/full: cannot write"),
+    "simulate --trace to a full device": (["simulate", "{plan}", "--trace", "/dev/full"], "/dev/full"),
     # Plan files: one validating loader, the field path in the message.
     "negative memory": (["simulate", "{negative_memory}"], "stages[1].memory_bytes"),
     "negative params": (["simulate", "{negative_params}"], "stages[1].params_bytes"),
@@ -134,6 +137,9 @@ CASES = {
     "plan --microbatches 0": (["plan", "--model", T, "--microbatches", "0"], "--microbatches 0: must be"),
     "repeated spec key": (["graph", "gpt3:hidden=64,hidden=128,layers=2,heads=2,seq=32,vocab=128"], "hidden"),
     "simulate --chunks 1000": (["simulate", "{plan}", "--schedule", "interleaved", "--chunks", "1000"], "--chunks"),
+    "negative device memory": (["plan", "--model", T, "--memory-gb", "-1"], "memory_gb"),
+    "a profile that is not there": (["simulate", "{plan}", "--cost-model", "{dir}/nope.json"], "nope.json: no such"),
+    "heads that do not divide hidden": (["plan", "--model", T.replace("heads=2", "heads=3")], "not divisible"),
     "memory budget in readable units": (["plan", "--model", T, "--memory-gb", "0.000001"], "KiB"),
 }
 

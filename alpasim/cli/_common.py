@@ -188,8 +188,17 @@ def writable_dir(path: Path, option: str) -> None:
 
 def write_text(path: Path, text: str, option: str) -> None:
     """Write an output file; a failure (the disk filled after the check) is one line."""
-    try:
+    with writing(path, option):
         path.write_text(text)
+
+
+@contextlib.contextmanager
+def writing(path: Path | None, option: str) -> Iterator[None]:
+    """Around writing an output the caller checked with `writable_file` before its work:
+    a failure now (the disk filled, a device that takes no data) is one line naming the
+    option and the path, not a traceback."""
+    try:
+        yield
     except OSError as e:
         fail(f"{option} {path}: cannot write: {e.strerror or e}")
 
@@ -347,5 +356,7 @@ def main() -> None:
         fail(str(e))
     except ValueError as e:  # validation errors from configs and specs
         fail(str(e))
+    except OSError as e:     # any file a command could not read or write that no check caught first
+        fail(f"{e.filename}: {e.strerror or e}" if e.filename else f"{e.strerror or e}")
     if isinstance(code, int) and code:
         raise SystemExit(code)

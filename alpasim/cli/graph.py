@@ -12,7 +12,7 @@ from alpasim.experiments import graph_report
 
 from ._common import (
     ModelArg, ModelOpt, one_model, DpnOpt, GbpsOpt, JsonOpt, MemOpt, NodesOpt, RecomputeOpt, app, check_recompute,
-    emit_json, err, fmt_bytes, fmt_count, fmt_flops, load_cluster, out, writable_file,
+    emit_json, err, fmt_bytes, fmt_count, fmt_flops, load_cluster, out, writable_file, writing,
 )
 
 
@@ -37,7 +37,9 @@ def graph(
     check_recompute(recompute)
     writable_file(save, "--save")
     c = load_cluster(cluster, nodes, devices_per_node, inter_node_gbps, memory_gb) if cluster else None
-    report = graph_report(model, layers=layers, remat=remat, batch=batch, cluster=c, save=save, recompute=recompute)
+    with writing(save, "--save"):
+        report = graph_report(model, layers=layers, remat=remat, batch=batch, cluster=c, save=save,
+                              recompute=recompute)
     if save is not None:
         err.print(f"wrote {save}", soft_wrap=True)
     if as_json:

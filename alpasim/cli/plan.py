@@ -19,7 +19,7 @@ from ._common import (
     BucketOpt, ClusterOpt, CostModelOpt, DpnOpt, GbpsOpt, JsonOpt, MemOpt, NodesOpt, NoOverlapOpt, PrecisionOpt,
     RecomputeOpt, app, bucket_bytes, check_precision, check_recompute, emit_json, err, fail, fmt_bytes, fmt_count,
     load_cluster, load_cost_model, out, parse_microbatches, plan_map, RayAddressOpt, RayOpt, TaskProgress,
-    writable_file,
+    writable_file, writing,
 )
 from .simulate import print_simulation
 
@@ -163,7 +163,8 @@ def plan(
 
         p = sim.choose_schedule(p, cluster=model_costs.cluster if model_costs is not None else c)
     if out_path is not None:
-        p.save(out_path)
+        with writing(out_path, "--out"):
+            p.save(out_path)
         err.print(f"wrote {out_path}", soft_wrap=True)
     if not p.feasible:
         if as_json:

@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 
-from ._common import JsonOpt, app, emit_json, ensure_cpu_devices, fail, note, out, writable_file
+from ._common import JsonOpt, app, emit_json, ensure_cpu_devices, fail, note, out, writable_file, writing
 
 
 @app.command()
@@ -39,10 +39,8 @@ def profile(
     from alpasim import backends
 
     model = backends.profile_backend(quick=quick, log=lambda line: note(f"profile: {line}"))
-    try:
+    with writing(out_path, "--out"):
         model.save(out_path)
-    except OSError as e:
-        fail(f"cannot write {out_path}: {e.strerror or e}")
     if as_json:
         emit_json({"out": str(out_path), **model.to_json()})
         return

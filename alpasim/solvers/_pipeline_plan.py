@@ -305,10 +305,10 @@ def validate_plan(plan: PipelinePlan, source: str = "plan") -> None:
 
     if plan.schedule not in PLAN_SCHEDULES:
         raise bad("schedule", f"{plan.schedule!r} is not one of {', '.join(PLAN_SCHEDULES)}")
-    if plan.microbatches < 1:
-        raise bad("microbatches", f"must be >= 1, got {plan.microbatches}")
     if not plan.feasible:
         return
+    if plan.microbatches < 1:
+        raise bad("microbatches", f"must be >= 1, got {plan.microbatches}")
     total = plan.cluster.nodes * plan.cluster.devices_per_node
     owner: dict[int, int] = {}
     expect = 0

@@ -99,7 +99,8 @@ def test_moe_layer_finds_expert_parallelism(p3):
 def test_impossible_budget_says_how_much_is_needed(p3, gpt_layer):
     cluster, model = p3
     mesh = LogicalMesh.on_cluster(cluster, (1, 8))
-    with pytest.raises(IntraOpInfeasible, match=r"does not fit: .* needs at least \d+\.\d+ GiB per device") as e:
+    message = r"does not fit: .* needs at least \d+\.\d+ MiB per device, the budget is 10.24 MiB"
+    with pytest.raises(IntraOpInfeasible, match=message) as e:
         solve_intra_op(gpt_layer, mesh, model, memory_budget_bytes=0.01 * GIB)
     assert 0.01 * GIB < e.value.min_memory_bytes < 0.5 * GIB
 

@@ -11,6 +11,7 @@ from typing import Any
 from alpasim import costmodels as cm
 from alpasim import simulator as sim
 from alpasim import solvers as sv
+from alpasim.units import format_bytes
 
 from ._errors import ReportError
 
@@ -137,12 +138,11 @@ def _check_host_memory(p: sv.PipelinePlan, platform: str) -> None:
     have = cm.host_memory_bytes()
     if platform != "cpu" or have is None:
         return
-    need = sum(st.memory_bytes * len(st.devices) for st in p.stages)
+    need = sum(st.memory_bytes * len(st.devices) for st in p.stages)   # a mesh's chunks add up
     if need > HOST_MEMORY_SHARE * have:
-        devices = sum(len(st.devices) for st in p.stages)
-        raise ReportError(f"the plan needs about {need / 2**30:.1f} GiB on its {devices} devices (memory per "
+        raise ReportError(f"the plan needs about {format_bytes(need)} on its {p.num_devices} devices (memory per "
                           f"device, summed: virtual CPU devices share the host's RAM); this host has "
-                          f"{have / 2**30:.1f} GiB. Plan a smaller configuration to run here")
+                          f"{format_bytes(have)}. Plan a smaller configuration to run here")
 
 
 def _ratio(predicted: float | None, measured: float) -> float | None:

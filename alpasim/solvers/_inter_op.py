@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from alpasim.units import format_bytes
 from alpasim.costmodels import DEFAULT_BUCKET_BYTES, Cluster, CostModel
 from alpasim.graphs import (
     ModelSource,
@@ -32,6 +31,7 @@ from alpasim.graphs import (
     model_source,
     source_from_record,
 )
+from alpasim.units import format_bytes
 
 from ._cache import DiskCache
 from ._pipeline_plan import (CostModelRef, PipelinePlan, PipelineStage, PlanModel, Prediction, RunnerUp, SearchStats,
@@ -301,15 +301,12 @@ def plan_pipeline(model: str | ModelSource, cluster: Cluster, *, microbatches: i
                          int(best.dp.candidates_evaluated), priced_by)
     interleaved = auto_note = None
     if schedule != "1f1b":
-        boundary = None
-        for c in candidates:
-            if boundary is None and price_boundaries:
-                boundary = stage_boundary_s(c.graph, cluster)
+        for c in candidates:      # each microbatch count's graph has its own cut sizes
+            boundary = stage_boundary_s(c.graph, cluster) if price_boundaries else None
             r = search_interleaved(c, cluster, chunk_options, max_stages=max_stages, epsilon=epsilon,
-                                   boundary=boundary if price_boundaries else None)
+                                   boundary=boundary)
             if r is not None and (interleaved is None or r.latency_s < interleaved[1].latency_s):
                 interleaved = (c, r)
-            boundary = None      # each candidate's graph has its own cut sizes
         if interleaved is None and schedule == "interleaved":
             raise PlanInfeasible(f"no interleaved plan of {name} with {', '.join(map(str, chunk_options))} chunks "
                                  f"per mesh fits {cluster.num_devices} x {cluster.device.name} "

@@ -39,7 +39,7 @@ import numpy as np
 from alpasim.costmodels import StageMemory
 
 from ._pipeline_orders import Order, interleaved_order, most_live, order_peak_bytes
-from ._stage_dp import INF, StageBoundary, StageChoice, _bottleneck_candidates, _solve_fixed
+from ._stage_dp import INF, StageChoice, _bottleneck_candidates, _solve_fixed
 
 # Chunks per mesh the planner tries. Megatron-LM's runs use 2-4 (more chunks cut the
 # bubble further but multiply the boundary messages).

@@ -90,6 +90,7 @@ CASES = {
     "plan --out a directory": (["plan", "--model", T, "--out", "{dir}"], "is a directory"),
     "profile --out unwritable": (["profile", "--quick", "--out", UNWRITABLE], "--out"),
     "run --trace unwritable": (["run", "{plan}", "--trace", UNWRITABLE], "--trace"),
+    "run --seed -1 (numpy would refuse it after compiling)": (["run", "{plan}", "--seed", "-1"], "--seed"),
     "simulate --trace unwritable": (["simulate", "{plan}", "--trace", UNWRITABLE], "--trace"),
     "simulate --gantt a directory": (["simulate", "{plan}", "--gantt", "{dir}"], "is a directory"),
     "sweep --out unwritable": (["sweep", "--model", T, "--gpus", "2", "--inter-node-gbps", "10,25", "--out",

@@ -61,6 +61,8 @@ def run(
         fail(f"--steps must be at least 1, got {steps}")
     if profile_iters < 0:
         fail(f"--profile-iters must be 0 or more, got {profile_iters}")
+    if seed < 0:      # numpy's generators take none, and would refuse only after every stage compiled
+        fail(f"--seed must be 0 or more, got {seed}")
     writable_file(trace, "--trace")
     writable_file(gantt, "--gantt")
     p = sv.load_plan(plan_file)

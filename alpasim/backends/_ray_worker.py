@@ -185,6 +185,7 @@ class _ActorWalker(_Walker):
         self.worker = worker
         self.epoch = worker.epoch
         self.pending: list = []      # replies of this step's deliveries
+        self.owners = worker.owners
         self.copies = tied_copies(worker.owners, worker.readers)
 
     def send(self, k: int, ins: Send, start: float) -> None:
@@ -207,9 +208,12 @@ class _ActorWalker(_Walker):
         self.pending.append(self.worker.peers[dst].deliver.remote(self.epoch, key, items))
 
     def send_tied(self, j: int, dst: int, param: str, value: jax.Array) -> None:
-        self.post(dst % self.meshes, ("tied", param), [("grad", param, np.asarray(value))])
+        # Keyed by the copy: two copies of one parameter may sit on one mesh (two of its chunks).
+        self.post(dst % self.meshes, ("tied", param, dst), [("grad", param, np.asarray(value))])
 
     def take_tied(self, j: int, param: str) -> jax.Array:
-        what = f"the summed gradient of tied parameter {param!r} waits for its owner mesh {self.worker.owners[param]}"
-        ((_, _, value),) = self.worker.wait_for(self.epoch, ("tied", param), what)
+        owner = self.worker.owners[param]
+        what = (f"the summed gradient of tied parameter {param!r} (stage {j}) waits for its owner, stage {owner} on "
+                f"mesh {owner % self.meshes}")
+        ((_, _, value),) = self.worker.wait_for(self.epoch, ("tied", param, j), what)
         return value

@@ -192,12 +192,12 @@ class _Walker:
         self.outs: dict[tuple[int, int], dict] = {}                    # (stage, microbatch) -> forward outputs
         self.back: dict[tuple[int, int], dict] = {}                    # (stage, microbatch) -> cotangents to send
         by_mesh = list(stages.items() if isinstance(stages, Mapping) else enumerate(stages))
-        owners = {p: k for k, st in by_mesh for p in st.ops.owned}
+        self.owners = {p: k for k, st in by_mesh for p in st.ops.owned}   # parameter -> the stage that updates it
         readers = defaultdict(list)
         for k, st in by_mesh:
             for p in st.ops.params:
                 readers[p].append(k)
-        self.copies = tied_copies(owners, readers)
+        self.copies = tied_copies(self.owners, readers)
         self.tied_box: dict[tuple[int, str], jax.Array] = {}            # (copy mesh, parameter) -> summed gradient
         self.losses: list = []
         self.grads: dict[str, np.ndarray] = {}
@@ -223,8 +223,9 @@ class _Walker:
                     if isinstance(ins, Recv) and (ins.transfer, ins.microbatch) not in self.mailbox:
                         break
                     if isinstance(ins, GradSync) and any((j, p) not in self.tied_box for j in self.chunks_of(k)
-                                                         for p in self.copied(j)):
-                        break
+                                                         for p in self.copied(j)
+                                                         if self.owners[p] % self.meshes != k):
+                        break   # a copy waits for an owner on another mesh (one on this mesh sends in this sync)
                     self.execute(k, ins)
                     pc[k] += 1
                     moved = True
@@ -260,8 +261,10 @@ class _Walker:
             self.receive(k, ins)
             self.record(f"mesh{k}", "recv", k, ins.microbatch, start, name=self.program.transfers[ins.transfer].tensor)
         elif isinstance(ins, GradSync):
+            for j in self.chunks_of(k):     # every owner here sends first: a copy may sit on this mesh too
+                self.send_tied_grads(j)
             for j in self.chunks_of(k):
-                self.sync_tied(j)
+                self.take_tied_grads(j)
             self.record(f"mesh{k}", "sync", k, -1, start, name="grad_sync")
         elif isinstance(ins, Update):
             for j in self.chunks_of(k):
@@ -280,9 +283,9 @@ class _Walker:
         """The tied parameters stage j keeps a copy of (owned by another stage)."""
         return [p for p, js in self.copies.items() if j in js]
 
-    def sync_tied(self, j: int) -> None:
+    def send_tied_grads(self, j: int) -> None:
         """The second half of the tied copies' all-reduce (module doc): the owner (stage
-        j) sends its summed accumulator to every copy; a copy takes it as its own."""
+        j) sends its summed accumulator to every copy (`take_tied_grads` takes it)."""
         stage, k = self.stages[j], j % self.meshes
         for p in stage.ops.owned:
             for dst in self.copies.get(p, ()):
@@ -292,8 +295,11 @@ class _Walker:
                 self.sent_bytes += value.nbytes
                 self.record(f"mesh{k}->mesh{dst % self.meshes}", "send", k, -1, start, float(value.nbytes),
                             f"{p}:grad (tied)")
+
+    def take_tied_grads(self, j: int) -> None:
+        """A copy (stage j) takes its owner's summed gradient as its own."""
         for p in self.copied(j):
-            stage.set_grad(p, self.take_tied(j, p))
+            self.stages[j].set_grad(p, self.take_tied(j, p))
 
     def send_tied(self, j: int, dst: int, param: str, value: jax.Array) -> None:
         dst_stage = self.stages[dst]

@@ -293,8 +293,7 @@ def program_from_orders(plan: PipelinePlan, schedule: str, orders: Sequence[Orde
             ins += [Send(i, m, k, transfers[i].dst_stage) for i in sends.get((k, direction, c), ())]
             if phase in LAST_USE:
                 ins.append(Free(k, m, c))
-        ins += [Send(i, WHOLE_ITERATION, k, transfers[i].dst_stage) for i in last_sends[k]]
-        ins += [Recv(i, WHOLE_ITERATION, transfers[i].src_stage, k) for i in last_recvs[k]]
+        ins += _per_iteration(k, transfers, last_sends[k], last_recvs[k], len(orders))
         ins += [GradSync(k), Update(k)]
         meshes.append(tuple(ins))
     return Program(schedule, plan.microbatches, chunks, tuple(tuple(s.devices) for s in plan.meshes),
@@ -304,6 +303,20 @@ def program_from_orders(plan: PipelinePlan, schedule: str, orders: Sequence[Orde
 # The most passes (runs of one chunk on one microbatch) a program may hold: the engine
 # keeps every event, about 1 KiB and 10 us each (a million is ~10 s and ~1 GiB here).
 MAX_PROGRAM_RUNS = 10 ** 6
+
+
+def _per_iteration(k: int, transfers: Sequence[StageTransfer], sends: Sequence[int], recvs: Sequence[int],
+                   meshes: int) -> list[Instruction]:
+    """Mesh k's once-per-iteration transfers (tied weights' gradient contributions, summed
+    towards the owner from the last stage that reads the weight to the first): by
+    virtual stage, last first, each receiving before it sends, so a stage in the middle
+    of such a chain forwards its own part and the parts it received (sending first lost
+    them), and chains through chunks of several meshes cannot deadlock."""
+    events = [((transfers[i].dst_chunk * meshes + k), 0, Recv(i, WHOLE_ITERATION, transfers[i].src_stage, k))
+              for i in recvs]
+    events += [((transfers[i].src_chunk * meshes + k), 1, Send(i, WHOLE_ITERATION, k, transfers[i].dst_stage))
+               for i in sends]
+    return [ins for _, _, ins in sorted(events, key=lambda e: (-e[0], e[1]))]
 
 
 def check_plan(plan: PipelinePlan, schedule: str | None = None) -> tuple[int, int]:

@@ -64,3 +64,27 @@ def quick_profile(tmp_path_factory):
     wall = time.perf_counter() - t0
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout), out, wall
+
+
+@pytest.fixture(scope="session")
+def shared_weight_graph(tmp_path_factory):
+    """A JAX model whose weight `s` is read by layers 0, 1 and 3 of four: its gradient
+    is summed along a chain of per-iteration transfers (3 -> 1 -> 0), and an interleaved
+    plan of 2 meshes x 2 chunks puts two of its copies on one mesh. Saved as a graph file."""
+    import jax
+    import jax.numpy as jnp
+
+    from alpasim.graphs import from_jax, save_graph
+
+    def loss(params, batch):
+        h = batch["x"]
+        for w in ("s", "s", "a", "s"):
+            h = jnp.tanh(h @ params[w])
+        return jnp.mean(h * h)
+
+    spec = jax.ShapeDtypeStruct
+    shapes = ({"a": spec((64, 64), jnp.float32), "s": spec((64, 64), jnp.float32)},
+              {"x": spec((8, 64), jnp.float32)})
+    path = tmp_path_factory.mktemp("shared") / "shared.json"
+    save_graph(from_jax(loss, *shapes, name="shared"), path)
+    return path

@@ -139,6 +139,20 @@ def test_ray_runs_an_interleaved_plan_as_the_local_runtime_does(cluster, small_p
         assert chunks == [0, 1]
 
 
+def test_ray_keeps_two_copies_of_a_weight_on_one_mesh_apart(cluster, shared_weight_graph):
+    """Interleaved, the copies of weight `s` at stages 1 and 3 sit on one actor: each
+    takes its own message of the owner's summed gradient (one key per copy; under one
+    key the second overwrote the first and the other copy waited until the timeout)."""
+    from alpasim.costmodels import get_cluster
+    from alpasim.solvers import plan_pipeline
+
+    plan = plan_pipeline(str(shared_weight_graph), get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=2),
+                         microbatches=2, layers=4, pareto=False, bucket_bytes=None, schedule="interleaved",
+                         chunk_options=(2,))
+    result = run_ray(plan, steps=1, timeout_s=60)
+    assert check_numerics(result.losses[0], result.grads, reference_step(plan))["numerics_ok"]
+
+
 @pytest.mark.timeout(HANG_S)
 def test_a_receive_whose_send_never_comes_fails_within_the_timeout(cluster, small_plan):
     plan = small_plan("gpt")

@@ -196,6 +196,33 @@ def test_interleaved_plan_runs_the_same_step_in_the_simulated_order(family, smal
 
 
 @needs_8
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_a_weight_read_by_three_layers_trains_the_single_device_step(schedule, shared_weight_graph):
+    """Weight `s` read by layers 0, 1 and 3 (owner stage 0): its gradient reaches the
+    owner along a chain, stage 3 -> 1 -> 0, so stage 1 must receive stage 3's part before
+    it sends its own (it sent first, and lost it: gradient error 0.34). Interleaved on 2
+    meshes x 2 chunks, the copies at stages 1 and 3 share mesh 1, whose sync must not
+    wait for its own owner's gradient (it deadlocked)."""
+    from alpasim.costmodels import get_cluster
+    from alpasim.solvers import plan_pipeline
+
+    kw = dict(microbatches=2, layers=4, pareto=False, bucket_bytes=None)
+    if schedule == "1f1b":
+        plan = plan_pipeline(str(shared_weight_graph), get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=4),
+                             shape_ok=lambda sh: sh.size == 1, **kw)
+        assert len(plan.stages) == 4
+    else:
+        plan = plan_pipeline(str(shared_weight_graph), get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=2),
+                             schedule="interleaved", chunk_options=(2,), **kw)
+        assert plan.chunks == 2 and plan.num_meshes == 2
+    chain = sorted((t.src_stage, t.dst_stage) for t in plan.transfers if t.per_iteration)
+    assert chain == [(1, 0), (3, 1)]
+    result = run_local(plan, steps=1)
+    check = check_numerics(result.losses[0], result.grads, reference_step(plan))
+    assert check["numerics_ok"], check
+
+
+@needs_8
 def test_half_precision_step_is_checked_against_its_own_rounding_noise():
     """A float16 GPT (the models' default dtype) passes against one device, with the
     tolerance set by a float16-ulp probe; the probe sees noise where a float32-ulp one

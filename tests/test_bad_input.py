@@ -121,6 +121,8 @@ CASES = {
     "plan --epsilon nan": (["plan", "--model", T, "--epsilon", "nan"], "--epsilon nan"),
     "plan --max-stages 0": (["plan", "--model", T, "--max-stages", "0"], "--max-stages 0"),
     "plan --chunks 1": (["plan", "--model", T, "--schedule", "interleaved", "--chunks", "1"], "--chunks"),
+    "an interleaved plan that cannot exist": (["plan", "--model", T, "--nodes", "1", "--devices-per-node", "1",
+                                               "--schedule", "interleaved"], "needs S >= 2 meshes"),
     "plan --schedule interleaved with megatron": (["plan", "--model", T, "--schedule", "interleaved", "--method",
                                                    "megatron"], "--method alpa only"),
     # Cluster, profile, graph files: the file and the field in the message.

@@ -22,7 +22,9 @@ def simulate(
                                                                       "zb-h2 (zero bubble: the backward split "
                                                                       "into input and weight gradients); "
                                                                       "default: the plan's.")] = None,
-    chunks: Annotated[int, typer.Option("--chunks", help="Model chunks per mesh (interleaved only).")] = 2,
+    chunks: Annotated[Optional[int], typer.Option("--chunks", help="Model chunks per mesh the interleaved "
+                                                  "schedule imagines each stage cut into (default 2; a plan "
+                                                  "planned interleaved runs its own).")] = None,
     cross_mesh: Annotated[str, typer.Option("--cross-mesh", help="Cross-mesh resharding: local_all_gather, "
                                             "send_recv or signal.")] = "local_all_gather",
     trace: Annotated[Optional[Path], typer.Option("--trace", help="Write a Chrome trace JSON (Perfetto).")] = None,
@@ -43,11 +45,15 @@ def simulate(
         fail(f"--schedule {schedule!r}: choose one of {', '.join(sim.SCHEDULES)}")
     if cross_mesh not in sim.CROSS_MESH_METHODS:
         fail(f"--cross-mesh {cross_mesh!r}: choose one of {', '.join(sim.CROSS_MESH_METHODS)}")
-    if chunks < 1:
+    if chunks is not None and chunks < 1:
         fail(f"--chunks must be at least 1, got {chunks}")
     for path, option in ((trace, "--trace"), (gantt, "--gantt"), (memory_png, "--memory-png")):
         writable_file(path, option)
     p = sv.load_plan(plan_file)
+    if chunks is not None and p.chunks > 1 and chunks != p.chunks:
+        fail(f"--chunks {chunks}: the plan is cut into {p.chunks} chunks per mesh, which it runs (re-plan with "
+             f"`alpasim plan --schedule interleaved --chunks {chunks}` for another count)")
+    chunks = chunks if chunks is not None else 2
     if (schedule or p.schedule) == "interleaved" and p.chunks == 1:
         i, st = min(enumerate(p.stages), key=lambda x: x[1].layers[1] - x[1].layers[0])
         if chunks > st.layers[1] - st.layers[0] + 1:

@@ -20,7 +20,8 @@ follow static lists without a driver). Semantics:
 - `GradSync` takes the stage's sync_s (the planner's costed gradient all-reduce plus
   optimizer update, once per iteration; `Update` is a marker, already inside it).
   A plan whose stages carry gradient buckets (`costmodels._overlap`) runs them on a
-  stream of the mesh's own, started with its last backward: each bucket waits until
+  stream of the mesh's own, started with its last backward (a chunked plan: each
+  chunk's buckets with that chunk's last backward, after the chunks' before them): each bucket waits until
   that backward has produced it, then for the bucket before it; `GradSync` then waits
   for the stream and takes the rest of sync_s (the optimizer step). The stream's
   bandwidth is not shared with pipeline messages (below).
@@ -76,6 +77,14 @@ from ._program import DIRECTION, LAST_USE, Free, GradSync, Program, Recv, Run, S
 from ._routes import LinkTable, Route, route_transfers
 from ._schedules import build_program
 from ._timeline import Event, MeshInfo, Timeline
+
+
+def _mesh_state_bytes(own) -> float:
+    """Per device of a mesh, what its stages hold for the whole iteration: each one's
+    states, and the largest of their buffers (`params_bytes` is states + buffers; a
+    mesh's chunks run one at a time and reuse one gather buffer, as the planner counts)."""
+    buffers = [float((st.memory or {}).get("buffer_bytes", 0.0)) for st in own]
+    return sum(st.params_bytes - b for st, b in zip(own, buffers, strict=True)) + max(buffers)
 
 
 def plan_cluster(plan: PipelinePlan) -> Cluster | None:
@@ -135,7 +144,7 @@ class _Engine:
         self.events: list[Event] = []
         # Per mesh: its chunks' states, gradient syncs and optimizer steps (one after another).
         self.mesh_stages = [plan.mesh_chunks(k) for k in range(program.num_meshes)]
-        self.params_bytes = [sum(st.params_bytes for st in own) for own in self.mesh_stages]
+        self.params_bytes = [_mesh_state_bytes(own) for own in self.mesh_stages]
         self.sync_s = [sum(st.sync_s for st in own) for own in self.mesh_stages]
         self.update_bytes = [max(float((st.memory or {}).get("update_bytes", 0.0)) for st in own)
                              for own in self.mesh_stages]
@@ -148,13 +157,19 @@ class _Engine:
         self.end: list[float | None] = [None] * program.num_meshes
         self.used_links: set[int] = set()
         self.cross_bytes = self.inter_bytes = 0.0
-        # Gradient buckets overlapping the last backward of each mesh (module doc): on a
-        # stream of their own, so not with shared executors (one driver blocks on each).
-        # A plan cut into chunks syncs each mesh's chunks after its last backward, as one.
-        self.overlap = [bool(overlap and executors is None and plan.chunks == 1 and st.sync_buckets)
-                        for st in plan.meshes]
-        self.last_backward = [max((pc for pc, ins in enumerate(mesh) if type(ins) is Run and ins.phase in LAST_USE),
-                                  default=-1) for mesh in program.meshes]
+        # Gradient buckets overlapping the last backward (module doc): on a stream of the
+        # mesh's own, so not with shared executors (one driver blocks on each). Per mesh:
+        # instruction index -> the stage whose buckets start with that run (a chunk's
+        # last backward, when the plan is cut into chunks; else the mesh's last).
+        self.bucket_runs: list[dict[int, PipelineStage]] = []
+        for k, mesh in enumerate(program.meshes):
+            last: dict[int, int] = {}
+            for pc, ins in enumerate(mesh):
+                if type(ins) is Run and ins.phase in LAST_USE:
+                    last[ins.chunk if plan.chunks > 1 else 0] = pc
+            own = self.mesh_stages[k]
+            runs = {pc: own[c] for c, pc in last.items() if own[c].sync_buckets}
+            self.bucket_runs.append(runs if overlap and executors is None else {})
         self.stream_done: list[simpy.Event | None] = [None] * program.num_meshes
 
     # ------------------------------------------------------------ messages
@@ -235,17 +250,21 @@ class _Engine:
         self.mem[k] += delta
         self.memory[k].append((self.env.now, self.mem[k]))
 
-    def _grad_stream(self, k: int, scale: float) -> Iterator[simpy.Event]:
-        """Mesh k's gradient buckets, started with its last backward: each waits until
+    def _grad_stream(self, stage: PipelineStage, scale: float, after: simpy.Event | None,
+                     done: simpy.Event) -> Iterator[simpy.Event]:
+        """A stage's gradient buckets, started with its last backward: each waits until
         the backward has made it (its offset, scaled to this run's length), then runs
-        after the one before it (`costmodels.run_buckets`)."""
+        after the one before it (`costmodels.run_buckets`), on the mesh's one stream
+        (after the buckets of the mesh's chunks before, `after`)."""
         env, start = self.env, self.env.now
-        for ready, seconds in self.plan.stages[k].sync_buckets:
+        if after is not None and not after.processed:
+            yield after
+        for ready, seconds in stage.sync_buckets:
             at = start + ready * scale
             if at > env.now:
                 yield env.timeout(at - env.now)
             yield env.timeout(seconds)
-        self.stream_done[k].succeed()
+        done.succeed()
 
     def _mesh(self, k: int) -> Iterator[simpy.Event]:
         env, track, held = self.env, f"mesh{k}", self.held[k]
@@ -266,12 +285,14 @@ class _Engine:
                 extra = act if ins.phase == "forward" else 0.0 if ins.phase == "backward_weight" else transient
                 self._sample(k, extra)
                 start, d = env.now, phase_s[ins.phase] + self.dispatch_s
-                if self.overlap[k] and pc == self.last_backward[k]:
+                bucketed = self.bucket_runs[k].get(pc)
+                if bucketed is not None:
                     # The buckets' offsets are into the whole backward; a split one makes
                     # its weight gradients in W, so they are spread over W's run.
-                    backward = stage_phase_s(self.plan.stages[k], self.program.microbatches)[1]
-                    self.stream_done[k] = env.event()
-                    env.process(self._grad_stream(k, phase_s[ins.phase] / backward if backward > 0 else 0.0))
+                    backward = stage_phase_s(bucketed, self.program.microbatches)[1]
+                    after, self.stream_done[k] = self.stream_done[k], env.event()
+                    env.process(self._grad_stream(bucketed, phase_s[ins.phase] / backward if backward > 0 else 0.0,
+                                                  after, self.stream_done[k]))
                 if d > 0:
                     yield env.timeout(d)
                 self._release(req)
@@ -331,10 +352,9 @@ class _Engine:
             elif kind is GradSync:
                 req = yield from self._acquire()
                 start, d = env.now, self.sync_s[k] + self.dispatch_s
-                if self.overlap[k] and self.stream_done[k] is not None:
+                if self.stream_done[k] is not None:
                     yield self.stream_done[k]           # the buckets still running after the backward
-                    stage = self.plan.stages[k]
-                    d = stage.sync_s - stage.grad_sync_s + self.dispatch_s
+                    d -= sum(st.grad_sync_s for st in self.bucket_runs[k].values())
                 working = self.update_bytes[k]          # the optimizer step's own copies
                 if working:
                     self._sample(k, working)

@@ -319,7 +319,7 @@ def _per_iteration(k: int, transfers: Sequence[StageTransfer], sends: Sequence[i
     return [ins for _, _, ins in sorted(events, key=lambda e: (-e[0], e[1]))]
 
 
-def check_plan(plan: PipelinePlan, schedule: str | None = None) -> tuple[int, int]:
+def check_plan(plan: PipelinePlan, schedule: str | None = None, chunks: int = 1) -> tuple[int, int]:
     """(S meshes, B) of a plan the simulator can run; else a `PlanFormatError` naming
     the field. A plan cut into chunks per mesh (`plan.chunks` > 1) runs the interleaved
     schedule only: the others run one stage per mesh."""
@@ -328,10 +328,11 @@ def check_plan(plan: PipelinePlan, schedule: str | None = None) -> tuple[int, in
     if plan.microbatches < 1:
         raise PlanFormatError(f"plan field 'microbatches' must be >= 1, got {plan.microbatches}")
     passes = 3 if schedule in ("zb-h1", "zb-h2") else 2
-    runs = len(plan.stages) * plan.microbatches * passes
+    runs = len(plan.stages) * plan.microbatches * passes * (chunks if plan.chunks == 1 else 1)
     if runs > MAX_PROGRAM_RUNS:
         raise PlanFormatError(f"plan field 'microbatches': {plan.microbatches} microbatches through {len(plan.stages)} "
-                              f"stages is {runs:.3g} passes; the simulator runs at most {MAX_PROGRAM_RUNS:,} "
+                              f"stages{f' of {chunks} chunks' if plan.chunks == 1 and chunks > 1 else ''} is "
+                              f"{runs:.3g} passes; the simulator runs at most {MAX_PROGRAM_RUNS:,} "
                               "(about 10 s and 1 GiB)")
     if plan.chunks > 1 and schedule is not None and schedule != "interleaved":
         raise PlanFormatError(f"the plan runs {plan.chunks} model chunks on each of its {plan.num_meshes} meshes: "
@@ -371,11 +372,11 @@ def interleaved_1f1b(plan: PipelinePlan, chunks: int = 2) -> Program:
     """Interleaved 1F1B: of a plan cut into chunks (`plan.chunks` > 1) with its own
     chunks, whatever `chunks` says; else of the plan's stages each imagined as
     `chunks` equal chunks (module doc)."""
-    S, B = check_plan(plan, "interleaved")
     if plan.chunks > 1:
         chunks = plan.chunks
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"interleaved schedule: chunks must be an integer >= 1, got {chunks!r}")
+    S, B = check_plan(plan, "interleaved", chunks)
     return program_from_orders(plan, "interleaved", [interleaved_order(S, B, k, chunks) for k in range(S)], chunks)
 
 

@@ -308,6 +308,15 @@ def plan_pipeline(model: str | ModelSource, cluster: Cluster, *, microbatches: i
             if r is not None and (interleaved is None or r.latency_s < interleaved[1].latency_s):
                 interleaved = (c, r)
         if interleaved is None and schedule == "interleaved":
+            layers = candidates[0].graph.num_layers
+            shaped = [c.costs.shapes for c in candidates][0]
+            possible = any(2 <= cluster.num_devices // sh.size <= max_stages and cluster.num_devices % sh.size == 0
+                           and cluster.num_devices // sh.size * v <= layers for sh in shaped for v in chunk_options)
+            if not possible:
+                raise PlanInfeasible(
+                    f"no interleaved plan of {name} with {', '.join(map(str, chunk_options))} chunks per mesh: it "
+                    f"needs S >= 2 meshes of one submesh shape (at most --max-stages {max_stages}) and S x chunks "
+                    f"<= its {layers} layers, on {cluster.num_devices} devices", float("nan"))
             raise PlanInfeasible(f"no interleaved plan of {name} with {', '.join(map(str, chunk_options))} chunks "
                                  f"per mesh fits {cluster.num_devices} x {cluster.device.name} "
                                  f"({format_bytes(cluster.device.memory_bytes)} per device)", float("nan"))

@@ -121,8 +121,8 @@ def test_plan_simulate_json_adds_the_simulation(tmp_path):
 
 def test_plan_interleaved_writes_a_chunked_plan_the_simulator_runs(tmp_path):
     """`plan --schedule interleaved --chunks 2`: a plan of S x 2 stages whose `simulate`
-    runs its own chunks (not 1/v of a stage); other schedules on it, and bad chunk
-    counts, are one line and exit 2."""
+    runs its own chunks (not 1/v of a stage); other schedules or chunk counts on it,
+    and bad chunk counts to plan, are one line and exit 2."""
     env = {**os.environ, "ALPASIM_CACHE_DIR": str(tmp_path / "cache")}
     out = tmp_path / "plan.json"
     model = "gpt3:hidden=64,layers=4,heads=2,seq=32,vocab=128,batch=8"
@@ -133,11 +133,14 @@ def test_plan_interleaved_writes_a_chunked_plan_the_simulator_runs(tmp_path):
     assert p["schedule"] == "interleaved" and p["chunks"] == 2 and len(p["stages"]) % 2 == 0
     meshes = len(p["stages"]) // 2
     assert all(p["stages"][j]["devices"] == p["stages"][j % meshes]["devices"] for j in range(len(p["stages"])))
-    r = json.loads(run("simulate", str(out), "--json", "--chunks", "3").stdout)
+    r = json.loads(run("simulate", str(out), "--json").stdout)
     assert r["schedule"] == "interleaved" and r["chunks"] == 2 and len(r["meshes"]) == meshes
     assert r["predicted_iteration_s"] == pytest.approx(p["predicted"]["iteration_s"])
     bad = run("simulate", str(out), "--schedule", "1f1b")
     assert bad.returncode == 2 and "interleaved schedule, not '1f1b'" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
+    bad = run("simulate", str(out), "--chunks", "3")     # the plan's own chunks, not an imagined count
+    assert bad.returncode == 2 and "cut into 2 chunks per mesh" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
     for chunks in ("1", "two", ""):
         bad = run("plan", "--model", model, "--nodes", "1", "--schedule", "interleaved", "--chunks", chunks, env=env)

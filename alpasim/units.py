@@ -1,5 +1,6 @@
 """How every message and table writes a size: one formatter, binary units (GPU memory
-is sold in GiB), three significant figures, so a budget of 1 KiB never reads "0.00 GiB"."""
+is sold in GiB), the largest unit the size reaches with two decimals, so a budget of
+1 KiB never reads "0.00 GiB"."""
 
 from __future__ import annotations
 

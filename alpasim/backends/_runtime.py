@@ -134,13 +134,13 @@ def _payloads(program: Program, tied: Sequence[str], ops: Sequence | None = None
                              f"iteration, but it is not a tied gradient: the backward reads it per microbatch")
         else:
             out[i] = [("act" if t.direction == "forward" else "ct", t.tensor)]
-    S = program.num_meshes
     for j, o in enumerate(ops or ()):
         arriving = {t.tensor for i, t in enumerate(program.transfers)
-                    if t.dst_chunk * S + t.dst_stage == j and i in out}
+                    if program.stage_of(t.dst_stage, t.dst_chunk) == j and i in out}
         missing = [t for t in (*o.acts_in, *o.cts_in) if t not in arriving]
         if missing:
-            raise ValueError(f"the program brings stage {j} (mesh {j % S}) no transfer of {missing}, which it reads")
+            raise ValueError(f"the program brings stage {j} (mesh {j % program.num_meshes}) no transfer of "
+                             f"{missing}, which it reads")
     return out
 
 
@@ -205,13 +205,9 @@ class _Walker:
         self.sent_bytes = 0.0
         self.t0 = self.clock() if t0 is None else t0
 
-    def stage_of(self, mesh: int, chunk: int) -> int:
-        """The plan stage that runs `chunk` on `mesh`."""
-        return chunk * self.meshes + mesh
-
     def chunks_of(self, mesh: int) -> list[int]:
         """The plan stages mesh k runs."""
-        return [self.stage_of(mesh, c) for c in range(self.program.chunks)]
+        return [self.program.stage_of(mesh, c) for c in range(self.program.chunks)]
 
     def run(self) -> None:
         pc = [0] * self.program.num_meshes
@@ -237,7 +233,7 @@ class _Walker:
     def execute(self, k: int, ins) -> None:
         start = self.clock()
         if isinstance(ins, Run):
-            m, j = ins.microbatch, self.stage_of(k, ins.chunk)
+            m, j = ins.microbatch, self.program.stage_of(k, ins.chunk)
             stage = self.stages[j]
             if ins.phase == "forward":
                 data = microbatch_inputs(self.graph, self.seed, self.step, m)
@@ -275,7 +271,7 @@ class _Walker:
                 jax.block_until_ready((stage.params, stage.states))
             self.record(f"mesh{k}", "sync", k, -1, start, name="update")
         else:  # Free: the stash, and the cotangents already sent
-            j = self.stage_of(k, ins.chunk)
+            j = self.program.stage_of(k, ins.chunk)
             self.stages[j].free(ins.microbatch)
             self.back.pop((j, ins.microbatch), None)
 
@@ -311,7 +307,7 @@ class _Walker:
     def outgoing(self, k: int, ins: Send) -> list[tuple[str, str, jax.Array]]:
         """(kind, name, value) of everything transfer `ins` carries out of mesh k."""
         m = ins.microbatch
-        j = self.stage_of(k, self.program.transfers[ins.transfer].src_chunk)
+        j = self.program.stage_of(k, self.program.transfers[ins.transfer].src_chunk)
         out = []
         for kind, name in self.payloads.get(ins.transfer, ()):
             if kind == "act":
@@ -327,7 +323,7 @@ class _Walker:
     def receiver(self, ins: Send | Recv) -> int:
         """The plan stage a transfer's payload is for."""
         t = self.program.transfers[ins.transfer]
-        return self.stage_of(t.dst_stage, t.dst_chunk)
+        return self.program.stage_of(t.dst_stage, t.dst_chunk)
 
     def send(self, k: int, ins: Send, start: float) -> None:
         dst = self.stages[self.receiver(ins)]

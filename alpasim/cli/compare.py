@@ -11,7 +11,7 @@ from alpasim import graphs as gr
 
 from ._common import (
     BucketOpt, ClusterOpt, DpnOpt, GbpsOpt, JsonOpt, MemOpt, NodesOpt, NoOverlapOpt, RayAddressOpt, RayOpt, app,
-    bucket_bytes, check_workers, emit_json, err, fail, fmt_bytes, load_cluster, method_list, out, points_map,
+    bucket_bytes, emit_json, err, fail, fmt_bytes, load_cluster, method_list, out, points_map,
 )
 
 
@@ -47,7 +47,6 @@ def compare(
     buckets = bucket_bytes(no_overlap, bucket_mb)
     c = load_cluster(cluster, nodes, devices_per_node, inter_node_gbps, memory_gb)
     gr.model_source(model)          # an unknown model or a bad graph file: one line, before planning
-    check_workers(workers)
     t0 = time.perf_counter()
 
     def progress(done: int, total: int, r: Any) -> None:

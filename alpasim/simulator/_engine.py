@@ -21,8 +21,8 @@ follow static lists without a driver). Semantics:
   optimizer update, once per iteration; `Update` is a marker, already inside it).
   A plan whose stages carry gradient buckets (`costmodels._overlap`) runs them on a
   stream of the mesh's own, started with its last backward (a chunked plan: each
-  chunk's buckets with that chunk's last backward, after the chunks' before them): each bucket waits until
-  that backward has produced it, then for the bucket before it; `GradSync` then waits
+  chunk's buckets with that chunk's last backward, after the chunks' before them):
+  each bucket waits until that backward has produced it, then for the bucket before it; `GradSync` then waits
   for the stream and takes the rest of sync_s (the optimizer step). The stream's
   bandwidth is not shared with pipeline messages (below).
   Tensors that move once per iteration are sent after the sender's last run and
@@ -33,8 +33,8 @@ follow static lists without a driver). Semantics:
   forward, the planner's eq. 5) in between, until the `Free` after its backward (a
   plan without stash_bytes keeps the whole peak, the conservative old rule). The
   planner checks interleaved meshes with the same rule (`solvers._pipeline_orders.
-  order_peak_bytes`, tested equal). A backward run before its forward is an error. A split backward (`_phases`)
-  holds after its B only what its W reads (weight_stash_bytes), until the `Free`
+  order_peak_bytes`, tested equal). A backward run before its forward is an error.
+  A split backward (`_phases`) holds after its B only what its W reads (weight_stash_bytes), until the `Free`
   after W; W adds no working set of its own beyond that. Plus receive buffers
   from arrival until the run (or sync) that consumes them, and during `GradSync` the
   optimizer step's working set (`stages[i].memory["update_bytes"]`, the copies Adam
@@ -123,12 +123,13 @@ class _Engine:
         # Per mesh, per chunk: pass times and bytes. A plan cut into chunks has each
         # chunk's own stage; a plan of one stage per mesh run interleaved has each
         # stage imagined as v equal chunks (`_schedules`).
+        self.mesh_stages = [plan.mesh_chunks(k) for k in range(program.num_meshes)]
         self.phase_s: list[list[dict[str, float]]] = []
         self.act_bytes: list[list[float]] = []
         self.stash_bytes: list[list[float]] = []
         self.weight_stash_bytes: list[list[float]] = []
-        for k in range(program.num_meshes):
-            own = plan.mesh_chunks(k) if plan.chunks > 1 else (plan.stages[k],) * v
+        for mesh in self.mesh_stages:
+            own = mesh if plan.chunks > 1 else mesh * v
             scale = 1.0 if plan.chunks > 1 else 1.0 / v
             passes = [split_backward(st, B) for st in own]
             self.phase_s.append([{"forward": p.forward_s * scale, "backward": p.backward_s * scale,
@@ -143,7 +144,6 @@ class _Engine:
         self.channels: dict[tuple[int, int], _Channel] = {}
         self.events: list[Event] = []
         # Per mesh: its chunks' states, gradient syncs and optimizer steps (one after another).
-        self.mesh_stages = [plan.mesh_chunks(k) for k in range(program.num_meshes)]
         self.params_bytes = [_mesh_state_bytes(own) for own in self.mesh_stages]
         self.sync_s = [sum(st.sync_s for st in own) for own in self.mesh_stages]
         self.update_bytes = [max(float((st.memory or {}).get("update_bytes", 0.0)) for st in own)

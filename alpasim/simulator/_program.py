@@ -157,6 +157,10 @@ class Program:
     def num_meshes(self) -> int:
         return len(self.meshes)
 
+    def stage_of(self, mesh: int, chunk: int) -> int:
+        """The plan stage (virtual stage) that runs `chunk` on `mesh`: chunk * S + mesh."""
+        return chunk * self.num_meshes + mesh
+
     def count(self, kind: type) -> int:
         """How many instructions of `kind` (e.g. `Run`) the whole program holds."""
         return sum(type(ins) is kind for mesh in self.meshes for ins in mesh)

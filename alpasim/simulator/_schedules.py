@@ -59,7 +59,7 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 
-from alpasim.solvers import PipelinePlan, PlanFormatError, PlanTransfer
+from alpasim.solvers import PipelinePlan, PlanFormatError, PlanTransfer, validate_plan
 from alpasim.solvers._pipeline_orders import (
     Order,
     gpipe_order,
@@ -320,8 +320,9 @@ def _per_iteration(k: int, transfers: Sequence[StageTransfer], sends: Sequence[i
 
 
 def check_plan(plan: PipelinePlan, schedule: str | None = None, chunks: int = 1) -> tuple[int, int]:
-    """(S meshes, B) of a plan the simulator can run; else a `PlanFormatError` naming
-    the field. A plan cut into chunks per mesh (`plan.chunks` > 1) runs the interleaved
+    """(S meshes, B) of a plan the simulator can run (`solvers.validate_plan`, and a
+    program of at most MAX_PROGRAM_RUNS passes); else a `PlanFormatError` naming the
+    field. A plan cut into chunks per mesh (`plan.chunks` > 1) runs the interleaved
     schedule only: the others run one stage per mesh."""
     if not plan.stages:
         raise PlanFormatError("plan field 'stages' is empty (an infeasible plan cannot be simulated)")
@@ -337,24 +338,7 @@ def check_plan(plan: PipelinePlan, schedule: str | None = None, chunks: int = 1)
     if plan.chunks > 1 and schedule is not None and schedule != "interleaved":
         raise PlanFormatError(f"the plan runs {plan.chunks} model chunks on each of its {plan.num_meshes} meshes: "
                               f"it runs the interleaved schedule, not {schedule!r}")
-    seen: dict[int, int] = {}
-    for i, st in enumerate(plan.stages):
-        if not st.devices:
-            raise PlanFormatError(f"plan stages[{i}]: field 'devices' is empty")
-        if len(st.logical_mesh) != 2 or st.logical_mesh[0] * st.logical_mesh[1] != len(st.devices):
-            raise PlanFormatError(f"plan stages[{i}]: field 'logical_mesh' {list(st.logical_mesh)} does not "
-                                  f"cover its {len(st.devices)} devices")
-        for d in st.devices:
-            if isinstance(d, bool) or not isinstance(d, int) or d < 0:
-                raise PlanFormatError(f"plan stages[{i}]: field 'devices' holds {d!r}, not a device id")
-            if i < plan.num_meshes:      # later chunks share their mesh's devices (checked by the plan)
-                if d in seen:
-                    raise PlanFormatError(f"plan stages[{i}]: device {d} is also in stages[{seen[d]}]")
-                seen[d] = i
-        for name in ("forward_s", "backward_s", "compute_s", "sync_s", "time_s"):
-            value = getattr(st, name)
-            if not math.isfinite(value) or value < 0:
-                raise PlanFormatError(f"plan stages[{i}]: field {name!r} must be finite and >= 0, got {value!r}")
+    validate_plan(plan)     # what a plan file must hold: the loader's rule, for plans made in code too
     return plan.num_meshes, plan.microbatches
 
 

@@ -72,6 +72,7 @@ from ._records import PlanFormatError as PlanFormatError
 from ._records import Record as Record
 from ._pipeline_plan import load_plan as load_plan
 from ._pipeline_plan import plan_from_json as plan_from_json
+from ._pipeline_plan import validate_plan as validate_plan
 from ._stage_costs import LayerOption as LayerOption
 from ._stage_costs import StageCosts as StageCosts
 from ._stage_costs import build_stage_costs as build_stage_costs

@@ -299,27 +299,10 @@ def plan_pipeline(model: str | ModelSource, cluster: Cluster, *, microbatches: i
                                                               cost_model_key(cost_model))
     search = SearchStats(time.perf_counter() - t0, jobs, hits, tuple(sorted(c.microbatches for c in candidates)),
                          int(best.dp.candidates_evaluated), priced_by)
-    interleaved = auto_note = None
+    auto_note = None
     if schedule != "1f1b":
-        for c in candidates:      # each microbatch count's graph has its own cut sizes
-            boundary = stage_boundary_s(c.graph, cluster) if price_boundaries else None
-            r = search_interleaved(c, cluster, chunk_options, max_stages=max_stages, epsilon=epsilon,
-                                   boundary=boundary)
-            if r is not None and (interleaved is None or r.latency_s < interleaved[1].latency_s):
-                interleaved = (c, r)
-        if interleaved is None and schedule == "interleaved":
-            layers = candidates[0].graph.num_layers
-            shaped = [c.costs.shapes for c in candidates][0]
-            possible = any(2 <= cluster.num_devices // sh.size <= max_stages and cluster.num_devices % sh.size == 0
-                           and cluster.num_devices // sh.size * v <= layers for sh in shaped for v in chunk_options)
-            if not possible:
-                raise PlanInfeasible(
-                    f"no interleaved plan of {name} with {', '.join(map(str, chunk_options))} chunks per mesh: it "
-                    f"needs S >= 2 meshes of one submesh shape (at most --max-stages {max_stages}) and S x chunks "
-                    f"<= its {layers} layers, on {cluster.num_devices} devices", float("nan"))
-            raise PlanInfeasible(f"no interleaved plan of {name} with {', '.join(map(str, chunk_options))} chunks "
-                                 f"per mesh fits {cluster.num_devices} x {cluster.device.name} "
-                                 f"({format_bytes(cluster.device.memory_bytes)} per device)", float("nan"))
+        interleaved = _best_interleaved(candidates, cluster, name, chunk_options, schedule, max_stages=max_stages,
+                                        epsilon=epsilon, price_boundaries=price_boundaries)
         if interleaved is None:
             said = "no interleaved plan fits"
         else:
@@ -437,25 +420,30 @@ def _assemble_plan(source: ModelSource, dtype: str, cluster: Cluster, best: Cand
                         transfers=transfers, chunks=chunks)
 
 
+def _stage_options(costs: StageCosts, st: StageChoice, depth: int) -> tuple[int, int, list[LayerOption]]:
+    """(view, option index, each layer's option) the table holds for stage `st` at
+    `depth` (stages from here)."""
+    view = int(costs.view[st.first, st.last, st.shape, depth - 1])
+    j = int(costs.option[st.first, st.last, st.shape, depth - 1])
+    opts = [costs.options[(costs.layer_kind[l], view)] for l in range(st.first, st.last + 1)]
+    return view, j, [o[min(j, len(o) - 1)] for o in opts]
+
+
 def _plan_stage(costs: StageCosts, st: StageChoice, depth: int, inflight: int, devices: Sequence[int],
                 shape, chosen: dict[int, LayerOption]) -> PipelineStage:
     """One stage (or chunk) of a plan: layers st.first..st.last on `devices`, running the
     options the table holds at `depth` (stages from here), with `inflight` microbatches
     of it in flight; records each layer's option in `chosen`."""
-    view = int(costs.view[st.first, st.last, st.shape, depth - 1])
-    j = int(costs.option[st.first, st.last, st.shape, depth - 1])
+    view, j, stage_opts = _stage_options(costs, st, depth)
     _, logical, _ = costs.meshes[view]
     compute = sync = forward = grad_sync = weight_s = weight_bytes = 0.0
     param_specs: dict[str, str] = {}
     heavy: list[dict] = []
     kinds_shown: set[str] = set()
-    stage_opts: list[LayerOption] = []
     layer_specs: list[dict[str, str]] = []
-    for layer in range(st.first, st.last + 1):
+    for layer, o in zip(range(st.first, st.last + 1), stage_opts, strict=True):
         kind = costs.layer_kind[layer]
-        opts = costs.options[(kind, view)]
-        o = chosen[layer] = opts[min(j, len(opts) - 1)]
-        stage_opts.append(o)
+        chosen[layer] = o
         compute += o.busy_s(costs.bucket_bytes is not None)
         forward += o.forward_s
         sync += o.sync_s
@@ -486,10 +474,41 @@ def _plan_stage(costs: StageCosts, st: StageChoice, depth: int, inflight: int, d
 def chunk_memory(costs: StageCosts, st: StageChoice, depth: int):
     """`StageMemory` of one chunk with a single microbatch in flight (its stash is per
     microbatch; the schedule's order says how many), running the table's option at `depth`."""
-    view = int(costs.view[st.first, st.last, st.shape, depth - 1])
-    j = int(costs.option[st.first, st.last, st.shape, depth - 1])
-    opts = [costs.options[(costs.layer_kind[l], view)] for l in range(st.first, st.last + 1)]
-    return stage_memory_of(costs, st.first, st.last, view, [o[min(j, len(o) - 1)] for o in opts], 1)
+    view, _, opts = _stage_options(costs, st, depth)
+    return stage_memory_of(costs, st.first, st.last, view, opts, 1)
+
+
+def _mesh_shapes(shapes, cluster: Cluster, max_stages: int):
+    """(shape index, shape, S) of every submesh shape that tiles `cluster` into S equal
+    meshes, 2 <= S <= max_stages: the meshes an interleaved plan may run on."""
+    for h, shape in enumerate(shapes):
+        meshes = cluster.num_devices // shape.size
+        if cluster.num_devices % shape.size == 0 and 2 <= meshes <= max_stages:
+            yield h, shape, meshes
+
+
+def _best_interleaved(candidates: Sequence[Candidate], cluster: Cluster, name: str, chunk_options: Sequence[int],
+                      schedule: str, *, max_stages: int, epsilon: float, price_boundaries: bool):
+    """(candidate, `InterleavedChoice`) of the fastest interleaved plan at any microbatch
+    count searched, or None; when `schedule` is "interleaved", none is a
+    `PlanInfeasible` saying whether no such plan can exist or none fits."""
+    best = None
+    for c in candidates:      # each microbatch count's graph has its own cut sizes
+        boundary = stage_boundary_s(c.graph, cluster) if price_boundaries else None
+        r = search_interleaved(c, cluster, chunk_options, max_stages=max_stages, epsilon=epsilon, boundary=boundary)
+        if r is not None and (best is None or r.latency_s < best[1].latency_s):
+            best = (c, r)
+    if best is not None or schedule != "interleaved":
+        return best
+    layers = candidates[0].graph.num_layers
+    asked = f"no interleaved plan of {name} with {', '.join(map(str, chunk_options))} chunks per mesh"
+    if not any(meshes * v <= layers for _, _, meshes in _mesh_shapes(candidates[0].costs.shapes, cluster, max_stages)
+               for v in chunk_options):
+        raise PlanInfeasible(f"{asked}: it needs S >= 2 meshes of one submesh shape (at most --max-stages "
+                             f"{max_stages}) and S x chunks <= its {layers} layers, on {cluster.num_devices} devices",
+                             float("nan"))
+    raise PlanInfeasible(f"{asked} fits {cluster.num_devices} x {cluster.device.name} "
+                         f"({format_bytes(cluster.device.memory_bytes)} per device)", float("nan"))
 
 
 def search_interleaved(c: Candidate, cluster: Cluster, chunk_options: Sequence[int], *, max_stages: int,
@@ -498,12 +517,7 @@ def search_interleaved(c: Candidate, cluster: Cluster, chunk_options: Sequence[i
     that tiles the cluster into 2..max_stages meshes, every chunk count in `chunk_options`."""
     costs = c.costs
     best = None
-    for h, shape in enumerate(costs.shapes):
-        if cluster.num_devices % shape.size:
-            continue
-        meshes = cluster.num_devices // shape.size
-        if not 2 <= meshes <= max_stages:
-            continue
+    for h, shape, meshes in _mesh_shapes(costs.shapes, cluster, max_stages):
         try:
             placed = place_submeshes([shape] * meshes, cluster.nodes, cluster.devices_per_node)
         except ValueError:
@@ -511,15 +525,14 @@ def search_interleaved(c: Candidate, cluster: Cluster, chunk_options: Sequence[i
         node = [cluster.node_of(d[0]) for d in placed]
 
         def crossing(j: int, layer: int, node=node, meshes=meshes) -> float:
-            if boundary is None:
-                return 0.0
             same = node[j % meshes] == node[(j - 1) % meshes]
             return float((boundary.intra if same else boundary.inter)[layer])
 
         for v in chunk_options:
             r = interleaved_dp(costs.cost, h, meshes, v, c.microbatches,
                                chunk_memory=lambda st, d: chunk_memory(costs, st, d),
-                               memory_limit=cluster.device.memory_bytes, boundary=crossing, epsilon=epsilon)
+                               memory_limit=cluster.device.memory_bytes,
+                               boundary=crossing if boundary is not None else None, epsilon=epsilon)
             if r is not None and (best is None or r.latency_s < best.latency_s):
                 best = r
     return best

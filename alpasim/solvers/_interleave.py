@@ -39,7 +39,7 @@ import numpy as np
 from alpasim.costmodels import StageMemory
 
 from ._pipeline_orders import Order, interleaved_order, most_live, order_peak_bytes
-from ._stage_dp import INF, StageChoice, _bottleneck_candidates, _solve_fixed
+from ._stage_dp import INF, StageChoice, _bottleneck_candidates, _solve_fixed, bottleneck_windows
 
 # Chunks per mesh the planner tries. Megatron-LM's runs use 2-4 (more chunks cut the
 # bubble further but multiply the boundary messages).
@@ -110,7 +110,7 @@ def order_makespan(orders: Sequence[Order], forward: Sequence[float], backward: 
 def interleaved_dp(cost: np.ndarray, shape: int, meshes: int, chunks: int, microbatches: int, *,
                    chunk_memory: Callable[[StageChoice, int], StageMemory], memory_limit: float,
                    boundary: Callable[[int, int], float] | None = None,
-                   epsilon: float = 1e-3, s_max: int | None = None) -> InterleavedChoice | None:
+                   epsilon: float = 1e-3) -> InterleavedChoice | None:
     """The fastest interleaved slicing of `cost[k, i, h, s-1]` (the stage cost table) on
     `meshes` meshes of shape `shape` with `chunks` chunks each, whose meshes fit
     `memory_limit` (module doc); None when none does.
@@ -123,7 +123,7 @@ def interleaved_dp(cost: np.ndarray, shape: int, meshes: int, chunks: int, micro
     n = S * v
     if n > num_layers or S < 2:
         return None
-    s_max = min(s_max or cost.shape[3], cost.shape[3])
+    s_max = cost.shape[3]
     orders = [interleaved_order(S, B, k, v) for k in range(S)]
     live = [most_live(o, v) for o in orders]
     inflight = [live[j % S][j // S] for j in range(n)]
@@ -137,15 +137,11 @@ def interleaved_dp(cost: np.ndarray, shape: int, meshes: int, chunks: int, micro
     if not math.isfinite(floor):
         return None
     found: dict[tuple[StageChoice, ...], float] = {}     # solution -> proxy, the best few
-    start = 0
-    while start < len(finite):
-        low = finite[start]
-        end = max(start, int(np.searchsorted(finite, low * (1 + epsilon), side="right")) - 1)
-        start = end + 1
+    for low, t_max in bottleneck_windows(finite, epsilon):
         worst = max(found.values()) if len(found) >= CHECKED_SOLUTIONS else INF
         if floor / v + (B - 1 / v) * max(floor / S, low) >= worst:
             break
-        _, stages, _ = _solve_fixed(table, np.ones(1, int), n, n, finite[end])
+        _, stages, _ = _solve_fixed(table, np.ones(1, int), n, n, t_max)
         if stages is None:
             continue
         stages = tuple(StageChoice(c.first, c.last, shape, c.cost_s) for c in stages)   # the table's one shape is h

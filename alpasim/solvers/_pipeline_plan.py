@@ -311,6 +311,7 @@ def validate_plan(plan: PipelinePlan, source: str = "plan") -> None:
         raise bad("microbatches", f"must be >= 1, got {plan.microbatches}")
     total = plan.cluster.nodes * plan.cluster.devices_per_node
     owner: dict[int, int] = {}
+    parsed: set[str] = set()
     expect = 0
     for i, st in enumerate(plan.stages):
         here = f"stages[{i}]"
@@ -326,11 +327,11 @@ def validate_plan(plan: PipelinePlan, source: str = "plan") -> None:
             raise bad(f"{here}.layers", f"{[first, last]} {what} (stages cover the layers in order from 0)")
         expect = last + 1
         if not st.devices:
-            raise bad(f"{here}.devices", "is empty")
-        n, m = st.submesh
-        a, b = st.logical_mesh
-        if n * m != len(st.devices) or a * b != len(st.devices):
-            raise bad(f"{here}.devices", f"{len(st.devices)} devices, but submesh {n}x{m} and logical mesh {a}x{b}")
+            raise bad(here, "field 'devices' is empty")
+        for name in ("submesh", "logical_mesh"):
+            n, m = getattr(st, name)
+            if n * m != len(st.devices):
+                raise bad(f"{here}.{name}", f"{n}x{m} does not cover the stage's {len(st.devices)} devices")
         for d in st.devices:
             if not 0 <= d < total:
                 raise bad(f"{here}.devices", f"device {d} is outside the plan's cluster of {total} devices "
@@ -340,12 +341,13 @@ def validate_plan(plan: PipelinePlan, source: str = "plan") -> None:
                     raise bad(f"{here}.devices", f"device {d} is also in stages[{owner[d]}]")
                 owner[d] = i
         for param, text in st.param_specs.items():
-            if text in ("", "scalar"):
+            if text in ("", "scalar") or text in parsed:
                 continue
             try:
                 ShardingSpec.parse(text)
             except ValueError as e:
                 raise bad(f"{here}.param_specs[{param!r}]", str(e)) from None
+            parsed.add(text)    # a plan repeats a handful of layouts: each is parsed once (simulate runs this)
     for j, t in enumerate(plan.transfers):
         if not (math.isfinite(t.nbytes) and t.nbytes >= 0):
             raise bad(f"transfers[{j}].nbytes", f"must be a finite number >= 0, got {t.nbytes!r}")

@@ -64,7 +64,7 @@ pass against a loop reference).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -137,7 +137,6 @@ def stage_dp(cost: np.ndarray, sizes: Sequence[int], num_devices: int, microbatc
     per_node = devices_per_node or num_devices
     best = DPResult(INF, (), INF, 0)
     evaluated = 0
-    start = 0
     unsure = INF   # the least latency a pass whose fallback cost something could have missed
     # With runs to track, each pass first solves its one-state relaxation (every
     # boundary at its cheaper link): a pass whose bound cannot beat the best is skipped.
@@ -167,14 +166,10 @@ def stage_dp(cost: np.ndarray, sizes: Sequence[int], num_devices: int, microbatc
             hi = mid
         else:
             lo = mid + 1
-    start = lo
-    while start < len(finite):
+    for low, t_max in bottleneck_windows(finite, epsilon, lo):
         # A plan whose bottleneck is at least `low` has a total of at least low and floor.
-        if max(floor, finite[start]) + (microbatches - 1) * finite[start] >= best.latency_s:
+        if max(floor, low) + (microbatches - 1) * low >= best.latency_s:
             break
-        # The window's last candidate: every candidate of the window is within (1 + eps) below it.
-        end = max(start, int(np.searchsorted(finite, finite[start] * (1 + epsilon), side="right")) - 1)
-        low, t_max, start = finite[start], finite[end], end + 1
         evaluated += 1
         if bound_first:
             lower, _, _ = _solve_fixed(cost, sizes, num_devices, s_max, t_max, relaxation, num_devices)
@@ -198,6 +193,16 @@ def stage_dp(cost: np.ndarray, sizes: Sequence[int], num_devices: int, microbatc
             best = DPResult(latency, tuple(stages), reached, evaluated, runs)
     exact = unsure >= best.latency_s * (1 - 1e-12)
     return DPResult(best.latency_s, best.stages, best.t_max_s, evaluated, best.runs, bool(exact))
+
+
+def bottleneck_windows(finite: np.ndarray, epsilon: float, start: int = 0) -> Iterator[tuple[float, float]]:
+    """(low, t_max) of each bottleneck window of the sorted candidates `finite` from
+    index `start` (module doc): `low` its smallest candidate, `t_max` the largest
+    within low (1 + epsilon), which the window evaluates."""
+    while start < len(finite):
+        end = max(start, int(np.searchsorted(finite, finite[start] * (1 + epsilon), side="right")) - 1)
+        yield float(finite[start]), float(finite[end])
+        start = end + 1
 
 
 def _bottleneck_candidates(cost: np.ndarray, boundary: StageBoundary | None) -> np.ndarray:

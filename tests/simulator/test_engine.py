@@ -250,8 +250,8 @@ def test_the_cluster_comes_from_the_plan_and_is_needed_for_communication(two_nod
 @pytest.mark.parametrize("change, fragment", [
     ({"devices": ()}, "stages[1]: field 'devices' is empty"),
     ({"devices": (0,)}, "device 0 is also in stages[0]"),
-    ({"logical_mesh": (2, 2)}, "stages[1]: field 'logical_mesh'"),
-    ({"forward_s": -1.0}, "stages[1]: field 'forward_s'"),
+    ({"logical_mesh": (2, 2)}, "stages[1].logical_mesh"),
+    ({"forward_s": -1.0}, "stages[1].forward_s"),
 ])
 def test_bad_stages_are_named(change, fragment):
     plan = synthetic_plan([1.0] * 2, [1.0] * 2, 2)

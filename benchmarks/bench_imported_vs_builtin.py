@@ -4,7 +4,10 @@ Prints, per recompute policy, the predicted training-step time and memory of the
 model as one stage (the intra-op ILP's plan on a 1x1 and a 2x2 mesh of the cluster,
 compute in the objective) for the imported graph and the built-in one, and their
 ratio; then, with `--plan`, the wall time of `plan_pipeline` for each (no cache, one
-process) and its ratio. The flax model is `tests/graphs/jax_models.flax_gpt_problem`.
+process), in seconds and in reference units, and its ratio. The reference loop
+(`_reference`) is timed first and, with `--plan`, again at the end; a plan's wall time in
+reference units is its seconds / the first loop's. The flax model is
+`tests/graphs/jax_models.flax_gpt_problem`.
 
     .venv/bin/python benchmarks/bench_imported_vs_builtin.py --plan
 """
@@ -24,6 +27,11 @@ from alpasim import costmodels as cm  # noqa: E402
 from alpasim import graphs as gr  # noqa: E402
 from alpasim import solvers as sv  # noqa: E402
 
+try:
+    from _reference import in_ref, print_reference  # noqa: E402
+except ModuleNotFoundError:  # run as `python -m benchmarks.bench_imported_vs_builtin` from the repository root
+    from benchmarks._reference import in_ref, print_reference  # noqa: E402
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -37,6 +45,7 @@ def main() -> None:
     ap.add_argument("--cluster", default="aws-p3.16xlarge")
     ap.add_argument("--plan", action="store_true", help="also time plan_pipeline on one node of 4 devices")
     a = ap.parse_args()
+    ref_s = print_reference()
 
     from jax_models import flax_gpt_problem
 
@@ -73,9 +82,11 @@ def main() -> None:
                                  cache=sv.DiskCache(enabled=False))
             walls[label] = time.perf_counter() - t0
             print(f"plan {label:9s} {walls[label]:6.1f} s, {p.model.layers} layers, "
-                  f"{p.search.ilp_solves} ILP jobs, predicted {p.predicted.iteration_s * 1e3:.2f} ms")
+                  f"{p.search.ilp_solves} ILP jobs, predicted {p.predicted.iteration_s * 1e3:.2f} ms; "
+                  f"wall {in_ref(walls[label], ref_s)} ref", flush=True)
         print(f"plan time ratio imported / built-in {walls['imported'] / walls['built-in']:.2f} "
               f"(load average {os.getloadavg()[0]:.2f})")
+        print_reference("at the end")
 
 
 if __name__ == "__main__":

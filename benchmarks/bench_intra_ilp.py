@@ -7,6 +7,9 @@ reach the same objective.
 Stages are one layer of the training graph (forward, backward and Adam) at microbatch
 8 on aws-p3.16xlarge meshes, with the device's memory as the budget, as the inter-op
 pass would call it. CBC gets a time limit; a row that hits it says so.
+The reference loop (`_reference`) is timed before the table and again after it; a
+second table gives the build, HiGHS and CBC times in reference units (seconds / the
+first reference loop's).
 
     .venv/bin/python benchmarks/bench_intra_ilp.py [--time-limit 60]
 """
@@ -19,6 +22,11 @@ import time
 from alpasim.costmodels import AnalyticCostModel, get_cluster
 from alpasim.graphs import build_training_graph, stage_graph
 from alpasim.solvers import LogicalMesh, build_problem, formulate, solve_ilp
+
+try:
+    from _reference import in_ref, print_reference
+except ModuleNotFoundError:  # run as `python -m benchmarks.bench_intra_ilp` from the repository root
+    from benchmarks._reference import in_ref, print_reference
 
 CLUSTER = "aws-p3.16xlarge"
 # (label, model, layer, mesh shape): a middle layer of each model; layer 8 of
@@ -38,6 +46,8 @@ def main(time_limit_s: float) -> None:
     cost_model = AnalyticCostModel(cluster)
     budget = cluster.device.memory_bytes
     graphs = {}
+    ref_s = print_reference()
+    in_units = []
     print(f"{'stage':<15}{'mesh':>5}{'ops':>5}{'nodes':>6}{'edges':>6}{'binary':>7}{'cont':>6}{'rows':>6}"
           f"{'build s':>9}{'HiGHS s':>9}{'CBC s':>12}  same objective")
     for label, model, layer, shape in CASES:
@@ -61,6 +71,13 @@ def main(time_limit_s: float) -> None:
         print(f"{label:<15}{str(mesh):>5}{len(stage.ops):>5}{len(problem.nodes):>6}{len(problem.edges):>6}"
               f"{binary:>7}{form.num_cols - binary:>6}{form.num_rows:>6}{build_s:>9.2f}"
               f"{highs.wall_s:>9.2f}{cbc_s:>12}  {same}", flush=True)
+        cbc_ref = in_ref(cbc.wall_s, ref_s) if cbc.status == "optimal" else cbc_s
+        in_units.append(f"{label:<15}{str(mesh):>5}{in_ref(build_s, ref_s):>9}{in_ref(highs.wall_s, ref_s):>9}"
+                        f"{cbc_ref:>12}")
+    print_reference("at the end")
+    print("in reference units (seconds / the first reference loop):")
+    print(f"{'stage':<15}{'mesh':>5}{'build':>9}{'HiGHS':>9}{'CBC':>12}")
+    print("\n".join(in_units))
 
 
 if __name__ == "__main__":

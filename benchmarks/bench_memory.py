@@ -13,7 +13,9 @@ their ratio, and both breakdowns — state (params + grads + optimizer), stash p
 microbatch x in flight, transient (temporaries + boundary buffers). The predicted
 breakdown is the plan's `stages[i].memory` where the planner writes one, else the
 older fields (`params_bytes` = persistent, `stash_bytes`, `activation_bytes`).
-Memory figures do not move with the machine's load: one run each is enough.
+Memory figures do not move with the machine's load: one run each is enough. The
+seconds each model's plan and run took are also given in reference units (seconds / the
+reference loop's, `_reference`, timed before the first plan and again at the end).
 """
 
 from __future__ import annotations
@@ -28,6 +30,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 from alpasim.backends import _executable, check_numerics, reference_step, run_local, stage_memory  # noqa: E402
 from alpasim.costmodels import get_cluster  # noqa: E402
 from alpasim.solvers import plan_pipeline  # noqa: E402
+
+try:
+    from _reference import in_ref, print_reference  # noqa: E402
+except ModuleNotFoundError:  # run as `python -m benchmarks.bench_memory` from the repository root
+    from benchmarks._reference import in_ref, print_reference  # noqa: E402
 
 MODELS = {
     "gpt": "gpt3:hidden=64,layers=2,heads=4,seq=16,vocab=128,batch=8,dtype=fp32",
@@ -68,6 +75,7 @@ def main() -> None:
     if args.xla_default_scheduler:
         _executable.compiler_options = lambda mesh: None
     cluster = get_cluster("aws-p3.16xlarge", nodes=1)
+    ref_s = print_reference()
     print("KiB per device; state = params+grads+optimizer; stash per microbatch x inflight; "
           "transient = temporaries + boundary buffers of the peak program (the update's holds no stash); "
           f"ratio = predicted / measured (load average {os.getloadavg()[0]:.2f})")
@@ -94,8 +102,10 @@ def main() -> None:
                       f"{m.peak_program} (temp {kib(m.temp_bytes)}, buffers {kib(m.buffer_bytes)}; "
                       f"update p/m {kib(upd)}/{kib(m.programs['update'].temp_bytes)}; "
                       f"params {kib(m.params_bytes)} grads {kib(m.grads_bytes)} opt {kib(m.optimizer_bytes)})")
+            took = time.perf_counter() - t0
             print(f"# {family} remat={remat}: {len(plan.stages)} stages, numerics {'ok' if ok else 'MISMATCH'}, "
-                  f"{time.perf_counter() - t0:.1f} s")
+                  f"{took:.1f} s ({in_ref(took, ref_s)} ref)", flush=True)
+    print_reference("at the end")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ full activation recomputation) up to the 39.1B row (512 GPUs), and Korthikanti e
 4, 175B on 64 with 1, full recomputation as their baseline). Table 1 gives no
 microbatch size, so each row is priced at several. Every configuration trained, so
 every one must fit in 80 GB; the script prints alpasim's per-device memory of the most
-loaded stage, its terms, and the predicted throughput next to the published one.
+loaded stage, its terms, the predicted throughput next to the published one, and the
+time each plan took, in seconds and in reference units (seconds / the reference loop's,
+`_reference`, timed before the first plan and again at the end).
 
     .venv/bin/python benchmarks/bench_memory_published.py [--rows 1.7B,22B] [--precision mixed]
 """
@@ -20,6 +22,11 @@ import time
 
 from alpasim.costmodels import get_cluster
 from alpasim.solvers import DiskCache, MegatronConfig, plan_with_method
+
+try:
+    from _reference import in_ref, print_reference
+except ModuleNotFoundError:  # run as `python -m benchmarks.bench_memory_published` from the repository root
+    from benchmarks._reference import in_ref, print_reference
 
 GIB = 2 ** 30
 # name: (heads, hidden, layers, tp, pp, gpus, global batch, microbatch sizes, published TFLOP/s per GPU)
@@ -40,10 +47,11 @@ def main() -> None:
     ap.add_argument("--precision", default="mixed-fp32grad")
     args = ap.parse_args()
     cache = DiskCache(enabled=os.environ.get("ALPASIM_BENCH_CACHE", "1") != "0")
+    ref_s = print_reference()
     print(f"precision {args.precision}; per device, the most loaded stage; A100-SXM-80GB "
           f"(load average {os.getloadavg()[0]:.2f})")
     print(f"{'row':>6} {'tp':>2} {'pp':>2} {'dp':>3} {'mbs':>3}  {'memory':>9}  {'fits':>4}  {'states':>8} "
-          f"{'stash x w':>13} {'working':>8}  {'TFLOP/s':>7} {'paper':>5}  {'plan s':>6}")
+          f"{'stash x w':>13} {'working':>8}  {'TFLOP/s':>7} {'paper':>5}  {'plan s':>6} {'plan ref':>8}")
     for name in args.rows.split(","):
         heads, hidden, layers, tp, pp, gpus, batch, sizes, paper = ROWS[name]
         dp = gpus // (tp * pp)
@@ -66,7 +74,8 @@ def main() -> None:
             print(f"{name:>6} {tp:>2} {pp:>2} {dp:>3} {mbs:>3}  {st.memory_bytes / GIB:6.1f} GiB  "
                   f"{'yes' if st.memory_bytes <= 80e9 else 'NO':>4}  {states / GIB:5.1f} GiB "
                   f"{m['stash_bytes'] / GIB:6.2f} x {m['inflight']:<3} {m['transient_bytes'] / GIB:5.2f} GiB  "
-                  f"{tflops:7.1f} {paper if paper else '-':>5}  {took:6.1f}")
+                  f"{tflops:7.1f} {paper if paper else '-':>5}  {took:6.1f} {in_ref(took, ref_s):>8}", flush=True)
+    print_reference("at the end")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
 Cold: a fresh temporary ALPASIM_CACHE_DIR, so every point (and every layer solve
 under it) is planned from scratch; warm: the same command again, every point a cache
 hit. The issue asks for cold under 10 minutes on the 2-core dev machine and warm in
-seconds.
+seconds. Each line also gives the wall and CPU seconds in reference units (seconds /
+the reference loop's, `_reference`, timed in this process before the cold run and again
+at the end).
 
     .venv/bin/python benchmarks/bench_reproduce.py [--figure fig7a] [--max-gpus N] [--workers 2]
         [--out-dir DIR] [--cache-dir DIR]
@@ -22,6 +24,11 @@ import subprocess
 import sys
 import tempfile
 import time
+
+try:
+    from _reference import in_ref, print_reference
+except ModuleNotFoundError:  # run as `python -m benchmarks.bench_reproduce` from the repository root
+    from benchmarks._reference import in_ref, print_reference
 
 
 def timed(cmd: list[str], env: dict[str, str]) -> tuple[float, float]:
@@ -54,10 +61,13 @@ def main() -> None:
                args.out_dir or os.path.join(tmp, "out"), "--workers", str(args.workers)]
         if args.max_gpus:
             cmd += ["--max-gpus", str(args.max_gpus)]
+        ref_s = print_reference()
         for what in ("cold", "warm"):
             wall, cpu = timed(cmd, env)
             print(f"reproduce {args.figure}: {what} cache {wall:.1f} s wall, {cpu:.1f} s CPU "
-                  f"(load average {os.getloadavg()[0]:.1f})", flush=True)
+                  f"(load average {os.getloadavg()[0]:.1f}); wall {in_ref(wall, ref_s)} ref, "
+                  f"CPU {in_ref(cpu, ref_s)} ref", flush=True)
+        print_reference("at the end")
 
 
 if __name__ == "__main__":

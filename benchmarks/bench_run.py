@@ -13,7 +13,9 @@ with one executor. The sizes are a little above the tests' tiny ones so
 that compute, not per-call dispatch, dominates a step; `--tiny` uses the tests' ones.
 
 Timings on a shared 2-core machine move with whatever else runs: the script prints
-each step so the spread is visible.
+each step so the spread is visible, and times the reference loop (`_reference`) before
+profiling and again at the end; after the table it gives each family's measured step in
+reference units (seconds / the first reference loop's), as it does the profiling time.
 """
 
 from __future__ import annotations
@@ -38,6 +40,11 @@ from alpasim.backends import (  # noqa: E402
 from alpasim.costmodels import Cluster, Device, Link, ProfiledCostModel  # noqa: E402
 from alpasim.solvers import plan_pipeline  # noqa: E402
 
+try:
+    from _reference import in_ref, print_reference  # noqa: E402
+except ModuleNotFoundError:  # run as `python -m benchmarks.bench_run` from the repository root
+    from benchmarks._reference import in_ref, print_reference  # noqa: E402
+
 SMALL = {
     "gpt": "gpt3:hidden=256,layers=4,heads=8,seq=64,vocab=512,batch=16,dtype=fp32",
     "moe": "moe:hidden=128,layers=4,heads=4,seq=64,vocab=512,batch=16,experts=8,group_size=128,dtype=fp32",
@@ -51,12 +58,13 @@ TINY = {
 VIEWS = {2: [(1, 2)], 4: [(2, 2)]}
 
 
-def load_profile(path: str | None) -> ProfiledCostModel:
+def load_profile(path: str | None, ref_s: float) -> ProfiledCostModel:
     if path is None:
         t0 = time.perf_counter()
         model = profile_backend(quick=True)
-        print(f"profiled in {time.perf_counter() - t0:.1f} s: dispatch {model.meta['dispatch_s'] * 1e6:.0f} us",
-              file=sys.stderr)
+        took = time.perf_counter() - t0
+        print(f"profiled in {took:.1f} s: dispatch {model.meta['dispatch_s'] * 1e6:.0f} us; "
+              f"profiling {in_ref(took, ref_s)} ref", file=sys.stderr)
         return model
     stand_in = Cluster("unbound", 1, 8, Device("unbound", {"float32": 1.0}, 1, 1.0), Link("u", 1.0, 0.0),
                        Link("u", 1.0, 0.0))
@@ -72,11 +80,13 @@ def main() -> None:
     ap.add_argument("--only", help="comma-separated families")
     ap.add_argument("--runtime", choices=("local", "ray"), default="local")
     args = ap.parse_args()
-    model = load_profile(args.profile)
+    ref_s = print_reference()
+    model = load_profile(args.profile, ref_s)
     configs = TINY if args.tiny else SMALL
     families = args.only.split(",") if args.only else list(configs)
     print(f"{'family':<8} {'stages':<14} {'measured':>10} {'plan':>10} {'op-prof':>10} {'ratio':>6} "
           f"{'stage-prof':>10} {'ratio':>6}  numerics  steps (ms)")
+    measured_steps = {}
     for family in families:
         plan = plan_pipeline(configs[family], model.cluster, microbatches=2, pareto=False, cost_model=model,
                              shape_ok=lambda sh: sh.size in VIEWS, views_of=lambda sh: VIEWS[sh.size],
@@ -89,6 +99,7 @@ def main() -> None:
         pred = predict_run(plan, cost_model=model, runtime=args.runtime,
                            intra_plans=[s.intra_plan for s in result.stages], stage_times=result.stage_profile)
         measured = result.measured_step_s
+        measured_steps[family] = measured
         meshes = "+".join("x".join(map(str, s.logical_mesh)) for s in plan.stages)
         steps = " ".join(f"{t * 1e3:.0f}" for t in result.step_times_s)
         print(f"{family:<8} {meshes:<14} {measured * 1e3:8.1f}ms {pred['predicted_step_s_analytic'] * 1e3:8.1f}ms "
@@ -96,6 +107,9 @@ def main() -> None:
               f"{pred['predicted_step_s_stage_profiled'] * 1e3:8.1f}ms "
               f"{pred['predicted_step_s_stage_profiled'] / measured:6.2f}  "
               f"{'ok' if ok else 'FAIL':<8}  {steps}", flush=True)
+    print_reference("at the end")
+    print("measured step in reference units (seconds / the first reference loop): "
+          + ", ".join(f"{family} {in_ref(s, ref_s)}" for family, s in measured_steps.items()))
 
 
 if __name__ == "__main__":

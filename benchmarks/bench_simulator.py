@@ -7,7 +7,9 @@ per schedule (building the program included) and how many timeline events per se
 the engine produced (target for 1F1B: under 5 s). With free communication 1F1B takes
 exactly eq. 2; with the real links it is slower, because the 25 Gb/s hop adds to the
 critical path of every 1F1B round trip that crosses it (GPipe and interleaved 1F1B keep
-more microbatches in flight and hide it).
+more microbatches in flight and hide it). Each wall time is also given in reference
+units (seconds / the reference loop's, `_reference`, timed before the first schedule;
+the whole script takes seconds, so once is enough).
 """
 
 from __future__ import annotations
@@ -17,6 +19,11 @@ import time
 from alpasim.costmodels import get_cluster
 from alpasim.simulator import Run, build_program, simulate, synthetic_plan
 
+try:
+    from _reference import in_ref, print_reference
+except ModuleNotFoundError:  # run as `python -m benchmarks.bench_simulator` from the repository root
+    from benchmarks._reference import in_ref, print_reference
+
 STAGES, MICROBATCHES = 16, 512
 
 
@@ -25,6 +32,7 @@ def main() -> None:
     plan = synthetic_plan([0.010] * STAGES, [0.020] * STAGES, MICROBATCHES, cluster=cluster,
                           params_bytes=4e9, activation_bytes=50e6, sync_s=0.05, hidden_shape=(4, 1024, 2560),
                           specs=("RRR", "RRR"))
+    ref_s = print_reference()
     print(f"{STAGES} stages on 2 x 8 GPUs, {MICROBATCHES} microbatches, eq. 2: "
           f"{plan.predicted.iteration_s:.3f} s")
     for schedule, free in (("1f1b", False), ("1f1b", True), ("gpipe", False), ("interleaved", False)):
@@ -36,7 +44,7 @@ def main() -> None:
         print(f"{label:20s} wall {wall:5.2f} s  simulated iteration {tl.iteration_s:7.3f} s  "
               f"bubble {tl.bubble_fraction:6.2%}  {program.count(Run)} runs, "
               f"{sum(map(len, program.meshes))} instructions, {len(tl.events)} events "
-              f"({len(tl.events) / wall:,.0f} events/s)")
+              f"({len(tl.events) / wall:,.0f} events/s); wall {in_ref(wall, ref_s)} ref", flush=True)
 
 if __name__ == "__main__":
     main()

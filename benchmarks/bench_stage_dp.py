@@ -9,6 +9,10 @@ sits (0.5: the median candidate). The reference is the recurrence of `_stage_dp`
 nested Python loops over (s, k, shape, i, d, run state), with no vectorisation and no
 pruning; it checks the new DP's sum on every run.
 
+The reference loop of `_reference` (a fixed pure-Python loop, not the reference pass
+above) is timed before the passes and again at the end; a second table gives the DP's
+fastest pass and the reference pass in its units (seconds / the first loop's).
+
     .venv/bin/python benchmarks/bench_stage_dp.py [--layers 32] [--nodes 8] [--repeat 20]
 """
 
@@ -23,6 +27,11 @@ import numpy as np
 
 from alpasim.solvers._stage_dp import StageBoundary, _bottleneck_candidates, _solve_fixed
 from alpasim.solvers._submesh import submesh_shapes
+
+try:
+    from _reference import in_ref, print_reference
+except ModuleNotFoundError:  # run as `python -m benchmarks.bench_stage_dp` from the repository root
+    from benchmarks._reference import in_ref, print_reference
 
 INF = math.inf
 
@@ -104,6 +113,8 @@ def main() -> None:
     num_devices = args.nodes * args.per_node
     s_max = cost.shape[3]
     candidates = _bottleneck_candidates(cost, boundary)
+    loop_s = print_reference()
+    in_units = []
     print(f"{args.layers} layers, {num_devices} devices ({args.nodes} x {args.per_node}), {len(sizes)} submesh "
           f"sizes, up to {s_max} stages, {np.isfinite(cost).mean() * 100:.0f} % of entries finite; "
           f"load average {os.getloadavg()[0]:.2f}")
@@ -120,7 +131,12 @@ def main() -> None:
         ref_s = time.perf_counter() - t0
         agree = (math.isinf(ref) and math.isinf(total)) or abs(ref - total) <= 1e-9 * max(1.0, abs(ref))
         print(f"{q:>9.2f}{min(times) * 1e3:>13.2f} / {np.median(times) * 1e3:<10.2f}{ref_s * 1e3:>14.0f}"
-              f"{ref_s / min(times):>9.0f}x  {agree}")
+              f"{ref_s / min(times):>9.0f}x  {agree}", flush=True)
+        in_units.append(f"{q:>9.2f}{in_ref(min(times), loop_s):>12}{in_ref(ref_s, loop_s):>16}")
+    print_reference("at the end")
+    print("in reference-loop units (seconds / the first reference loop):")
+    print(f"{'t_max at':>9}{'DP pass min':>12}{'reference pass':>16}")
+    print("\n".join(in_units))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,11 @@ taken away at a time (what is left still searched), and both with no overlap.
         [--out out/llama70b.json]
 
 Stage costs are cached on disk, so a rerun of a scale takes seconds.
+
+The reference loop (`_reference`) is timed before the first plan and again after the
+last; every row (the JSON lines printed and the `--out` file) carries the first in
+`reference_loop_s`, so its `plan_s` can be read in reference units (plan_s /
+reference_loop_s) and compared across machines.
 """
 
 from __future__ import annotations
@@ -33,6 +38,11 @@ from alpasim.costmodels import get_cluster
 from alpasim.graphs import forward_graph, resolve_model
 from alpasim.simulator import simulate
 from alpasim.solvers import RECOMPUTE_SEARCH, MegatronConfig, plan_model
+
+try:
+    from _reference import print_reference
+except ModuleNotFoundError:  # run as `python -m benchmarks.llama70b_h100` from the repository root
+    from benchmarks._reference import print_reference
 
 MODEL = "llama3-70b"
 
@@ -52,14 +62,14 @@ def row(label: str, plan, t0: float) -> dict:
             "megatron": plan.search.megatron, "stages": stages}
 
 
-def scale(gpus: int, ablate: bool, alpa_recompute: str = "auto") -> list[dict]:
+def scale(gpus: int, ablate: bool, alpa_recompute: str = "auto", reference_loop_s: float | None = None) -> list[dict]:
     cluster = get_cluster("dgx-h100", nodes=gpus // 8)
     rows = []
 
     def add(label, **kw):
         t0 = time.perf_counter()
         plan = plan_model(MODEL, cluster, **kw)
-        rows.append({"gpus": gpus, **row(label, plan, t0)})
+        rows.append({"gpus": gpus, **row(label, plan, t0), "reference_loop_s": reference_loop_s})
         print(json.dumps(rows[-1]), flush=True)
         return plan
 
@@ -124,9 +134,11 @@ def main() -> None:
         return
     ablate = {int(g) for g in args.ablate.split(",") if g}
     print(f"load average at start: {os.getloadavg()[0]:.2f}", flush=True)
+    ref_s = round(print_reference(), 3)
     rows = []
     for g in (int(x) for x in args.gpus.split(",")):
-        rows += scale(g, g in ablate, args.alpa_recompute)
+        rows += scale(g, g in ablate, args.alpa_recompute, ref_s)
+    print_reference("at the end")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(rows, indent=1) + "\n")
     print(markdown(rows), flush=True)

@@ -9,11 +9,17 @@ written by `--record` from an earlier commit) it also prints the baseline's pred
 iteration time and the change: a faster planner must not find worse plans. Alpa
 reports 2,393 s for GPT-3 39B on 64 GPUs (its Table 5).
 
+The reference loop (`_reference`) is timed before the first case and again after the
+last; the last two columns give the wall and CPU times in reference units (seconds /
+the first reference loop's), and `--record` writes the first as `reference_loop_s`
+beside the cases' iteration times.
+
     .venv/bin/python benchmarks/plan_time.py [--cases gpt3-2.6b@8 ...] [--workers N]
         [--cache] [--record FILE] [--baseline FILE] [--profile]
 
 `--profile` plans each case in this process under cProfile instead and prints where
-its time goes (problem build, strategy enumeration, formulation, HiGHS, ...).
+its time goes (problem build, strategy enumeration, formulation, HiGHS, ...), in
+seconds, shares and reference units.
 
 The imported case is `tests/graphs/jax_models.flax_gpt_problem` with 32 layers of
 hidden 1024 (GPT-3 350M's width), traced by `graphs.from_jax`; the trace is not timed.
@@ -36,6 +42,11 @@ sys.path.insert(0, str(HERE.parent / "tests" / "graphs"))
 
 from alpasim.costmodels import get_cluster  # noqa: E402
 from alpasim.solvers import DiskCache, PlanInfeasible, plan_pipeline  # noqa: E402
+
+try:
+    from _reference import in_ref, print_reference  # noqa: E402
+except ModuleNotFoundError:  # run as `python -m benchmarks.plan_time` from the repository root
+    from benchmarks._reference import in_ref, print_reference  # noqa: E402
 
 CASES = ("gpt3-2.6b@8", "gpt3-6.7b@16", "gpt3-39b@64", "moe-10b@16", "wresnet-6.8b@32", "imported-gpt-32l@8")
 BASELINE = HERE / "plan_time_baseline.json"
@@ -70,9 +81,9 @@ PHASES = (("layer jobs (all)", "_options_job", "_stage_costs.py"),
           ("plan assembly", "_assemble_plan", "_inter_op.py"))
 
 
-def profile_case(case: str) -> None:
+def profile_case(case: str, ref_s: float) -> None:
     """One case planned serially in this process under cProfile; prints each phase's
-    cumulative seconds and share of the whole."""
+    cumulative seconds, share of the whole and seconds / `ref_s` (reference units)."""
     import cProfile
     import pstats
 
@@ -87,10 +98,11 @@ def profile_case(case: str) -> None:
     profiler.disable()
     total = time.perf_counter() - t0
     stats = pstats.Stats(profiler).stats
-    print(f"{case}: {total:.1f} s in one process (profiled; load average {os.getloadavg()[0]:.2f})")
+    print(f"{case}: {total:.1f} s in one process (profiled; load average {os.getloadavg()[0]:.2f}); "
+          f"{in_ref(total, ref_s)} ref")
     for label, fn, file in PHASES:
         cum = sum(v[3] for (f, _, func), v in stats.items() if func == fn and f.endswith(file))
-        print(f"  {label:<28}{cum:>8.1f} s {cum / total * 100:>5.0f} %")
+        print(f"  {label:<28}{cum:>8.1f} s {cum / total * 100:>5.0f} % {in_ref(cum, ref_s):>8} ref", flush=True)
 
 
 def main() -> None:
@@ -104,13 +116,16 @@ def main() -> None:
                     help="plan the cases in this process under cProfile and print where the time goes")
     args = ap.parse_args()
     if args.profile:
+        ref_s = print_reference()
         for case in args.cases:
-            profile_case(case)
+            profile_case(case, ref_s)
+        print_reference("at the end")
         return
     before = json.loads(args.baseline.read_text()) if args.baseline.is_file() and not args.record else {}
+    ref_s = print_reference()
     print(f"load average {os.getloadavg()[0]:.2f} at start; {args.workers} workers")
     print(f"{'case':<20}{'wall s':>8}{'CPU s':>8}{'ILPs':>6}{'hits':>6}{'B':>5}{'stages':>7}"
-          f"{'iteration ms':>14}{'before ms':>11}{'change':>9}")
+          f"{'iteration ms':>14}{'before ms':>11}{'change':>9}{'wall ref':>10}{'CPU ref':>9}")
     recorded = {}
     for case in args.cases:
         name, _, gpus_text = case.partition("@")
@@ -131,11 +146,12 @@ def main() -> None:
         old = before.get(case)
         change = f"{(it / old - 1) * 100:+8.2f}%" if old else f"{'':>9}"
         print(f"{case:<20}{wall:>8.1f}{cpu:>8.1f}{s.ilp_solves:>6}{s.cache_hits:>6}{plan.microbatches:>5}"
-              f"{len(plan.stages):>7}{it * 1e3:>14.2f}{old * 1e3 if old else float('nan'):>11.2f}{change}",
-              flush=True)
+              f"{len(plan.stages):>7}{it * 1e3:>14.2f}{old * 1e3 if old else float('nan'):>11.2f}{change}"
+              f"{in_ref(wall, ref_s):>10}{in_ref(cpu, ref_s):>9}", flush=True)
     print(f"load average {os.getloadavg()[0]:.2f} at the end")
+    print_reference("at the end")
     if args.record:
-        args.record.write_text(json.dumps(recorded, indent=2) + "\n")
+        args.record.write_text(json.dumps({**recorded, "reference_loop_s": round(ref_s, 3)}, indent=2) + "\n")
         print(f"wrote {args.record}")
 
 

@@ -15,6 +15,10 @@ interleaved column imagines each stage as 2 chunks). Part 3 plans `--model` per 
 twice with the full search (any submeshes): the DP's 1F1B plan and the planner's own
 interleaved plan (`--schedule interleaved`, the model cut into S x v chunks), and
 prints each one's simulated iteration and peak memory per device.
+
+Every figure is simulated, so none moves with the machine; the script still times the
+reference loop (`_reference`) once, before Part 1, and prints it under the load average
+like every benchmark, which says how fast the machine that ran the study was.
 """
 
 from __future__ import annotations
@@ -26,6 +30,11 @@ import os
 from alpasim.costmodels import get_cluster
 from alpasim.simulator import simulate, synthetic_plan
 from alpasim.solvers import DiskCache, plan_pipeline
+
+try:
+    from _reference import print_reference
+except ModuleNotFoundError:  # run as `python -m benchmarks.schedule_study` from the repository root
+    from benchmarks._reference import print_reference
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")
 
@@ -58,6 +67,7 @@ def main() -> None:
     args = ap.parse_args()
     bs = [int(b) for b in args.microbatches.split(",")]
     print(f"load average {os.getloadavg()[0]:.2f}")
+    print_reference()
     head = "| S | B | " + " | ".join(SCHEDULES) + " |\n|---:|---:|" + "---|" * len(SCHEDULES)
     print("\nPart 1: balanced stages, f = b = w = 1, free communication. "
           "Cells: bubble / peak activations of the first, last stage (stashes)\n")

@@ -3,15 +3,19 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# pip's user agent runs `rustc --version`; where rustc is a rustup proxy and there is no
+# rustup home (a fresh home directory), the proxy makes ~/.rustup. Such a proxy has no
+# toolchain to run anyway, so it is pointed into the venv and the home stays untouched.
+PIP := $(if $(RUSTUP_HOME)$(wildcard $(HOME)/.rustup),,RUSTUP_HOME=$(CURDIR)/$(VENV)/.rustup) $(BIN)/python -m pip
 
-.PHONY: demo test setup clean bench
+.PHONY: demo test test-fast setup clean bench
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet -e '.[test]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -24,17 +28,27 @@ demo: $(STAMP)
 
 # The tests that measure time or start a Ray cluster (marker `serial`) run first, alone
 # on an idle machine; then the rest on two workers (pytest-xdist; a module's tests stay
-# on one worker, so its fixtures are built once). Both runs share one XLA compilation cache.
-TEST_ENV := XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu \
-	JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
+# on one worker, so its fixtures are built once). Both runs share one session root
+# (tests/conftest.py: the stage cache, the XLA compilation cache, HOME and TMPDIR), made
+# empty here and removed after, so every run is a fresh machine's and touches nothing
+# of the user's.
+TEST_ENV := XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu
 TEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -q
 
 test: $(STAMP)
-	@cache=$$(mktemp -d -t alpasim-xla-cache-XXXXXX); \
-	JAX_COMPILATION_CACHE_DIR=$$cache $(TEST_ENV) $(BIN)/python -m pytest -q -m serial; serial=$$?; \
-	JAX_COMPILATION_CACHE_DIR=$$cache $(TEST_ENV) $(BIN)/python -m pytest -q -n $(TEST_WORKERS) \
-		--dist loadscope -m "not serial"; parallel=$$?; \
-	rm -rf $$cache; test $$serial -eq 0 && test $$parallel -eq 0
+	@root=$$(mktemp -d -t alpasim-test-XXXXXX); \
+	ALPASIM_TEST_ROOT=$$root $(TEST_ENV) $(PYTEST) -m serial; serial=$$?; \
+	ALPASIM_TEST_ROOT=$$root $(TEST_ENV) $(PYTEST) -n $(TEST_WORKERS) --dist loadscope -m "not serial"; \
+		parallel=$$?; \
+	rm -rf $$root; test $$serial -eq 0 && test $$parallel -eq 0
+
+# The edit loop: everything but the tests marked `slow` (long JAX compiles, long plans)
+# or `serial` (Ray clusters, timings), on two workers; under three minutes.
+test-fast: $(STAMP)
+	@root=$$(mktemp -d -t alpasim-test-XXXXXX); \
+	ALPASIM_TEST_ROOT=$$root $(TEST_ENV) $(PYTEST) -n $(TEST_WORKERS) --dist loadscope -m "not serial and not slow"; \
+		status=$$?; rm -rf $$root; exit $$status
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_graph_build.py

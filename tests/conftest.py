@@ -1,29 +1,149 @@
-"""One XLA compilation cache for the whole test session.
+"""The test session's own directories, and one way to run the `alpasim` command.
 
-Most of the backend tests' time is XLA:CPU compiling stage programs, and many tests
-in this process and in CLI subprocesses lower the same small plans on the same 8
-virtual devices (the runtime, memory and CLI tests); a program compiled once is then
-loaded from JAX's persistent cache. (Ray actors inherit it too, but compile for their
-own mesh's device count, so they rarely find another run's entry.) The cache lives in
-a fresh directory per session, set before anything imports jax, so no run reads what
-another left behind, and it is removed at the end. Figures read from a loaded
-executable (XLA's memory analysis, the HLO's collectives) are those of the compiled one.
+Hermetic: a test reads and writes nothing outside directories this session made. Every
+place a command or a library would persist something is pointed, before anything else
+is imported, into one session root:
+
+- `ALPASIM_CACHE_DIR`: the stage-cost cache (`solvers.DiskCache`), cold at the start, so
+  a test that plans does its work on every machine, not only where `~/.cache/alpasim`
+  happens to hold the answer (a warm home cache hid a 38 s plan behind a 1.9 s one).
+- `HOME`, `XDG_CACHE_HOME`, `XDG_CONFIG_HOME`, `MPLCONFIGDIR`, `HF_HOME`: what
+  matplotlib, Ray (`~/.ray`) and Hugging Face write under the user's home.
+- `TMPDIR`, `RAY_TMPDIR`: Ray's session files (and `address="auto"`'s lookup of a running
+  cluster, which must find this session's cluster, never the user's).
+- `JAX_COMPILATION_CACHE_DIR`: one XLA compilation cache. Most of the backend tests'
+  time is XLA:CPU compiling stage programs, and many tests (in this process and in CLI
+  subprocesses) lower the same small plans on the same 8 virtual devices; a program
+  compiled once is then loaded. Figures read from a loaded executable (XLA's memory
+  analysis, the HLO's collectives) are those of the compiled one.
+- Hypothesis keeps no example database (it would replay an earlier run's examples).
+
+`make test` makes the root (`ALPASIM_TEST_ROOT`) and hands it to both of its pytest runs,
+so the serial and the parallel lane share the caches; a plain `pytest` makes its own.
+pytest-xdist's workers inherit the environment, so they share the session's root. The
+process that made the root removes it at the end. Variables that would point a test at
+the user's own state (`RAY_ADDRESS`, `ALPASIM_*`) are dropped.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
 
-_CACHE = None
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    _CACHE = tempfile.mkdtemp(prefix="alpasim-xla-cache-")
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
+import pytest
+
+ROOT_VAR = "ALPASIM_TEST_ROOT"
+
+
+def _session_root() -> tuple[Path, bool]:
+    """The session's root directory, and whether this process made it (and removes it)."""
+    given = os.environ.get(ROOT_VAR)
+    if given:
+        return Path(given), False
+    root = Path(tempfile.mkdtemp(prefix="alpasim-test-"))
+    os.environ[ROOT_VAR] = str(root)
+    return root, True
+
+
+def _isolate(root: Path) -> None:
+    for name in [k for k in os.environ if k.startswith("ALPASIM_") and k != ROOT_VAR] + ["RAY_ADDRESS"]:
+        os.environ.pop(name, None)
+    dirs = {
+        "ALPASIM_CACHE_DIR": "stage-cache",
+        "HOME": "home",
+        "XDG_CACHE_HOME": "home/.cache",
+        "XDG_CONFIG_HOME": "home/.config",
+        "MPLCONFIGDIR": "home/.config/matplotlib",
+        "HF_HOME": "home/.cache/huggingface",
+        "TMPDIR": "tmp",
+        "RAY_TMPDIR": "tmp",
+        "JAX_COMPILATION_CACHE_DIR": "xla-cache",
+    }
+    for var, sub in dirs.items():
+        path = root / sub
+        path.mkdir(parents=True, exist_ok=True)
+        os.environ[var] = str(path)
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    tempfile.tempdir = None               # recomputed from TMPDIR at the next use
+
+
+ROOT, _OWNED = _session_root()
+_isolate(ROOT)
+
+from hypothesis import settings  # noqa: E402  (after HOME moved)
+
+settings.register_profile("hermetic", database=None)
+settings.load_profile("hermetic")
 
 
 def pytest_unconfigure(config):
-    if _CACHE is not None:
-        shutil.rmtree(_CACHE, ignore_errors=True)
+    if _OWNED and not hasattr(config, "workerinput"):
+        shutil.rmtree(ROOT, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------
+# The `alpasim` command, as a user runs it.
+
+# What every CLI run sees beside the session's directories: eight virtual CPU devices.
+CLI_ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+
+
+@dataclass(frozen=True)
+class CliRun:
+    """One finished `alpasim` command: what `subprocess.run` gives, and its wall time."""
+
+    args: tuple[str, ...]
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+
+    @property
+    def lines(self) -> list[str]:
+        """stderr's lines (a refusal is exactly one)."""
+        return self.stderr.strip().splitlines()
+
+    def json(self) -> dict:
+        """stdout as the one JSON object of `--json`, after asserting the command succeeded."""
+        assert self.returncode == 0, (self.args, self.stderr[-2000:])
+        return json.loads(self.stdout)
+
+
+class Cli:
+    """Runs `python -m alpasim.cli ARGS` in a fresh process, with the session's
+    environment plus `CLI_ENV` plus `env`. `popen` starts one without waiting."""
+
+    command = (sys.executable, "-m", "alpasim.cli")
+
+    def environment(self, env: dict | None = None) -> dict:
+        return {**os.environ, **CLI_ENV, **(env or {})}
+
+    def __call__(self, *args: str, env: dict | None = None, timeout: float = 300,
+                 cwd: Path | str | None = None) -> CliRun:
+        t0 = time.perf_counter()
+        proc = subprocess.run([*self.command, *map(str, args)], capture_output=True, text=True, timeout=timeout,
+                              env=self.environment(env), cwd=cwd)
+        return CliRun(tuple(map(str, args)), proc.returncode, proc.stdout, proc.stderr, time.perf_counter() - t0)
+
+    def json(self, *args: str, **kwargs) -> dict:
+        """`ARGS --json`, asserted to succeed, as its JSON object."""
+        return self(*args, "--json", **kwargs).json()
+
+    def popen(self, *args: str, env: dict | None = None) -> subprocess.Popen:
+        return subprocess.Popen([*self.command, *map(str, args)], env=self.environment(env), text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+@pytest.fixture(scope="session")
+def cli() -> Cli:
+    """The one way tests run the `alpasim` command (`Cli`)."""
+    return Cli()

@@ -2,11 +2,8 @@
 (`make test` sets the same flag; this makes `pytest tests/backends` work alone), and
 the small pipelined plans the runtime tests share."""
 
-import json
 import os
-import subprocess
 import sys
-import time
 
 import pytest
 
@@ -54,16 +51,12 @@ def small_plan():
 
 
 @pytest.fixture(scope="session")
-def quick_profile(tmp_path_factory):
+def quick_profile(tmp_path_factory, cli):
     """`alpasim profile --quick` of the 8 virtual CPU devices, run once for the session:
     (its printed JSON, the profile file, the wall time of the command)."""
     out = tmp_path_factory.mktemp("profile") / "profile.json"
-    t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "alpasim.cli", "profile", "--quick", "--cpu-devices", "8",
-                           "--out", str(out), "--json"], capture_output=True, text=True, timeout=240)
-    wall = time.perf_counter() - t0
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout), out, wall
+    proc = cli("profile", "--quick", "--cpu-devices", "8", "--out", out, "--json", timeout=240)
+    return proc.json(), out, proc.seconds
 
 
 @pytest.fixture(scope="session")

@@ -22,8 +22,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import subprocess
-import sys
 
 import jax
 import pytest
@@ -62,11 +60,9 @@ def _plan(model: str, cluster, cost_model):
                          views_of=lambda sh: VIEWS[sh.size], max_stages=3, cost_model=cost_model)
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "alpasim.cli", *args], capture_output=True, text=True, timeout=300)
 
 
-def test_run_json_reports_numerics_timing_and_collectives(tmp_path):
+def test_run_json_reports_numerics_timing_and_collectives(tmp_path, cli):
     path = tmp_path / "plan.json"
     small_plan(TINY_GPT).save(path)
     trace = tmp_path / "trace.json"
@@ -100,7 +96,7 @@ def test_run_json_reports_numerics_timing_and_collectives(tmp_path):
 
 
 @pytest.mark.parametrize("content", [None, "{not json", '{"schema": "alpasim.plan/1"}'])
-def test_run_bad_plan_file_is_one_line_and_exit_2(tmp_path, content):
+def test_run_bad_plan_file_is_one_line_and_exit_2(tmp_path, content, cli):
     path = tmp_path / "plan.json"
     if content is not None:
         path.write_text(content)
@@ -110,7 +106,7 @@ def test_run_bad_plan_file_is_one_line_and_exit_2(tmp_path, content):
     assert "Traceback" not in r.stderr
 
 
-def test_run_without_stage_profiling_and_a_bad_iteration_count(tmp_path):
+def test_run_without_stage_profiling_and_a_bad_iteration_count(tmp_path, cli):
     path = tmp_path / "plan.json"
     small_plan(TINY_GPT).save(path)
     bad = cli("run", str(path), "--profile-iters", "-1")
@@ -122,7 +118,7 @@ def test_run_without_stage_profiling_and_a_bad_iteration_count(tmp_path):
     assert got["predicted_step_s"] == got["predicted_step_s_analytic"]
 
 
-def test_a_plan_larger_than_the_host_is_refused_in_one_line(tmp_path):
+def test_a_plan_larger_than_the_host_is_refused_in_one_line(tmp_path, cli):
     path = tmp_path / "plan.json"
     small_plan(TINY_GPT).save(path)
     data = json.loads(path.read_text())

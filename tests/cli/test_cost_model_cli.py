@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -14,8 +12,6 @@ MODEL = "gpt3:hidden=64,layers=2,heads=4,seq=16,vocab=64,batch=4"
 CLUSTER = ["--cluster", "aws-p3.16xlarge", "--nodes", "1", "--devices-per-node", "2"]
 
 
-def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "alpasim.cli", *args], capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -29,31 +25,31 @@ def profile_path(tmp_path_factory):
     return path, model.digest
 
 
-def test_plan_and_simulate_with_a_profile(profile_path, tmp_path):
+def test_plan_and_simulate_with_a_profile(profile_path, tmp_path, cli):
     path, digest = profile_path
     plan_file = tmp_path / "plan.json"
-    proc = run("plan", "--model", MODEL, *CLUSTER, "--microbatches", "2", "--no-cache", "--workers", "1",
+    proc = cli("plan", "--model", MODEL, *CLUSTER, "--microbatches", "2", "--no-cache", "--workers", "1",
                "--cost-model", str(path), "--out", str(plan_file), "--json")
     assert proc.returncode == 0, proc.stderr
     plan = json.loads(proc.stdout)
     assert plan["search"]["cost_model"] == {"name": "cli-test", "digest": digest}
     assert plan["cluster"]["spec"]["intra_node"]["name"] == "memcpy"
-    proc = run("simulate", str(plan_file), "--cost-model", str(path), "--json")
+    proc = cli("simulate", str(plan_file), "--cost-model", str(path), "--json")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["iteration_s"] > 0 and not any("priced by" in n for n in report["notes"])
     # An analytic plan simulated with a profile says what was (not) re-priced.
     analytic = tmp_path / "analytic.json"
-    assert run("plan", "--model", MODEL, *CLUSTER, "--microbatches", "2", "--no-cache", "--workers", "1",
+    assert cli("plan", "--model", MODEL, *CLUSTER, "--microbatches", "2", "--no-cache", "--workers", "1",
                "--out", str(analytic), "--json").returncode == 0
-    report = json.loads(run("simulate", str(analytic), "--cost-model", str(path), "--json").stdout)
+    report = json.loads(cli("simulate", str(analytic), "--cost-model", str(path), "--json").stdout)
     assert any("priced by the analytic model" in n for n in report["notes"])
 
 
 @pytest.fixture(scope="module")
-def analytic_plan(tmp_path_factory):
+def analytic_plan(tmp_path_factory, cli):
     path = tmp_path_factory.mktemp("plan") / "plan.json"
-    assert run("plan", "--model", MODEL, *CLUSTER, "--microbatches", "2", "--no-cache", "--workers", "1",
+    assert cli("plan", "--model", MODEL, *CLUSTER, "--microbatches", "2", "--no-cache", "--workers", "1",
                "--out", str(path), "--json").returncode == 0
     return path
 
@@ -63,12 +59,12 @@ def analytic_plan(tmp_path_factory):
     ("{oops", "not valid JSON"),
     ('{"schema": "alpasim.costmodel/1", "name": "x"}', "missing field 'ops'"),
 ])
-def test_bad_cost_model_files_are_one_line_errors(tmp_path, analytic_plan, content, message):
+def test_bad_cost_model_files_are_one_line_errors(tmp_path, analytic_plan, content, message, cli):
     path = tmp_path / "profile.json"
     if content is not None:
         path.write_text(content)
     for args in (["plan", "--model", MODEL, *CLUSTER], ["simulate", str(analytic_plan)]):
-        proc = run(*args, "--cost-model", str(path))
+        proc = cli(*args, "--cost-model", str(path))
         assert proc.returncode == 2
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and message in lines[0] and lines[0].startswith("alpasim: error:"), proc.stderr

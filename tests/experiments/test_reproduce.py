@@ -9,8 +9,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -189,7 +187,7 @@ def test_cli_json_prints_one_object(tiny_report, cache_dir, tmp_path, monkeypatc
     (["reproduce", "fig7a", "--out", "/tmp"], "--out /tmp: is a directory"),
     (["reproduce", "fig7a", "--out-dir", "/proc/version"], "--out-dir /proc/version: is a file"),
 ])
-def test_cli_user_errors_are_one_line(args, needle):
-    proc = subprocess.run([sys.executable, "-m", "alpasim.cli", *args], capture_output=True, text=True, timeout=120)
+def test_cli_user_errors_are_one_line(args, needle, cli):
+    proc = cli(*args, timeout=120)
     assert proc.returncode == 2
     assert proc.stdout == "" and len(proc.stderr.strip().splitlines()) == 1 and needle in proc.stderr

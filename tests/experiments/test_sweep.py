@@ -5,8 +5,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -31,12 +29,6 @@ def cache_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def report(cache_dir) -> SweepReport:
     return sweep(TINY, 2, "inter_node_gbps", GBPS, METHODS, devices_per_node=1)
-
-
-def run_cli(cache_dir, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {**os.environ, "ALPASIM_CACHE_DIR": str(cache_dir)}
-    return subprocess.run([sys.executable, "-m", "alpasim.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
 
 
 def test_rows_cover_every_value_and_method(report):
@@ -159,10 +151,10 @@ def test_sweep_clusters_per_axis():
         sweep(TINY, 2, "inter_node_gbps", ["-5"], ["alpa"])
 
 
-def test_cli_sweep_json(cache_dir, tmp_path):
-    proc = run_cli(cache_dir, "sweep", "--model", TINY, "--gpus", "2", "--devices-per-node", "1,2",
-                   "--methods", "alpa,intra-only", "--out-dir", str(tmp_path), "--workers", "1", "--json",
-                   "--out", str(tmp_path / "report.json"))
+def test_cli_sweep_json(cache_dir, tmp_path, cli):
+    proc = cli("sweep", "--model", TINY, "--gpus", "2", "--devices-per-node", "1,2",
+               "--methods", "alpa,intra-only", "--out-dir", str(tmp_path), "--workers", "1", "--json",
+               "--out", str(tmp_path / "report.json"))
     assert proc.returncode == 0, proc.stderr
     r = json.loads(proc.stdout)
     assert json.loads((tmp_path / "report.json").read_text()) == r and r["files"]["json"].endswith("report.json")
@@ -182,55 +174,54 @@ def test_cli_sweep_json(cache_dir, tmp_path):
     (["--inter-node-gbps", "10", "--methods", "alpa,bogus"], "unknown method 'bogus'"),
     (["--device-preset", "dgx-a100,tpu"], "unknown cluster preset 'tpu'"),
 ])
-def test_cli_sweep_errors_are_one_line(cache_dir, args, message):
-    proc = run_cli(cache_dir, "sweep", "--model", TINY, "--gpus", "2", *args)
+def test_cli_sweep_errors_are_one_line(cache_dir, args, message, cli):
+    proc = cli("sweep", "--model", TINY, "--gpus", "2", *args)
     assert proc.returncode == 2
     assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert proc.stdout == ""
 
 
-def test_cli_plan_method_baseline_and_megatron_degrees(cache_dir):
+def test_cli_plan_method_baseline_and_megatron_degrees(cache_dir, cli):
     base = ("plan", "--model", TINY, "--nodes", "2", "--devices-per-node", "1")
-    proc = run_cli(cache_dir, *base, "--method", "intra-only", "--json")
+    proc = cli(*base, "--method", "intra-only", "--json")
     assert proc.returncode == 0, proc.stderr
     p = json.loads(proc.stdout)
     assert p["method"] == "intra_only" and p["feasible"] and len(p["stages"]) == 1
-    proc = run_cli(cache_dir, *base, "--method", "megatron", "--tp", "1", "--pp", "2", "--dp", "1",
-                   "--microbatch-size", "2", "--json")
+    proc = cli(*base, "--method", "megatron", "--tp", "1", "--pp", "2", "--dp", "1",
+               "--microbatch-size", "2", "--json")
     assert proc.returncode == 0, proc.stderr
     p = json.loads(proc.stdout)
     assert p["search"]["megatron"] == {"tp": 1, "pp": 2, "dp": 1, "microbatch_size": 2, "distributed_optimizer": False,
-                                              "sequence_parallel": False}
+                                       "sequence_parallel": False}
     assert len(p["stages"]) == 2 and p["microbatches"] == 8 // 2
     sp = ("--method", "megatron", "--tp", "2", "--pp", "1", "--dp", "1", "--microbatch-size", "2", "--json")
     two = ("plan", "--model", TINY, "--nodes", "1", "--devices-per-node", "2")
-    plain, proc = json.loads(run_cli(cache_dir, *two, *sp).stdout), run_cli(cache_dir, *two, *sp,
-                                                                           "--sequence-parallel")
+    plain, proc = cli.json(*two, *sp[:-1]), cli(*two, *sp, "--sequence-parallel")
     assert proc.returncode == 0, proc.stderr
     p = json.loads(proc.stdout)
     assert p["search"]["megatron"]["sequence_parallel"] is True and p["method"] == "megatron"
     assert p["stages"][0]["memory"]["stash_bytes"] < plain["stages"][0]["memory"]["stash_bytes"]
 
 
-def test_cli_plan_method_errors_and_infeasible(cache_dir):
+def test_cli_plan_method_errors_and_infeasible(cache_dir, cli):
     base = ("plan", "--model", TINY, "--nodes", "2", "--devices-per-node", "1")
     for args, message in ((["--method", "intra-only", "--tp", "2"], "only apply to --method megatron"),
                           (["--method", "megatron", "--tp", "1"], "missing --pp, --dp, --microbatch-size"),
                           (["--method", "megatron", "--tp", "2", "--pp", "1", "--dp", "1", "--microbatch-size",
                             "1"], "tensor parallelism beyond one node"),
                           (["--method", "best"], "choose one of alpa, intra-only")):
-        proc = run_cli(cache_dir, *base, *args)
+        proc = cli(*base, *args)
         assert proc.returncode == 2 and message in proc.stderr, (args, proc.stderr)
     tiny_memory = (*base, "--memory-gb", "0.0001", "--method", "inter-only")
-    proc = run_cli(cache_dir, *tiny_memory)
+    proc = cli(*tiny_memory)
     assert proc.returncode == 2 and "no feasible plan" in proc.stderr
-    proc = run_cli(cache_dir, *tiny_memory, "--json")
+    proc = cli(*tiny_memory, "--json")
     assert proc.returncode == 0 and json.loads(proc.stdout)["feasible"] is False
 
 
-def test_cli_compare_matches_the_sweep(cache_dir, report):
-    proc = run_cli(cache_dir, "compare", "--model", TINY, "--nodes", "2", "--devices-per-node", "1",
-                   "--inter-node-gbps", "100", "--methods", "alpa,megatron,intra-only", "--json")
+def test_cli_compare_matches_the_sweep(cache_dir, report, cli):
+    proc = cli("compare", "--model", TINY, "--nodes", "2", "--devices-per-node", "1",
+               "--inter-node-gbps", "100", "--methods", "alpa,megatron,intra-only", "--json")
     assert proc.returncode == 0, proc.stderr
     rows = {r["method"]: r for r in json.loads(proc.stdout)["rows"]}
     assert list(rows) == ["alpa", "megatron", "intra_only"]
@@ -239,20 +230,20 @@ def test_cli_compare_matches_the_sweep(cache_dir, report):
         assert rows[m]["cached"]
         assert rows[m]["throughput_pflops"] == pytest.approx(report.result(100.0, m).throughput_pflops)
     assert rows["intra_only"]["ratio_to_alpa"] == pytest.approx(1 / report.gap(100.0))
-    text = run_cli(cache_dir, "compare", "--model", TINY, "--nodes", "2", "--devices-per-node", "1",
-                   "--inter-node-gbps", "100", "--methods", "alpa,intra-only")
+    text = cli("compare", "--model", TINY, "--nodes", "2", "--devices-per-node", "1",
+               "--inter-node-gbps", "100", "--methods", "alpa,intra-only")
     assert text.returncode == 0
     lines = [ln for ln in text.stdout.splitlines() if ln.startswith("  ")]
     assert len(lines) == 2 and "intra_only" in lines[1] and "x alpa" in lines[1]
 
 
-def test_cli_compare_sets_schedules_side_by_side(cache_dir, report):
+def test_cli_compare_sets_schedules_side_by_side(cache_dir, report, cli):
     """`--schedules`: each plan simulated under each schedule, the 1F1B row equal to the
     method's own simulated iteration; zero bubble never slower than 1F1B; a bad name is
     one line before any planning."""
-    proc = run_cli(cache_dir, "compare", "--model", TINY, "--nodes", "2", "--devices-per-node", "1",
-                   "--inter-node-gbps", "100", "--methods", "alpa,megatron", "--schedules", "gpipe,1f1b,zb-h1,zb-h2",
-                   "--json")
+    proc = cli("compare", "--model", TINY, "--nodes", "2", "--devices-per-node", "1",
+               "--inter-node-gbps", "100", "--methods", "alpa,megatron", "--schedules", "gpipe,1f1b,zb-h1,zb-h2",
+               "--json")
     assert proc.returncode == 0, proc.stderr
     for row in json.loads(proc.stdout)["rows"]:
         by = row["schedules"]
@@ -260,18 +251,18 @@ def test_cli_compare_sets_schedules_side_by_side(cache_dir, report):
         assert by["1f1b"]["iteration_s"] == pytest.approx(row["iteration_s"], rel=1e-12)
         assert by["zb-h1"]["iteration_s"] <= by["1f1b"]["iteration_s"] * (1 + 1e-12)
         assert all(0 <= r["bubble_fraction"] < 1 and r["peak_memory_bytes"] > 0 for r in by.values())
-    bad = run_cli(cache_dir, "compare", "--model", TINY, "--nodes", "2", "--methods", "alpa", "--schedules", "zb-h3")
+    bad = cli("compare", "--model", TINY, "--nodes", "2", "--methods", "alpa", "--schedules", "zb-h3")
     assert bad.returncode == 2 and "unknown schedule 'zb-h3'" in bad.stderr and "Traceback" not in bad.stderr
 
 
 @pytest.mark.serial
-def test_cli_sweep_on_ray_matches_the_local_pool(tmp_path, cache_dir):
+def test_cli_sweep_on_ray_matches_the_local_pool(tmp_path, cache_dir, cli):
     """`--ray` plans the points as Ray tasks on a local one-machine cluster (started and
     stopped by the command); with a fresh cache every point is really planned there,
     and the numbers equal an in-process sweep's."""
-    proc = run_cli(tmp_path / "cache", "sweep", "--model", TINY, "--gpus", "2", "--devices-per-node", "1,2",
-                   "--methods", "alpa,intra-only", "--ray", "--workers", "2", "--out-dir", str(tmp_path / "out"),
-                   "--json", timeout=600)
+    proc = cli("sweep", "--model", TINY, "--gpus", "2", "--devices-per-node", "1,2",
+               "--methods", "alpa,intra-only", "--ray", "--workers", "2", "--out-dir", str(tmp_path / "out"),
+               "--json", timeout=600, env={"ALPASIM_CACHE_DIR": str(tmp_path / "cache")})
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = {(row["value"], row["method"]): row for row in json.loads(proc.stdout)["rows"]}
     local = sweep(TINY, 2, "devices_per_node", [1, 2], ["alpa", "intra-only"])
@@ -283,7 +274,7 @@ def test_cli_sweep_on_ray_matches_the_local_pool(tmp_path, cache_dir):
 
 
 @pytest.mark.serial
-def test_cli_compare_on_an_existing_ray_cluster_with_a_worker_cap(tmp_path):
+def test_cli_compare_on_an_existing_ray_cluster_with_a_worker_cap(tmp_path, cli):
     """`--ray-address` with `--workers` (which used to fail: Ray refuses num_cpus when
     connecting): `compare` joins a cluster this test started, caps its tasks in flight
     at one, and its rows equal an in-process comparison's."""
@@ -294,9 +285,9 @@ def test_cli_compare_on_an_existing_ray_cluster_with_a_worker_cap(tmp_path):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         address = ray.get_runtime_context().gcs_address
-        proc = run_cli(tmp_path / "cache", "compare", "--model", TINY, "--nodes", "1", "--devices-per-node", "2",
+        proc = cli("compare", "--model", TINY, "--nodes", "1", "--devices-per-node", "2",
                        "--methods", "intra-only,inter-only", "--ray-address", address, "--workers", "1", "--json",
-                       timeout=600)
+                       timeout=600, env={"ALPASIM_CACHE_DIR": str(tmp_path / "cache")})
     finally:
         ray.shutdown()
     assert proc.returncode == 0, proc.stderr[-2000:]

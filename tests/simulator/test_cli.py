@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
@@ -13,9 +10,6 @@ from alpasim.costmodels import get_cluster
 from alpasim.simulator import synthetic_plan
 
 
-def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "alpasim.cli", *args], check=False, capture_output=True, text=True,
-                          timeout=300, env=env)
 
 
 @pytest.fixture
@@ -28,8 +22,8 @@ def plan_file(tmp_path):
     return path
 
 
-def test_simulate_json_contract(plan_file, tmp_path):
-    proc = run("simulate", str(plan_file), "--json", "--trace", str(tmp_path / "t.json"), "--gantt",
+def test_simulate_json_contract(plan_file, tmp_path, cli):
+    proc = cli("simulate", str(plan_file), "--json", "--trace", str(tmp_path / "t.json"), "--gantt",
                str(tmp_path / "g.png"), "--memory-png", str(tmp_path / "m.png"))
     assert proc.returncode == 0, proc.stderr
     r = json.loads(proc.stdout)
@@ -45,12 +39,12 @@ def test_simulate_json_contract(plan_file, tmp_path):
     assert (tmp_path / "g.png").stat().st_size > 0 and (tmp_path / "m.png").stat().st_size > 0
 
 
-def test_simulate_table_and_other_schedules(plan_file, tmp_path):
-    proc = run("simulate", str(plan_file), "--schedule", "interleaved", "--chunks", "2", "--gantt",
+def test_simulate_table_and_other_schedules(plan_file, tmp_path, cli):
+    proc = cli("simulate", str(plan_file), "--schedule", "interleaved", "--chunks", "2", "--gantt",
                str(tmp_path / "g.png"))
     assert proc.returncode == 0, proc.stderr
     assert "simulated iteration" in proc.stdout and f"wrote gantt: {tmp_path / 'g.png'}" in proc.stdout
-    r = json.loads(run("simulate", str(plan_file), "--schedule", "gpipe", "--json").stdout)
+    r = json.loads(cli("simulate", str(plan_file), "--schedule", "gpipe", "--json").stdout)
     assert r["schedule"] == "gpipe" and max(r["peak_memory_bytes"]) == pytest.approx(1e9 + 8 * 1e8)
 
 
@@ -70,20 +64,20 @@ def _edit(path, tmp_path, edit):
     (lambda d: d.update(schema="alpasim.plan/0"), "'schema'"),
     (lambda d: d.update(stages=[]), "field 'stages' is empty"),
 ])
-def test_bad_plans_are_one_line_naming_the_field(plan_file, tmp_path, edit, fragment):
-    proc = run("simulate", str(_edit(plan_file, tmp_path, edit)), "--json")
+def test_bad_plans_are_one_line_naming_the_field(plan_file, tmp_path, edit, fragment, cli):
+    proc = cli("simulate", str(_edit(plan_file, tmp_path, edit)), "--json")
     assert proc.returncode == 2, proc.stdout
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr and fragment in lines[0]
 
 
-def test_plans_without_the_forward_backward_split_still_simulate(plan_file, tmp_path):
+def test_plans_without_the_forward_backward_split_still_simulate(plan_file, tmp_path, cli):
     def strip(d):
         for s in d["stages"]:
             s.pop("forward_s")
             s.pop("backward_s")
 
-    proc = run("simulate", str(_edit(plan_file, tmp_path, strip)), "--json")
+    proc = cli("simulate", str(_edit(plan_file, tmp_path, strip)), "--json")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["iteration_s"] == pytest.approx(11 * 0.03)
 
@@ -93,19 +87,19 @@ def test_plans_without_the_forward_backward_split_still_simulate(plan_file, tmp_
     (["--cross-mesh", "pigeon"], "local_all_gather"),
     (["--chunks", "0"], "--chunks"),
 ])
-def test_bad_options_are_one_line(plan_file, args, fragment):
-    proc = run("simulate", str(plan_file), *args)
+def test_bad_options_are_one_line(plan_file, args, fragment, cli):
+    proc = cli("simulate", str(plan_file), *args)
     assert proc.returncode == 2 and fragment in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
-def test_missing_plan_file_is_one_line(tmp_path):
-    proc = run("simulate", str(tmp_path / "nope.json"))
+def test_missing_plan_file_is_one_line(tmp_path, cli):
+    proc = cli("simulate", str(tmp_path / "nope.json"))
     assert proc.returncode == 2 and "nope.json" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_plan_simulate_json_adds_the_simulation(tmp_path):
-    env = {**os.environ, "ALPASIM_CACHE_DIR": str(tmp_path / "cache")}
-    proc = run("plan", "--model", "gpt3-350m", "--cluster", "aws-p3.16xlarge", "--nodes", "1",
+def test_plan_simulate_json_adds_the_simulation(tmp_path, cli):
+    env = {"ALPASIM_CACHE_DIR": str(tmp_path / "cache")}
+    proc = cli("plan", "--model", "gpt3-350m", "--cluster", "aws-p3.16xlarge", "--nodes", "1",
                "--devices-per-node", "1", "--simulate", "--json", env=env)
     assert proc.returncode == 0, proc.stderr
     r = json.loads(proc.stdout)
@@ -119,31 +113,31 @@ def test_plan_simulate_json_adds_the_simulation(tmp_path):
     assert sim["peak_memory_bytes"] == [pytest.approx(stage["memory_bytes"])]
 
 
-def test_plan_interleaved_writes_a_chunked_plan_the_simulator_runs(tmp_path):
+def test_plan_interleaved_writes_a_chunked_plan_the_simulator_runs(tmp_path, cli):
     """`plan --schedule interleaved --chunks 2`: a plan of S x 2 stages whose `simulate`
     runs its own chunks (not 1/v of a stage); other schedules or chunk counts on it,
     and bad chunk counts to plan, are one line and exit 2."""
-    env = {**os.environ, "ALPASIM_CACHE_DIR": str(tmp_path / "cache")}
+    env = {"ALPASIM_CACHE_DIR": str(tmp_path / "cache")}
     out = tmp_path / "plan.json"
     model = "gpt3:hidden=64,layers=4,heads=2,seq=32,vocab=128,batch=8"
-    proc = run("plan", "--model", model, "--nodes", "1", "--devices-per-node", "4", "--microbatches", "4",
+    proc = cli("plan", "--model", model, "--nodes", "1", "--devices-per-node", "4", "--microbatches", "4",
                "--no-remat", "--schedule", "interleaved", "--chunks", "2", "--out", str(out), "--json", env=env)
     assert proc.returncode == 0, proc.stderr
     p = json.loads(proc.stdout)
     assert p["schedule"] == "interleaved" and p["chunks"] == 2 and len(p["stages"]) % 2 == 0
     meshes = len(p["stages"]) // 2
     assert all(p["stages"][j]["devices"] == p["stages"][j % meshes]["devices"] for j in range(len(p["stages"])))
-    r = json.loads(run("simulate", str(out), "--json").stdout)
+    r = json.loads(cli("simulate", str(out), "--json").stdout)
     assert r["schedule"] == "interleaved" and r["chunks"] == 2 and len(r["meshes"]) == meshes
     assert r["predicted_iteration_s"] == pytest.approx(p["predicted"]["iteration_s"])
     # The planner's makespan of the chunks' orders predicts the simulated iteration (0.7 % off here).
     assert r["iteration_s"] == pytest.approx(p["predicted"]["iteration_s"], rel=0.1)
-    bad = run("simulate", str(out), "--schedule", "1f1b")
+    bad = cli("simulate", str(out), "--schedule", "1f1b")
     assert bad.returncode == 2 and "interleaved schedule, not '1f1b'" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
-    bad = run("simulate", str(out), "--chunks", "3")     # the plan's own chunks, not an imagined count
+    bad = cli("simulate", str(out), "--chunks", "3")     # the plan's own chunks, not an imagined count
     assert bad.returncode == 2 and "cut into 2 chunks per mesh" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
     for chunks in ("1", "two", ""):
-        bad = run("plan", "--model", model, "--nodes", "1", "--schedule", "interleaved", "--chunks", chunks, env=env)
+        bad = cli("plan", "--model", model, "--nodes", "1", "--schedule", "interleaved", "--chunks", chunks, env=env)
         assert bad.returncode == 2 and "--chunks" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1

@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,9 +18,6 @@ import pytest
 
 pytestmark = [pytest.mark.serial,
               pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table in /proc")]
-
-CLI = [sys.executable, "-m", "alpasim.cli"]
-
 
 def _stat(pid: int) -> list[str] | None:
     try:
@@ -45,12 +41,11 @@ def alive(pid: int) -> bool:
     return fields is not None and fields[0] != "Z"
 
 
-def start_plan(tmp_path: Path) -> tuple[subprocess.Popen, list[int]]:
+def start_plan(tmp_path: Path, cli) -> tuple[subprocess.Popen, list[int]]:
     """`alpasim plan` of a model that plans for about 20 s, once its two pool workers
     are busy with ILPs."""
-    env = {**os.environ, "ALPASIM_CACHE_DIR": str(tmp_path / "cache")}
-    proc = subprocess.Popen([*CLI, "plan", "--model", "gpt3-2.6b", "--nodes", "1", "--workers", "2", "--json"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = cli.popen("plan", "--model", "gpt3-2.6b", "--nodes", "1", "--workers", "2", "--json",
+                     env={"ALPASIM_CACHE_DIR": str(tmp_path / "cache")})
     deadline = time.monotonic() + 60
     while len(children(proc.pid)) < 2 and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -61,8 +56,8 @@ def start_plan(tmp_path: Path) -> tuple[subprocess.Popen, list[int]]:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
-def test_no_worker_outlives_the_planner(tmp_path, sig):
-    proc, workers = start_plan(tmp_path)
+def test_no_worker_outlives_the_planner(tmp_path, sig, cli):
+    proc, workers = start_plan(tmp_path, cli)
     t0 = time.monotonic()
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=30)

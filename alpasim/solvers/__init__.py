@@ -58,6 +58,8 @@ from ._inter_op import microbatch_candidates as microbatch_candidates
 from ._inter_op import plan_pipeline as plan_pipeline
 from ._inter_op import planning_units as planning_units
 from ._inter_op import planning_graph as planning_graph
+from ._preflight import ModelStates as ModelStates
+from ._preflight import model_states as model_states
 from ._pipeline_plan import PLAN_SCHEMA as PLAN_SCHEMA
 from ._pipeline_plan import PipelinePlan as PipelinePlan
 from ._pipeline_plan import CostModelRef as CostModelRef
@@ -102,6 +104,7 @@ from ._methods import METHODS as METHODS
 from ._methods import RECOMPUTE_SEARCH as RECOMPUTE_SEARCH
 from ._methods import MegatronConfig as MegatronConfig
 from ._methods import Method as Method
+from ._methods import check_before_planning as check_before_planning
 from ._methods import UnknownMethodError as UnknownMethodError
 from ._methods import equal_operator_layers as equal_operator_layers
 from ._methods import infeasible_plan as infeasible_plan

@@ -48,7 +48,8 @@ from ._stage_costs import (
     stage_sync,
 )
 from ._boundary import stage_boundary_s
-from ._interleave import DEFAULT_CHUNK_OPTIONS, InterleavedChoice, interleaved_dp
+from ._interleave import (DEFAULT_CHUNK_OPTIONS, InterleavedChoice, interleaved_cannot_exist, interleaved_dp,
+                          mesh_shapes)
 from ._stage_dp import DPResult, StageBoundary, StageChoice, bubble_fraction, equal_layer_dp, stage_dp
 from ._submesh import place_submeshes
 
@@ -319,10 +320,13 @@ def plan_pipeline(model: str | ModelSource, cluster: Cluster, *, microbatches: i
         auto_note = f"schedule 1f1b: {said}"
     if not best.dp.stages:
         need, why = min((memory_bound(c, cluster.num_devices) for c in candidates), key=lambda x: x[0])
+        deepest = min(best.graph.num_layers, cluster.num_devices)
+        deeper = (f"; pipelines deeper than --max-stages {max_stages} were not searched: raise it (up to "
+                  f"{deepest}) to try them") if max_stages < deepest and num_stages is None else ""
         raise PlanInfeasible(
             f"does not fit: no plan of {name} on {cluster.num_devices} x {cluster.device.name} fits in "
-            f"{format_bytes(cluster.device.memory_bytes)} per device; every plan needs at least {format_bytes(need)} "
-            f"per device: {why}", need)
+            f"{format_bytes(cluster.device.memory_bytes)} per device; every plan of at most {min(max_stages, deepest)} "
+            f"stages needs at least {format_bytes(need)} per device: {why}{deeper}", need)
     plan = _assemble_plan(source, dtype, cluster, best, candidates, search, remat, method, recipe)
     return dataclasses.replace(plan, notes=(*plan.notes, auto_note)) if schedule != "1f1b" else plan
 
@@ -478,15 +482,6 @@ def chunk_memory(costs: StageCosts, st: StageChoice, depth: int):
     return stage_memory_of(costs, st.first, st.last, view, opts, 1)
 
 
-def _mesh_shapes(shapes, cluster: Cluster, max_stages: int):
-    """(shape index, shape, S) of every submesh shape that tiles `cluster` into S equal
-    meshes, 2 <= S <= max_stages: the meshes an interleaved plan may run on."""
-    for h, shape in enumerate(shapes):
-        meshes = cluster.num_devices // shape.size
-        if cluster.num_devices % shape.size == 0 and 2 <= meshes <= max_stages:
-            yield h, shape, meshes
-
-
 def _best_interleaved(candidates: Sequence[Candidate], cluster: Cluster, name: str, chunk_options: Sequence[int],
                       schedule: str, *, max_stages: int, epsilon: float, price_boundaries: bool):
     """(candidate, `InterleavedChoice`) of the fastest interleaved plan at any microbatch
@@ -500,14 +495,11 @@ def _best_interleaved(candidates: Sequence[Candidate], cluster: Cluster, name: s
             best = (c, r)
     if best is not None or schedule != "interleaved":
         return best
-    layers = candidates[0].graph.num_layers
+    why = interleaved_cannot_exist(candidates[0].graph.num_layers, candidates[0].costs.shapes, cluster, max_stages,
+                                   chunk_options)
     asked = f"no interleaved plan of {name} with {', '.join(map(str, chunk_options))} chunks per mesh"
-    if not any(meshes * v <= layers for _, _, meshes in _mesh_shapes(candidates[0].costs.shapes, cluster, max_stages)
-               for v in chunk_options):
-        raise PlanInfeasible(f"{asked}: it needs S >= 2 meshes of one submesh shape (at most --max-stages "
-                             f"{max_stages}) and S x chunks <= its {layers} layers, on {cluster.num_devices} devices",
-                             float("nan"))
-    raise PlanInfeasible(f"{asked} fits {cluster.num_devices} x {cluster.device.name} "
+    raise PlanInfeasible(f"{asked} can exist: {why}" if why else
+                         f"{asked} fits {cluster.num_devices} x {cluster.device.name} "
                          f"({format_bytes(cluster.device.memory_bytes)} per device)", float("nan"))
 
 
@@ -517,7 +509,7 @@ def search_interleaved(c: Candidate, cluster: Cluster, chunk_options: Sequence[i
     that tiles the cluster into 2..max_stages meshes, every chunk count in `chunk_options`."""
     costs = c.costs
     best = None
-    for h, shape, meshes in _mesh_shapes(costs.shapes, cluster, max_stages):
+    for h, shape, meshes in mesh_shapes(costs.shapes, cluster, max_stages):
         try:
             placed = place_submeshes([shape] * meshes, cluster.nodes, cluster.devices_per_node)
         except ValueError:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from alpasim.costmodels import StageMemory
+from alpasim.costmodels import Cluster, StageMemory
 
 from ._pipeline_orders import Order, interleaved_order, most_live, order_peak_bytes
 from ._stage_dp import INF, StageChoice, _bottleneck_candidates, _solve_fixed, bottleneck_windows
@@ -176,3 +176,24 @@ def mesh_memory_bytes(orders: Sequence[Order], chunks: Sequence[StageMemory]) ->
         out.append(sum(m.persistent_bytes for m in own) + max(m.buffer_bytes for m in own)
                    + max(peak, max(m.update_bytes for m in own)))
     return out
+
+
+def mesh_shapes(shapes, cluster: Cluster, max_stages: int):
+    """(shape index, shape, S) of every submesh shape of `shapes` that tiles `cluster`
+    into S equal meshes, 2 <= S <= max_stages: the meshes an interleaved plan may run on."""
+    for h, shape in enumerate(shapes):
+        meshes = cluster.num_devices // shape.size
+        if cluster.num_devices % shape.size == 0 and 2 <= meshes <= max_stages:
+            yield h, shape, meshes
+
+
+def interleaved_cannot_exist(layers: int, shapes, cluster: Cluster, max_stages: int,
+                             chunk_options: Sequence[int]) -> str | None:
+    """Why no interleaved plan of `layers` layers can exist on `cluster` (None if one
+    can): it needs S >= 2 meshes of one submesh shape of `shapes` (`mesh_shapes`) and
+    S x v <= layers for some v of `chunk_options`. Known before any stage is priced."""
+    if any(meshes * v <= layers for _, _, meshes in mesh_shapes(shapes, cluster, max_stages) for v in chunk_options):
+        return None
+    n = cluster.num_devices
+    return (f"it needs S >= 2 meshes of one submesh shape (at most --max-stages {max_stages}) and S x chunks <= "
+            f"its {layers} layers, on {n:,} device{'s' if n > 1 else ''}")

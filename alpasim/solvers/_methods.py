@@ -42,7 +42,8 @@ from alpasim.costmodels import Cluster
 from alpasim.graphs import (ModelLike, ModelSource, ModelSpecError, OpGraph, assign_layers, forward_graph,
                             model_source)
 
-from ._inter_op import PlanInfeasible, plan_pipeline, planning_units
+from ._inter_op import DEFAULT_MAX_STAGES, PlanInfeasible, plan_pipeline, planning_units
+from ._preflight import check_megatron, preflight
 from ._pipeline_plan import PipelinePlan, PlanModel, Prediction, SearchStats, plan_cluster_info
 from ._submesh import SubmeshShape
 
@@ -205,12 +206,11 @@ def plan_model(model: ModelLike, cluster: Cluster, method: str = "alpa", *, laye
     if unknown:
         raise TypeError(f"plan_model: unknown option {sorted(unknown)[0]!r}; the options are "
                         f"{', '.join(sorted(COMMON_OPTIONS | set(METHOD_OPTIONS)))}")
-    refused = m.refused(layers=layers, max_stages=max_stages, megatron=megatron,
-                        distributed_optimizer=distributed_optimizer, sequence_parallel=sequence_parallel)
-    if refused is not None:
-        raise ValueError(f"{refused} does not apply to method {m.cli_name} (its search sets it)")
+    _refuse_options(m, layers=layers, max_stages=max_stages, megatron=megatron,
+                    distributed_optimizer=distributed_optimizer, sequence_parallel=sequence_parallel)
     source = _zoo_source(model) if m.zoo_only else model_source(model)
     try:
+        _run_preflight(m, source, cluster, layers=layers, max_stages=max_stages, megatron=megatron, **options)
         if m.name in MEGATRON_METHODS:
             options.pop("microbatches", None)     # Megatron's microbatch size sets the count
             given = {k: v for k, v in (("distributed_optimizer", distributed_optimizer),
@@ -228,6 +228,42 @@ def plan_model(model: ModelLike, cluster: Cluster, method: str = "alpa", *, laye
         return plan_pipeline(source, cluster, method=m.name, **kw)
     except PlanInfeasible as e:
         return infeasible_plan(source, cluster, m.name, str(e))
+
+
+def check_before_planning(model: ModelLike, cluster: Cluster, method: str = "alpa", *, layers: int | None = None,
+                          max_stages: int | None = None, megatron: MegatronConfig | None = None,
+                          distributed_optimizer: bool | None = None, sequence_parallel: bool | None = None,
+                          **options) -> ModelSource:
+    """What `plan_model` checks before it prices anything, in well under a second
+    (`_preflight`): options the method does not take, an explicit Megatron-LM
+    configuration that cannot be, a model whose states fit no device, an interleaved
+    plan that cannot exist. Raises `ValueError` for a user error and `PlanInfeasible`
+    when nothing can fit; returns the model's source. The CLI calls it before it starts
+    a worker pool, so a refusal costs no pool either."""
+    m = get_method(method)
+    _refuse_options(m, layers=layers, max_stages=max_stages, megatron=megatron,
+                    distributed_optimizer=distributed_optimizer, sequence_parallel=sequence_parallel)
+    source = _zoo_source(model) if m.zoo_only else model_source(model)
+    _run_preflight(m, source, cluster, layers=layers, max_stages=max_stages, megatron=megatron, **options)
+    return source
+
+
+def _refuse_options(m: Method, **given) -> None:
+    refused = m.refused(**given)
+    if refused is not None:
+        raise ValueError(f"{refused} does not apply to method {m.cli_name} (its search sets it)")
+
+
+def _run_preflight(m: Method, source: ModelSource, cluster: Cluster, *, layers: int | None, max_stages: int | None,
+               megatron: MegatronConfig | None, **options) -> None:
+    """`_preflight.preflight` with the method's part of the search (an explicit Megatron
+    configuration, the schedule and chunks asked for) on the cluster that prices it."""
+    cost_model = options.get("cost_model")
+    preflight(source, cost_model.cluster if cost_model is not None else cluster,
+              precision=options.get("precision"), layers=layers,
+              max_stages=max_stages if max_stages is not None else DEFAULT_MAX_STAGES,
+              schedule=options.get("schedule", "1f1b"), chunk_options=options.get("chunk_options", ()),
+              megatron=megatron if m.name in MEGATRON_METHODS else None)
 
 
 # What `recompute="auto"` tries, as Megatron-core's --recompute-granularity offers it:
@@ -304,17 +340,9 @@ def megatron_plan(model: ModelLike, cluster: Cluster, config: MegatronConfig, me
     first, head with the last), each on `dp x tp` devices viewed as a (dp, tp) mesh
     with Megatron's layouts (`megatron_restriction`), B = batch / (mbs x dp)."""
     source = _zoo_source(model)
-    cfg = source.config
-    n = cluster.num_devices
-    if config.tp * config.pp * config.dp != n:
-        raise ValueError(f"Megatron {config}: tp x pp x dp = {config.tp * config.pp * config.dp}, the cluster has "
-                         f"{n} devices")
-    if config.tp > cluster.devices_per_node:
-        raise ValueError(f"Megatron {config}: tensor parallelism beyond one node ({cluster.devices_per_node} devices)")
-    if cfg.batch % (config.microbatch_size * config.dp):
-        raise ValueError(f"Megatron {config}: the global batch {cfg.batch} is not a multiple of mbs x dp")
+    check_megatron(source, cluster, config)
     size = config.tp * config.dp
-    b = cfg.batch // (config.microbatch_size * config.dp)
+    b = source.config.batch // (config.microbatch_size * config.dp)
 
     def views_of(shape: SubmeshShape) -> list[tuple[int, int]]:
         return [(config.dp, config.tp)] if shape.size == size else []
@@ -322,7 +350,8 @@ def megatron_plan(model: ModelLike, cluster: Cluster, config: MegatronConfig, me
     search = {**METHODS["megatron"].search_options(cluster), "restriction": config.restriction}
     try:
         plan = plan_pipeline(source, cluster, microbatches=b, method=method, shape_ok=lambda sh: sh.size == size,
-                             views_of=views_of, num_stages=config.pp, relabel=zoo_blocks, **search, **kw)
+                             views_of=views_of, num_stages=config.pp, max_stages=config.pp, relabel=zoo_blocks,
+                             **search, **kw)
     except PlanInfeasible as e:
         return infeasible_plan(source, cluster, method, str(e), SearchStats(megatron=_config_json(config)))
     return dataclasses.replace(plan, search=dataclasses.replace(plan.search, megatron=_config_json(config)))

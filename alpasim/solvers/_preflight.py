@@ -1,0 +1,144 @@
+"""What can be known before planning, checked before any stage is priced.
+
+Planning a large model takes minutes; some answers follow from the model's size and the
+cluster's shape alone. `preflight` checks them from one forward graph of one sample
+(well under a second even for Llama 3 405B), so that a refusal comes first and names
+its real cause, instead of a search that runs for a minute and then blames memory:
+
+- **Model states.** Every plan keeps each parameter's training states somewhere: the
+  weight, its gradient accumulator, the fp32 master copy and Adam's two moments, the
+  precision recipe's bytes per parameter (`graphs.PrecisionRecipe.bytes_per_param`, 18 B
+  for Megatron-LM's mixed precision). Sharding only divides them among devices and
+  pipelining only places them, so the devices hold at least P x bytes between them and
+  one device at least P x bytes / N (no plan offloads to the host). More than a device
+  holds, and nothing fits. The bound is the planner's own accounting at its most
+  favourable (`memory_bound` in `_inter_op` finds the same states term, priced layer by
+  layer, `tests/solvers/test_preflight.py`).
+- **Interleaved 1F1B** needs S >= 2 meshes of one submesh shape, S at most
+  `max_stages`, and S x v chunks out of the model's layers.
+- **An explicit Megatron-LM configuration**: tp x pp x dp is the device count, tensor
+  parallelism stays inside a node, pp at most the model's blocks, and the global batch
+  a multiple of microbatch size x dp.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from alpasim.costmodels import Cluster
+from alpasim.graphs import ModelSource, get_recipe
+from alpasim.units import format_bytes
+
+from ._inter_op import PlanInfeasible, default_graph_layers, planning_units
+from ._interleave import interleaved_cannot_exist
+from ._submesh import submesh_shapes
+
+
+@dataclass(frozen=True, slots=True)
+class ModelStates:
+    """A model's parameter count and the bytes its training states take in all."""
+
+    params: int
+    bytes_per_param: int
+    recipe: str
+
+    @property
+    def total_bytes(self) -> float:
+        return float(self.params) * self.bytes_per_param
+
+
+# Parameter counts of zoo models by (name, config): the CLI's preflight and plan_model's
+# ask for the same model, and a forward graph of Llama 3 405B takes a third of a second.
+_PARAMS: dict[tuple, int] = {}
+
+
+def _one_sample(source: ModelSource):
+    """The forward graph of one sample (a saved graph: as it was saved)."""
+    if source.graph is not None:
+        return source.graph
+    return source.forward(1)
+
+
+def model_states(source: ModelSource, precision: str | None = None) -> ModelStates:
+    """The training states of `source` under the recipe `precision` (module doc)."""
+    recipe = get_recipe(precision)
+    key = (source.name, source.config) if source.config is not None else None
+    params = _PARAMS.get(key) if key is not None else None
+    if params is None:
+        params = _one_sample(source).num_params()
+        if key is not None:
+            _PARAMS[key] = params
+    return ModelStates(params, recipe.bytes_per_param(recipe.weight_dtype(source.dtype)), recipe.name)
+
+
+def check_states_fit(source: ModelSource, cluster: Cluster, precision: str | None = None) -> ModelStates:
+    """`PlanInfeasible` when the model's states alone, spread over every device, exceed a
+    device's memory; the states otherwise."""
+    states = model_states(source, precision)
+    n, memory = cluster.num_devices, cluster.device.memory_bytes
+    per_device = states.total_bytes / n
+    if per_device > memory:
+        need = math.ceil(states.total_bytes / memory)
+        raise PlanInfeasible(
+            f"does not fit: {source.name}'s {states.params:,} parameters keep {states.bytes_per_param} B each of "
+            f"weights, gradients and optimizer states ({states.recipe}), {format_bytes(states.total_bytes)} in all: "
+            f"at least {format_bytes(per_device)} per device on {n:,} device{'s' if n > 1 else ''}, more than the "
+            f"{format_bytes(memory)} a device ({cluster.device.name}) holds; the states alone need {need:,} such "
+            f"devices",
+            per_device)
+    return states
+
+
+def planning_layers(source: ModelSource, layers: int | None = None) -> int:
+    """How many layers the Alpa search cuts the model into: `layers` if given, else the
+    planning units of a zoo model or a labelled graph, else an imported graph's default
+    clustering (`default_graph_layers`)."""
+    if layers is not None:
+        return layers
+    fwd = _one_sample(source)
+    if source.graph is not None and fwd.num_layers <= 1:
+        return default_graph_layers(fwd)
+    return planning_units(fwd).num_layers
+
+
+def check_interleaved(name: str, layers: int, cluster: Cluster, max_stages: int, chunk_options: Sequence[int]) -> None:
+    """`PlanInfeasible` when no interleaved plan can exist (`interleaved_cannot_exist`
+    over every submesh shape of the cluster)."""
+    why = interleaved_cannot_exist(layers, submesh_shapes(cluster.nodes, cluster.devices_per_node), cluster,
+                                   max_stages, chunk_options)
+    if why:
+        raise PlanInfeasible(f"no interleaved plan of {name} with {', '.join(map(str, chunk_options))} chunks per "
+                             f"mesh can exist: {why}", float("nan"))
+
+
+def check_megatron(source: ModelSource, cluster: Cluster, config) -> None:
+    """`ValueError` naming the first rule an explicit Megatron-LM `config` (a
+    `MegatronConfig`) breaks on `cluster` (module doc)."""
+    cfg = source.config
+    n = cluster.num_devices
+    if config.tp * config.pp * config.dp != n:
+        raise ValueError(f"Megatron {config}: tp x pp x dp = {config.tp * config.pp * config.dp}, the cluster has "
+                         f"{n} devices")
+    if config.tp > cluster.devices_per_node:
+        raise ValueError(f"Megatron {config}: tensor parallelism beyond one node ({cluster.devices_per_node} devices)")
+    blocks = _one_sample(source).num_layers
+    if config.pp > blocks:
+        raise ValueError(f"Megatron {config}: {config.pp} pipeline stages, but {source.name} has {blocks} blocks "
+                         f"(at least one a stage)")
+    if cfg.batch % (config.microbatch_size * config.dp):
+        raise ValueError(f"Megatron {config}: the global batch {cfg.batch} is not a multiple of mbs x dp")
+
+
+def preflight(source: ModelSource, cluster: Cluster, *, precision: str | None = None, layers: int | None = None,
+              max_stages: int, schedule: str = "1f1b", chunk_options: Sequence[int] = (),
+              megatron=None) -> None:
+    """Every check of the module doc that applies, cheapest first; raises
+    `PlanInfeasible` (nothing fits: a result) or `ValueError` (a configuration that
+    cannot be: a user error)."""
+    if megatron is not None:
+        check_megatron(source, cluster, megatron)
+    check_states_fit(source, cluster, precision)
+    if schedule == "interleaved":
+        check_interleaved(source.name, planning_layers(source, layers), cluster, max_stages, chunk_options)

@@ -1,0 +1,152 @@
+"""What the planner refuses before it prices anything (`solvers._preflight`).
+
+Independent answers: the planner's own per-stage memory accounting (the states bound
+must never exceed what any plan it makes holds, and ZeRO-3, which shards every state,
+meets it exactly); brute force over (S, v) for interleaved plans; and a planner whose
+stage-cost table cannot be built, so a refusal that priced anything fails loudly.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import alpasim.solvers._inter_op as inter_op
+from alpasim.costmodels import get_cluster
+from alpasim.graphs import RECIPES, model_source
+from alpasim.solvers import MegatronConfig, check_before_planning, model_states, plan_model
+from alpasim.solvers._interleave import interleaved_cannot_exist
+from alpasim.solvers._submesh import submesh_shapes
+
+TINY = "gpt3:hidden=256,layers=4,heads=8,seq=128,vocab=1024,batch=32"
+
+
+def _states_held(plan) -> float:
+    """Bytes of parameters, gradients and optimizer states the plan keeps on all its devices."""
+    return sum((s.memory["params_bytes"] + s.memory["grads_bytes"] + s.memory["optimizer_bytes"]) * len(s.devices)
+               for s in plan.stages)
+
+
+def test_model_states_are_the_recipes_bytes_per_parameter():
+    source = model_source(TINY)
+    params = source.forward(1).num_params()
+    h, l, v, s = 256, 4, 1024, 128
+    assert params == 12 * l * h * h + 13 * l * h + (v + s) * h + 2 * h     # GPT: blocks, embeddings, final norm
+    for name, per_param in (("mixed-fp32grad", 18), ("mixed", 16), ("fp32", 16)):
+        states = model_states(source, name)
+        assert (states.params, states.bytes_per_param) == (params, per_param)
+        assert RECIPES[name].bytes_per_param("float16") == per_param
+
+
+@pytest.mark.parametrize("method", ["alpa", "zero3", "inter_only", "megatron"])
+def test_every_plan_holds_at_least_the_states_bound(tmp_path, method):
+    """The bound is sound by the planner's own accounting: a plan's devices hold every
+    state at least once; ZeRO-3 (every state sharded over every device) holds each
+    exactly once, so the bound is also tight."""
+    cluster = get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=4)
+    plan = plan_model(TINY, cluster, method, **({"microbatches": 4} if method != "megatron" else {}))
+    assert plan.feasible
+    total = model_states(model_source(TINY)).total_bytes
+    assert _states_held(plan) >= total * (1 - 1e-9)
+    if method == "zero3":
+        assert _states_held(plan) == pytest.approx(total, rel=1e-9)
+
+
+def _refuse(*args, **kwargs):
+    raise AssertionError("priced a stage before refusing")
+
+
+@pytest.fixture
+def no_pricing(monkeypatch):
+    """A planner that fails if it builds a stage-cost table."""
+    monkeypatch.setattr(inter_op, "build_stage_costs", _refuse)
+
+
+@settings(max_examples=25, deadline=None)
+@given(devices=st.sampled_from([1, 2, 4, 8]), ratio=st.floats(0.05, 0.999))
+def test_a_device_smaller_than_the_states_share_is_refused_before_pricing(devices, ratio):
+    source = model_source(TINY)
+    share = model_states(source).total_bytes / devices
+    cluster = get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=devices, memory_gb=share * ratio / 2 ** 30)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(inter_op, "build_stage_costs", _refuse)
+        for method in ("alpa", "zero3", "intra_only"):
+            plan = plan_model(source, cluster, method)
+            assert not plan.feasible and plan.notes[0].startswith("does not fit:"), plan.notes
+            assert "states" in plan.notes[0] and f"{devices} device" in plan.notes[0]
+
+
+def test_a_device_that_holds_the_states_share_is_not_refused():
+    source = model_source(TINY)
+    cluster = get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=4,
+                          memory_gb=1.001 * model_states(source).total_bytes / 4 / 2 ** 30)
+    assert check_before_planning(TINY, cluster, "zero3") is not None
+
+
+@given(nodes=st.integers(1, 6), per_node=st.sampled_from([1, 2, 4, 8]), layers=st.integers(1, 40),
+       max_stages=st.integers(1, 20), chunks=st.sets(st.integers(2, 6), min_size=1, max_size=3))
+def test_interleaved_cannot_exist_by_brute_force(nodes, per_node, layers, max_stages, chunks):
+    """Some submesh shape tiles the cluster into 2 <= S <= max_stages meshes with
+    S x v <= layers for an asked v, or the check says why not."""
+    cluster = get_cluster("aws-p3.16xlarge", nodes=nodes, devices_per_node=per_node)
+    n = cluster.num_devices
+    possible = any(2 <= n // sh.size <= max_stages and n % sh.size == 0 and (n // sh.size) * v <= layers
+                   for sh in submesh_shapes(nodes, per_node) for v in chunks)
+    why = interleaved_cannot_exist(layers, submesh_shapes(nodes, per_node), cluster, max_stages, sorted(chunks))
+    assert (why is None) == possible
+
+
+def test_an_interleaved_plan_that_cannot_exist_is_refused_before_pricing(no_pricing):
+    cluster = get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=1)
+    plan = plan_model(TINY, cluster, "alpa", schedule="interleaved", chunk_options=(2,))
+    assert not plan.feasible and "can exist: it needs S >= 2 meshes" in plan.notes[0]
+    cluster = get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=8)    # 6 layers: 8 x 2 and 4 x 2 > 6
+    plan = plan_model(TINY, cluster, "alpa", schedule="interleaved", chunk_options=(4,), max_stages=4)
+    assert not plan.feasible and "S x chunks <= its 6 layers" in plan.notes[0]
+
+
+@pytest.mark.parametrize("config, fragment", [
+    (MegatronConfig(2, 2, 2, 1), "tp x pp x dp = 8, the cluster has 4 devices"),
+    (MegatronConfig(1, 5, 1, 1), "tp x pp x dp = 5"),
+    (MegatronConfig(4, 1, 1, 1), None),
+])
+def test_megatron_configurations_that_cannot_be_are_named(no_pricing, config, fragment):
+    cluster = get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=4)
+    if fragment is None:
+        assert check_before_planning(TINY, cluster, "megatron", megatron=config) is not None
+        return
+    with pytest.raises(ValueError, match=fragment.replace("(", r"\(")):
+        plan_model(TINY, cluster, "megatron", megatron=config)
+
+
+def test_a_pipeline_deeper_than_the_blocks_is_named(no_pricing):
+    cluster = get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=8)
+    with pytest.raises(ValueError, match="8 pipeline stages, but .* has 4 blocks"):
+        plan_model(TINY, cluster, "megatron", megatron=MegatronConfig(1, 8, 1, 1))
+
+
+def test_an_alpa_search_too_shallow_to_fit_says_which_option_to_raise():
+    """States fit the devices (the preflight passes), but one stage holding the whole
+    model's activations does not: the refusal names --max-stages."""
+    source = model_source(TINY)
+    cluster = get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=2,
+                          memory_gb=1.2 * model_states(source).total_bytes / 2 / 2 ** 30)
+    plan = plan_model(TINY, cluster, "alpa", max_stages=1, microbatches=1, pareto=False)
+    assert not plan.feasible
+    assert "pipelines deeper than --max-stages 1 were not searched: raise it (up to 2)" in plan.notes[0]
+
+
+@pytest.mark.slow
+def test_megatron_530b_at_pipeline_depth_35_prices():
+    """Narayanan et al. 2021's 530B GPT (Table 1: 2,240 A100s, tp 8, pp 35, dp 8,
+    batch 2,560, microbatch 1) is priced, deeper than the Alpa search's default 16
+    stages: 35 stages of three blocks, each on a dp x tp = 8 x 8 mesh."""
+    model = "gpt3:hidden=20480,layers=105,heads=128,seq=2048,vocab=51200,batch=2560"
+    cluster = get_cluster("dgx-a100", nodes=280)
+    plan = plan_model(model, cluster, "megatron", megatron=MegatronConfig(8, 35, 8, 1))
+    assert plan.feasible, plan.notes
+    assert len(plan.stages) == 35 and plan.microbatches == 2560 // 8
+    assert [s.layers[1] - s.layers[0] + 1 for s in plan.stages] == [3] * 35
+    assert all(s.logical_mesh == (8, 8) for s in plan.stages)
+    assert plan.predicted.peak_memory_bytes <= cluster.device.memory_bytes

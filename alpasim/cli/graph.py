@@ -28,7 +28,9 @@ def graph(
     layers: Annotated[Optional[int], typer.Option("--layers", help="Re-cluster into L layers (eq. 6 DP).")] = None,
     remat: Annotated[bool, typer.Option("--remat", help="Full activation rematerialisation.")] = False,
     batch: Annotated[Optional[int], typer.Option("--batch", help="Override the global batch.")] = None,
-    save: Annotated[Optional[Path], typer.Option("--save", help="Write the training graph JSON here.")] = None,
+    save: Annotated[Optional[Path], typer.Option("--save", help="Write the model's forward graph JSON here: a "
+                                                 "model file that plan, compare and sweep take as --model (a zoo "
+                                                 "model's file plans exactly as its name does).")] = None,
     recompute: RecomputeOpt = "none",
     as_json: JsonOpt = False,
 ) -> None:

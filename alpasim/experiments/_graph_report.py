@@ -51,8 +51,8 @@ def graph_report(model: str, *, layers: int | None, remat: bool, batch: int | No
     built = gr.build_training_graph(fwd, layers=layers, remat=remat, recompute=recompute)
     build_s = time.perf_counter() - t0
     g = built.graph
-    if save is not None:
-        gr.save_graph(g, save)
+    if save is not None:       # the model, as every --model takes it (not this report's training graph)
+        gr.save_graph(fwd, save)
     other = gr.build_training_graph(fwd, layers=layers, remat=not remat, recompute=recompute).graph
     flops = gr.flops_by_kind(g)
     flops_other = gr.flops_by_kind(other)

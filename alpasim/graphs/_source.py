@@ -28,7 +28,7 @@ from ._batch import batch_size, resize_batch
 from ._build import read_graph_file
 from ._serialize import GraphFormatError, graph_from_json, graph_to_json
 from ._types import OpGraph
-from ._zoo import ModelConfig, ModelSpecError, forward_graph, model_from_json, model_to_json, resolve_model
+from ._zoo import FAMILIES, ModelConfig, ModelSpecError, forward_graph, model_from_json, model_to_json, resolve_model
 
 
 @dataclass(frozen=True)
@@ -76,8 +76,14 @@ def graph_digest(data: dict) -> str:
 
 
 def graph_source(graph: OpGraph, name: str | None = None) -> ModelSource:
+    """The source of a saved or imported forward graph: the zoo model it is, exactly
+    (`zoo_model_of`), or a graph of its own, named `name` (default: the graph's)."""
     if any(op.phase != "forward" for op in graph.ops):
-        raise GraphFormatError(f"graph {graph.name!r} is a training graph; plan its forward graph")
+        raise GraphFormatError(f"graph {graph.name!r} is a training graph; plan the model it was built from "
+                               f"(`alpasim graph MODEL --save FILE` writes a model's forward graph)")
+    zoo = zoo_model_of(graph)
+    if zoo is not None:
+        return zoo
     batch = batch_size(graph)
     if batch is None:   # unmarked: its own batch is the only one; the first input's leading dim names it
         first = next((graph.tensors[t] for t in graph.inputs if graph.tensors[t].shape), None)
@@ -85,6 +91,26 @@ def graph_source(graph: OpGraph, name: str | None = None) -> ModelSource:
     dtype = str(graph.meta.get("dtype") or next((t.dtype for t in graph.tensors.values() if t.role == "param"),
                                                 "float32"))
     return ModelSource(name or graph.name, str(graph.meta.get("family", "graph")), int(batch), dtype, graph=graph)
+
+
+def zoo_model_of(graph: OpGraph) -> ModelSource | None:
+    """The zoo model `graph` is, or None. `alpasim graph MODEL --save FILE` writes a zoo
+    model's forward graph with its family and configuration in `meta`; when the graph
+    rebuilt from that configuration is the saved one, op for op and tensor for tensor,
+    the file is that model, and it plans as the zoo name does: at every microbatch
+    size and by every method, Megatron-LM's included. A graph edited after it was saved
+    is no longer the zoo's and plans as a graph of its own."""
+    family, config = graph.meta.get("family"), graph.meta.get("config")
+    if not isinstance(config, dict) or family not in FAMILIES:
+        return None
+    try:
+        cfg = model_from_json({**config, "family": family}, f"graph {graph.name!r}'s configuration")
+        rebuilt = forward_graph(cfg, name=graph.name)
+    except ValueError:             # a configuration this version's zoo does not build
+        return None
+    if graph_to_json(rebuilt) != graph_to_json(graph):
+        return None
+    return ModelSource.zoo(graph.name, cfg)
 
 
 @dataclass(frozen=True)

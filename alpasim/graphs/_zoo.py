@@ -175,8 +175,8 @@ def resolve_model(spec: str | ModelConfig) -> tuple[str, ModelConfig]:
     if text.endswith(".json") or Path(text).is_file():
         data = _read_json(text)
         if data.get("schema", "").startswith("alpasim.graph/"):
-            raise ModelSpecError(f"{text}: is a graph file; only `alpasim plan --model FILE` takes one today (then "
-                                 f"`simulate` and `run` of its plan); compare and sweep take a zoo model or spec")
+            raise ModelSpecError(f"{text}: is a saved graph, not a model spec; give it as a command's --model "
+                                 f"(graphs.model_source reads it)")
         return Path(text).stem, model_from_json(data, text)
     raise UnknownModelError(f"unknown model {spec!r}; valid names: {', '.join(ZOO)} "
                             f"(or a spec such as 'gpt3:hidden=4096,layers=32,heads=32', or a .json file)")

@@ -14,6 +14,7 @@ from alpasim.graphs import (
     graph_to_json,
     load_forward,
     load_graph,
+    model_source,
     save_graph,
 )
 
@@ -35,6 +36,47 @@ def test_saved_forward_graph_is_a_model(tmp_path):
     g = forward_graph("gpt3:hidden=64,layers=2,heads=4,seq=16,vocab=128,batch=2")
     save_graph(g, tmp_path / "fwd.json")
     assert load_forward(str(tmp_path / "fwd.json")) == g
+
+
+ZOO_SPECS = ["gpt3:hidden=64,layers=2,heads=4,seq=16,vocab=128,batch=2",
+             "moe:hidden=64,layers=2,heads=4,experts=4,seq=16,batch=2",
+             "wresnet:channels=8,width=2,image=32,batch=2,classes=10",
+             "llama:hidden=64,layers=2,heads=4,kv_heads=2,ffn=96,seq=16,vocab=128,batch=4",
+             "topk-moe:hidden=64,layers=3,heads=4,kv_heads=2,experts=4,top_k=2,expert_ffn=48,shared_experts=1,"
+             "dense_layers=1,dense_ffn=96,seq=16,vocab=128,batch=8,group_size=32"]
+
+
+@pytest.mark.parametrize("spec", ZOO_SPECS)
+def test_a_saved_zoo_graph_is_that_zoo_model(tmp_path, spec):
+    """The file `graph --save` writes is the zoo model itself: the same source, so the
+    same graph at every other microbatch size (where a saved graph alone could not be
+    resized) and the same plan record."""
+    path = tmp_path / "g.json"
+    save_graph(forward_graph(spec), path)
+    source, zoo = model_source(str(path)), model_source(spec)
+    assert source.config == zoo.config and source.name == zoo.name and source.record() == zoo.record()
+    assert graph_to_json(source.forward(1)) == graph_to_json(zoo.forward(1))
+
+
+def test_an_edited_zoo_graph_plans_as_a_graph_of_its_own(tmp_path):
+    """One op's layer label changed after saving: no longer the zoo's model, so it is
+    planned as the graph it is (its own batch only, its edit kept), never silently as
+    the zoo model its metadata names."""
+    spec = ZOO_SPECS[0]
+    doc = graph_to_json(forward_graph(spec))
+    doc["ops"][3]["layer"] = doc["ops"][3]["layer"] + 1
+    path = tmp_path / "g.json"
+    path.write_text(json.dumps(doc))
+    source = model_source(str(path))
+    assert source.config is None and source.graph.ops[3].layer == doc["ops"][3]["layer"]
+    assert not source.resizable
+
+
+def test_a_saved_training_graph_says_what_to_save_instead(tmp_path):
+    path = tmp_path / "t.json"
+    save_graph(build_training_graph(ZOO_SPECS[0]).graph, path)
+    with pytest.raises(GraphFormatError, match="is a training graph; plan the model it was built from"):
+        model_source(str(path))
 
 
 def _doc():

@@ -6,7 +6,8 @@ nested jaxprs that JAX wraps around library code (`jit`, `custom_jvp_call`,
 `custom_vjp_call`, `remat`/checkpoint, `closed_call`), and maps every JAX primitive
 onto alpasim's coarse set: `dot_general` becomes an `einsum` whose equation is built
 from the dimension numbers, `conv_general_dilated` a `conv2d` (with transposes around
-it when the layout is not NHWC/HWIO), a row lookup `gather` an `embedding`, and so on
+it when the layout is not NHWC/HWIO), a lookup `gather` (`jnp.take` along one axis, ids
+of any rank) an `embedding` of the table seen as rows, and so on
 (`SUPPORTED` lists them). The training graph then comes from alpasim's own VJP rules,
 so planning a JAX model never needs JAX again.
 

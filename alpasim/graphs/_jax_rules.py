@@ -139,7 +139,6 @@ def _max_pool(imp: _Importer, eqn: Any, ins: list[Value]) -> list[Value]:
 
 @_handles("gather")
 def _gather(imp: _Importer, eqn: Any, ins: list[Value]) -> list[Value]:
-    # Only the row lookup table[ids] (jnp.take(table, ids, axis=0)) is an embedding.
     # Out-of-range ids (clipped or filled by JAX) are not modelled.
     dn, sizes = eqn.params["dimension_numbers"], tuple(eqn.params["slice_sizes"])
     if isinstance(ins[1], Splat):
@@ -154,13 +153,51 @@ def _gather(imp: _Importer, eqn: Any, ins: list[Value]) -> list[Value]:
         ids = imp.reshape(row, i_shape[:-1])
         out = imp.op("embedding", [table, ids], name="embedding")
         return [imp.reshape(out, tuple(_aval(eqn).shape))]
-    if not (len(t_shape) == 2 and i_shape[-1:] == (1,) and tuple(dn.offset_dims) == (len(i_shape) - 1,)
-            and tuple(dn.collapsed_slice_dims) == (0,) and tuple(dn.start_index_map) == (0,)
-            and not tuple(getattr(dn, "operand_batching_dims", ())) and sizes == (1, t_shape[1])):
-        raise JaxImportError(f"gather maps to embedding only as a row lookup table[ids] of a 2-D table; "
-                             f"got table {t_shape}, indices {i_shape}, {dn}, slice_sizes {sizes}")
-    ids = imp.reshape(idx, i_shape[:-1])
-    return [imp.op("embedding", [table, ids], name="embedding")]
+    axis = _take_axis(dn, sizes, t_shape, i_shape)
+    if axis is None:
+        raise JaxImportError(f"gather maps to embedding only as a lookup along one axis, table[ids] or "
+                             f"jnp.take(table, ids, axis), with ids of any rank; got table {t_shape}, indices "
+                             f"{i_shape}, {dn}, slice_sizes {sizes}")
+    return [_take(imp, table, imp.reshape(idx, i_shape[:-1]), axis, sizes, dn)]
+
+
+def _take_axis(dn: Any, sizes: tuple[int, ...], t_shape: tuple[int, ...], i_shape: tuple[int, ...]) -> int | None:
+    """The axis of a gather that is `jnp.take(table, ids, axis)` (one index per position
+    of `ids`, any rank, each picking one entry of `axis` and a slice of the other axes
+    that starts at 0), else None. The picked axis may be kept as a unit axis."""
+    if len(dn.start_index_map) != 1 or i_shape[-1:] != (1,) or getattr(dn, "operand_batching_dims", ()):
+        return None
+    (axis,) = dn.start_index_map
+    collapsed = tuple(dn.collapsed_slice_dims)
+    kept = sum(1 for d in range(len(t_shape)) if d not in collapsed)
+    if sizes[axis] != 1 or collapsed not in ((), (axis,)) or len(dn.offset_dims) != kept:
+        return None
+    return axis
+
+
+def _take(imp: _Importer, table: str, ids: str, axis: int, sizes: tuple[int, ...], dn: Any) -> str:
+    """`jnp.take(table, ids, axis)` as an `embedding` of the table seen as rows: the
+    sliced table with `axis` moved first and the other axes flattened (a reshape, free;
+    a transpose only for an axis other than 0), looked up by `ids` of any rank, the
+    rows unflattened and moved to where the gather puts its offset dims.
+
+    Why this is the gather: entry (i, o) of the lookup is table'[ids[i], o], with o
+    running over the other axes in order, which is the gather's output at index dims i
+    and offset dims o. The lookup is priced as one (ids + 2 x output bytes, no FLOPs),
+    its dims map shards the ids' axes and the row, and its backward is the embedding's
+    (a scatter-add into the flattened table), reshaped back through the same views."""
+    shape = imp.b.shape(table)
+    rank, n_ids = len(shape), len(imp.b.shape(ids))
+    others = [d for d in range(rank) if d != axis]
+    table = _slice(imp, table, [0] * rank, [shape[axis] if d == axis else sizes[d] for d in range(rank)])
+    rows = imp.reshape(_transpose(imp, table, [axis] + others), (shape[axis], math.prod(sizes[d] for d in others)))
+    out = imp.op("embedding", [rows, ids], name="embedding")
+    kept = tuple(sizes[d] for d in range(rank) if d not in dn.collapsed_slice_dims)
+    out = imp.reshape(out, imp.b.shape(ids) + kept)
+    # The lookup's axes are (ids..., offsets...); the gather puts offset k at offset_dims[k].
+    offset_at = {int(o): n_ids + k for k, o in enumerate(dn.offset_dims)}
+    batch = iter(range(n_ids))
+    return _transpose(imp, out, [offset_at[p] if p in offset_at else next(batch) for p in range(n_ids + len(kept))])
 
 
 def _row_lookup_with_column_start(imp: _Importer, dn: Any, sizes: tuple[int, ...], t_shape: tuple[int, ...],

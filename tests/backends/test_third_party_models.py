@@ -1,6 +1,10 @@
 """Models written with flax (linen and nnx) and equinox are imported, saved, planned,
 simulated and run (`tests/graphs/jax_models.py` says what each one uses).
 
+Hugging Face's Flax Llama, Mistral and GPT-2 (transformers 4.x) are among them, built
+from their config classes with nothing downloaded (tests/conftest.py points HF_HOME into
+the session's root and sets HF_HUB_OFFLINE before transformers is first imported).
+
 Independent figures: the user's own function, evaluated by JAX at the same parameter
 and batch values (`values_as_tree` maps the graph's leaves back onto its pytrees), for
 the loss and for every gradient of a pipelined, sharded step; and, for the model with
@@ -10,6 +14,7 @@ step's), `alpasim run`'s check against a single-device step of the graph.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -31,7 +36,8 @@ from alpasim.backends._hlo import PLANNED_KINDS  # noqa: E402
 from alpasim.backends._lowering import lower_graph, random_leaves  # noqa: E402
 from alpasim.backends._stages import microbatch_inputs, stage_intra_plan  # noqa: E402
 from alpasim.costmodels import get_cluster  # noqa: E402
-from alpasim.graphs import from_jax, load_graph, save_graph, values_as_tree  # noqa: E402
+from alpasim.graphs import from_jax, load_graph, model_source, save_graph, values_as_tree  # noqa: E402
+from alpasim.simulator import simulate  # noqa: E402
 from alpasim.solvers import plan_pipeline, planning_graph, planning_units  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "graphs"))
@@ -47,19 +53,41 @@ def _rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-12))
 
 
+@functools.cache
+def _value_and_grad(loss_fn):
+    """The user's own step, compiled once per function (a test that checks one model
+    twice compiles it once)."""
+    return jax.jit(jax.value_and_grad(loss_fn))
+
+
 def _own_step(loss_fn, params, batch, graph, leaves, inputs):
     """The user's function's loss and gradients at the graph's leaf values."""
     p = jax.tree.map(jnp.asarray, values_as_tree(graph, params, leaves))
     b = jax.tree.map(jnp.asarray, values_as_tree(graph, batch, inputs, "batch"))
-    return jax.value_and_grad(loss_fn)(p, b)
+    return _value_and_grad(loss_fn)(p, b)
 
 
-@pytest.mark.parametrize("problem", ["flax_llama", "nnx", "equinox"])
+@functools.cache
+def _problem(name):
+    """(loss_fn, params, batch) of `name`: a `jax_models` problem, or `hf_<kind>` for
+    Hugging Face's (skipped without transformers). Built once a session."""
+    if name.startswith("hf_"):
+        pytest.importorskip("transformers")
+        return jax_models.hf_problem(name.removeprefix("hf_"))
+    return getattr(jax_models, f"{name}_problem")()
+
+
+@functools.cache
+def _imported(name):
+    return from_jax(*_problem(name), name=name)
+
+
+@pytest.mark.parametrize("problem", ["flax_llama", "nnx", "equinox", "hf_llama", "hf_mistral", "hf_gpt2"])
 def test_imported_loss_and_gradients_equal_the_models_own(problem):
     """The graph, lowered to JAX op by op, is the user's function: same loss, and JAX's
     gradients of the one equal JAX's gradients of the other."""
-    loss_fn, params, batch = getattr(jax_models, f"{problem}_problem")()
-    graph = from_jax(loss_fn, params, batch, name=problem)
+    loss_fn, params, batch = _problem(problem)
+    graph = _imported(problem)
     assert "batch_note" not in graph.meta           # the batch is marked: plannable at any microbatch
     leaves = random_leaves(graph, 0)
     loss, grads = _own_step(loss_fn, params, batch, graph, leaves, leaves)
@@ -73,8 +101,7 @@ def test_imported_loss_and_gradients_equal_the_models_own(problem):
 
 
 def test_the_llama_stack_is_one_layer_per_scan_step_with_its_own_weights():
-    loss_fn, params, batch = jax_models.flax_llama_problem()
-    graph = from_jax(loss_fn, params, batch, name="llama")
+    graph = _imported("flax_llama")
     assert graph.num_layers == jax_models.L + 2        # embedding | one per scan iteration | head
     stacked = graph.meta["stacked_params"]
     assert all(len(parts) == jax_models.L for parts in stacked.values())
@@ -87,12 +114,38 @@ def test_the_llama_stack_is_one_layer_per_scan_step_with_its_own_weights():
 
 @needs_8
 def test_flax_llama_pipelined_and_sharded_step_equals_the_models_own_gradients(tmp_path):
-    loss_fn, params, batch = jax_models.flax_llama_problem()
-    save_graph(from_jax(loss_fn, params, batch, name="llama"), tmp_path / "llama.json")
+    loss_fn, params, batch = _problem("flax_llama")
+    save_graph(_imported("flax_llama"), tmp_path / "llama.json")
     plan = plan_pipeline(str(tmp_path / "llama.json"), get_cluster("aws-p3.16xlarge", nodes=1), microbatches=2,
                          pareto=False, shape_ok=lambda sh: sh.size == 4, views_of=lambda sh: [(2, 2)])
     assert len(plan.stages) == 2
     graph = planning_graph(plan.model)
+    result = run_local(plan, steps=1)
+    leaves = random_leaves(graph, 0)
+    inputs = {t: np.concatenate([microbatch_inputs(graph, 0, 0, m)[t] for m in range(plan.microbatches)])
+              for t in graph.inputs}
+    loss, grads = _own_step(loss_fn, params, batch, graph, leaves, inputs)
+    assert result.losses[0] == pytest.approx(float(loss), rel=1e-5)
+    ours = values_as_tree(graph, params, result.grads)
+    assert max(jax.tree.leaves(jax.tree.map(_rel, ours, grads))) < 1e-4
+
+
+@needs_8
+def test_hf_llama_is_planned_simulated_and_run_to_the_models_own_gradients():
+    """Hugging Face's Flax Llama in process: planned as its blocks (the embedding, one
+    layer per decoder layer, the head, read from `model/layers/<i>`), two stages of 2x2
+    meshes whose simulation agrees with the plan's prediction, and one step of the plan
+    run on 8 devices gives the model's own loss and gradients (those of the query and
+    key projections see RoPE's gathered rows)."""
+    loss_fn, params, batch = _problem("hf_llama")
+    imported = _imported("hf_llama")
+    assert imported.num_layers == jax_models.L + 2
+    plan = plan_pipeline(model_source(imported), get_cluster("aws-p3.16xlarge", nodes=1), microbatches=2,
+                         pareto=False, shape_ok=lambda sh: sh.size == 4, views_of=lambda sh: [(2, 2)])
+    assert len(plan.stages) == 2
+    timeline = simulate(plan)
+    assert timeline.iteration_s == pytest.approx(plan.predicted.iteration_s, rel=0.1)
+    graph = planning_graph(plan.model)                 # one microbatch's graph, the run's
     result = run_local(plan, steps=1)
     leaves = random_leaves(graph, 0)
     inputs = {t: np.concatenate([microbatch_inputs(graph, 0, 0, m)[t] for m in range(plan.microbatches)])

@@ -10,6 +10,10 @@
   its parameters are the `nnx.State` that `nnx.split` gives.
 * `EqxNet` (equinox): `eqx.nn.Embedding`, `Linear`, `RMSNorm` and `Dropout` applied
   per token under `jax.vmap` (the embedding becomes a two-index gather).
+* Hugging Face's Flax causal LMs (`hf_problem`: Llama, Mistral, GPT-2 of transformers 4.x),
+  built from their own config classes: RoPE rows gathered from a cached sin/cos table by
+  position ids, GQA by `jnp.repeat`, causal (and sliding-window) masks sliced from a
+  cached one.
 
 Each `*_problem()` returns (loss_fn, params, batch) at global batch 8.
 """
@@ -246,6 +250,55 @@ def flax_llama3_problem(hidden: int = 64, layers: int = 2, heads: int = 4, kv_he
             return nn.Dense(vocab, use_bias=False)(nn.RMSNorm(epsilon=1e-5)(x))
 
     return linen_lm_problem(FlaxLlama3(), batch_size, seq)
+
+
+HF_KINDS = ("llama", "mistral", "gpt2")
+
+
+def hf_problem(kind: str, batch_size: int = 8, seq: int = T):
+    """(loss_fn, abstract params, batch) of Hugging Face's Flax causal LM `kind` (one of
+    `HF_KINDS`) at a tiny configuration: hidden D, L layers, H heads, vocabulary V.
+
+    * "llama": `FlaxLlamaForCausalLM`, KV key/value heads (GQA by `jnp.repeat`), RoPE whose
+      sin/cos rows `sincos[position_ids]` are a gather from a (positions, 1, 2 x head_dim)
+      table, SwiGLU of F, RMSNorm, an untied head.
+    * "mistral": `FlaxMistralForCausalLM`, the same with a sliding window of seq / 4, so
+      the window masks keys the causal mask alone would keep.
+    * "gpt2": `FlaxGPT2LMHeadModel`, learned positions looked up by position ids, the
+      head tied to the token embedding.
+
+    The loss is next-token cross-entropy of the logits (optax's integer-label form). The
+    parameters are only traced: nothing is downloaded, nothing initialised. transformers
+    reads HF_HOME when first imported: set it (and HF_HUB_OFFLINE) before the first call."""
+    import jax.numpy as jnp
+    import optax
+
+    model = _hf_model(kind, batch_size, seq)
+
+    def loss_fn(params, batch):
+        logits = model(batch["ids"], params=params, train=False).logits
+        return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], batch["ids"][:, 1:]).mean()
+
+    return loss_fn, model.params_shape_tree, {"ids": jnp.zeros((batch_size, seq), jnp.int32)}
+
+
+def _hf_model(kind: str, batch_size: int, seq: int):
+    """The transformers model of `hf_problem`, its weights left uninitialised."""
+    import transformers as hf
+
+    shape = {"input_shape": (batch_size, seq), "_do_init": False}
+    if kind == "gpt2":
+        return hf.FlaxGPT2LMHeadModel(hf.GPT2Config(vocab_size=V, n_embd=D, n_layer=L, n_head=H, n_positions=seq),
+                                      **shape)
+    # HF's Flax sin/cos table keeps only max_position_embeddings of its 2 x head_dim
+    # columns (`out[:, :, :num_pos]`): fewer positions than that would cut the table.
+    common = dict(vocab_size=V, hidden_size=D, intermediate_size=F, num_hidden_layers=L, num_attention_heads=H,
+                  num_key_value_heads=KV, max_position_embeddings=max(seq, 2 * D // H))
+    if kind == "llama":
+        return hf.FlaxLlamaForCausalLM(hf.LlamaConfig(**common), **shape)
+    if kind == "mistral":
+        return hf.FlaxMistralForCausalLM(hf.MistralConfig(**common, sliding_window=seq // 4), **shape)
+    raise ValueError(f"unknown Hugging Face model {kind!r}; expected one of {HF_KINDS}")
 
 
 def linen_lm_problem(model, batch_size: int, seq: int):

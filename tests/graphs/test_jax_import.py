@@ -350,6 +350,59 @@ def test_assorted_numerics_match_jax():
     assert_matches_jax(assorted_loss, *ASSORTED, bounds={"i": 2}, rtol=2e-2)
 
 
+# A cached table of RoPE's layout (positions, 1, features), captured by the function.
+ROWS = np.arange(24, dtype=np.float32).reshape(6, 1, 4) / 24
+TAKE = ({"t": S((6, 5, 4), F32)}, {"ids": S((2, 3), I32), "cols": S((2, 3), I32)})
+
+
+def take_loss(p, x):
+    """Gathers that are lookups along one axis by ids of rank 2: of a 3-D parameter along
+    axis 0 and along axis 1 (offset dims on both sides of the ids' dims), a partial
+    slice keeping the picked axis (lax.gather itself), and of a captured constant
+    (`sincos[position_ids]` in Hugging Face's Flax Llama)."""
+    t = p["t"]
+    rows = jnp.take(t, x["ids"], axis=0)                                     # (2, 3, 5, 4)
+    cols = jnp.take(t, x["cols"], axis=1)                                    # (6, 2, 3, 4)
+    dn = jax.lax.GatherDimensionNumbers(offset_dims=(2, 3, 4), collapsed_slice_dims=(), start_index_map=(0,))
+    part = jax.lax.gather(t, x["ids"][..., None], dn, slice_sizes=(1, 2, 4),
+                          mode="promise_in_bounds")                          # (2, 3, 1, 2, 4)
+    cached = jnp.asarray(ROWS)[x["ids"]]                                     # (2, 3, 1, 4)
+    return (jnp.sum(rows ** 2) + jnp.sum(jnp.sin(cols) * jnp.arange(4.0)) + jnp.sum(part[:, :, 0] * rows[:, :, :2])
+            + jnp.sum(cached * rows[:, :, 1:2]))
+
+
+def test_a_lookup_along_one_axis_is_an_embedding_of_the_tables_rows():
+    """Each lookup is one embedding of a 2-D view of its table, ids of any rank: no
+    FLOPs, the gathered rows' bytes only, the ids' axes shardable in its output; the
+    table is transposed only for a lookup along an axis other than 0. A gather with
+    two index columns is no lookup and is refused."""
+    from alpasim.costmodels import traffic_bytes
+    from alpasim.graphs._primitives import op_dims
+
+    g = from_jax(take_loss, *TAKE)
+    lookups = prim_ops(g, "embedding")
+    assert len(lookups) == 4
+    assert sorted(g.tensors[op.inputs[0]].shape for op in lookups) == [(5, 24), (6, 4), (6, 8), (6, 20)]
+    assert len(prim_ops(g, "transpose")) == 2              # axis 1: the table in, the result out
+    for op in lookups:
+        table, ids = (g.tensors[t] for t in op.inputs)
+        out = g.tensors[op.outputs[0]]
+        assert ids.shape == (2, 3) and out.shape == (2, 3, table.shape[1])
+        assert op_flops(op, g.tensors) == 0
+        assert traffic_bytes(op, g.tensors) == ids.nbytes + 2 * out.nbytes
+        dims = op_dims(op, g.tensors)
+        assert dims.outputs[0][:2] == dims.inputs[1] and dims.outputs[0][2] == dims.inputs[0][1]
+    with pytest.raises(JaxImportError, match="gather maps to embedding only as a lookup along one axis"):
+        from_jax(lambda p, x: jnp.sum(p["t"][x["ids"], x["cols"]]), *TAKE)
+
+
+@pytest.mark.skipif(not HAVE_LOWERING, reason="needs alpasim.backends.lower_graph")
+def test_a_lookup_along_one_axis_numerics_match_jax():
+    """Loss and the table's gradient (the embedding's scatter-add, back through the views)
+    equal JAX's, at random ids with repeats."""
+    assert_matches_jax(take_loss, *TAKE, bounds={"ids": 6, "cols": 5})
+
+
 def test_logsumexp_and_silu_map():
     def loss(p, x):
         h = x @ p

@@ -3,17 +3,19 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-# pip's user agent runs `rustc --version`; where rustc is a rustup proxy and there is no
-# rustup home (a fresh home directory), the proxy makes ~/.rustup. Such a proxy has no
-# toolchain to run anyway, so it is pointed into the venv and the home stays untouched.
-PIP := $(if $(RUSTUP_HOME)$(wildcard $(HOME)/.rustup),,RUSTUP_HOME=$(CURDIR)/$(VENV)/.rustup) $(BIN)/python -m pip
+# pip's user agent runs `rustc --version` (ensurepip in `venv` too); where rustc is a
+# rustup proxy and there is no rustup home (a fresh home directory), the proxy makes
+# ~/.rustup. Such a proxy has no toolchain to run anyway, so it is pointed into the
+# venv and the home stays untouched.
+NO_HOME := $(if $(RUSTUP_HOME)$(wildcard $(HOME)/.rustup),,RUSTUP_HOME=$(CURDIR)/$(VENV)/.rustup)
+PIP := $(NO_HOME) $(BIN)/python -m pip
 
 .PHONY: demo test test-fast setup clean bench
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	test -x $(BIN)/python || $(NO_HOME) $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet -e '.[test]'
 	touch $(STAMP)

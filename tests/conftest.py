@@ -18,6 +18,9 @@ is imported, into one session root:
   analysis, the HLO's collectives) are those of the compiled one.
 - Hypothesis keeps no example database (it would replay an earlier run's examples).
 
+XLA: eight virtual CPU devices, added to any `XLA_FLAGS` given (`make test`'s parallel
+lane gives LLVM's optimisation level 0 there: see the Makefile).
+
 `make test` makes the root (`ALPASIM_TEST_ROOT`) and hands it to both of its pytest runs,
 so the serial and the parallel lane share the caches; a plain `pytest` makes its own.
 pytest-xdist's workers inherit the environment, so they share the session's root. The
@@ -70,6 +73,11 @@ def _isolate(root: Path) -> None:
         path = root / sub
         path.mkdir(parents=True, exist_ok=True)
         os.environ[var] = str(path)
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        flags += " --xla_force_host_platform_device_count=8"
+    os.environ["XLA_FLAGS"] = flags.strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
     os.environ["HF_HUB_OFFLINE"] = "1"
@@ -93,8 +101,6 @@ def pytest_unconfigure(config):
 # ---------------------------------------------------------------------------------------
 # The `alpasim` command, as a user runs it.
 
-# What every CLI run sees beside the session's directories: eight virtual CPU devices.
-CLI_ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
 
 
 @dataclass(frozen=True)
@@ -120,12 +126,13 @@ class CliRun:
 
 class Cli:
     """Runs `python -m alpasim.cli ARGS` in a fresh process, with the session's
-    environment plus `CLI_ENV` plus `env`. `popen` starts one without waiting."""
+    environment (its directories, XLA's flags) plus `env`. `popen` starts one without
+    waiting."""
 
     command = (sys.executable, "-m", "alpasim.cli")
 
     def environment(self, env: dict | None = None) -> dict:
-        return {**os.environ, **CLI_ENV, **(env or {})}
+        return {**os.environ, **(env or {})}
 
     def __call__(self, *args: str, env: dict | None = None, timeout: float = 300,
                  cwd: Path | str | None = None) -> CliRun:

@@ -33,6 +33,7 @@ timeout, an exception in a stage) is not retried: it is a bug, reported as is.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -140,13 +141,26 @@ def _actor_options(mesh_size: int, platform: str = "cpu") -> dict[str, Any]:
     them, so JAX's devices in the actor are exactly its mesh) and one CPU. On "cpu" the
     devices are virtual CPU devices: the actor reserves no CPU (the meshes share the
     host's cores, as in the local runtime) and sets XLA's device count in its
-    environment.
+    environment. The driver's own XLA flags reach every actor (`_xla_flags`).
     """
     if platform == "gpu":
+        env = {"JAX_PLATFORMS": "cuda", **_xla_flags(None)}
         return {"num_cpus": 1, "num_gpus": mesh_size, "max_concurrency": MAX_CONCURRENCY,
-                "runtime_env": {"env_vars": {"JAX_PLATFORMS": "cuda"}}}
-    env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={mesh_size}", "JAX_PLATFORMS": "cpu"}
+                "runtime_env": {"env_vars": env}}
+    env = {**_xla_flags(mesh_size), "JAX_PLATFORMS": "cpu"}
     return {"num_cpus": 0, "max_concurrency": MAX_CONCURRENCY, "runtime_env": {"env_vars": env}}
+
+
+def _xla_flags(cpu_devices: int | None) -> dict[str, str]:
+    """`XLA_FLAGS` for an actor: the driver's flags, so a flag its user set (a dump
+    directory, an optimisation level) holds on every mesh, with the virtual device count
+    replaced by the mesh's (`cpu_devices`; None on GPUs: no count). Empty when there
+    is nothing to set."""
+    kept = [f for f in os.environ.get("XLA_FLAGS", "").split()
+            if not f.startswith("--xla_force_host_platform_device_count")]
+    if cpu_devices is not None:
+        kept.append(f"--xla_force_host_platform_device_count={cpu_devices}")
+    return {"XLA_FLAGS": " ".join(kept)} if kept else {}
 
 
 def _cause(error: Exception) -> str:

@@ -1,15 +1,7 @@
-"""Eight virtual CPU devices for the backend tests, set before anything imports jax
-(`make test` sets the same flag; this makes `pytest tests/backends` work alone), and
-the small pipelined plans the runtime tests share."""
-
-import os
-import sys
+"""The small pipelined plans the runtime tests share (the eight virtual CPU devices
+they run on are set by `tests/conftest.py`, before anything imports jax)."""
 
 import pytest
-
-if "jax" not in sys.modules and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 MODELS = {
     "gpt": "gpt3:hidden=64,layers=2,heads=4,seq=16,vocab=128,batch=8,dtype=fp32",

@@ -38,14 +38,24 @@ def test_gpu_refuses_a_mesh_larger_than_the_clusters_gpus():
         actor_platform(fake_ray(4), plan_of(8), "tpu")
 
 
-def test_actor_options_per_platform():
+def test_actor_options_per_platform(monkeypatch):
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
     gpu = _actor_options(4, "gpu")
-    assert gpu["num_gpus"] == 4 and gpu["runtime_env"]["env_vars"]["JAX_PLATFORMS"] == "cuda"
-    assert "XLA_FLAGS" not in gpu["runtime_env"]["env_vars"]
+    assert gpu["num_gpus"] == 4 and gpu["runtime_env"]["env_vars"] == {"JAX_PLATFORMS": "cuda"}
     cpu = _actor_options(4, "cpu")
     assert "num_gpus" not in cpu and cpu["num_cpus"] == 0
     assert cpu["runtime_env"]["env_vars"] == {"XLA_FLAGS": "--xla_force_host_platform_device_count=4",
                                               "JAX_PLATFORMS": "cpu"}
+
+
+def test_the_drivers_xla_flags_reach_every_actor_with_the_meshs_device_count(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/d --xla_force_host_platform_device_count=8 "
+                                    "--xla_backend_optimization_level=0")
+    cpu = _actor_options(2, "cpu")["runtime_env"]["env_vars"]
+    assert cpu["XLA_FLAGS"] == ("--xla_dump_to=/d --xla_backend_optimization_level=0 "
+                                "--xla_force_host_platform_device_count=2")
+    gpu = _actor_options(2, "gpu")["runtime_env"]["env_vars"]
+    assert gpu["XLA_FLAGS"] == "--xla_dump_to=/d --xla_backend_optimization_level=0"
 
 
 def test_the_cli_checks_the_same_names():

@@ -15,9 +15,6 @@ step's), `alpasim run`'s check against a single-device step of the graph.
 from __future__ import annotations
 
 import functools
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -44,8 +41,6 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "graphs"))
 import jax_models  # noqa: E402
 
 needs_8 = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
-CLI = [sys.executable, "-m", "alpasim.cli"]
-ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
 
 
 def _rel(a, b) -> float:
@@ -157,24 +152,17 @@ def test_hf_llama_is_planned_simulated_and_run_to_the_models_own_gradients():
 
 
 @needs_8
-def test_a_flax_model_with_dropout_is_planned_simulated_and_run_by_the_cli(tmp_path):
+def test_a_flax_model_with_dropout_is_planned_simulated_and_run_by_the_cli(tmp_path, cli):
     graph_file, plan_file = tmp_path / "llama.json", tmp_path / "plan.json"
     save_graph(from_jax(*jax_models.flax_llama_problem(dropout=True), name="llama"), graph_file)
     masks = [t for t in load_graph(graph_file).inputs if t.startswith("batch/random")]
     assert len(masks) == jax_models.L                  # one dropout mask per layer, an input of the step
-    env = {**ENV, "ALPASIM_CACHE_DIR": str(tmp_path / "cache")}
-    plan = subprocess.run([*CLI, "plan", "--model", str(graph_file), "--nodes", "1", "--devices-per-node", "4",
-                           "--microbatches", "2", "--out", str(plan_file), "--json"],
-                          capture_output=True, text=True, env=env, timeout=600)
-    assert plan.returncode == 0, plan.stderr
-    assert json.loads(plan.stdout)["feasible"]
-    sim = subprocess.run([*CLI, "simulate", str(plan_file), "--json"], capture_output=True, text=True, env=env,
-                         timeout=120)
-    assert sim.returncode == 0, sim.stderr
-    run = subprocess.run([*CLI, "run", str(plan_file), "--json", "--profile-iters", "0", "--steps", "1"],
-                         capture_output=True, text=True, env=env, timeout=600)
-    assert run.returncode == 0, run.stderr
-    assert json.loads(run.stdout)["numerics_ok"]
+    plan = cli.json("plan", "--model", graph_file, "--nodes", "1", "--devices-per-node", "4", "--microbatches", "2",
+                    "--out", plan_file, timeout=600)
+    assert plan["feasible"]
+    cli.json("simulate", plan_file, timeout=120)
+    run = cli.json("run", plan_file, "--profile-iters", "0", "--steps", "1", timeout=600)
+    assert run["numerics_ok"]
 
 
 @needs_8

@@ -31,7 +31,8 @@ def _point_progress(t0: float):
 
 @app.command()
 def sweep(
-    model: Annotated[str, typer.Option("--model", help="Zoo name or spec string.")],
+    model: Annotated[str, typer.Option("--model", help="Zoo name, spec string or model JSON (a spec or a "
+                                                   "saved graph).")],
     gpus: Annotated[int, typer.Option("--gpus", help="Devices in all (whole nodes, or part of one).")],
     cluster: Annotated[str, typer.Option("--cluster", help="Preset the sweep starts from.")] = "aws-p3.16xlarge",
     inter_node_gbps: Annotated[Optional[str], typer.Option("--inter-node-gbps", help="Sweep the inter-node "

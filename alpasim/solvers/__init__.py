@@ -1,4 +1,5 @@
-"""Solvers: sharding specs, the intra-op ILP, (later) the inter-op DP and baselines."""
+"""Solvers: sharding specs, the intra-op ILP, the inter-op stage DP, cross-mesh resharding,
+the planning methods and baselines, the plan records, and the checks made before planning."""
 
 from ._intra_baselines import BASELINES as BASELINES
 from ._intra_baselines import MEGATRON_PARAM_DIMS as MEGATRON_PARAM_DIMS

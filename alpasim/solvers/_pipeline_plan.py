@@ -1,7 +1,7 @@
 """`PipelinePlan`: stages on submeshes, microbatches, predictions — plain data with a JSON form.
 
-The JSON (`schema` "alpasim.plan/1") is the contract other tools read; DESIGN.md lists
-its fields. A plan round-trips exactly through `to_json`/`plan_from_json`, and
+The JSON (`schema` "alpasim.plan/1") is the contract other tools read; docs/planning.md
+lists its fields. A plan round-trips exactly through `to_json`/`plan_from_json`, and
 `partition_specs()` gives, per stage, the `jax.sharding.PartitionSpec` arguments of
 every parameter (mesh axis names "x" and "y").
 """
@@ -53,7 +53,8 @@ class PlanModel(Record):
 
 @dataclass(frozen=True, slots=True)
 class PlanCluster(Record):
-    """The cluster planned for: DESIGN.md's summary, and its full `spec`
+    """The cluster planned for: its summary (name, nodes, devices per node, device,
+    links and memory, the fields the plan file promises), and its full `spec`
     (`costmodels.Cluster.to_json`) so a plan file simulates on its own."""
 
     name: str

@@ -4,12 +4,31 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 
 
 
+
+
+def test_the_console_script_and_python_m_are_the_forked_command(cli):
+    """The tests' forked command (`cli`) is what a user runs: the console script and
+    `python -m alpasim.cli` print the same JSON and the same one-line refusal."""
+    models, refusal = cli("models", "--json"), cli("plan", "--model", "gpt9")
+    assert models.returncode == 0 and json.loads(models.stdout)["models"]
+    assert refusal.returncode == 2 and len(refusal.lines) == 1 and "unknown model 'gpt9'" in refusal.lines[0]
+    fresh_models, fresh_refusal = cli("models", "--json", fresh=True), cli("plan", "--model", "gpt9", fresh=True)
+    assert (fresh_models.returncode, fresh_models.stdout) == (0, models.stdout)
+    assert (fresh_refusal.returncode, fresh_refusal.stderr) == (2, refusal.stderr)
+    script = Path(sys.executable).with_name("alpasim")
+    if script.exists():
+        proc = subprocess.run([script, "models", "--json"], capture_output=True, text=True, timeout=120,
+                              env=cli.environment())
+        assert (proc.returncode, proc.stdout) == (0, models.stdout)
 
 
 def test_graph_json_matches_the_acceptance_closed_forms(cli):

@@ -19,8 +19,10 @@ spans nodes puts the slow links on axis 0). Each view's links come from the clus
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from alpasim.costmodels import Cluster, MeshAxis, group_link
 
@@ -33,10 +35,11 @@ class SubmeshShape:
 
     n: int
     m: int
+    # n x m, kept: placement and the stage DP read it in their innermost loops.
+    size: int = field(init=False, repr=False, compare=False)
 
-    @property
-    def size(self) -> int:
-        return self.n * self.m
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "size", self.n * self.m)
 
     def __str__(self) -> str:
         return f"({self.n},{self.m})"
@@ -51,7 +54,14 @@ def node_block(devices_per_node: int) -> int:
 def submesh_shapes(nodes: int, devices_per_node: int) -> list[SubmeshShape]:
     """(1, 1), (1, 2), (1, 4), ... up to `node_block(M)`, then the whole node (1, M) and
     (2, M), ..., (N, M): a stage inside one NVLink domain takes a power-of-two part that
-    tiles it, or all of it (on a 72-GPU NVL72: 1, 2, 4, 8 or 72 GPUs)."""
+    tiles it, or all of it (on a 72-GPU NVL72: 1, 2, 4, 8 or 72 GPUs). A new list each
+    call; the shapes themselves are shared (`_submesh_shapes`)."""
+    return list(_submesh_shapes(nodes, devices_per_node))
+
+
+@functools.lru_cache(maxsize=256)
+def _submesh_shapes(nodes: int, devices_per_node: int) -> tuple[SubmeshShape, ...]:
+    """The shapes of `submesh_shapes`, computed once per cluster shape."""
     out = []
     m, block = 1, node_block(devices_per_node)
     while m <= block:
@@ -60,7 +70,7 @@ def submesh_shapes(nodes: int, devices_per_node: int) -> list[SubmeshShape]:
     if block != devices_per_node:
         out.append(SubmeshShape(1, devices_per_node))
     out += [SubmeshShape(n, devices_per_node) for n in range(2, nodes + 1)]
-    return out
+    return tuple(out)
 
 
 def place_submeshes(shapes: Sequence[SubmeshShape], nodes: int, devices_per_node: int,
@@ -76,10 +86,10 @@ def place_submeshes(shapes: Sequence[SubmeshShape], nodes: int, devices_per_node
     total = sum(s.size for s in shapes)
     if total != nodes * devices_per_node:
         raise ValueError(f"submeshes of {total} devices cannot cover a {nodes}x{devices_per_node} cluster exactly")
-    allowed = set(submesh_shapes(nodes, devices_per_node))
-    for s in shapes:
-        if s not in allowed:
-            raise ValueError(f"submesh shape {s} is not one of the allowed shapes {sorted(allowed)}")
+    allowed = _submesh_shapes(nodes, devices_per_node)
+    bad = set(shapes) - set(allowed)
+    if bad:
+        raise ValueError(f"submesh shape {min(bad)} is not one of the allowed shapes {sorted(allowed)}")
     if runs is not None:
         return place_runs(shapes, runs, nodes, devices_per_node)
     in_order = _contiguous(shapes, devices_per_node)

@@ -20,7 +20,10 @@ from dataclasses import dataclass
 from ._builder import GraphBuilder
 from ._types import OpGraph
 
-STAGE_BLOCKS = {50: (3, 4, 6, 3), 101: (3, 4, 23, 3), 152: (3, 8, 36, 3)}
+# Bottleneck blocks per stage: ResNet-50/101/152 (He et al. 2016, Table 1), and the
+# 26-layer variant with two blocks a stage (1 + 3 x 8 + 1 layers), a small network of
+# the same structure for tests that compile it.
+STAGE_BLOCKS = {26: (2, 2, 2, 2), 50: (3, 4, 6, 3), 101: (3, 4, 23, 3), 152: (3, 8, 36, 3)}
 
 
 @dataclass(frozen=True, slots=True)

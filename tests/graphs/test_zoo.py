@@ -150,7 +150,7 @@ def wrn_conv_flops_closed_form(c: WResNetConfig) -> float:
     return 3 * sum(fwd) - fwd[0]
 
 
-@pytest.mark.parametrize("name", WRN_NAMES)
+@pytest.mark.parametrize("name", [*WRN_NAMES, "wresnet:channels=8,width=1,image=64,classes=16,batch=8,depth=26"])
 def test_wresnet_params_and_flops_closed_form(name):
     _, cfg = resolve_model(name)
     assert forward_graph(name).num_params() == wrn_params_closed_form(cfg)

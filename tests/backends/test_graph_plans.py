@@ -25,6 +25,8 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "graphs"))
 from test_jax_import import TF, gpt_loss, gpt_shapes  # noqa: E402
 
 needs_8 = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
+# Compiles whole pipelined plans: `make test-fast` leaves these to `make test`.
+pytestmark = pytest.mark.slow
 
 
 @needs_8

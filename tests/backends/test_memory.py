@@ -28,6 +28,8 @@ from alpasim.solvers import MegatronConfig, plan_pipeline, plan_with_method, pla
 TINY_GPT = "gpt3:hidden=64,layers=2,heads=4,seq=16,vocab=128,batch=8,dtype=fp32"
 
 needs_8 = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
+# Compiles whole pipelined plans: `make test-fast` leaves these to `make test`.
+pytestmark = pytest.mark.slow
 
 
 def one_stage_plan(model: str, remat: bool, microbatches: int = 2):

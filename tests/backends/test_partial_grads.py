@@ -24,6 +24,8 @@ from alpasim.graphs import GraphBuilder
 from alpasim.solvers import plan_pipeline, planning_graph
 
 needs_8 = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
+# Compiles whole pipelined plans: `make test-fast` leaves these to `make test`.
+pytestmark = pytest.mark.slow
 DP_GPT = "gpt3:hidden=64,layers=2,heads=4,seq=16,vocab=128,batch=16,dtype=fp32"
 REDUCING = ("all_reduce", "reduce_scatter")
 

@@ -43,6 +43,8 @@ BAND = (1 / 3, 1.5)
 UNPREDICTED_BYTES = 64  # a scalar loss all-reduce at most
 
 needs_8 = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
+# Compiles whole pipelined plans: `make test-fast` leaves these to `make test`.
+pytestmark = pytest.mark.slow
 
 
 @needs_8

@@ -15,6 +15,7 @@ import pytest
 
 
 
+@pytest.mark.slow
 def test_the_console_script_and_python_m_are_the_forked_command(cli):
     """The tests' forked command (`cli`) is what a user runs: the console script and
     `python -m alpasim.cli` print the same JSON and the same one-line refusal."""
@@ -76,6 +77,7 @@ def test_models_and_clusters_json(cli):
     assert names == ["aws-p3.16xlarge", "dgx-a100", "dgx-h100", "gb200-nvl72"]
 
 
+@pytest.mark.slow
 def test_graph_save_round_trips(tmp_path, cli):
     """What `graph --save` writes, `plan`, `compare` and `sweep` take, and planning it is
     planning the zoo name: the same plan, field for field (but the search's timings),
@@ -203,6 +205,7 @@ def test_intra_user_errors(args, fragment, cli):
     assert proc.returncode == 2 and fragment in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_plan_gpt3_2_6b_on_one_node(tmp_path, cli):
     out = tmp_path / "plan.json"
     r = cli.json("plan", "--model", "gpt3-2.6b", "--cluster", "aws-p3.16xlarge", "--nodes", "1", "--microbatches",

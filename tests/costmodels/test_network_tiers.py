@@ -90,6 +90,7 @@ def test_stage_boundaries_between_leaves_pay_the_spine():
     assert list(shared_leaf.inter) == list(flat.inter) and list(own_leaf.intra) == list(flat.intra)
 
 
+@pytest.mark.slow
 def test_a_gb200_nvl72_plan_follows_its_72_gpu_nvlink_domain():
     """Two NVL72 racks: every stage is a power-of-two part of a rack that divides 72, a
     whole rack or both racks; one-rack pieces stay on one rack; all 144 GPUs are used."""

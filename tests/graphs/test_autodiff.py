@@ -73,7 +73,8 @@ class Run:
         return remat, jax.jit(lower_graph(remat))(self.leaves)
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
+@pytest.fixture(scope="module", params=[pytest.param(f, marks=pytest.mark.slow) if f == "wresnet" else f
+                                        for f in sorted(FAMILIES)])
 def run(request) -> Run:
     return Run(request.param)
 

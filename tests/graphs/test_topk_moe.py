@@ -79,6 +79,7 @@ def test_spec_is_checked():
         resolve_model("topk-moe:dense_layers=1")
 
 
+@pytest.mark.slow
 def test_forward_equals_a_dense_evaluation_of_the_chosen_experts():
     """The built-in graph lowered to JAX against every token's output written densely:
     each expert's SwiGLU on every token, weighted by the routing weights the (separately

@@ -113,6 +113,7 @@ def test_plan_simulate_json_adds_the_simulation(tmp_path, cli):
     assert sim["peak_memory_bytes"] == [pytest.approx(stage["memory_bytes"])]
 
 
+@pytest.mark.slow
 def test_plan_interleaved_writes_a_chunked_plan_the_simulator_runs(tmp_path, cli):
     """`plan --schedule interleaved --chunks 2`: a plan of S x 2 stages whose `simulate`
     runs its own chunks (not 1/v of a stage); other schedules or chunk counts on it,

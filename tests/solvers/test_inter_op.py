@@ -57,6 +57,7 @@ def _check_plan(plan, cluster):
     assert plan.predicted.peak_memory_bytes <= GB16
 
 
+@pytest.mark.slow
 def test_gpt3_1_3b_on_two_nodes(cache):
     # Two nodes of four V100s (a real GPT-3 size across the slow link, in 15 s of planning).
     cluster = get_cluster("aws-p3.16xlarge", nodes=2, devices_per_node=4)

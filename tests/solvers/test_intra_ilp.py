@@ -98,6 +98,7 @@ def brute_force_s(plans, with_compute: bool, budget: float | None = None) -> flo
 
 
 # ---------------------------------------------------------------------- properties
+@pytest.mark.slow
 @settings(max_examples=100, **SETTINGS)
 @given(problems())
 def test_ilp_matches_brute_force(problem: IntraOpProblem) -> None:
@@ -118,6 +119,7 @@ def test_realized_objective_matches_solver(problem: IntraOpProblem) -> None:
         assert objective_s(plan, with_compute) == pytest.approx(result.objective_s, rel=REL, abs=ABS_S)
 
 
+@pytest.mark.slow
 @settings(max_examples=60, **SETTINGS)
 @given(problems(shapes=MESH_SHAPES[:-1]), st.floats(0.0, 1.0))
 def test_memory_budget(problem: IntraOpProblem, where: float) -> None:

@@ -135,6 +135,7 @@ def test_megatron_layer_communicates_the_row_parallel_outputs(p3):
     assert str(meg.plan.specs["layer1/w_fc1"]) == "RS1" and str(meg.plan.specs["layer1/w_fc2"]) == "S1R"
 
 
+@pytest.mark.slow
 def test_min_memory_choice_falls_back_to_the_least_memory_plan(p3, gpt_layer, monkeypatch):
     """When the time-optimising second solve finds nothing in its limit, the first
     (memory-minimising) solve's plan is used, so the layer does not look out of memory."""

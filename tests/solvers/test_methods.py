@@ -40,6 +40,7 @@ def _covers(plan, n):
     return sorted(d for s in plan.stages for d in s.devices) == list(range(n))
 
 
+@pytest.mark.slow
 def test_every_method_gives_a_feasible_plan_that_covers_the_devices(plans, cluster):
     for method, plan in plans.items():
         assert plan.feasible and plan.method == method, method
@@ -48,6 +49,7 @@ def test_every_method_gives_a_feasible_plan_that_covers_the_devices(plans, clust
         assert plan_from_json(json.loads(json.dumps(plan.to_json()))) == plan
 
 
+@pytest.mark.slow
 def test_search_spaces_shape_the_plans(plans, cluster):
     for method in ("intra_only", "data_parallel", "zero2", "zero3", "heuristic", "deepspeed_moe"):
         assert len(plans[method].stages) == 1, method
@@ -63,6 +65,7 @@ def test_search_spaces_shape_the_plans(plans, cluster):
     assert plans["zero3"].stages[0].params_bytes < plans["zero2"].stages[0].params_bytes < dp_bytes
 
 
+@pytest.mark.slow
 def test_alpa_is_never_worse_than_a_restriction_of_its_space(plans):
     """Same B, and every method below searches a subset of Alpa's plans (up to the
     planning ILPs' 0.1% gap)."""

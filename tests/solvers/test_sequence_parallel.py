@@ -102,6 +102,7 @@ def test_megatron_core_weighs_sequence_parallelism_for_a_configuration(model, ta
     assert plan.predicted.iteration_s == times[takes_it]
 
 
+@pytest.mark.slow
 def test_megatron_core_takes_sequence_parallelism_where_only_it_fits():
     """At 0.12 GiB a device the fastest configuration that fits needs sequence
     parallelism: without it, the same configuration (at any recomputation) is slower or

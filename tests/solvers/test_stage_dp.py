@@ -255,7 +255,7 @@ def test_epsilon_evaluates_fewer_candidates():
 
 
 @pytest.mark.parametrize("nodes", range(1, 17))
-@pytest.mark.parametrize("per_node", [1, 2, 4, 8, 6, 12, 72])
+@pytest.mark.parametrize("per_node", [1, 2, 4, 8, 6, 12, pytest.param(72, marks=pytest.mark.slow)])
 def test_coverage_theorem_all_shape_multisets(nodes, per_node):
     """Every multiset of allowed shapes whose sizes add up to N*M tiles the cluster."""
     shapes = submesh_shapes(nodes, per_node)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import time
 
 import numpy as np
@@ -41,14 +40,9 @@ HANG_S = 300
 
 @pytest.fixture(scope="module")
 def cluster():
-    """The module's Ray cluster. Its actors compile at LLVM O0 (they take the driver's
-    XLA flags, `_ray_runtime._xla_flags`): nothing here is timed, and O0 compiles a
-    third faster; the machine code differs, not the programs (see the Makefile)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("XLA_FLAGS", f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip())
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-        yield
-        ray.shutdown()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,9 @@ is imported, into one session root:
   subprocesses) lower the same small plans on the same 8 virtual devices; a program
   compiled once is then loaded. Figures read from a loaded executable (XLA's memory
   analysis, the HLO's collectives) are those of the compiled one.
-- Hypothesis keeps no example database (it would replay an earlier run's examples).
+- Hypothesis keeps no example database (it would replay an earlier run's examples), and
+  what else it stores (`HYPOTHESIS_STORAGE_DIRECTORY`, `.hypothesis/` by default) stays
+  in the root.
 
 XLA: eight virtual CPU devices, added to any `XLA_FLAGS` given (`make test`'s parallel
 lane gives LLVM's optimisation level 0 there: see the Makefile).
@@ -70,6 +72,7 @@ def _isolate(root: Path) -> None:
         "TMPDIR": "tmp",
         "RAY_TMPDIR": "tmp",
         "JAX_COMPILATION_CACHE_DIR": "xla-cache",
+        "HYPOTHESIS_STORAGE_DIRECTORY": "hypothesis",
     }
     for var, sub in dirs.items():
         path = root / sub
@@ -128,8 +131,9 @@ class CliRun:
 
 class Cli:
     """Runs the `alpasim` command as a new process, with the session's environment
-    (its directories, XLA's flags) plus `env`, and waits for it (`timeout` seconds, then
-    it is killed). The process is forked from `cli_zygote.py`, which imported the
+    (its directories, XLA's flags) plus `env`, in a scratch directory of the session
+    unless `cwd` is given (so a default output path such as `out/sweep` lands there,
+    never in the checkout), and waits for it (`timeout` seconds, then it is killed). The process is forked from `cli_zygote.py`, which imported the
     command once for the session: the same `main()` the console script runs, in a
     process of its own, without importing alpasim again every time (0.35 s of a
     0.45 s refusal). `fresh=True` runs the real `python -m alpasim.cli` instead, and
@@ -153,11 +157,11 @@ class Cli:
         if fresh:
             t0 = time.perf_counter()
             proc = subprocess.run([*self.command, *args], capture_output=True, text=True, timeout=timeout,
-                                  env=self.environment(env), cwd=cwd)
+                                  env=self.environment(env), cwd=cwd or self.scratch)
             return CliRun(args, proc.returncode, proc.stdout, proc.stderr, time.perf_counter() - t0)
         self.runs += 1
         out, err = self.scratch / f"{self.runs}.out", self.scratch / f"{self.runs}.err"
-        request = {"args": list(args), "env": self.environment(env), "cwd": str(cwd or os.getcwd()),
+        request = {"args": list(args), "env": self.environment(env), "cwd": str(cwd or self.scratch),
                    "stdout": str(out), "stderr": str(err)}
         t0 = time.perf_counter()
         code = self._fork(request, timeout)
@@ -196,7 +200,7 @@ class Cli:
 
     def popen(self, *args: str, env: dict | None = None) -> subprocess.Popen:
         return subprocess.Popen([*self.command, *map(str, args)], env=self.environment(env), text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=self.scratch)
 
     def close(self) -> None:
         if self.zygote is not None:

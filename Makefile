@@ -32,8 +32,9 @@ demo: $(STAMP)
 # on an idle machine; then the rest on two workers (pytest-xdist; a module's tests stay
 # on one worker, so its fixtures are built once). Both runs share one session root
 # (tests/conftest.py: the stage cache, the XLA compilation cache, HOME and TMPDIR), made
-# empty here and removed after, so every run is a fresh machine's and touches nothing
-# of the user's; tests/conftest.py also sets XLA's flags (8 virtual CPU devices).
+# empty here and removed after, even when interrupted, so every run is a fresh machine's
+# and touches nothing of the user's; tests/conftest.py also sets XLA's flags (8 virtual
+# CPU devices).
 # The parallel lane compiles at LLVM's optimisation level 0: its tests' programs are
 # tiny, so compiling them is most of their cost, and O0 compiles a third faster. It
 # changes only the machine code XLA emits, not the HLO, its sharding, collectives or
@@ -44,18 +45,17 @@ FAST_XLA := XLA_FLAGS=--xla_backend_optimization_level=0
 PYTEST := $(BIN)/python -m pytest -q
 
 test: $(STAMP)
-	@root=$$(mktemp -d -t alpasim-test-XXXXXX); \
+	@root=$$(mktemp -d -t alpasim-test-XXXXXX); trap 'rm -rf "$$root"' EXIT; \
 	ALPASIM_TEST_ROOT=$$root $(PYTEST) -m serial; serial=$$?; \
 	ALPASIM_TEST_ROOT=$$root $(FAST_XLA) $(PYTEST) -n $(TEST_WORKERS) --dist loadscope -m "not serial"; \
 		parallel=$$?; \
-	rm -rf $$root; test $$serial -eq 0 && test $$parallel -eq 0
+	test $$serial -eq 0 && test $$parallel -eq 0
 
 # The edit loop: everything but the tests marked `slow` (long JAX compiles, long plans)
 # or `serial` (Ray clusters, timings), on two workers; under three minutes.
 test-fast: $(STAMP)
-	@root=$$(mktemp -d -t alpasim-test-XXXXXX); \
-	ALPASIM_TEST_ROOT=$$root $(FAST_XLA) $(PYTEST) -n $(TEST_WORKERS) --dist loadscope -m "not serial and not slow"; \
-		status=$$?; rm -rf $$root; exit $$status
+	@root=$$(mktemp -d -t alpasim-test-XXXXXX); trap 'rm -rf "$$root"' EXIT; \
+	ALPASIM_TEST_ROOT=$$root $(FAST_XLA) $(PYTEST) -n $(TEST_WORKERS) --dist loadscope -m "not serial and not slow"
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_graph_build.py

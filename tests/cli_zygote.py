@@ -49,6 +49,9 @@ def _child(request: dict) -> None:
         traceback.print_exc()
         code = 1
     finally:
+        import atexit
+
+        atexit._run_exitfuncs()      # what the interpreter runs at exit; os._exit skips it
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

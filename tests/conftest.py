@@ -24,7 +24,9 @@ XLA: eight virtual CPU devices, added to any `XLA_FLAGS` given (`make test`'s pa
 lane gives LLVM's optimisation level 0 there: see the Makefile).
 
 `make test` makes the root (`ALPASIM_TEST_ROOT`) and hands it to both of its pytest runs,
-so the serial and the parallel lane share the caches; a plain `pytest` makes its own.
+so the serial and the parallel lane share the stage cache (XLA's entries differ: XLA's
+flags are part of their key, and the lanes compile at different levels); a plain `pytest`
+makes its own.
 pytest-xdist's workers inherit the environment, so they share the session's root. The
 process that made the root removes it at the end. Variables that would point a test at
 the user's own state (`RAY_ADDRESS`, `ALPASIM_*`) are dropped.
@@ -32,6 +34,7 @@ the user's own state (`RAY_ADDRESS`, `ALPASIM_*`) are dropped.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -107,7 +110,6 @@ def pytest_unconfigure(config):
 # The `alpasim` command, as a user runs it.
 
 
-
 @dataclass(frozen=True)
 class CliRun:
     """One finished `alpasim` command: what `subprocess.run` gives, and its wall time."""
@@ -129,30 +131,38 @@ class CliRun:
         return json.loads(self.stdout)
 
 
-class Cli:
-    """Runs the `alpasim` command as a new process, with the session's environment
-    (its directories, XLA's flags) plus `env`, in a scratch directory of the session
-    unless `cwd` is given (so a default output path such as `out/sweep` lands there,
-    never in the checkout), and waits for it (`timeout` seconds, then it is killed). The process is forked from `cli_zygote.py`, which imported the
-    command once for the session: the same `main()` the console script runs, in a
-    process of its own, without importing alpasim again every time (0.35 s of a
-    0.45 s refusal). `fresh=True` runs the real `python -m alpasim.cli` instead, and
-    `popen` starts it without waiting."""
+def _entry_point() -> tuple[str, ...]:
+    """The command a user types: the venv's console script, or `python -m alpasim.cli`."""
+    script = Path(sys.executable).with_name("alpasim")
+    return (str(script),) if script.exists() else (sys.executable, "-m", "alpasim.cli")
 
-    command = (sys.executable, "-m", "alpasim.cli")
+
+class Cli:
+    """Runs the `alpasim` command as a new process and waits for it (`timeout` seconds,
+    then it is killed), with the session's environment (its directories, XLA's flags)
+    plus `env`, in a scratch directory of the session unless `cwd` is given (a default
+    output path such as `out/sweep` lands there, never in the checkout).
+
+    The process is forked from `cli_zygote.py`, which imported the command once for the
+    session: the same `main()` the console script runs, in a process of its own, without
+    importing alpasim again each time (0.35 s of a 0.45 s refusal). `fresh=True` runs the
+    real entry point (`command`) instead, and `popen` starts it without waiting."""
+
+    command = _entry_point()
 
     def __init__(self, scratch: Path) -> None:
         self.scratch = scratch
         self.runs = 0
         self.zygote: subprocess.Popen | None = None
+        self._read = b""             # the zygote's answers read but not yet taken, a line at a time
 
     def environment(self, env: dict | None = None) -> dict:
         return {**os.environ, **(env or {})}
 
     def __call__(self, *args: str, env: dict | None = None, timeout: float = 300,
                  cwd: Path | str | None = None, fresh: bool = False) -> CliRun:
-        """The finished command; `fresh` starts the real `python -m alpasim.cli` instead
-        of a fork (what a time to the first line must include: importing everything)."""
+        """The finished command; `fresh` starts the real entry point instead of a fork
+        (what a time to the first line must include: importing everything)."""
         args = tuple(map(str, args))
         if fresh:
             t0 = time.perf_counter()
@@ -171,28 +181,37 @@ class Cli:
         return run
 
     def _fork(self, request: dict, timeout: float) -> int:
-        """The exit status of the command `request` describes, run by the zygote."""
+        """The exit status of the command `request` describes, run by the zygote. Killed
+        on a time-out or when the test is interrupted, as `subprocess.run` does."""
         if self.zygote is None or self.zygote.poll() is not None:
             self.zygote = subprocess.Popen([sys.executable, str(Path(__file__).with_name("cli_zygote.py"))],
-                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
                                            env=self.environment())
-        self.zygote.stdin.write(json.dumps(request) + "\n")
-        self.zygote.stdin.flush()
+            self._read = b""
+        self.zygote.stdin.write((json.dumps(request) + "\n").encode())
         pid = int(self._answer(time.monotonic() + 60).split()[1])
         try:
             return int(self._answer(time.monotonic() + timeout).split()[2])
-        except subprocess.TimeoutExpired:
-            os.kill(pid, signal.SIGKILL)
-            self._answer(time.monotonic() + 60)
-            raise subprocess.TimeoutExpired(request["args"], timeout) from None
+        except BaseException as e:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            self._answer(time.monotonic() + 60)          # the killed child's exit line
+            if isinstance(e, subprocess.TimeoutExpired):
+                raise subprocess.TimeoutExpired(request["args"], timeout) from None
+            raise
 
     def _answer(self, deadline: float) -> str:
-        ready, _, _ = select.select([self.zygote.stdout], [], [], max(0.0, deadline - time.monotonic()))
-        if not ready:
-            raise subprocess.TimeoutExpired("alpasim", deadline)
-        line = self.zygote.stdout.readline()
-        assert line, "the CLI zygote died"
-        return line
+        """The zygote's next line, read straight from its pipe (no read-ahead buffer that
+        `select` cannot see)."""
+        while b"\n" not in self._read:
+            ready, _, _ = select.select([self.zygote.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise subprocess.TimeoutExpired("alpasim", deadline)
+            chunk = os.read(self.zygote.stdout.fileno(), 4096)
+            assert chunk, "the CLI zygote died"
+            self._read += chunk
+        line, self._read = self._read.split(b"\n", 1)
+        return line.decode()
 
     def json(self, *args: str, **kwargs) -> dict:
         """`ARGS --json`, asserted to succeed, as its JSON object."""
@@ -203,9 +222,14 @@ class Cli:
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=self.scratch)
 
     def close(self) -> None:
-        if self.zygote is not None:
-            self.zygote.stdin.close()
-            self.zygote.wait(timeout=60)
+        if self.zygote is None:
+            return
+        self.zygote.stdin.close()
+        try:
+            self.zygote.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.zygote.kill()
+            self.zygote.wait()
 
 
 @pytest.fixture(scope="session")

@@ -172,7 +172,8 @@ TIMED = {
     "an interleaved plan that cannot exist": (["plan", "--model", T, "--nodes", "1", "--devices-per-node", "1",
                                                "--schedule", "interleaved"], LIMIT_S),
     "a Megatron pipeline deeper than the blocks": (["plan", "--model", T, "--nodes", "1", "--method", "megatron",
-                                                    "--tp", "1", "--pp", "8", "--dp", "1", "--microbatch-size", "1"], LIMIT_S),
+                                                    "--tp", "1", "--pp", "8", "--dp", "1", "--microbatch-size", "1"],
+                                                   LIMIT_S),
 }
 
 

@@ -30,7 +30,9 @@ def graph(
     batch: Annotated[Optional[int], typer.Option("--batch", help="Override the global batch.")] = None,
     save: Annotated[Optional[Path], typer.Option("--save", help="Write the model's forward graph JSON here: a "
                                                  "model file that plan, compare and sweep take as --model (a zoo "
-                                                 "model's file plans exactly as its name does).")] = None,
+                                                 "model's file plans exactly as its name does). The model as "
+                                                 "given: --layers, --remat and --recompute shape this report's "
+                                                 "training graph, not the file (plan takes them itself).")] = None,
     recompute: RecomputeOpt = "none",
     as_json: JsonOpt = False,
 ) -> None:

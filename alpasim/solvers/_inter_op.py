@@ -76,11 +76,15 @@ UNIT_TAGS_LAST = frozenset({"head"})
 
 
 class PlanInfeasible(ValueError):
-    """No plan fits the cluster; the message names the memory a device would need."""
+    """No plan fits the cluster; the message names the memory a device would need.
+    `capped` is (the depth searched, the deepest a plan could be) when the search stopped
+    short of the deepest pipelines (`max_stages`), so a method whose users set that
+    option can say to raise it (`_methods.plan_model`)."""
 
-    def __init__(self, message: str, min_memory_bytes: float) -> None:
+    def __init__(self, message: str, min_memory_bytes: float, capped: tuple[int, int] | None = None) -> None:
         super().__init__(message)
         self.min_memory_bytes = min_memory_bytes
+        self.capped = capped
 
 
 @dataclass(frozen=True)
@@ -319,16 +323,26 @@ def plan_pipeline(model: str | ModelSource, cluster: Cluster, *, microbatches: i
             return dataclasses.replace(plan, notes=(*plan.notes, f"schedule interleaved: {said}"))
         auto_note = f"schedule 1f1b: {said}"
     if not best.dp.stages:
-        need, why = min((memory_bound(c, cluster.num_devices) for c in candidates), key=lambda x: x[0])
-        deepest = min(best.graph.num_layers, cluster.num_devices)
-        deeper = (f"; pipelines deeper than --max-stages {max_stages} were not searched: raise it (up to "
-                  f"{deepest}) to try them") if max_stages < deepest and num_stages is None else ""
-        raise PlanInfeasible(
-            f"does not fit: no plan of {name} on {cluster.num_devices} x {cluster.device.name} fits in "
-            f"{format_bytes(cluster.device.memory_bytes)} per device; every plan of at most {min(max_stages, deepest)} "
-            f"stages needs at least {format_bytes(need)} per device: {why}{deeper}", need)
+        raise _nothing_fits(name, cluster, candidates, best.graph.num_layers, max_stages,
+                            capped=num_stages is None)
     plan = _assemble_plan(source, dtype, cluster, best, candidates, search, remat, method, recipe)
     return dataclasses.replace(plan, notes=(*plan.notes, auto_note)) if schedule != "1f1b" else plan
+
+
+def _nothing_fits(name: str, cluster: Cluster, candidates: Sequence[Candidate], layers: int, max_stages: int,
+                  capped: bool) -> PlanInfeasible:
+    """Why no plan of any candidate fits: the least memory any plan of at most
+    `max_stages` stages needs per device and what it is made of (`memory_bound`); with
+    `capped` (the depth was the search's limit, not the method's), the deepest a plan
+    could have been."""
+    need, why = min((memory_bound(c, cluster.num_devices) for c in candidates), key=lambda x: x[0])
+    deepest = min(layers, cluster.num_devices)
+    depth = min(max_stages, deepest)
+    return PlanInfeasible(
+        f"does not fit: no plan of {name} on {cluster.num_devices} x {cluster.device.name} fits in "
+        f"{format_bytes(cluster.device.memory_bytes)} per device; every plan of at most {depth} "
+        f"stage{'s' if depth > 1 else ''} needs at least {format_bytes(need)} per device: {why}", need,
+        capped=(max_stages, deepest) if capped and max_stages < deepest else None)
 
 
 def memory_bound(c: Candidate, num_devices: int) -> tuple[float, str]:

@@ -227,7 +227,11 @@ def plan_model(model: ModelLike, cluster: Cluster, method: str = "alpa", *, laye
             kw["max_stages"] = max_stages
         return plan_pipeline(source, cluster, method=m.name, **kw)
     except PlanInfeasible as e:
-        return infeasible_plan(source, cluster, m.name, str(e))
+        reason = str(e)
+        if e.capped is not None and "max_stages" in m.accepts:
+            reason += (f"; pipelines deeper than --max-stages {e.capped[0]} were not searched: raise it (up to "
+                       f"{e.capped[1]}) to try them")
+        return infeasible_plan(source, cluster, m.name, reason)
 
 
 def check_before_planning(model: ModelLike, cluster: Cluster, method: str = "alpa", *, layers: int | None = None,
@@ -255,7 +259,7 @@ def _refuse_options(m: Method, **given) -> None:
 
 
 def _run_preflight(m: Method, source: ModelSource, cluster: Cluster, *, layers: int | None, max_stages: int | None,
-               megatron: MegatronConfig | None, **options) -> None:
+                   megatron: MegatronConfig | None, **options) -> None:
     """`_preflight.preflight` with the method's part of the search (an explicit Megatron
     configuration, the schedule and chunks asked for) on the cluster that prices it."""
     cost_model = options.get("cost_model")

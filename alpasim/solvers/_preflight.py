@@ -1,19 +1,21 @@
 """What can be known before planning, checked before any stage is priced.
 
 Planning a large model takes minutes; some answers follow from the model's size and the
-cluster's shape alone. `preflight` checks them from one forward graph of one sample
-(well under a second even for Llama 3 405B), so that a refusal comes first and names
+cluster's shape alone. `preflight` checks them from one forward graph of one sample (a
+zoo model: well under a second even for Llama 3 405B) or a saved graph's training graph,
+so that a refusal comes first and names
 its real cause, instead of a search that runs for a minute and then blames memory:
 
-- **Model states.** Every plan keeps each parameter's training states somewhere: the
+- **Model states.** Every plan keeps each trained parameter's states somewhere: the
   weight, its gradient accumulator, the fp32 master copy and Adam's two moments, the
   precision recipe's bytes per parameter (`graphs.PrecisionRecipe.bytes_per_param`, 18 B
   for Megatron-LM's mixed precision). Sharding only divides them among devices and
-  pipelining only places them, so the devices hold at least P x bytes between them and
-  one device at least P x bytes / N (no plan offloads to the host). More than a device
-  holds, and nothing fits. The bound is the planner's own accounting at its most
-  favourable (`memory_bound` in `_inter_op` finds the same states term, priced layer by
-  layer, `tests/solvers/test_preflight.py`).
+  pipelining only places them, so the devices hold at least S bytes of states between
+  them and one device at least S / N (no plan offloads to the host). More than a device
+  holds, and nothing fits. S is the planner's own accounting at its most favourable:
+  ZeRO-3, which shards every state over every device, holds exactly S
+  (`tests/solvers/test_preflight.py`). A saved graph's S comes from its training graph
+  (`model_states`), which leaves out parameters nothing reads or differentiates.
 - **Interleaved 1F1B** needs S >= 2 meshes of one submesh shape, S at most
   `max_stages`, and S x v chunks out of the model's layers.
 - **An explicit Megatron-LM configuration**: tp x pp x dp is the device count, tensor
@@ -28,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from alpasim.costmodels import Cluster
-from alpasim.graphs import ModelSource, get_recipe
+from alpasim.graphs import ModelSource, build_training_graph, get_recipe
 from alpasim.units import format_bytes
 
 from ._inter_op import PlanInfeasible, default_graph_layers, planning_units
@@ -38,39 +40,59 @@ from ._submesh import submesh_shapes
 
 @dataclass(frozen=True, slots=True)
 class ModelStates:
-    """A model's parameter count and the bytes its training states take in all."""
+    """A model's trained parameters and the bytes their training states take in all."""
 
     params: int
-    bytes_per_param: int
+    total_bytes: float
     recipe: str
 
     @property
-    def total_bytes(self) -> float:
-        return float(self.params) * self.bytes_per_param
+    def bytes_per_param(self) -> float:
+        return self.total_bytes / self.params if self.params else 0.0
 
 
-# Parameter counts of zoo models by (name, config): the CLI's preflight and plan_model's
-# ask for the same model, and a forward graph of Llama 3 405B takes a third of a second.
-_PARAMS: dict[tuple, int] = {}
+@dataclass(frozen=True, slots=True)
+class _ZooFacts:
+    """What the preflight reads off a zoo model's one-sample forward graph."""
+
+    params: int
+    blocks: int
 
 
-def _one_sample(source: ModelSource):
-    """The forward graph of one sample (a saved graph: as it was saved)."""
-    if source.graph is not None:
-        return source.graph
-    return source.forward(1)
+# Zoo models' facts by (name, config): the CLI's preflight, plan_model's and every
+# configuration of Megatron's grid ask for the same model, and a forward graph of Llama 3
+# 405B takes a third of a second to build.
+_ZOO: dict[tuple, _ZooFacts] = {}
+
+
+def _zoo_facts(source: ModelSource) -> _ZooFacts:
+    key = (source.name, source.config)
+    if key not in _ZOO:
+        fwd = source.forward(1)
+        _ZOO[key] = _ZooFacts(fwd.num_params(), fwd.num_layers)
+    return _ZOO[key]
 
 
 def model_states(source: ModelSource, precision: str | None = None) -> ModelStates:
-    """The training states of `source` under the recipe `precision` (module doc)."""
+    """The training states of `source` under the recipe `precision`, as the planner
+    counts them (module doc). A zoo model trains every parameter in its own dtype: P x
+    the recipe's bytes per parameter. A graph may hold parameters nothing reads, or
+    reads without a gradient, and parameters of several dtypes: its training graph says
+    which states exist (weights read by some op, gradient accumulators, master copies
+    and Adam moments, each in its dtype), as the planner's memory model takes them."""
     recipe = get_recipe(precision)
-    key = (source.name, source.config) if source.config is not None else None
-    params = _PARAMS.get(key) if key is not None else None
-    if params is None:
-        params = _one_sample(source).num_params()
-        if key is not None:
-            _PARAMS[key] = params
-    return ModelStates(params, recipe.bytes_per_param(recipe.weight_dtype(source.dtype)), recipe.name)
+    if source.config is not None:
+        params = _zoo_facts(source).params
+        return ModelStates(params, float(params) * recipe.bytes_per_param(recipe.weight_dtype(source.dtype)),
+                           recipe.name)
+    train = build_training_graph(source.graph, precision=recipe.name).graph
+    read = {t for op in train.ops for t in op.inputs}
+    weights = sum(p.nbytes for p in train.params if p.name in read)
+    grads = sum(t.nbytes for t in train.tensors.values() if t.role == "grad")
+    optimizer = sum(t.nbytes for t in train.tensors.values()
+                    if t.role == "optimizer_state" and t.name not in train.producer)
+    return ModelStates(sum(p.size for p in train.params if p.name in read), float(weights + grads + optimizer),
+                       recipe.name)
 
 
 def check_states_fit(source: ModelSource, cluster: Cluster, precision: str | None = None) -> ModelStates:
@@ -82,7 +104,7 @@ def check_states_fit(source: ModelSource, cluster: Cluster, precision: str | Non
     if per_device > memory:
         need = math.ceil(states.total_bytes / memory)
         raise PlanInfeasible(
-            f"does not fit: {source.name}'s {states.params:,} parameters keep {states.bytes_per_param} B each of "
+            f"does not fit: {source.name}'s {states.params:,} parameters keep {states.bytes_per_param:.3g} B each of "
             f"weights, gradients and optimizer states ({states.recipe}), {format_bytes(states.total_bytes)} in all: "
             f"at least {format_bytes(per_device)} per device on {n:,} device{'s' if n > 1 else ''}, more than the "
             f"{format_bytes(memory)} a device ({cluster.device.name}) holds; the states alone need {need:,} such "
@@ -97,7 +119,7 @@ def planning_layers(source: ModelSource, layers: int | None = None) -> int:
     clustering (`default_graph_layers`)."""
     if layers is not None:
         return layers
-    fwd = _one_sample(source)
+    fwd = source.graph if source.graph is not None else source.forward(1)
     if source.graph is not None and fwd.num_layers <= 1:
         return default_graph_layers(fwd)
     return planning_units(fwd).num_layers
@@ -123,7 +145,7 @@ def check_megatron(source: ModelSource, cluster: Cluster, config) -> None:
                          f"{n} devices")
     if config.tp > cluster.devices_per_node:
         raise ValueError(f"Megatron {config}: tensor parallelism beyond one node ({cluster.devices_per_node} devices)")
-    blocks = _one_sample(source).num_layers
+    blocks = _zoo_facts(source).blocks
     if config.pp > blocks:
         raise ValueError(f"Megatron {config}: {config.pp} pipeline stages, but {source.name} has {blocks} blocks "
                          f"(at least one a stage)")

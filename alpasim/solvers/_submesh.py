@@ -73,6 +73,11 @@ def _submesh_shapes(nodes: int, devices_per_node: int) -> tuple[SubmeshShape, ..
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=256)
+def _allowed_shapes(nodes: int, devices_per_node: int) -> frozenset[SubmeshShape]:
+    return frozenset(_submesh_shapes(nodes, devices_per_node))
+
+
 def place_submeshes(shapes: Sequence[SubmeshShape], nodes: int, devices_per_node: int,
                     runs: Sequence[Sequence[int]] | None = None) -> list[list[int]]:
     """Device ids for each shape (in the given order) tiling the cluster exactly.
@@ -86,10 +91,10 @@ def place_submeshes(shapes: Sequence[SubmeshShape], nodes: int, devices_per_node
     total = sum(s.size for s in shapes)
     if total != nodes * devices_per_node:
         raise ValueError(f"submeshes of {total} devices cannot cover a {nodes}x{devices_per_node} cluster exactly")
-    allowed = _submesh_shapes(nodes, devices_per_node)
-    bad = set(shapes) - set(allowed)
+    bad = set(shapes) - _allowed_shapes(nodes, devices_per_node)
     if bad:
-        raise ValueError(f"submesh shape {min(bad)} is not one of the allowed shapes {sorted(allowed)}")
+        raise ValueError(f"submesh shape {min(bad)} is not one of the allowed shapes "
+                         f"{sorted(_allowed_shapes(nodes, devices_per_node))}")
     if runs is not None:
         return place_runs(shapes, runs, nodes, devices_per_node)
     in_order = _contiguous(shapes, devices_per_node)

@@ -60,8 +60,6 @@ def _plan(model: str, cluster, cost_model):
                          views_of=lambda sh: VIEWS[sh.size], max_stages=3, cost_model=cost_model)
 
 
-
-
 def test_run_json_reports_numerics_timing_and_collectives(tmp_path, cli):
     path = tmp_path / "plan.json"
     small_plan(TINY_GPT).save(path)

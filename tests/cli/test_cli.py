@@ -6,30 +6,29 @@ import json
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 
-
-
-
-
 @pytest.mark.slow
 def test_the_console_script_and_python_m_are_the_forked_command(cli):
-    """The tests' forked command (`cli`) is what a user runs: the console script and
-    `python -m alpasim.cli` print the same JSON and the same one-line refusal."""
-    models, refusal = cli("models", "--json"), cli("plan", "--model", "gpt9")
-    assert models.returncode == 0 and json.loads(models.stdout)["models"]
-    assert refusal.returncode == 2 and len(refusal.lines) == 1 and "unknown model 'gpt9'" in refusal.lines[0]
-    fresh_models, fresh_refusal = cli("models", "--json", fresh=True), cli("plan", "--model", "gpt9", fresh=True)
-    assert (fresh_models.returncode, fresh_models.stdout) == (0, models.stdout)
-    assert (fresh_refusal.returncode, fresh_refusal.stderr) == (2, refusal.stderr)
-    script = Path(sys.executable).with_name("alpasim")
-    if script.exists():
-        proc = subprocess.run([script, "models", "--json"], capture_output=True, text=True, timeout=120,
-                              env=cli.environment())
-        assert (proc.returncode, proc.stdout) == (0, models.stdout)
+    """The tests' forked command (`cli`) is what a user runs: the console script
+    (`fresh=True`) and `python -m alpasim.cli` print the same JSON and the same one-line
+    refusals, a usage error's name of the command included."""
+    runs = {"forked": lambda *a: cli(*a), "script": lambda *a: cli(*a, fresh=True),
+            "python -m": lambda *a: _python_m(cli, *a)}
+    for args in (("models", "--json"), ("plan", "--model", "gpt9"), ("plan", "--nodes", "2")):
+        seen = {how: run(*args) for how, run in runs.items()}
+        assert len({(r.returncode, r.stdout) for r in seen.values()}) == 1, (args, seen)
+        errors = {how: r.stderr.replace("python -m alpasim.cli", "alpasim") for how, r in seen.items()}
+        assert len(set(errors.values())) == 1, (args, errors)
+    assert seen["forked"].returncode == 2 and seen["forked"].lines[0].startswith("alpasim: error: Missing option")
+
+
+def _python_m(cli, *args):
+    proc = subprocess.run([sys.executable, "-m", "alpasim.cli", *args], capture_output=True, text=True, timeout=120,
+                          env=cli.environment(), cwd=cli.scratch)
+    return proc
 
 
 def test_graph_json_matches_the_acceptance_closed_forms(cli):
@@ -235,7 +234,7 @@ def test_plan_that_fits_nowhere_is_one_line(cli):
 
 
 def test_long_commands_show_progress_on_stderr_with_json_too(cli):
-    """Without a terminal (here, a pipe) progress is plain lines on stderr, with --json
+    """Without a terminal (here, a file) progress is plain lines on stderr, with --json
     as without it; stdout holds the JSON alone."""
     small = "gpt3:hidden=64,layers=2,heads=4,seq=16,vocab=64,batch=8"
     proc = cli("plan", "--model", small, "--nodes", "1", "--devices-per-node", "2", "--microbatches", "2",

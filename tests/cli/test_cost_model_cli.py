@@ -12,8 +12,6 @@ MODEL = "gpt3:hidden=64,layers=2,heads=4,seq=16,vocab=64,batch=4"
 CLUSTER = ["--cluster", "aws-p3.16xlarge", "--nodes", "1", "--devices-per-node", "2"]
 
 
-
-
 @pytest.fixture(scope="module")
 def profile_path(tmp_path_factory):
     ops = {c: OpFit(10e-6, 1 / 20e9, 1 / 10e9) for c in ("matmul", "elementwise", "softmax", "normalization")}

@@ -10,8 +10,6 @@ from alpasim.costmodels import get_cluster
 from alpasim.simulator import synthetic_plan
 
 
-
-
 @pytest.fixture
 def plan_file(tmp_path):
     cluster = get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=4)

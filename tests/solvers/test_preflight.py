@@ -84,17 +84,24 @@ def test_a_device_that_holds_the_states_share_is_not_refused():
     assert check_before_planning(TINY, cluster, "zero3") is not None
 
 
-@given(nodes=st.integers(1, 6), per_node=st.sampled_from([1, 2, 4, 8]), layers=st.integers(1, 40),
-       max_stages=st.integers(1, 20), chunks=st.sets(st.integers(2, 6), min_size=1, max_size=3))
-def test_interleaved_cannot_exist_by_brute_force(nodes, per_node, layers, max_stages, chunks):
-    """Some submesh shape tiles the cluster into 2 <= S <= max_stages meshes with
-    S x v <= layers for an asked v, or the check says why not."""
-    cluster = get_cluster("aws-p3.16xlarge", nodes=nodes, devices_per_node=per_node)
-    n = cluster.num_devices
-    possible = any(2 <= n // sh.size <= max_stages and n % sh.size == 0 and (n // sh.size) * v <= layers
-                   for sh in submesh_shapes(nodes, per_node) for v in chunks)
-    why = interleaved_cannot_exist(layers, submesh_shapes(nodes, per_node), cluster, max_stages, sorted(chunks))
-    assert (why is None) == possible
+@pytest.mark.parametrize("per_node, max_stages, chunks", [
+    (1, 4, (2,)), (2, 4, (2,)), (2, 4, (3,)), (4, 4, (2,)), (4, 2, (2,)), (4, 1, (2,)), (4, 4, (3, 4)), (2, 2, (5,)),
+])
+def test_interleaved_cannot_exist_exactly_where_the_search_finds_nothing(per_node, max_stages, chunks):
+    """The check against the search itself, with memory to spare: on a GPT of 4 planning
+    units (embedding, 2 blocks, head), the interleaved search finds a plan exactly where
+    the check says one can exist (S meshes of one shape, 2 <= S <= max_stages, S x v <= 4)."""
+    model = "gpt3:hidden=64,layers=2,heads=4,seq=16,vocab=64,batch=8"
+    cluster = get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=per_node, memory_gb=1000)
+    why = interleaved_cannot_exist(4, submesh_shapes(1, per_node), cluster, max_stages, chunks)
+    try:
+        plan = inter_op.plan_pipeline(model, cluster, schedule="interleaved", chunk_options=chunks,
+                                      max_stages=max_stages, microbatches=4, pareto=False)
+        found = plan.chunks > 1
+    except inter_op.PlanInfeasible as e:
+        assert "can exist" in str(e) and why is not None, (str(e), why)
+        found = False
+    assert found == (why is None), why
 
 
 def test_an_interleaved_plan_that_cannot_exist_is_refused_before_pricing(no_pricing):
@@ -126,6 +133,34 @@ def test_a_pipeline_deeper_than_the_blocks_is_named(no_pricing):
         plan_model(TINY, cluster, "megatron", megatron=MegatronConfig(1, 8, 1, 1))
 
 
+def test_a_graph_charges_only_the_states_its_training_graph_keeps(tmp_path):
+    """An imported model with a leaf its loss never reads (1M floats, 16 MiB of would-be
+    states) and a bfloat16 weight beside float32 ones: the bound is what ZeRO-3 holds,
+    exactly, so a device with room for that but not for every leaf's states plans."""
+    import jax
+    import jax.numpy as jnp
+
+    from alpasim.graphs import JaxModel
+
+    def loss(params, batch):
+        h = jnp.tanh(batch["x"] @ params["w"])
+        h = jnp.tanh(h @ params["half"].astype(jnp.float32))
+        return jnp.mean(h * h)
+
+    spec = jax.ShapeDtypeStruct
+    params = {"w": spec((64, 64), jnp.float32), "half": spec((64, 64), jnp.bfloat16),
+              "unused": spec((1024, 1024), jnp.float32)}
+    source = model_source(JaxModel(loss, params, {"x": spec((8, 64), jnp.float32)}, name="partly"))
+    states = model_states(source)
+    assert states.params == 2 * 64 * 64
+    cluster = get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=2)
+    zero3 = plan_model(source, cluster, "zero3")
+    assert _states_held(zero3) == pytest.approx(states.total_bytes, rel=1e-9)
+    roomy = get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=2, memory_gb=4 * states.total_bytes / 2 ** 30)
+    assert 16 * 1024 * 1024 / 2 > roomy.device.memory_bytes        # every leaf's states would not fit
+    assert plan_model(source, roomy, "zero3").feasible
+
+
 def test_an_alpa_search_too_shallow_to_fit_says_which_option_to_raise():
     """States fit the devices (the preflight passes), but one stage holding the whole
     model's activations does not: the refusal names --max-stages."""
@@ -135,6 +170,9 @@ def test_an_alpa_search_too_shallow_to_fit_says_which_option_to_raise():
     plan = plan_model(TINY, cluster, "alpa", max_stages=1, microbatches=1, pareto=False)
     assert not plan.feasible
     assert "pipelines deeper than --max-stages 1 were not searched: raise it (up to 2)" in plan.notes[0]
+    for method in ("intra_only", "zero3"):     # one stage by design: no option to raise
+        plan = plan_model(TINY, cluster, method, microbatches=1)
+        assert not plan.feasible and "--max-stages" not in plan.notes[0], plan.notes
 
 
 @pytest.mark.slow

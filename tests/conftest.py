@@ -107,6 +107,36 @@ def pytest_unconfigure(config):
 
 
 # ---------------------------------------------------------------------------------------
+# Scheduling on pytest-xdist's workers: a module's tests on one worker (its fixtures are
+# built once), and every test that starts a Ray cluster on one worker, one after the
+# other, so two local clusters never share the session's RAY_TMPDIR. Such tests are
+# marked `ray`; under `--dist loadgroup` that mark becomes xdist's group "ray".
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("ray"):
+            item.add_marker(pytest.mark.xdist_group("ray"))
+
+
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling, LoadScopeScheduling
+
+    class ModulesAndGroups(LoadGroupScheduling):
+        """xdist's loadgroup, but a test outside a group goes with its module (loadscope)
+        rather than alone."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            group = super()._split_scope(nodeid)
+            return group if group != nodeid else LoadScopeScheduling._split_scope(self, nodeid)
+
+    return ModulesAndGroups(config, log)
+
+
+# ---------------------------------------------------------------------------------------
 # The `alpasim` command, as a user runs it.
 
 

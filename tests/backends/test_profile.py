@@ -11,7 +11,7 @@ import pytest
 from alpasim.costmodels import COLLECTIVE_KINDS, OP_CLASSES, ProfiledCostModel, get_cluster
 from alpasim.graphs import GraphBuilder
 
-# Measures time or starts a Ray cluster: `make test` runs these alone, before the others.
+# Measures time: `make test` runs these alone, on an idle machine, before the others.
 pytestmark = pytest.mark.serial
 
 

@@ -27,8 +27,8 @@ from alpasim.backends import (RayRuntimeError, check_numerics, compare_collectiv
 from alpasim.simulator import Send, build_program
 
 ray = pytest.importorskip("ray")
-# Measures time or starts a Ray cluster: `make test` runs these alone, before the others.
-pytestmark = pytest.mark.serial
+# Each starts a Ray cluster or runs on the module's: one worker runs them all (tests/conftest.py).
+pytestmark = pytest.mark.ray
 
 RTOL = 1e-6
 STEPS = 2

@@ -31,8 +31,6 @@ from alpasim.costmodels import ProfiledCostModel, get_cluster
 from alpasim.simulator import Send, build_program, simulate, synthetic_plan
 from alpasim.solvers import plan_pipeline
 
-# Measures time or starts a Ray cluster: `make test` runs these alone, before the others.
-pytestmark = pytest.mark.serial
 
 TINY_GPT = "gpt3:hidden=64,layers=2,heads=4,seq=16,vocab=128,batch=8,dtype=fp32"
 SMALL_GPT = "gpt3:hidden=256,layers=4,heads=8,seq=64,vocab=512,batch=16,dtype=fp32"
@@ -147,6 +145,7 @@ def test_serial_executor_takes_the_sum_of_all_instruction_times():
 
 
 @needs_8
+@pytest.mark.serial  # measures time: `make test` runs it alone, on an idle machine
 def test_profiled_prediction_is_near_the_measured_step(tmp_path, quick_profile):
     _, path, _ = quick_profile
     loaded = ProfiledCostModel.load(path, get_cluster("aws-p3.16xlarge", nodes=1))

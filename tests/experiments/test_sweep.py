@@ -255,7 +255,7 @@ def test_cli_compare_sets_schedules_side_by_side(cache_dir, report, cli):
     assert bad.returncode == 2 and "unknown schedule 'zb-h3'" in bad.stderr and "Traceback" not in bad.stderr
 
 
-@pytest.mark.serial
+@pytest.mark.ray
 def test_cli_sweep_on_ray_matches_the_local_pool(tmp_path, cache_dir, cli):
     """`--ray` plans the points as Ray tasks on a local one-machine cluster (started and
     stopped by the command); with a fresh cache every point is really planned there,
@@ -273,7 +273,7 @@ def test_cli_sweep_on_ray_matches_the_local_pool(tmp_path, cache_dir, cli):
                                                          rel=1e-9), (value, method)
 
 
-@pytest.mark.serial
+@pytest.mark.ray
 def test_cli_compare_on_an_existing_ray_cluster_with_a_worker_cap(tmp_path, cli):
     """`--ray-address` with `--workers` (which used to fail: Ray refuses num_cpus when
     connecting): `compare` joins a cluster this test started, caps its tasks in flight

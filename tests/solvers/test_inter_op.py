@@ -197,7 +197,7 @@ def test_partition_spec_export(cache):
                 assert entry is None or entry in ("x", "y") or entry == ["x", "y"]
 
 
-@pytest.mark.serial
+@pytest.mark.ray
 def test_stage_table_on_ray(tmp_path):
     from alpasim.backends import ray_map_fn, ray_shutdown
 

@@ -259,24 +259,27 @@ def test_epsilon_evaluates_fewer_candidates():
 def test_coverage_theorem_all_shape_multisets(nodes, per_node):
     """Every multiset of allowed shapes whose sizes add up to N*M tiles the cluster."""
     shapes = submesh_shapes(nodes, per_node)
-    total = nodes * per_node
+    counts = [0] * len(shapes)
     checked = 0
 
-    def multisets(i, remaining, acc):
+    def multisets(i, remaining):        # the counts of each shape, largest counts first
         nonlocal checked
         if remaining == 0:
+            acc = [s for s, c in zip(shapes, counts) for _ in range(c)]
             assert covers_exactly(acc, nodes, per_node), acc
             checked += 1
             return checked < 3000
         if i == len(shapes):
             return True
-        s = shapes[i]
-        for count in range(remaining // s.size, -1, -1):
-            if not multisets(i + 1, remaining - count * s.size, acc + [s] * count):
+        size = shapes[i].size
+        for count in range(remaining // size, -1, -1):
+            counts[i] = count
+            if not multisets(i + 1, remaining - count * size):
                 return False
+        counts[i] = 0
         return True
 
-    multisets(0, total, [])
+    multisets(0, nodes * per_node)
     assert checked > 0
 
 

@@ -14,13 +14,10 @@ PIP := $(NO_HOME) $(BIN)/python -m pip
 
 setup: $(STAMP)
 
-# --no-compile: pip would byte-compile every module it installs (transformers, ray,
-# jaxlib: tens of thousands of files), a third of a fresh install here (68 s to 42 s);
-# Python compiles the modules a run imports, once, when it first imports them.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(NO_HOME) $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet --no-compile -e '.[test]'
+	$(PIP) install --quiet -e '.[test]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -120,6 +120,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group("ray"))
 
 
+@pytest.hookimpl(optionalhook=True)          # a hook of pytest-xdist's: absent under -p no:xdist
 def pytest_xdist_make_scheduler(config, log):
     if config.getvalue("dist") != "loadgroup":
         return None

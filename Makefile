@@ -36,7 +36,7 @@ demo: $(STAMP)
 # The tests that measure time (marker `serial`) run first, alone on an idle machine;
 # then the rest on two workers (pytest-xdist; a module's tests stay on one worker, so its
 # fixtures are built once, and the tests that start a Ray cluster, marker `ray`, all go
-# to one worker, one after the other: tests/conftest.py). Both runs share one session root
+# to one worker, one after the other: tests/conftest.py's scheduler). Both runs share one session root
 # (tests/conftest.py: the stage cache, the XLA compilation cache, HOME and TMPDIR), made
 # empty here and removed after, even when interrupted, so every run is a fresh machine's
 # and touches nothing of the user's; tests/conftest.py also sets XLA's flags (8 virtual
@@ -56,7 +56,7 @@ PYTEST := $(BIN)/python -m pytest -q
 test: $(STAMP)
 	@root=$$(mktemp -d -t alpasim-test-XXXXXX); trap 'rm -rf "$$root"' EXIT; \
 	ALPASIM_TEST_ROOT=$$root $(PYTEST) -m serial; serial=$$?; \
-	ALPASIM_TEST_ROOT=$$root $(FAST_XLA) $(PYTEST) -n $(TEST_WORKERS) --dist loadgroup -m "not serial"; \
+	ALPASIM_TEST_ROOT=$$root $(FAST_XLA) $(PYTEST) -n $(TEST_WORKERS) --dist loadscope -m "not serial"; \
 		parallel=$$?; \
 	test $$serial -eq 0 && test $$parallel -eq 0
 
@@ -64,7 +64,7 @@ test: $(STAMP)
 # `ray` (Ray clusters) or `serial` (timings), on two workers; under three minutes.
 test-fast: $(STAMP)
 	@root=$$(mktemp -d -t alpasim-test-XXXXXX); trap 'rm -rf "$$root"' EXIT; \
-	ALPASIM_TEST_ROOT=$$root $(FAST_XLA) $(PYTEST) -n $(TEST_WORKERS) --dist loadgroup -m "not serial and not ray and not slow"
+	ALPASIM_TEST_ROOT=$$root $(FAST_XLA) $(PYTEST) -n $(TEST_WORKERS) --dist loadscope -m "not serial and not ray and not slow"
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_graph_build.py

@@ -107,34 +107,40 @@ def pytest_unconfigure(config):
 
 
 # ---------------------------------------------------------------------------------------
-# Scheduling on pytest-xdist's workers: a module's tests on one worker (its fixtures are
-# built once), and every test that starts a Ray cluster on one worker, one after the
-# other, so two local clusters never share the session's RAY_TMPDIR. Such tests are
-# marked `ray`; under `--dist loadgroup` that mark becomes xdist's group "ray".
+# Scheduling on pytest-xdist's workers (`--dist loadscope`): a module's tests on one
+# worker (its fixtures are built once), and every test marked `ray` (it starts a Ray
+# cluster) on one worker, one after the other, so two local clusters never share the
+# session's RAY_TMPDIR. The scheduler sees only test ids, so each worker writes the ids
+# of its `ray` tests into the session root as it collects (every worker collects them
+# all, before anything is scheduled). xdist's own groups are not used: pytest 9.2 ignores
+# the id suffix they are made of (pytest-dev/pytest-xdist#1386).
+RAY_TESTS = "ray-tests"
 
 
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if item.get_closest_marker("ray"):
-            item.add_marker(pytest.mark.xdist_group("ray"))
+    worker = getattr(config, "workerinput", {}).get("workerid")
+    if worker is not None:
+        ids = [item.nodeid for item in items if item.get_closest_marker("ray")]
+        (ROOT / f"{RAY_TESTS}-{worker}.json").write_text(json.dumps(ids))
 
 
 @pytest.hookimpl(optionalhook=True)          # a hook of pytest-xdist's: absent under -p no:xdist
 def pytest_xdist_make_scheduler(config, log):
-    if config.getvalue("dist") != "loadgroup":
+    if config.getvalue("dist") != "loadscope":
         return None
-    from xdist.scheduler import LoadGroupScheduling, LoadScopeScheduling
+    from xdist.scheduler import LoadScopeScheduling
 
-    class ModulesAndGroups(LoadGroupScheduling):
-        """xdist's loadgroup, but a test outside a group goes with its module (loadscope)
-        rather than alone."""
+    class ModulesAndRay(LoadScopeScheduling):
+        """loadscope, with the `ray` tests of every module one scope."""
+
+        _ray: set[str] | None = None
 
         def _split_scope(self, nodeid: str) -> str:
-            group = super()._split_scope(nodeid)
-            return group if group != nodeid else LoadScopeScheduling._split_scope(self, nodeid)
+            if self._ray is None:
+                self._ray = {i for f in ROOT.glob(f"{RAY_TESTS}-*.json") for i in json.loads(f.read_text())}
+            return "ray" if nodeid in self._ray else super()._split_scope(nodeid)
 
-    return ModulesAndGroups(config, log)
+    return ModulesAndRay(config, log)
 
 
 # ---------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ setup: $(STAMP)
 # pip byte-compiles what it installs, but not an editable install's own sources; where
 # PYTHONDONTWRITEBYTECODE is set (this machine, many CIs) nothing ever writes them, and
 # every process (a test worker, a Ray actor, a command) compiles alpasim from source:
-# 0.3-0.4 s of each one's 2 s import here. An edited module is recompiled as usual.
+# about 0.4 s of each one's 2 s import here. An edited module is recompiled as usual.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(NO_HOME) $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
@@ -36,11 +36,11 @@ demo: $(STAMP)
 # The tests that measure time (marker `serial`) run first, alone on an idle machine;
 # then the rest on two workers (pytest-xdist; a module's tests stay on one worker, so its
 # fixtures are built once, and the tests that start a Ray cluster, marker `ray`, all go
-# to one worker, one after the other: tests/conftest.py's scheduler). Both runs share one session root
-# (tests/conftest.py: the stage cache, the XLA compilation cache, HOME and TMPDIR), made
-# empty here and removed after, even when interrupted, so every run is a fresh machine's
-# and touches nothing of the user's; tests/conftest.py also sets XLA's flags (8 virtual
-# CPU devices).
+# to one worker, one after the other: tests/conftest.py's scheduler). Both runs share
+# one session root (tests/conftest.py: the stage cache, the XLA compilation cache, HOME
+# and TMPDIR), made empty here and removed after, even when interrupted, so every run is
+# a fresh machine's and touches nothing of the user's; tests/conftest.py also sets XLA's
+# flags (8 virtual CPU devices).
 # The parallel lane compiles at LLVM's optimisation level 0: its tests' programs are
 # tiny, so compiling them is most of their cost, and O0 compiles a third faster. It
 # changes only the machine code XLA emits, not the HLO, its sharding, collectives or

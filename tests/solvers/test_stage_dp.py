@@ -276,8 +276,7 @@ def test_coverage_theorem_all_shape_multisets(nodes, per_node):
             counts[i] = count
             if not multisets(i + 1, remaining - count * size):
                 return False
-        counts[i] = 0
-        return True
+        return True                      # the last count tried was 0: counts[i] is reset
 
     multisets(0, nodes * per_node)
     assert checked > 0

@@ -17,7 +17,7 @@ setup: $(STAMP)
 # pip byte-compiles what it installs, but not an editable install's own sources; where
 # PYTHONDONTWRITEBYTECODE is set (this machine, many CIs) nothing ever writes them, and
 # every process (a test worker, a Ray actor, a command) compiles alpasim from source:
-# about 0.4 s of each one's 2 s import here. An edited module is recompiled as usual.
+# 0.2-0.4 s of each one's 2 s import here. An edited module is recompiled as usual.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(NO_HOME) $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip

@@ -113,8 +113,10 @@ CASES = {
     "plan --chunks 1": (["plan", "--model", T, "--schedule", "interleaved", "--chunks", "1"], "--chunks"),
     "an interleaved plan that cannot exist": (["plan", "--model", T, "--nodes", "1", "--devices-per-node", "1",
                                                "--schedule", "interleaved"], "needs S >= 2 meshes"),
-    "plan --schedule interleaved with megatron": (["plan", "--model", T, "--schedule", "interleaved", "--method",
-                                                   "megatron"], "--method alpa only"),
+    "plan --schedule interleaved with megatron's grid": (["plan", "--model", T, "--schedule", "interleaved",
+                                                          "--method", "megatron"], "given by --tp, --pp"),
+    "plan --schedule interleaved with data-parallel": (["plan", "--model", T, "--schedule", "interleaved",
+                                                        "--method", "data-parallel"], "not --method data-parallel"),
     # Cluster, profile, graph files: the file and the field in the message.
     "cluster file with nodes 'two'": (["plan", "--model", T, "--cluster", "{cluster_bad_nodes}"], "nodes"),
     "cluster file with a negative link": (["plan", "--model", T, "--cluster", "{cluster_bad_link}"], "bandwidth"),

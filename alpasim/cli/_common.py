@@ -43,14 +43,21 @@ MemOpt = Annotated[Optional[float], typer.Option("--memory-gb", help="Override d
 CostModelOpt = Annotated[Optional[Path], typer.Option("--cost-model", help="A profiled cost model JSON "
                                                       "(`alpasim profile`) instead of the analytic model.")]
 NoOverlapOpt = Annotated[bool, typer.Option("--no-overlap", help="Reduce each weight gradient after the last "
-                                            "backward, one collective per gradient (the paper's accounting), "
-                                            "instead of in buckets overlapped with that backward.")]
+                                            "backward, one collective per gradient, for every method (default: "
+                                            "as each method's system ran, `alpasim methods`).")]
+OverlapOpt = Annotated[Optional[bool], typer.Option("--overlap/--no-overlap", help="Reduce the weight gradients "
+                                                    "in buckets overlapped with the last backward, or each after "
+                                                    "it (default: as the method's system ran, --system).")]
+SystemOpt = Annotated[Optional[str], typer.Option("--system", help="Price the plan as this system ran (a profile "
+                                                  "of `alpasim methods`: overlap, recomputation, optimizer "
+                                                  "sharding; default: the method's own).")]
 BucketOpt = Annotated[float, typer.Option("--bucket-mb", help="Gradient bucket size in MiB for the overlapped "
                                           "reduction (PyTorch DDP's default: 25).")]
 
 
 def bucket_bytes(no_overlap: bool, bucket_mb: float) -> float | None:
-    """The planner's `bucket_bytes` for `--no-overlap` / `--bucket-mb` (one line if bad)."""
+    """The planner's `bucket_bytes` for `--no-overlap` / `--bucket-mb` (one line if bad):
+    None (no overlap, overriding the system profile) or the bucket size."""
     if not (math.isfinite(bucket_mb) and bucket_mb > 0):
         fail(f"--bucket-mb must be a finite number > 0, got {bucket_mb}")
     return None if no_overlap else bucket_mb * 2 ** 20

@@ -1,4 +1,5 @@
-"""`alpasim models` and `alpasim clusters`: what the zoo and the cluster presets hold."""
+"""`alpasim models`, `alpasim clusters` and `alpasim methods`: what the zoo, the cluster presets and
+the planning methods with their system profiles hold."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from rich.table import Table
 
 from alpasim import costmodels as cm
 from alpasim import graphs as gr
+from alpasim import solvers as sv
 from alpasim.experiments import cluster_json
 
 from ._common import JsonOpt, app, emit_json, fmt_bytes, fmt_count, out
@@ -59,3 +61,28 @@ def _inter_node_text(c: cm.Cluster) -> str:
     if c.spine is not None:
         text += f"; spine over {c.spine.nodes_per_leaf}-node leaves, {c.spine.oversubscription:g}:1"
     return text
+
+
+@app.command()
+def methods(as_json: JsonOpt = False) -> None:
+    """List the planning methods and the system profile each is priced as (`--system`
+    prices a method as another), with every profile entry's source."""
+    systems = {name: {"summary": p.summary, "settings": p.settings(), "sources": dict(p.sources)}
+               for name, p in sv.SYSTEMS.items()}
+    rows = [{"method": m.cli_name, "summary": m.summary, "system": m.system} for m in sv.METHODS.values()]
+    if as_json:
+        emit_json({"methods": rows, "systems": systems})
+        return
+    t = Table(title="alpasim planning methods")
+    for col in ("method", "system profile", "what it searches"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(r["method"], r["system"], r["summary"])
+    out.print(t)
+    st = Table(title="system profiles (sources: alpasim methods --json)")
+    for col in ("system", "grad overlap", "param gather overlap", "TP comm overlap", "attention",
+                "optimizer sharding", "recompute"):
+        st.add_column(col)
+    for name, p in systems.items():
+        st.add_row(name, *(str(v) for v in p["settings"].values()))
+    out.print(st)

@@ -17,8 +17,8 @@ from alpasim import solvers as sv
 from alpasim.experiments import simulation_report
 
 from ._common import (
-    BucketOpt, ClusterOpt, CostModelOpt, DpnOpt, GbpsOpt, JsonOpt, MemOpt, NodesOpt, NoOverlapOpt, PrecisionOpt,
-    RecomputeOpt, app, bucket_bytes, check_precision, check_recompute, emit_json, err, fail, fmt_bytes, fmt_count,
+    BucketOpt, ClusterOpt, CostModelOpt, DpnOpt, GbpsOpt, JsonOpt, MemOpt, NodesOpt, OverlapOpt, PrecisionOpt,
+    SystemOpt, app, bucket_bytes, check_precision, check_recompute, emit_json, err, fail, fmt_bytes, fmt_count,
     load_cluster, load_cost_model, out, parse_microbatches, plan_map, RayAddressOpt, RayOpt, TaskProgress,
     writable_file, writing,
 )
@@ -72,7 +72,9 @@ def plan(
     microbatches: Annotated[str, typer.Option("--microbatches", help="Number of microbatches B, or 'auto' to "
                                               "search B jointly.")] = "auto",
     layers: Annotated[Optional[int], typer.Option("--layers", help="Re-cluster into L layers (eq. 6 DP).")] = None,
-    remat: Annotated[bool, typer.Option("--remat/--no-remat", help="Activation rematerialisation.")] = True,
+    remat: Annotated[Optional[bool], typer.Option("--remat/--no-remat", help="Activation rematerialisation "
+                                                  "(full recomputation; default: as the method's system "
+                                                  "ran).")] = None,
     out_path: Annotated[Optional[Path], typer.Option("--out", help="Write the plan JSON here.")] = None,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Bypass the on-disk stage-cost cache.")] = False,
     workers: Annotated[Optional[int], typer.Option("--workers", help="Local processes filling the table.")] = None,
@@ -103,8 +105,12 @@ def plan(
                                                     "one of the grid).")] = False,
     cost_model: CostModelOpt = None,
     precision: PrecisionOpt = gr.DEFAULT_RECIPE,
-    recompute: RecomputeOpt = "none",
-    no_overlap: NoOverlapOpt = False,
+    recompute: Annotated[Optional[str], typer.Option("--recompute", help="What the backward recomputes besides "
+                                                     "--remat: none, fusible, selective, or auto (the fastest of "
+                                                     "full remat, selective and none that fits); default: as the "
+                                                     "method's system ran.")] = None,
+    overlap: OverlapOpt = None,
+    system: SystemOpt = None,
     bucket_mb: BucketOpt = 25.0,
     schedule: Annotated[str, typer.Option("--schedule", help="The pipeline schedule the plan runs: 1f1b (the "
                                           "stage DP's); interleaved (the model cut into S x v chunks, chunk j "
@@ -131,8 +137,11 @@ def plan(
     c = load_cluster(cluster, nodes, devices_per_node, inter_node_gbps, memory_gb)
     model_costs = load_cost_model(cost_model, c)
     check_precision(precision)
-    check_recompute(recompute, search=True)
-    buckets = bucket_bytes(no_overlap, bucket_mb)
+    if recompute is not None:
+        check_recompute(recompute, search=True)
+    buckets = bucket_bytes(False, bucket_mb)
+    if system is not None and system not in sv.SYSTEMS:
+        fail(f"--system {system!r}: choose one of {', '.join(sv.SYSTEMS)}")
     if max_stages is not None and max_stages < 1:
         fail(f"--max-stages {max_stages}: must be at least 1")
     if not (math.isfinite(epsilon) and epsilon >= 0):
@@ -142,10 +151,12 @@ def plan(
     except sv.UnknownMethodError:
         fail(f"--method {method!r}: choose one of {', '.join(x.cli_name for x in sv.METHODS.values())}")
     name = m.name
-    if schedule == "interleaved" and name != "alpa":
-        fail(f"--schedule interleaved plans with --method alpa only, not {method!r}")
     degrees = {"--tp": tp, "--pp": pp, "--dp": dp, "--microbatch-size": microbatch_size}
     given = [k for k, v in degrees.items() if v is not None]
+    interleaves = name == "alpa" or (name in ("megatron", "megatron_core") and bool(given))
+    if schedule == "interleaved" and not interleaves:
+        fail(f"--schedule interleaved plans with --method alpa, or a Megatron configuration given by --tp, --pp, "
+             f"--dp and --microbatch-size, not --method {m.cli_name} alone")
     if given and "megatron" not in m.accepts:
         fail(f"{', '.join(given)} only apply to --method megatron or megatron-core")
     if given and len(given) != len(degrees):
@@ -159,10 +170,12 @@ def plan(
     p = make_plan(model, c, name, microbatches=microbatches, layers=layers, max_stages=max_stages, megatron=config,
                   distributed_optimizer=distributed_optimizer or None,
                   sequence_parallel=sequence_parallel or None, cache=not no_cache, workers=workers, ray=ray,
-                  ray_address=ray_address, remat=remat, epsilon=epsilon, cost_model=model_costs,
-                  precision=precision, recompute=recompute, bucket_bytes=buckets,
+                  ray_address=ray_address, epsilon=epsilon, cost_model=model_costs, precision=precision,
+                  bucket_bytes=buckets, system=system, overlap=overlap,
+                  **{k: v for k, v in (("remat", remat), ("recompute", recompute)) if v is not None},
                   **({"schedule": schedule, "chunk_options": chunk_options}
-                     if name == "alpa" and schedule != "1f1b" else {}))
+                     if (name == "alpa" and schedule != "1f1b") or (interleaves and schedule == "interleaved")
+                     else {}))
     if not p.feasible and name == "alpa":   # Alpa finding nothing is an error, with or without --json
         fail("; ".join(p.notes) or "infeasible")
     if schedule == "auto" and p.feasible and p.chunks == 1:

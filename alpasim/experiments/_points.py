@@ -25,7 +25,7 @@ from alpasim.simulator import simulate
 from alpasim.solvers import CACHE_VERSION, DiskCache, MegatronConfig, digest, plan_with_method, worker_pool
 
 # 3: the DP prices stage-boundary transfers; 5: DP baselines' microbatches split over their devices
-RESULT_VERSION = "points/6"   # 6: gradient buckets overlap the backward
+RESULT_VERSION = "points/7"   # 7: each method priced as its system profile ran (overlap per system)
 DEFAULT_CLUSTER = "aws-p3.16xlarge"
 
 

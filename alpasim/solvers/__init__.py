@@ -101,6 +101,10 @@ from ._cross_mesh import Tile as Tile
 from ._cross_mesh import Transfer as Transfer
 from ._cross_mesh import cross_mesh_plan as cross_mesh_plan
 from ._methods import COMMON_OPTIONS as COMMON_OPTIONS
+from ._systems import SYSTEMS as SYSTEMS
+from ._systems import SystemProfile as SystemProfile
+from ._systems import UnknownSystemError as UnknownSystemError
+from ._systems import get_system as get_system
 from ._methods import METHODS as METHODS
 from ._methods import RECOMPUTE_SEARCH as RECOMPUTE_SEARCH
 from ._methods import MegatronConfig as MegatronConfig

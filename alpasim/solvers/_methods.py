@@ -38,7 +38,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from alpasim.costmodels import Cluster
+from alpasim.costmodels import DEFAULT_BUCKET_BYTES, Cluster
 from alpasim.graphs import (ModelLike, ModelSource, ModelSpecError, OpGraph, assign_layers, forward_graph,
                             model_source)
 
@@ -46,6 +46,7 @@ from ._inter_op import DEFAULT_MAX_STAGES, PlanInfeasible, plan_pipeline, planni
 from ._preflight import check_megatron, preflight
 from ._pipeline_plan import PipelinePlan, PlanModel, Prediction, SearchStats, plan_cluster_info
 from ._submesh import SubmeshShape
+from ._systems import SystemRecord, get_system, resolve
 
 # Options every method takes (`plan_pipeline` keywords), and those only some do.
 COMMON_OPTIONS = frozenset({"microbatches", "remat", "recompute", "precision", "cost_model", "epsilon", "cache",
@@ -74,6 +75,7 @@ class Method:
     equal_operator: bool = False         # layers of equal operator counts (no clustering)
     zoo_only: bool = False               # its layouts are written for the zoo's transformer blocks
     accepts: frozenset[str] = frozenset({"layers", "max_stages"})
+    system: str = "alpa-osdi22"          # the system profile it is priced as (`_systems.SYSTEMS`)
 
     @property
     def cli_name(self) -> str:
@@ -122,13 +124,15 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("heuristic", "shard every tensor's largest dimension, propagate", restriction="heuristic",
            single_stage=True, accepts=_SINGLE),
     Method("deepspeed_moe", "DeepSpeed-MoE: expert parallelism + ZeRO data parallelism",
-           restriction="deepspeed_moe", single_stage=True, whole_samples=True, accepts=_SINGLE),
+           restriction="deepspeed_moe", single_stage=True, whole_samples=True, accepts=_SINGLE,
+           system="deepspeed"),
     Method("megatron", "Megatron-LM: tensor x pipeline x data parallel grid", restriction="megatron",
-           equal_layers=True, zoo_only=True,
+           equal_layers=True, zoo_only=True, system="megatron-lm-2021",
            accepts=frozenset({"megatron", "distributed_optimizer", "sequence_parallel"})),
     Method("megatron_core", "Megatron-core today: the grid also searches sequence parallelism, the distributed "
            "optimizer and full, selective or no recomputation", restriction="megatron", equal_layers=True,
-           zoo_only=True, accepts=frozenset({"megatron", "distributed_optimizer", "sequence_parallel"})),
+           zoo_only=True, accepts=frozenset({"megatron", "distributed_optimizer", "sequence_parallel"}),
+           system="megatron-core-0.8"),
 )}
 MEGATRON_METHODS = frozenset({"megatron", "megatron_core"})
 # Megatron-LM's grid (Narayanan et al. 2021): tensor parallelism inside a node only,
@@ -184,7 +188,7 @@ class MegatronConfig:
 def plan_model(model: ModelLike, cluster: Cluster, method: str = "alpa", *, layers: int | None = None,
                max_stages: int | None = None, megatron: MegatronConfig | None = None,
                distributed_optimizer: bool | None = None, sequence_parallel: bool | None = None,
-               **options) -> PipelinePlan:
+               system: str | None = None, overlap: bool | None = None, **options) -> PipelinePlan:
     """The one planner entry: `model` (a zoo name, spec string or graph file path, a
     `ModelSource`, an `OpGraph`, or a `graphs.JaxModel` — a JAX loss function with
     example arguments) on `cluster` with `method` (a `METHODS` name).
@@ -194,20 +198,41 @@ def plan_model(model: ModelLike, cluster: Cluster, method: str = "alpa", *, laye
     methods whose record accepts them, and are refused for the others. `options` are
     `COMMON_OPTIONS` (`plan_pipeline`'s). A method that finds nothing that fits returns
     an infeasible plan whose `notes` say why. `recompute="auto"` searches what the
-    backward recomputes (`RECOMPUTE_SEARCH`; `remat` is then the search's)."""
+    backward recomputes (`RECOMPUTE_SEARCH`; `remat` is then the search's).
+
+    `system` names the profile the plan is priced as (`_systems.SYSTEMS`; default: the
+    method's). What the user does not give (`overlap`, `remat`/`recompute`, a Megatron
+    configuration's `distributed_optimizer`) is the profile's; the plan's `system`
+    records the settings, what was overridden and what is not modelled yet."""
     m = get_method(method)
     if options.get("recompute") == "auto" and m.name == "megatron_core":
         options = {k: v for k, v in options.items() if k not in ("remat", "recompute")}   # its grid searches it
     elif options.get("recompute") == "auto":
         return _best_recompute(model, cluster, method, layers=layers, max_stages=max_stages, megatron=megatron,
                                distributed_optimizer=distributed_optimizer, sequence_parallel=sequence_parallel,
-                               **options)
+                               system=system, overlap=overlap, **options)
     unknown = set(options) - COMMON_OPTIONS
     if unknown:
         raise TypeError(f"plan_model: unknown option {sorted(unknown)[0]!r}; the options are "
-                        f"{', '.join(sorted(COMMON_OPTIONS | set(METHOD_OPTIONS)))}")
+                        f"{', '.join(sorted(COMMON_OPTIONS | set(METHOD_OPTIONS) | {'system', 'overlap'}))}")
     _refuse_options(m, layers=layers, max_stages=max_stages, megatron=megatron,
                     distributed_optimizer=distributed_optimizer, sequence_parallel=sequence_parallel)
+    if megatron is not None and megatron.distributed_optimizer and distributed_optimizer is None:
+        distributed_optimizer = True          # asked for in the configuration itself
+    options, record, distributed_optimizer = system_options(m, system, overlap, distributed_optimizer, options)
+    if record.settings["recompute"] == "searched" and m.name != "megatron_core":
+        return _best_recompute(model, cluster, method, layers=layers, max_stages=max_stages, megatron=megatron,
+                               distributed_optimizer=distributed_optimizer, sequence_parallel=sequence_parallel,
+                               system=system, overlap=overlap, **options)
+    plan = _plan_method(m, model, cluster, layers=layers, max_stages=max_stages, megatron=megatron,
+                        distributed_optimizer=distributed_optimizer, sequence_parallel=sequence_parallel, **options)
+    return with_system(plan, record)
+
+
+def _plan_method(m: Method, model: ModelLike, cluster: Cluster, *, layers: int | None, max_stages: int | None,
+                 megatron: MegatronConfig | None, distributed_optimizer: bool | None,
+                 sequence_parallel: bool | None, **options) -> PipelinePlan:
+    """`plan_model` once the options are the planner's own."""
     source = _zoo_source(model) if m.zoo_only else model_source(model)
     try:
         _run_preflight(m, source, cluster, layers=layers, max_stages=max_stages, megatron=megatron, **options)
@@ -232,6 +257,67 @@ def plan_model(model: ModelLike, cluster: Cluster, method: str = "alpa", *, laye
             reason += (f"; pipelines deeper than --max-stages {e.capped[0]} were not searched: raise it (up to "
                        f"{e.capped[1]}) to try them")
         return infeasible_plan(source, cluster, m.name, reason)
+
+
+# The `recompute` entry of a system profile as the planner's (remat, recompute) options.
+_RECOMPUTE_OPTIONS = {"full": (True, "none"), "selective": (False, "selective"), "fusible": (False, "fusible"),
+                      "none": (False, "none")}
+
+
+def _recompute_given(options: dict) -> str | None:
+    """The `recompute` entry the user's `remat`/`recompute` options ask for; None when
+    they ask nothing (`recompute="none"` alone is the planner's old default, not a
+    request)."""
+    remat, policy = options.get("remat"), options.get("recompute")
+    if policy == "auto":
+        return "searched"
+    if remat is True:
+        return "full"
+    if remat is False:
+        return policy or "none"
+    return policy if policy not in (None, "none") else None
+
+
+def system_options(m: Method, system: str | None, overlap: bool | None, distributed_optimizer: bool | None,
+                   options: dict) -> tuple[dict, SystemRecord, bool | None]:
+    """The planner's options with the system profile's entries filled in where the
+    user gave none, the record of what the plan is priced with, and the Megatron
+    configuration's distributed optimizer (None: its grid searches it).
+
+    `bucket_bytes=None` among `options` (the planner's old spelling of "no overlap")
+    counts as `overlap=False`."""
+    profile = get_system(system or m.system)
+    options = dict(options)
+    if overlap is None and "bucket_bytes" in options and options["bucket_bytes"] is None:
+        overlap = False
+    recompute = _recompute_given(options)
+    sharding = None
+    if m.name in MEGATRON_METHODS and distributed_optimizer is not None:
+        sharding = "data-parallel" if distributed_optimizer else "none"
+    record = resolve(profile, grad_overlap=overlap, recompute=recompute, optimizer_sharding=sharding)
+    settings = record.settings
+    options["bucket_bytes"] = (options.get("bucket_bytes") or DEFAULT_BUCKET_BYTES) if settings["grad_overlap"] \
+        else None
+    if recompute is None and settings["recompute"] in _RECOMPUTE_OPTIONS:
+        options["remat"], options["recompute"] = _RECOMPUTE_OPTIONS[settings["recompute"]]
+    elif recompute is None:               # searched: `plan_model` (or Megatron-core's grid) searches it
+        options.pop("remat", None)
+        options.pop("recompute", None)
+    if m.name in MEGATRON_METHODS and distributed_optimizer is None and settings["optimizer_sharding"] != "searched":
+        distributed_optimizer = settings["optimizer_sharding"] == "data-parallel"
+    return options, record, distributed_optimizer
+
+
+def with_system(plan: PipelinePlan, record: SystemRecord) -> PipelinePlan:
+    """`plan` recording the system it was priced as; a Megatron plan's chosen
+    configuration decides its optimizer sharding where the grid searched it."""
+    config = plan.search.megatron
+    if config is not None and record.settings["optimizer_sharding"] != ("data-parallel" if config.get(
+            "distributed_optimizer") else "none") and "optimizer_sharding" not in record.overridden:
+        settings = {**record.settings, "optimizer_sharding": "data-parallel" if config.get("distributed_optimizer")
+                    else "none"}
+        record = dataclasses.replace(record, settings=settings)
+    return dataclasses.replace(plan, system=record.to_json(), notes=(*plan.notes, *record.notes()))
 
 
 def check_before_planning(model: ModelLike, cluster: Cluster, method: str = "alpa", *, layers: int | None = None,
@@ -370,9 +456,9 @@ def megatron_grid(model: ModelLike, cluster: Cluster, *, progress: Callable | No
     The paper's grid (2021) runs without sequence parallelism or the distributed
     optimizer unless asked, under the recomputation `kw` gives. `today` (Megatron-core)
     also searches both (where tp > 1 and dp > 1 give them something to do), each
-    unless given, and the recomputation: none, then selective, then full
-    (`RECOMPUTE_SEARCH` backwards), stopping at the first that fits, since recomputing
-    only adds work to the same configuration. `config` fixes the degrees and
+    unless given, and (unless `kw` gives it) the recomputation: none, then selective,
+    then full (`RECOMPUTE_SEARCH` backwards), stopping at the first that fits, since
+    recomputing only adds work to the same configuration. `config` fixes the degrees and
     microbatch size (what is left is searched).
 
     Pruned, not priced: each degree/microbatch point first tries its least-memory form
@@ -385,9 +471,10 @@ def megatron_grid(model: ModelLike, cluster: Cluster, *, progress: Callable | No
     blocks = forward_graph(dataclasses.replace(cfg, batch=1), name=name).num_layers
     base = [config] if config is not None else \
         megatron_configs(cluster.num_devices, cluster.devices_per_node, blocks, cfg.batch)
-    ladder = list(reversed(RECOMPUTE_SEARCH)) if today else \
+    searched = today and "remat" not in kw and "recompute" not in kw    # a recomputation given is not searched
+    ladder = list(reversed(RECOMPUTE_SEARCH)) if searched else \
         [(None, kw.get("remat", True), kw.get("recompute", "none"))]
-    kw = {k: v for k, v in kw.items() if not today or k not in ("remat", "recompute")}
+    kw = {k: v for k, v in kw.items() if not searched or k not in ("remat", "recompute")}
     method = "megatron_core" if today else "megatron"
     best: PipelinePlan | None = None
     tried = []
@@ -404,8 +491,8 @@ def megatron_grid(model: ModelLike, cluster: Cluster, *, progress: Callable | No
             plan = None
             for step, (label, remat, policy) in enumerate(ladder[floor:], floor):
                 plan = megatron_plan(source, cluster, config, method=method, **kw,
-                                     **({"remat": remat, "recompute": policy} if today else {}))
-                tried.append({**_config_json(config), **({"recompute": label} if today else {}),
+                                     **({"remat": remat, "recompute": policy} if searched else {}))
+                tried.append({**_config_json(config), **({"recompute": label} if searched else {}),
                               "iteration_s": plan.predicted.iteration_s, "feasible": plan.feasible})
                 if plan.feasible:
                     floor = step if k == 0 else floor

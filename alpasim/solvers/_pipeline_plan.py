@@ -212,6 +212,9 @@ class PipelinePlan(Record):
     notes: tuple[str, ...] = ()
     transfers: tuple[PlanTransfer, ...] = ()    # tensors that cross stages
     chunks: int = 1                             # model chunks per mesh (interleaved; see above)
+    # The system profile it was priced as (`_systems.SystemRecord.to_json`: name,
+    # settings, overridden, unpriced); empty for plans from before profiles existed.
+    system: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         n, v = len(self.stages), self.chunks

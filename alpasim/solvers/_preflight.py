@@ -162,5 +162,19 @@ def preflight(source: ModelSource, cluster: Cluster, *, precision: str | None = 
     if megatron is not None:
         check_megatron(source, cluster, megatron)
     check_states_fit(source, cluster, precision)
-    if schedule == "interleaved":
+    if schedule == "interleaved" and megatron is not None:
+        check_megatron_interleaved(source, megatron, chunk_options)
+    elif schedule == "interleaved":
         check_interleaved(source.name, planning_layers(source, layers), cluster, max_stages, chunk_options)
+
+
+def check_megatron_interleaved(source: ModelSource, config, chunk_options: Sequence[int]) -> None:
+    """`ValueError` when Megatron-LM's interleaved 1F1B cannot run `config`: it needs at
+    least 2 pipeline stages and a model chunk of at least one block for each of the
+    pp x v virtual stages, for some v of `chunk_options` (Narayanan et al. 2021, sec. 2.2)."""
+    blocks = _zoo_facts(source).blocks
+    if config.pp < 2:
+        raise ValueError(f"Megatron {config}: interleaving needs at least 2 pipeline stages")
+    if not any(config.pp * v <= blocks for v in chunk_options):
+        raise ValueError(f"Megatron {config}: {config.pp} stages x {min(chunk_options)} chunks is more virtual "
+                         f"stages than {source.name}'s {blocks} blocks")

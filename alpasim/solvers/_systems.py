@@ -1,0 +1,241 @@
+"""System profiles: how each training system ran, so each method is priced as it ran.
+
+A planning method (`_methods.METHODS`) says what part of the search it keeps; the
+system it stands for also decides how the same plan runs: whether gradients are reduced
+while the backward still runs, what the backward recomputes, which attention kernel
+runs, whether optimizer states are sharded. Those choices moved a prediction by up to a
+quarter, and a feature added for one system must not become a claim about another
+(overlapped gradient reduction once became everyone's default). So each system is one
+`SystemProfile` record with a source for every entry, each method names its default
+profile, a user's option overrides an entry, and the plan records the profile, what was
+overridden, and what the cost model cannot price yet.
+
+Entries:
+
+* `grad_overlap`: weight gradients reduced in buckets during the last backward
+  (`costmodels._overlap`), or all after it.
+* `param_gather_overlap`: a sharded optimizer's parameter all-gather overlapped with
+  the next forward, or after the step.
+* `tp_comm_overlap`: tensor-parallel collectives overlapped with their GEMMs.
+* `attention`: "explicit" (the (s, s) scores written to memory, a softmax kernel, a
+  second batched GEMM) or "fused" (a FlashAttention-style kernel).
+* `optimizer_sharding`: "none", "data-parallel" (ZeRO-1: Adam states and master
+  weights on 1/dp of the data-parallel group each) or "searched" (the intra-op ILP
+  chooses, as Alpa's does).
+* `recompute`: "full" (each layer's forward again in the backward), "selective"
+  (attention's core only), "fusible" (`graphs.training_graph`'s policy), "none", or
+  "searched" (the method's search chooses).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+ATTENTION_KERNELS = ("explicit", "fused")
+OPTIMIZER_SHARDINGS = ("none", "data-parallel", "searched")
+RECOMPUTE_DEFAULTS = ("full", "selective", "fusible", "none", "searched")
+ENTRIES = ("grad_overlap", "param_gather_overlap", "tp_comm_overlap", "attention", "optimizer_sharding",
+           "recompute")
+# (entry, value) pairs the cost model prices. Any other value is recorded in the plan as
+# not priced (what the plan then assumes instead is the first value of the entry here).
+PRICED: Mapping[str, tuple[Any, ...]] = MappingProxyType({
+    "grad_overlap": (False, True),
+    "param_gather_overlap": (False,),
+    "tp_comm_overlap": (False,),
+    "attention": ("explicit",),
+    "optimizer_sharding": ("none", "data-parallel", "searched"),
+    "recompute": RECOMPUTE_DEFAULTS,
+})
+
+
+class UnknownSystemError(ValueError):
+    """A system profile name no record has."""
+
+
+@dataclass(frozen=True, slots=True)
+class SystemProfile:
+    """How one training system ran (module doc), each entry with its source."""
+
+    name: str
+    summary: str
+    grad_overlap: bool
+    param_gather_overlap: bool
+    tp_comm_overlap: bool
+    attention: str
+    optimizer_sharding: str
+    recompute: str
+    sources: Mapping[str, str]
+
+    def __post_init__(self) -> None:
+        for entry in ("grad_overlap", "param_gather_overlap", "tp_comm_overlap"):
+            if not isinstance(getattr(self, entry), bool):
+                raise ValueError(f"system {self.name}: {entry} must be true or false")
+        for entry, allowed in (("attention", ATTENTION_KERNELS), ("optimizer_sharding", OPTIMIZER_SHARDINGS),
+                               ("recompute", RECOMPUTE_DEFAULTS)):
+            if getattr(self, entry) not in allowed:
+                raise ValueError(f"system {self.name}: {entry} must be one of {', '.join(allowed)}, "
+                                 f"got {getattr(self, entry)!r}")
+        missing = [e for e in ENTRIES if not self.sources.get(e)]
+        if missing:
+            raise ValueError(f"system {self.name}: no source for {', '.join(missing)}")
+        object.__setattr__(self, "sources", MappingProxyType(dict(self.sources)))
+
+    def settings(self) -> dict[str, Any]:
+        return {e: getattr(self, e) for e in ENTRIES}
+
+
+@dataclass(frozen=True, slots=True)
+class SystemRecord:
+    """What a plan records of its system: the profile's name, the settings it was priced
+    with (the profile's, with the user's overrides), which entries the user overrode
+    (entry -> the profile's value), and which settings the cost model could not price
+    (entry -> the value it priced instead)."""
+
+    name: str
+    settings: dict[str, Any]
+    overridden: dict[str, Any]
+    unpriced: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def notes(self) -> tuple[str, ...]:
+        """One line each for overrides and unpriced settings (none: nothing to say)."""
+        out = []
+        if self.overridden:
+            out.append(f"system {self.name}: " + ", ".join(
+                f"{k} {_fmt(self.settings[k])} (the profile's: {_fmt(v)})" for k, v in self.overridden.items()))
+        if self.unpriced:
+            out.append(f"system {self.name}: not modelled yet, priced as " + ", ".join(
+                f"{k} {_fmt(v)} (it ran {_fmt(self.settings[k])})" for k, v in self.unpriced.items()))
+        return tuple(out)
+
+
+def _fmt(value: Any) -> str:
+    return {True: "on", False: "off"}.get(value, str(value)) if isinstance(value, bool) else str(value)
+
+
+def resolve(profile: SystemProfile, **given: Any) -> SystemRecord:
+    """The record of `profile` with `given` entries (None: not given) overriding it."""
+    unknown = set(given) - set(ENTRIES)
+    if unknown:
+        raise TypeError(f"unknown system entry {sorted(unknown)[0]!r}; the entries are {', '.join(ENTRIES)}")
+    base = profile.settings()
+    settings = {**base, **{k: v for k, v in given.items() if v is not None}}
+    candidate = dataclasses.replace(profile, **settings)     # validates the overriding values
+    settings = candidate.settings()
+    overridden = {k: base[k] for k in ENTRIES if settings[k] != base[k]}
+    unpriced = {k: PRICED[k][0] for k in ENTRIES if settings[k] not in PRICED[k]}
+    return SystemRecord(profile.name, settings, overridden, unpriced)
+
+
+_MEGATRON_2021 = "Narayanan et al., SC'21, and NVIDIA/Megatron-LM v2.x"
+_AFTER_BACKWARD_2021 = (f"{_MEGATRON_2021}: megatron/training.py train_step calls model.allreduce_gradients() after "
+                        "forward_backward_func returns (LocalDDP, no buckets)")
+_EXPLICIT_MEGATRON = ("megatron/model/transformer.py ParallelAttention (v2-v3): baddbmm writes the (b*np, sq, sk) "
+                      "scores, FusedScaleMaskSoftmax, bmm with V")
+
+SYSTEMS: Mapping[str, SystemProfile] = MappingProxyType({p.name: p for p in (
+    SystemProfile(
+        "alpa-osdi22", "Alpa as published (Zheng et al., OSDI'22)",
+        grad_overlap=False, param_gather_overlap=False, tp_comm_overlap=False, attention="explicit",
+        optimizer_sharding="searched", recompute="full",
+        sources={
+            "grad_overlap": "alpa/pipeline_parallel/apply_grad.py: gradients accumulate over the microbatches and "
+                            "their all-reduce runs in the apply-gradient stage after the last backward",
+            "param_gather_overlap": "no sharded optimizer step of its own: the ILP's layouts run the update",
+            "tp_comm_overlap": "XLA's SPMD partitioner of 2021-22 issues collectives in line with compute",
+            "attention": "alpa/model/gpt_model.py (benchmark models): einsum scores, softmax, einsum context",
+            "optimizer_sharding": "OSDI'22 sec. 4: the ILP chooses every tensor's layout, optimizer states too",
+            "recompute": "benchmark/alpa suites: GPT and MoE cases run with use_remat=True",
+        }),
+    SystemProfile(
+        "megatron-lm-2021", "Megatron-LM as of 2021 (Narayanan et al., SC'21), Alpa's baseline",
+        grad_overlap=False, param_gather_overlap=False, tp_comm_overlap=False, attention="explicit",
+        optimizer_sharding="none", recompute="full",
+        sources={
+            "grad_overlap": _AFTER_BACKWARD_2021,
+            "param_gather_overlap": f"{_MEGATRON_2021}: no distributed optimizer before v3.0 (2022)",
+            "tp_comm_overlap": f"{_MEGATRON_2021}: mpu/mappings.py all-reduces in line with the GEMMs",
+            "attention": _EXPLICIT_MEGATRON,
+            "optimizer_sharding": f"{_MEGATRON_2021}: every data-parallel rank keeps all Adam states",
+            "recompute": "SC'21 sec. 5: all runs use activation recomputation (--checkpoint-activations)",
+        }),
+    SystemProfile(
+        "megatron-lm-2022", "Megatron-LM v3 (Korthikanti et al. 2022): sequence parallelism, selective recompute",
+        grad_overlap=False, param_gather_overlap=False, tp_comm_overlap=False, attention="explicit",
+        optimizer_sharding="none", recompute="selective",
+        sources={
+            "grad_overlap": "Megatron-LM v3.0 megatron/training.py: grads all-reduced after the backward unless "
+                            "--overlap-grad-reduce (added 2023)",
+            "param_gather_overlap": "Megatron-LM v3.0: no --overlap-param-gather (added 2023)",
+            "tp_comm_overlap": "Korthikanti et al. sec. 4.2.2: reduce-scatter and all-gather run in line",
+            "attention": f"{_EXPLICIT_MEGATRON}; Korthikanti et al. sec. 5 does not use FlashAttention",
+            "optimizer_sharding": "Korthikanti et al. Table 5 runs: data parallel 1, no distributed optimizer",
+            "recompute": "Korthikanti et al. sec. 5: selective recomputation of attention's core",
+        }),
+    SystemProfile(
+        "megatron-core-0.8", "Megatron-core r0.8 (2024) with its README's overlap flags",
+        grad_overlap=True, param_gather_overlap=True, tp_comm_overlap=True, attention="fused",
+        optimizer_sharding="data-parallel", recompute="searched",
+        sources={
+            "grad_overlap": "NVIDIA/Megatron-LM README (r0.8 weak scaling): --overlap-grad-reduce",
+            "param_gather_overlap": "same README: --overlap-param-gather",
+            "tp_comm_overlap": "same README: --tp-comm-overlap (Transformer Engine userbuffers)",
+            "attention": "megatron/core/transformer/custom_layers/transformer_engine.py: TEDotProductAttention "
+                         "(flash or cuDNN fused attention)",
+            "optimizer_sharding": "README: --overlap-param-gather implies --use-distributed-optimizer",
+            "recompute": "README does not say; the method's grid searches none, selective and full",
+        }),
+    SystemProfile(
+        "megatron-deepspeed", "Megatron-DeepSpeed as BLOOM-176B ran it (2022)",
+        grad_overlap=False, param_gather_overlap=False, tp_comm_overlap=False, attention="explicit",
+        optimizer_sharding="data-parallel", recompute="full",
+        sources={
+            "grad_overlap": "deepspeed/runtime/pipe/schedule.py TrainSchedule: ReduceGrads after the last "
+                            "backward, then OptimizerStep",
+            "param_gather_overlap": "deepspeed/runtime/bf16_optimizer.py: the updated shards are all-gathered "
+                                    "after the step",
+            "tp_comm_overlap": "Megatron-DeepSpeed mpu/mappings.py: all-reduces in line",
+            "attention": "bigscience tr11 slurm script: no flash attention (2022); Megatron's explicit softmax",
+            "optimizer_sharding": "bigscience tr11 slurm script: ZeRO stage 1 (BF16 optimizer)",
+            "recompute": "bigscience tr11 slurm script: --checkpoint-activations",
+        }),
+    SystemProfile(
+        "deepspeed", "DeepSpeed ZeRO-1/2 and DeepSpeed-MoE (2021-22 defaults)",
+        grad_overlap=False, param_gather_overlap=False, tp_comm_overlap=False, attention="explicit",
+        optimizer_sharding="data-parallel", recompute="full",
+        sources={
+            "grad_overlap": "deepspeed/runtime/zero/config.py: overlap_comm defaults to false below stage 3",
+            "param_gather_overlap": "deepspeed/runtime/zero/stage_1_and_2.py: all-gather after the step",
+            "tp_comm_overlap": "no tensor parallelism of its own",
+            "attention": "the GPT and MoE models of its 2021-22 examples compute explicit scores",
+            "optimizer_sharding": "ZeRO (Rajbhandari et al., SC'20): states partitioned over data parallelism",
+            "recompute": "DeepSpeed-Megatron examples: --checkpoint-activations",
+        }),
+    SystemProfile(
+        "llama3", "Meta's Llama 3 405B pre-training stack (2024)",
+        grad_overlap=True, param_gather_overlap=True, tp_comm_overlap=False, attention="fused",
+        optimizer_sharding="data-parallel", recompute="none",
+        sources={
+            "grad_overlap": "Llama 3 paper sec. 3.3.2: FSDP-style sharding over data parallelism, gradients "
+                            "reduce-scattered as the backward produces them",
+            "param_gather_overlap": "same section: parameters gathered once per step and not resharded after "
+                                    "the forward",
+            "tp_comm_overlap": "not described in the paper; priced as not overlapped",
+            "attention": "assumed: the paper does not name its kernel; every 2024 H100 run uses a fused one",
+            "optimizer_sharding": "Table 4 notes: data parallelism shards optimizer states and gradients",
+            "recompute": "sec. 3.3.2: no activation checkpointing at 8K context",
+        }),
+)})
+
+
+def get_system(name: str) -> SystemProfile:
+    """The profile called `name`; an unknown name lists the known ones."""
+    if name not in SYSTEMS:
+        raise UnknownSystemError(f"unknown system {name!r}; choose one of {', '.join(SYSTEMS)}")
+    return SYSTEMS[name]

@@ -1,0 +1,97 @@
+"""System profiles: each method priced as its system ran, overrides recorded."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from alpasim import solvers as sv
+from alpasim.costmodels import get_cluster
+from alpasim.solvers._systems import ENTRIES, PRICED, SYSTEMS, SystemProfile, resolve
+
+MODEL = "gpt3-350m:batch=16,layers=4"
+# Two nodes of two V100s: a data-parallel group over the slow network, so when the
+# gradients are reduced is worth seconds, not microseconds.
+CLUSTER = get_cluster("aws-p3.16xlarge", nodes=2, devices_per_node=2)
+DP4 = sv.MegatronConfig(1, 1, 4, 1)
+
+
+def test_every_method_names_a_profile_and_every_entry_has_a_source():
+    assert {m.system for m in sv.METHODS.values()} <= set(SYSTEMS)
+    for profile in SYSTEMS.values():
+        assert set(profile.sources) == set(ENTRIES) and all(len(s) > 20 for s in profile.sources.values())
+    with pytest.raises(ValueError, match="no source for recompute"):
+        dataclasses.replace(SYSTEMS["alpa-osdi22"], sources={e: "x" for e in ENTRIES if e != "recompute"})
+    with pytest.raises(ValueError, match="attention must be one of"):
+        dataclasses.replace(SYSTEMS["alpa-osdi22"], attention="paged")
+
+
+def test_the_systems_that_reduced_after_the_backward_are_priced_so():
+    """Megatron-LM (2021) and Alpa as published reduced gradients after the backward;
+    Megatron-core overlaps them (the drift the profiles fix)."""
+    assert not SYSTEMS[sv.METHODS["megatron"].system].grad_overlap
+    assert not SYSTEMS[sv.METHODS["alpa"].system].grad_overlap
+    assert SYSTEMS[sv.METHODS["megatron_core"].system].grad_overlap
+
+
+def test_resolve_records_overrides_and_what_is_not_modelled():
+    core = SYSTEMS["megatron-core-0.8"]
+    record = resolve(core, grad_overlap=False, recompute=None)
+    assert record.overridden == {"grad_overlap": True}
+    assert record.settings["grad_overlap"] is False and record.settings["recompute"] == "searched"
+    # Every entry the profile sets to a value the cost model cannot price is listed with
+    # the value priced instead: here TP overlap, the parameter gather's and the kernel.
+    assert record.unpriced == {k: PRICED[k][0] for k in ENTRIES if core.settings()[k] not in PRICED[k]}
+    assert set(record.unpriced) == {"param_gather_overlap", "tp_comm_overlap", "attention"}
+    assert resolve(SYSTEMS["megatron-lm-2021"]).unpriced == {}
+    with pytest.raises(ValueError, match="recompute must be one of"):
+        resolve(core, recompute="sometimes")
+    with pytest.raises(TypeError, match="unknown system entry"):
+        resolve(core, overlap=True)
+
+
+def _plan(system: str | None = None, **kw) -> sv.PipelinePlan:
+    return sv.plan_model(MODEL, CLUSTER, "megatron", megatron=DP4, system=system, **kw)
+
+
+def test_a_plan_is_priced_and_recorded_as_its_system_ran():
+    after = _plan()                                  # Megatron-LM 2021: after the backward
+    overlapped = _plan("megatron-core-0.8")
+    assert after.system["name"] == "megatron-lm-2021" and after.system["overridden"] == {}
+    stage = after.stages[0]
+    assert stage.sync_buckets == () and stage.exposed_sync_s == pytest.approx(stage.grad_sync_s)
+    o = overlapped.stages[0]
+    assert o.sync_buckets and o.exposed_sync_s < o.grad_sync_s
+    assert overlapped.predicted.iteration_s < after.predicted.iteration_s
+    # The profile's defaults are the planner's: Megatron-core's optimizer sharding, and
+    # its overlap given back by the user is the 2021 plan's gradient timing again.
+    assert overlapped.search.megatron["distributed_optimizer"] and not after.search.megatron["distributed_optimizer"]
+    undone = _plan("megatron-core-0.8", overlap=False, distributed_optimizer=False, remat=True)
+    assert undone.system["overridden"] == {"grad_overlap": True, "optimizer_sharding": "data-parallel",
+                                           "recompute": "searched"}
+    assert undone.predicted.iteration_s == pytest.approx(after.predicted.iteration_s)
+    assert any("grad_overlap off (the profile's: on)" in n for n in undone.notes)
+
+
+def test_a_profiles_recomputation_is_the_plans_unless_given():
+    selective = _plan("megatron-lm-2022")
+    assert (selective.model.remat, selective.model.recompute) == (False, "selective")
+    full = _plan("megatron-lm-2022", remat=True)
+    assert (full.model.remat, full.system["overridden"]) == (True, {"recompute": "selective"})
+    assert full.predicted.iteration_s > selective.predicted.iteration_s      # the forward again
+
+
+def test_the_bucket_size_alone_is_not_an_override_but_none_is():
+    assert sv.plan_model(MODEL, CLUSTER, "megatron", megatron=DP4, bucket_bytes=2 ** 20).system["overridden"] == {}
+    off = sv.plan_model(MODEL, CLUSTER, "megatron_core", megatron=DP4, bucket_bytes=None, remat=True)
+    assert off.system["overridden"]["grad_overlap"] is True and off.stages[0].sync_buckets == ()
+
+
+def test_cli_lists_methods_with_their_profiles_and_refuses_an_unknown_system(cli):
+    listing = cli.json("methods")
+    assert {r["method"]: r["system"] for r in listing["methods"]}["megatron"] == "megatron-lm-2021"
+    assert set(listing["systems"]) == set(SYSTEMS)
+    assert all(set(s["sources"]) == set(ENTRIES) for s in listing["systems"].values())
+    bad = cli("plan", "--model", MODEL, "--system", "megatron-9")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "megatron-lm-2021" in bad.stderr

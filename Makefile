@@ -72,6 +72,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_cross_mesh.py
 	$(BIN)/python benchmarks/bench_simulator.py
 	$(BIN)/python benchmarks/plan_time.py
+	$(BIN)/python benchmarks/bench_validate.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -11,7 +11,7 @@ comparisons, reproductions); the modules here parse options and print.
 from __future__ import annotations
 
 # Importing a command's module registers it with `app`, in the order `--help` lists them.
-from . import catalog, graph, intra, plan, simulate, profile, run, reproduce, sweep, compare  # noqa: F401
+from . import catalog, graph, intra, plan, simulate, profile, run, reproduce, sweep, compare, validate  # noqa: F401
 from ._common import USER_ERRORS as USER_ERRORS
 from ._common import app as app
 from ._common import main as main

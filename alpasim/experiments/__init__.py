@@ -39,3 +39,8 @@ from ._run_report import cpu_devices_for as cpu_devices_for
 from ._run_report import run_report as run_report
 from ._run_report import simulation_report as simulation_report
 from ._run_report import write_outputs as write_outputs
+from ._published_runs import PUBLISHED_RUNS as PUBLISHED_RUNS
+from ._published_runs import PublishedRun as PublishedRun
+from ._validate import ValidationRow as ValidationRow
+from ._validate import price_run as price_run
+from ._validate import validate as validate

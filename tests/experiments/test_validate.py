@@ -1,0 +1,63 @@
+"""`alpasim validate`: the published runs, their FLOP counts, and the table."""
+
+from __future__ import annotations
+
+import pytest
+
+from alpasim import experiments as ex
+from alpasim import graphs as gr
+from alpasim import solvers as sv
+from alpasim.experiments._published_runs import gpt_model_flops, llama_model_flops
+
+
+@pytest.mark.parametrize("run", ex.PUBLISHED_RUNS, ids=lambda r: r.id)
+def test_every_row_is_a_layout_of_its_cluster(run):
+    """The published degrees multiply to the cluster's GPUs, the batch splits into whole
+    microbatches per data-parallel rank, the model and system exist, and the measured
+    time is positive."""
+    source = gr.model_source(run.model)
+    assert run.gpus == run.cluster.num_devices
+    assert source.global_batch % (run.dp * run.microbatch_size) == 0
+    assert run.system in sv.SYSTEMS and run.generation in run.cluster.device.name
+    assert run.measured_iteration_s > 0
+    assert run.recompute in ("full", "selective", "none")
+
+
+@pytest.mark.parametrize("spec, formula", [
+    ("gpt3:hidden=1024,layers=3,heads=16,seq=512,vocab=51200,batch=2",
+     lambda: gpt_model_flops(2, 512, 3, 1024, 51200)),
+    ("llama:hidden=1024,layers=2,heads=16,kv_heads=4,ffn=2816,seq=512,vocab=32000,batch=2",
+     lambda: llama_model_flops(2, 512, 2, 1024, 16, 4, 2816, 32000)),
+])
+def test_the_published_flop_counts_are_the_graphs_matmuls(spec, formula):
+    """The sources' model-FLOP formulas against an independent count: three times the
+    forward graph's einsum FLOPs (backward = twice the forward)."""
+    forward = gr.flops_by_kind(gr.forward_graph(spec))["matmul"]
+    assert formula() == pytest.approx(3 * forward, rel=1e-3)
+
+
+def test_validate_prices_rows_and_keeps_the_ones_it_cannot(tmp_path):
+    runs = [r for r in ex.PUBLISHED_RUNS if r.id.startswith("korthikanti-22b") or r.cp > 1]
+    report = ex.validate(runs, sv.DiskCache(enabled=False))
+    rows = {r["id"]: r for r in report["rows"]}
+    assert len(rows) == 3
+    cp = next(r for r in rows.values() if r["cp"] > 1)
+    assert not cp["expressible"] and "context parallelism" in cp["reason"]
+    priced = [r for r in rows.values() if r["expressible"]]
+    assert len(priced) == 2 and report["priced_rows"] == 2
+    for r in priced:
+        assert r["error"] == pytest.approx(r["predicted_s"] / r["measured_s"] - 1)
+        assert r["priced_as"]["name"] == "megatron-lm-2022"
+    full, selective = rows["korthikanti-22b-full"], rows["korthikanti-22b-sp-selective"]
+    assert selective["predicted_s"] < full["predicted_s"]          # no forward recomputed whole
+    assert report["mape_percent"] == pytest.approx(50 * (abs(full["error"]) + abs(selective["error"])))
+    assert report["by_generation"]["A100"] == {"mape_percent": report["mape_percent"], "rows": 2, "of": 2}
+    assert report["by_generation"]["H100"]["rows"] == 0
+
+
+def test_cli_validate_prints_the_table_and_refuses_an_unknown_row(cli):
+    shown = cli("validate", "--rows", "korthikanti-22b-full")
+    assert shown.returncode == 0, shown.stderr
+    assert "korthikanti-22b-full" in shown.stdout and "A100: MAPE" in shown.stdout
+    bad = cli("validate", "--rows", "gpt5")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "korthikanti-22b-full" in bad.stderr

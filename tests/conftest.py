@@ -131,7 +131,10 @@ def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
     class ModulesAndRay(LoadScopeScheduling):
-        """loadscope, with the `ray` tests of every module one scope."""
+        """loadscope, with the `ray` tests of every module one scope, and the scopes
+        that took longest (`module_seconds.json`) handed out first: the longest-first
+        order keeps the last minutes from running one long module on one worker while
+        the other idles."""
 
         _ray: set[str] | None = None
 
@@ -140,7 +143,28 @@ def pytest_xdist_make_scheduler(config, log):
                 self._ray = {i for f in ROOT.glob(f"{RAY_TESTS}-*.json") for i in json.loads(f.read_text())}
             return "ray" if nodeid in self._ray else super()._split_scope(nodeid)
 
+        def schedule(self) -> None:
+            if self.collection is None and self.registered_collections:
+                seconds = _module_seconds()
+                weight = lambda nodeid: -seconds.get(self._split_scope(nodeid), 0)  # noqa: E731
+                for node, collected in self.registered_collections.items():
+                    self.registered_collections[node] = sorted(collected, key=weight)   # stable
+                self.config.option.loadscopereorder = False
+            super().schedule()
+
     return ModulesAndRay(config, log)
+
+
+def _module_seconds() -> dict[str, float]:
+    """Seconds per scope from `module_seconds.json` (written by `tests/module_seconds.py`;
+    "ray" is the Ray runtime's module, which holds most `ray` tests). Only an order: a
+    missing or stale file changes which scope starts first, never what runs."""
+    try:
+        seconds = json.loads(Path(__file__).with_name("module_seconds.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    seconds["ray"] = seconds.get("tests/backends/test_ray_runtime.py", 0)
+    return seconds
 
 
 # ---------------------------------------------------------------------------------------

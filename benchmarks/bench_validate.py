@@ -37,12 +37,14 @@ def main() -> None:
             print(f"{r['id']:34s} {r['gpus']:6d} {r['measured_s']:11.2f} {r['predicted_s']:12.2f} "
                   f"{100 * r['error']:+7.1f}%")
         else:
-            print(f"{r['id']:34s} {r['gpus']:6d} {r['measured_s']:11.2f} {'-':>12s}  {r['reason'][:90]}")
+            why = "predicted out of memory (it ran)" if r["status"] == "out of memory" else r["reason"][:90]
+            print(f"{r['id']:34s} {r['gpus']:6d} {r['measured_s']:11.2f} {'-':>12s}  {why}")
     for gen, g in report["by_generation"].items():
         value = "-" if g["mape_percent"] is None else f"{g['mape_percent']:.1f} %"
-        print(f"{gen}: MAPE {value} over {g['rows']} of {g['of']} rows")
+        print(f"{gen}: MAPE {value} over {g['rows']} of {g['of']} rows; {g['out_of_memory']} predicted out of memory")
     value = "-" if report["mape_percent"] is None else f"{report['mape_percent']:.1f} %"
-    print(f"all: MAPE {value} over {report['priced_rows']} of {report['rows_total']} rows")
+    print(f"all: MAPE {value} over {report['priced_rows']} of {report['rows_total']} rows; "
+          f"{report['out_of_memory_rows']} predicted out of memory, though every row ran")
     print(f"priced in {wall:.1f} s = {in_ref(wall, ref)} ref (cold stage cache)")
     print_reference("at the end")
 

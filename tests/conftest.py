@@ -35,6 +35,7 @@ the user's own state (`RAY_ADDRESS`, `ALPASIM_*`) are dropped.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import select
@@ -143,18 +144,18 @@ def pytest_xdist_make_scheduler(config, log):
                 self._ray = {i for f in ROOT.glob(f"{RAY_TESTS}-*.json") for i in json.loads(f.read_text())}
             return "ray" if nodeid in self._ray else super()._split_scope(nodeid)
 
-        def schedule(self) -> None:
-            if self.collection is None and self.registered_collections:
-                seconds = _module_seconds()
-                weight = lambda nodeid: -seconds.get(self._split_scope(nodeid), 0)  # noqa: E731
-                for node, collected in self.registered_collections.items():
-                    self.registered_collections[node] = sorted(collected, key=weight)   # stable
-                self.config.option.loadscopereorder = False
-            super().schedule()
+        def _assign_work_unit(self, node) -> None:
+            # The heaviest scope still queued goes next; the worker is sent the indexes
+            # of its tests in its own collection, so the collections stay untouched.
+            seconds = _module_seconds()
+            heaviest = max(self.workqueue, key=lambda scope: seconds.get(scope, 0))   # the first of equals
+            self.workqueue.move_to_end(heaviest, last=False)
+            super()._assign_work_unit(node)
 
     return ModulesAndRay(config, log)
 
 
+@functools.cache
 def _module_seconds() -> dict[str, float]:
     """Seconds per scope from `module_seconds.json` (written by `tests/module_seconds.py`;
     "ray" is the Ray runtime's module, which holds most `ray` tests). Only an order: a

@@ -94,10 +94,10 @@ def plan(
     dp: Annotated[Optional[int], typer.Option("--dp", help="Megatron data-parallel degree.")] = None,
     microbatch_size: Annotated[Optional[int], typer.Option("--microbatch-size", help="Megatron microbatch "
                                                            "size per data-parallel replica.")] = None,
-    distributed_optimizer: Annotated[bool, typer.Option("--distributed-optimizer", help="Megatron-core's "
-                                                        "distributed optimizer: Adam states and master weights "
-                                                        "on 1/dp of the devices each (the explicit "
-                                                        "configuration, or every one of the grid).")] = False,
+    distributed_optimizer: Annotated[Optional[bool], typer.Option(
+        "--distributed-optimizer/--no-distributed-optimizer", help="Megatron-core's distributed optimizer: Adam "
+        "states and master weights on 1/dp of the devices each (the explicit configuration, or every one of the "
+        "grid; default: as the method's system ran, and megatron-core's grid searches it).")] = None,
     sequence_parallel: Annotated[bool, typer.Option("--sequence-parallel", help="Megatron-LM's sequence "
                                                     "parallelism: norms and residual adds split the sequence "
                                                     "over the tensor-parallel group, partial sums "
@@ -139,6 +139,8 @@ def plan(
     check_precision(precision)
     if recompute is not None:
         check_recompute(recompute, search=True)
+    if recompute == "none" and remat is None:
+        remat = False                # asked for: nothing recomputed, whatever the system's default
     buckets = bucket_bytes(False, bucket_mb)
     if system is not None and system not in sv.SYSTEMS:
         fail(f"--system {system!r}: choose one of {', '.join(sv.SYSTEMS)}")
@@ -162,13 +164,13 @@ def plan(
     if given and len(given) != len(degrees):
         fail(f"--method megatron takes all of --tp, --pp, --dp and --microbatch-size together (missing "
              f"{', '.join(k for k in degrees if k not in given)})")
-    if distributed_optimizer and "distributed_optimizer" not in m.accepts:
+    if distributed_optimizer is not None and "distributed_optimizer" not in m.accepts:
         fail("--distributed-optimizer only applies to --method megatron or megatron-core")
     if sequence_parallel and "sequence_parallel" not in m.accepts:
         fail("--sequence-parallel only applies to --method megatron or megatron-core")
     config = sv.MegatronConfig(tp, pp, dp, microbatch_size) if given else None
     p = make_plan(model, c, name, microbatches=microbatches, layers=layers, max_stages=max_stages, megatron=config,
-                  distributed_optimizer=distributed_optimizer or None,
+                  distributed_optimizer=distributed_optimizer,
                   sequence_parallel=sequence_parallel or None, cache=not no_cache, workers=workers, ray=ray,
                   ray_address=ray_address, epsilon=epsilon, cost_model=model_costs, precision=precision,
                   bucket_bytes=buckets, system=system, overlap=overlap,

@@ -50,7 +50,8 @@ class Point:
     megatron: MegatronConfig | None = None
     cross_mesh: str = "local_all_gather"
     label: str = ""                                  # e.g. the swept value, for tables
-    # Gradient buckets overlapping the backward (`costmodels._overlap`); None: no overlap.
+    # The size of the gradient buckets where the method's system overlaps them with the
+    # backward (`solvers._systems`); None: no overlap for any method (`--no-overlap`).
     bucket_bytes: float | None = DEFAULT_BUCKET_BYTES
 
     @property

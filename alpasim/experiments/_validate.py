@@ -4,9 +4,11 @@ Each row is planned as the Megatron-LM configuration it ran (`solvers.plan_model
 `--method megatron` and the row's degrees, microbatch size, recomputation, sequence
 parallelism and optimizer sharding), under the row's system profile, and the plan is
 simulated on its schedule (`simulator.simulate`). The error is signed: predicted over
-measured, minus one (negative: optimistic). A row the planner cannot express yet is
-listed with the reason it gave; it is never dropped silently, and it is left out of the
-MAPE, whose row count is printed beside it.
+measured, minus one (negative: optimistic). Every row has a status: "priced";
+"out of memory", a prediction that failed, since every row ran (the count is reported
+beside the MAPE, never hidden in it); or "not expressible", a layout the planner
+cannot state yet, with the reason it gave. The MAPE is over the priced rows, with
+their count.
 """
 
 from __future__ import annotations
@@ -35,6 +37,11 @@ class ValidationRow:
     plan_s: float
     reason: str = ""                     # why it is not priced (not expressible, or does not fit)
     system: dict[str, Any] | None = None
+    out_of_memory: bool = False          # priced as not fitting, though it ran
+
+    @property
+    def status(self) -> str:
+        return "priced" if self.expressible else "out of memory" if self.out_of_memory else "not expressible"
 
     @property
     def expressible(self) -> bool:
@@ -51,7 +58,7 @@ class ValidationRow:
                 "microbatch_size": r.microbatch_size, "recompute": r.recompute,
                 "sequence_parallel": r.sequence_parallel, "distributed_optimizer": r.distributed_optimizer,
                 "measured_s": self.measured_s, "predicted_s": self.predicted_s, "error": self.error,
-                "expressible": self.expressible, "reason": self.reason, "assumed": list(r.assumed),
+                "expressible": self.expressible, "status": self.status, "reason": self.reason, "assumed": list(r.assumed),
                 "differs": list(r.differs), "plan_s": self.plan_s, "priced_as": self.system}
 
 
@@ -80,8 +87,8 @@ def price_run(run: PublishedRun, cache: sv.DiskCache | None = None) -> Validatio
     except (ValueError, sv.PlanInfeasible) as e:     # refused: the layout cannot be expressed
         return ValidationRow(run, measured, None, time.perf_counter() - t0, str(e))
     if not plan.feasible:
-        return ValidationRow(run, measured, None, time.perf_counter() - t0,
-                             "does not fit: " + "; ".join(plan.notes), plan.system)
+        return ValidationRow(run, measured, None, time.perf_counter() - t0, "; ".join(plan.notes), plan.system,
+                             out_of_memory=True)
     timeline = sim.simulate(plan, plan.schedule, chunks=plan.chunks)
     return ValidationRow(run, measured, timeline.iteration_s, time.perf_counter() - t0, "", plan.system)
 
@@ -106,7 +113,9 @@ def validate(runs: Sequence[PublishedRun] = PUBLISHED_RUNS, cache: sv.DiskCache 
     for gen in dict.fromkeys(r.generation for r in runs):
         value, count = mape(r for r in rows if r.run.generation == gen)
         by_generation[gen] = {"mape_percent": value, "rows": count,
-                              "of": sum(r.generation == gen for r in runs)}
+                              "of": sum(r.generation == gen for r in runs),
+                              "out_of_memory": sum(r.out_of_memory for r in rows if r.run.generation == gen)}
     return {"rows": [r.to_json() for r in rows], "mape_percent": overall, "priced_rows": n, "rows_total": len(rows),
+            "out_of_memory_rows": sum(r.out_of_memory for r in rows),
             "by_generation": by_generation,
             "seconds": sum(r.plan_s for r in rows)}

@@ -42,6 +42,7 @@ from alpasim.costmodels import DEFAULT_BUCKET_BYTES, Cluster
 from alpasim.graphs import (ModelLike, ModelSource, ModelSpecError, OpGraph, assign_layers, forward_graph,
                             model_source)
 
+from ._interleave import DEFAULT_CHUNK_OPTIONS
 from ._inter_op import DEFAULT_MAX_STAGES, PlanInfeasible, plan_pipeline, planning_units
 from ._preflight import check_megatron, preflight
 from ._pipeline_plan import PipelinePlan, PlanModel, Prediction, SearchStats, plan_cluster_info
@@ -205,12 +206,6 @@ def plan_model(model: ModelLike, cluster: Cluster, method: str = "alpa", *, laye
     configuration's `distributed_optimizer`) is the profile's; the plan's `system`
     records the settings, what was overridden and what is not modelled yet."""
     m = get_method(method)
-    if options.get("recompute") == "auto" and m.name == "megatron_core":
-        options = {k: v for k, v in options.items() if k not in ("remat", "recompute")}   # its grid searches it
-    elif options.get("recompute") == "auto":
-        return _best_recompute(model, cluster, method, layers=layers, max_stages=max_stages, megatron=megatron,
-                               distributed_optimizer=distributed_optimizer, sequence_parallel=sequence_parallel,
-                               system=system, overlap=overlap, **options)
     unknown = set(options) - COMMON_OPTIONS
     if unknown:
         raise TypeError(f"plan_model: unknown option {sorted(unknown)[0]!r}; the options are "
@@ -219,13 +214,14 @@ def plan_model(model: ModelLike, cluster: Cluster, method: str = "alpa", *, laye
                     distributed_optimizer=distributed_optimizer, sequence_parallel=sequence_parallel)
     if megatron is not None and megatron.distributed_optimizer and distributed_optimizer is None:
         distributed_optimizer = True          # asked for in the configuration itself
-    options, record, distributed_optimizer = system_options(m, system, overlap, distributed_optimizer, options)
-    if record.settings["recompute"] == "searched" and m.name != "megatron_core":
-        return _best_recompute(model, cluster, method, layers=layers, max_stages=max_stages, megatron=megatron,
-                               distributed_optimizer=distributed_optimizer, sequence_parallel=sequence_parallel,
-                               system=system, overlap=overlap, **options)
-    plan = _plan_method(m, model, cluster, layers=layers, max_stages=max_stages, megatron=megatron,
-                        distributed_optimizer=distributed_optimizer, sequence_parallel=sequence_parallel, **options)
+    options, record, distributed_optimizer = system_options(m, system, overlap, distributed_optimizer, megatron,
+                                                            options)
+    kw = dict(layers=layers, max_stages=max_stages, megatron=megatron, distributed_optimizer=distributed_optimizer,
+              sequence_parallel=sequence_parallel)
+    if record.settings["recompute"] == "searched" and m.name != "megatron_core":    # its grid searches it
+        plan = _best_recompute(m, model_source(model), cluster, kw, options)
+    else:
+        plan = _plan_method(m, model, cluster, **kw, **options)
     return with_system(plan, record)
 
 
@@ -279,13 +275,14 @@ def _recompute_given(options: dict) -> str | None:
 
 
 def system_options(m: Method, system: str | None, overlap: bool | None, distributed_optimizer: bool | None,
-                   options: dict) -> tuple[dict, SystemRecord, bool | None]:
+                   megatron: MegatronConfig | None, options: dict) -> tuple[dict, SystemRecord, bool | None]:
     """The planner's options with the system profile's entries filled in where the
     user gave none, the record of what the plan is priced with, and the Megatron
-    configuration's distributed optimizer (None: its grid searches it).
+    configuration's distributed optimizer (None: Megatron-core's grid searches it).
 
     `bucket_bytes=None` among `options` (the planner's old spelling of "no overlap")
-    counts as `overlap=False`."""
+    counts as `overlap=False`. A searched recomputation leaves `remat`/`recompute` to
+    the search (`plan_model`'s, or Megatron-core's grid)."""
     profile = get_system(system or m.system)
     options = dict(options)
     if overlap is None and "bucket_bytes" in options and options["bucket_bytes"] is None:
@@ -298,12 +295,14 @@ def system_options(m: Method, system: str | None, overlap: bool | None, distribu
     settings = record.settings
     options["bucket_bytes"] = (options.get("bucket_bytes") or DEFAULT_BUCKET_BYTES) if settings["grad_overlap"] \
         else None
-    if recompute is None and settings["recompute"] in _RECOMPUTE_OPTIONS:
-        options["remat"], options["recompute"] = _RECOMPUTE_OPTIONS[settings["recompute"]]
-    elif recompute is None:               # searched: `plan_model` (or Megatron-core's grid) searches it
+    if settings["recompute"] == "searched":
         options.pop("remat", None)
         options.pop("recompute", None)
-    if m.name in MEGATRON_METHODS and distributed_optimizer is None and settings["optimizer_sharding"] != "searched":
+    elif recompute is None:
+        options["remat"], options["recompute"] = _RECOMPUTE_OPTIONS[settings["recompute"]]
+    grid_searches = m.name == "megatron_core" and megatron is None
+    if m.name in MEGATRON_METHODS and distributed_optimizer is None and settings["optimizer_sharding"] != "searched" \
+            and not grid_searches:
         distributed_optimizer = settings["optimizer_sharding"] == "data-parallel"
     return options, record, distributed_optimizer
 
@@ -352,7 +351,8 @@ def _run_preflight(m: Method, source: ModelSource, cluster: Cluster, *, layers: 
     preflight(source, cost_model.cluster if cost_model is not None else cluster,
               precision=options.get("precision"), layers=layers,
               max_stages=max_stages if max_stages is not None else DEFAULT_MAX_STAGES,
-              schedule=options.get("schedule", "1f1b"), chunk_options=options.get("chunk_options", ()),
+              schedule=options.get("schedule", "1f1b"),
+              chunk_options=options.get("chunk_options", DEFAULT_CHUNK_OPTIONS),
               megatron=megatron if m.name in MEGATRON_METHODS else None)
 
 
@@ -362,15 +362,14 @@ RECOMPUTE_SEARCH: tuple[tuple[str, bool, str], ...] = (
     ("full", True, "none"), ("selective", False, "selective"), ("none", False, "none"))
 
 
-def _best_recompute(model: ModelLike, cluster: Cluster, method: str, **kw) -> PipelinePlan:
+def _best_recompute(m: Method, source: ModelSource, cluster: Cluster, kw: dict, options: dict) -> PipelinePlan:
     """The fastest feasible plan over `RECOMPUTE_SEARCH`: recomputation costs compute, so
     it wins only where the memory it frees buys a faster plan (larger microbatches,
     fewer devices a stage, or a plan that fits at all). Its notes give every policy's
     predicted iteration; with none feasible, full recomputation's infeasible plan."""
-    source = model_source(model)     # traced or read once for all three
     tried = []
     for label, remat, policy in RECOMPUTE_SEARCH:
-        plan = plan_model(source, cluster, method, **{**kw, "remat": remat, "recompute": policy})
+        plan = _plan_method(m, source, cluster, **kw, **{**options, "remat": remat, "recompute": policy})
         tried.append((label, plan))
     feasible = [(label, p) for label, p in tried if p.feasible]
     label, best = min(feasible, key=lambda lp: lp[1].predicted.iteration_s) if feasible else tried[0]

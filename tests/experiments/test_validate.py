@@ -42,7 +42,7 @@ def test_validate_prices_rows_and_keeps_the_ones_it_cannot(tmp_path):
     rows = {r["id"]: r for r in report["rows"]}
     assert len(rows) == 3
     cp = next(r for r in rows.values() if r["cp"] > 1)
-    assert not cp["expressible"] and "context parallelism" in cp["reason"]
+    assert cp["status"] == "not expressible" and "context parallelism" in cp["reason"]
     priced = [r for r in rows.values() if r["expressible"]]
     assert len(priced) == 2 and report["priced_rows"] == 2
     for r in priced:
@@ -51,8 +51,20 @@ def test_validate_prices_rows_and_keeps_the_ones_it_cannot(tmp_path):
     full, selective = rows["korthikanti-22b-full"], rows["korthikanti-22b-sp-selective"]
     assert selective["predicted_s"] < full["predicted_s"]          # no forward recomputed whole
     assert report["mape_percent"] == pytest.approx(50 * (abs(full["error"]) + abs(selective["error"])))
-    assert report["by_generation"]["A100"] == {"mape_percent": report["mape_percent"], "rows": 2, "of": 2}
+    assert report["by_generation"]["A100"] == {"mape_percent": report["mape_percent"], "rows": 2, "of": 2,
+                                               "out_of_memory": 0}
     assert report["by_generation"]["H100"]["rows"] == 0
+
+
+def test_a_row_that_does_not_fit_is_a_failed_prediction_not_a_gap():
+    import dataclasses
+
+    row = next(r for r in ex.PUBLISHED_RUNS if r.id == "korthikanti-22b-full")
+    small = dataclasses.replace(row, cluster=row.cluster.with_overrides(memory_gb=24))
+    report = ex.validate([small], sv.DiskCache(enabled=False))
+    (priced,) = report["rows"]
+    assert priced["status"] == "out of memory" and priced["predicted_s"] is None
+    assert (report["out_of_memory_rows"], report["priced_rows"], report["mape_percent"]) == (1, 0, None)
 
 
 def test_cli_validate_prints_the_table_and_refuses_an_unknown_row(cli):

@@ -57,21 +57,37 @@ def _plan(system: str | None = None, **kw) -> sv.PipelinePlan:
 
 def test_a_plan_is_priced_and_recorded_as_its_system_ran():
     after = _plan()                                  # Megatron-LM 2021: after the backward
-    overlapped = _plan("megatron-core-0.8")
+    core = _plan("megatron-core-0.8")
     assert after.system["name"] == "megatron-lm-2021" and after.system["overridden"] == {}
+    assert core.system["overridden"] == {}           # the profile's own defaults are no override
+    assert (after.model.remat, core.model.remat) == (True, False)           # full; none (searched)
+    assert core.search.megatron["distributed_optimizer"] and not after.search.megatron["distributed_optimizer"]
     stage = after.stages[0]
     assert stage.sync_buckets == () and stage.exposed_sync_s == pytest.approx(stage.grad_sync_s)
+    # Only the overlap differs: the same configuration, recomputation and optimizer.
+    overlapped = _plan("megatron-core-0.8", remat=True, distributed_optimizer=False)
     o = overlapped.stages[0]
     assert o.sync_buckets and o.exposed_sync_s < o.grad_sync_s
     assert overlapped.predicted.iteration_s < after.predicted.iteration_s
-    # The profile's defaults are the planner's: Megatron-core's optimizer sharding, and
-    # its overlap given back by the user is the 2021 plan's gradient timing again.
-    assert overlapped.search.megatron["distributed_optimizer"] and not after.search.megatron["distributed_optimizer"]
+    assert overlapped.system["overridden"] == {"optimizer_sharding": "data-parallel", "recompute": "searched"}
     undone = _plan("megatron-core-0.8", overlap=False, distributed_optimizer=False, remat=True)
     assert undone.system["overridden"] == {"grad_overlap": True, "optimizer_sharding": "data-parallel",
                                            "recompute": "searched"}
     assert undone.predicted.iteration_s == pytest.approx(after.predicted.iteration_s)
     assert any("grad_overlap off (the profile's: on)" in n for n in undone.notes)
+
+
+def test_a_searched_recomputation_is_the_search_not_an_override():
+    """`recompute="auto"` under a profile that recomputes fully is an override to a
+    search; the chosen policy is the plan's, and not recorded as the user's. Megatron-
+    core's grid searches it under another system's profile too."""
+    auto = _plan(recompute="auto")
+    assert auto.system["settings"]["recompute"] == "searched"
+    assert auto.system["overridden"] == {"recompute": "full"}
+    assert any(n.startswith("recompute auto chose") for n in auto.notes)
+    grid = sv.plan_model(MODEL, CLUSTER, "megatron_core", megatron=DP4, system="megatron-lm-2021", recompute="auto")
+    assert grid.system["overridden"] == {"recompute": "full"}
+    assert {row["recompute"] for row in grid.search.megatron_grid} >= {"none"}
 
 
 def test_a_profiles_recomputation_is_the_plans_unless_given():
@@ -95,3 +111,12 @@ def test_cli_lists_methods_with_their_profiles_and_refuses_an_unknown_system(cli
     assert all(set(s["sources"]) == set(ENTRIES) for s in listing["systems"].values())
     bad = cli("plan", "--model", MODEL, "--system", "megatron-9")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "megatron-lm-2021" in bad.stderr
+    # `--recompute none` and `--no-distributed-optimizer` typed are overrides too.
+    args = ("plan", "--model", MODEL, "--cluster", "aws-p3.16xlarge", "--nodes", "2", "--devices-per-node", "2",
+            "--method", "megatron", "--tp", "1", "--pp", "1", "--dp", "4", "--microbatch-size", "1")
+    plain = cli.json(*args, "--system", "megatron-lm-2022", "--recompute", "none")
+    assert (plain["model"]["remat"], plain["model"]["recompute"]) == (False, "none")
+    assert plain["system"]["overridden"] == {"recompute": "selective"}
+    kept = cli.json(*args, "--system", "megatron-core-0.8", "--no-distributed-optimizer")
+    assert kept["search"]["megatron"]["distributed_optimizer"] is False
+    assert kept["system"]["overridden"]["optimizer_sharding"] == "data-parallel"

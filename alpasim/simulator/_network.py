@@ -84,6 +84,10 @@ class FluidNetwork:
             flow = self.flows[f]
             flow.remaining -= flow.rate * (now - flow.since)
             flow.since = now
+        if len(flows) == 1:      # alone on its links (most messages): the slowest link's capacity,
+            # what progressive filling gives one flow, without building its tables
+            (f,) = flows
+            return self._set_rates({f: min(self.capacity[link] for link in self.flows[f].links)}, now)
         spare = {link: self.capacity[link] for link in comp_links}
         unfixed = {link: sorted(self.on_link[link]) for link in comp_links if self.on_link[link]}
         rates: dict[int, float] = {}
@@ -100,6 +104,10 @@ class FluidNetwork:
                         if not unfixed[other]:
                             del unfixed[other]
             del unfixed[link]
+        return self._set_rates(rates, now)
+
+    def _set_rates(self, rates: dict[int, float], now: float) -> list[tuple[int, float, int]]:
+        """Give each flow its new rate; (flow, finish, version) of those that changed."""
         changed = []
         for f in sorted(rates):
             flow = self.flows[f]

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from alpasim.costmodels import Cluster, Link, get_cluster
+import dataclasses
+
+from alpasim.costmodels import Cluster, Link, SpineTier, get_cluster
 
 KORTHIKANTI = "Korthikanti et al. 2022 (arXiv:2205.05198), Table 5"
 BLOOM = "BigScience BLOOM-176B, bigscience-workshop/bigscience train/tr11-176B-ml"
@@ -133,15 +135,22 @@ def _megatron_core(name: str, heads: int, hidden: int, layers: int, tp: int, pp:
         assumed=("microbatch size 1 and no recomputation (the README does not say)",))
 
 
+# Llama 3's network (its paper, sec. 3.3.1): RoCE at 400 Gb/s per GPU, pods of 3,072 GPUs
+# (384 servers) at full bisection, 1:7 oversubscribed above the pods.
+def _llama3_cluster(gpus: int) -> Cluster:
+    return dataclasses.replace(_h100_nodes(gpus), name="llama3-h100", spine=SpineTier(384, 7.0))
+
+
 def _llama3(gpus: int, cp: int, dp: int, seq: int, tflops: float) -> PublishedRun:
     batch = 16 * 2 ** 20 // seq        # 16M tokens per batch
     return PublishedRun(
-        f"llama3-405b-{gpus}-cp{cp}", LLAMA3, "llama3", "H100", _h100_nodes(gpus),
+        f"llama3-405b-{gpus}-cp{cp}", LLAMA3, "llama3", "H100", _llama3_cluster(gpus),
         f"llama3-405b:seq={seq},batch={batch}", 8, 16, dp, 1, "none", sequence_parallel=True,
         distributed_optimizer=True, chunks=2, cp=cp, measured_tflops=tflops,
         flops_per_iteration=llama_model_flops(batch, seq, 126, 16384, 128, 8, 53248, 128256),
         assumed=("microbatch size 1 and 2 chunks per stage (the paper publishes neither)",),
-        differs=("the paper's first and last stages hold one layer fewer; 126 blocks over 16 stages here",))
+        differs=("the paper's first and last stages hold one layer fewer; 126 blocks over 16 stages here",
+                 "RoCE priced as the DGX preset's InfiniBand links (400 Gb/s per GPU, the same rate)"))
 
 
 PUBLISHED_RUNS: tuple[PublishedRun, ...] = (

@@ -230,6 +230,10 @@ class PipelinePlan(Record):
                 if (tuple(a.devices), tuple(a.submesh)) != (tuple(b.devices), tuple(b.submesh)):
                     raise ValueError(f"stages[{j}] is chunk {j // meshes} of mesh {j % meshes}: its devices and "
                                      f"submesh must be stages[{j % meshes}]'s")
+        if self.system and not (isinstance(self.system.get("name"), str) and all(
+                isinstance(self.system.get(k), dict) for k in ("settings", "overridden", "unpriced"))):
+            raise ValueError(f"system must hold a profile name and its settings, overridden and unpriced entries "
+                             f"(`solvers._systems.SystemRecord`), got {self.system!r}")
         for i, t in enumerate(self.transfers):
             if max(t.src_stage, t.dst_stage) >= n:
                 raise ValueError(f"transfers[{i}]: stages {t.src_stage} -> {t.dst_stage} are not two of the "

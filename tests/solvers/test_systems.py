@@ -120,3 +120,17 @@ def test_cli_lists_methods_with_their_profiles_and_refuses_an_unknown_system(cli
     kept = cli.json(*args, "--system", "megatron-core-0.8", "--no-distributed-optimizer")
     assert kept["search"]["megatron"]["distributed_optimizer"] is False
     assert kept["system"]["overridden"]["optimizer_sharding"] == "data-parallel"
+
+
+def test_the_system_record_round_trips_and_a_malformed_one_is_refused(tmp_path):
+    import json
+
+    plan = _plan("megatron-core-0.8", overlap=False)
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    assert sv.load_plan(path).system == plan.system
+    data = json.loads(path.read_text())
+    data["system"] = {"name": 3}
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="system must hold a profile name"):
+        sv.load_plan(path)

@@ -31,20 +31,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as cold:
         report = ex.validate(runs, sv.DiskCache(root=Path(cold)))
     wall = time.perf_counter() - t0
-    print(f"{'row':34s} {'GPUs':>6s} {'measured s':>11s} {'predicted s':>12s} {'error':>8s}")
+    print(f"{'row':34s} {'GPUs':>6s} {'measured s':>11s} {'predicted s':>12s}  error")
     for r in report["rows"]:
-        if r["expressible"]:
-            print(f"{r['id']:34s} {r['gpus']:6d} {r['measured_s']:11.2f} {r['predicted_s']:12.2f} "
-                  f"{100 * r['error']:+7.1f}%")
-        else:
-            why = "predicted out of memory (it ran)" if r["status"] == "out of memory" else r["reason"][:90]
-            print(f"{r['id']:34s} {r['gpus']:6d} {r['measured_s']:11.2f} {'-':>12s}  {why}")
-    for gen, g in report["by_generation"].items():
-        value = "-" if g["mape_percent"] is None else f"{g['mape_percent']:.1f} %"
-        print(f"{gen}: MAPE {value} over {g['rows']} of {g['of']} rows; {g['out_of_memory']} predicted out of memory")
-    value = "-" if report["mape_percent"] is None else f"{report['mape_percent']:.1f} %"
-    print(f"all: MAPE {value} over {report['priced_rows']} of {report['rows_total']} rows; "
-          f"{report['out_of_memory_rows']} predicted out of memory, though every row ran")
+        predicted = f"{r['predicted_s']:12.2f}" if r["status"] == "priced" else f"{'-':>12s}"
+        print(f"{r['id']:34s} {r['gpus']:6d} {r['measured_s']:11.2f} {predicted}  {ex.validation_verdict(r)[:90]}")
+    for line in ex.validation_summary(report):
+        print(line)
     print(f"priced in {wall:.1f} s = {in_ref(wall, ref)} ref (cold stage cache)")
     print_reference("at the end")
 

@@ -80,8 +80,7 @@ def methods(as_json: JsonOpt = False) -> None:
         t.add_row(r["method"], r["system"], r["summary"])
     out.print(t)
     st = Table(title="system profiles (sources: alpasim methods --json)")
-    for col in ("system", "grad overlap", "param gather overlap", "TP comm overlap", "attention",
-                "optimizer sharding", "recompute"):
+    for col in ("system", *(entry.replace("_", " ") for entry in sv.SYSTEM_ENTRIES)):
         st.add_column(col)
     for name, p in systems.items():
         st.add_row(name, *(str(v) for v in p["settings"].values()))

@@ -142,8 +142,11 @@ def plan(
     if recompute == "none" and remat is None:
         remat = False                # asked for: nothing recomputed, whatever the system's default
     buckets = bucket_bytes(False, bucket_mb)
-    if system is not None and system not in sv.SYSTEMS:
-        fail(f"--system {system!r}: choose one of {', '.join(sv.SYSTEMS)}")
+    if system is not None:
+        try:
+            sv.get_system(system)
+        except sv.UnknownSystemError as e:
+            fail(f"--system: {e}")
     if max_stages is not None and max_stages < 1:
         fail(f"--max-stages {max_stages}: must be at least 1")
     if not (math.isfinite(epsilon) and epsilon >= 0):
@@ -155,7 +158,7 @@ def plan(
     name = m.name
     degrees = {"--tp": tp, "--pp": pp, "--dp": dp, "--microbatch-size": microbatch_size}
     given = [k for k, v in degrees.items() if v is not None]
-    interleaves = name == "alpa" or (name in ("megatron", "megatron_core") and bool(given))
+    interleaves = name == "alpa" or ("megatron" in m.accepts and bool(given))
     if schedule == "interleaved" and not interleaves:
         fail(f"--schedule interleaved plans with --method alpa, or a Megatron configuration given by --tp, --pp, "
              f"--dp and --microbatch-size, not --method {m.cli_name} alone")

@@ -37,16 +37,10 @@ def validate(
     for col in ("GPUs", "system", "measured s", "predicted s", "error"):
         t.add_column(col, overflow="fold")
     for r in report["rows"]:
-        predicted = f"{r['predicted_s']:.2f}" if r["expressible"] else "-"
-        error = f"{100 * r['error']:+.1f} %" if r["expressible"] else \
-            "predicted out of memory (it ran)" if r["status"] == "out of memory" else r["reason"]
-        t.add_row(r["id"], f"{r['gpus']:,}", r["system"], f"{r['measured_s']:.2f}", predicted, error)
+        predicted = f"{r['predicted_s']:.2f}" if r["status"] == "priced" else "-"
+        t.add_row(r["id"], f"{r['gpus']:,}", r["system"], f"{r['measured_s']:.2f}", predicted,
+                  ex.validation_verdict(r))
     out.print(t)
-    for gen, g in report["by_generation"].items():
-        value = f"{g['mape_percent']:.1f} %" if g["mape_percent"] is not None else "-"
-        out.print(f"{gen}: MAPE {value} over {g['rows']} of {g['of']} rows; {g['out_of_memory']} predicted out "
-                  f"of memory")
-    value = f"{report['mape_percent']:.1f} %" if report["mape_percent"] is not None else "-"
-    out.print(f"all: MAPE {value} over {report['priced_rows']} of {report['rows_total']} rows; "
-              f"{report['out_of_memory_rows']} predicted out of memory, though every row ran "
-              f"({report['seconds']:.0f} s of planning)")
+    for line in ex.validation_summary(report):
+        out.print(line)
+    out.print(f"({report['seconds']:.0f} s of planning)")

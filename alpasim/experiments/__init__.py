@@ -43,4 +43,6 @@ from ._published_runs import PUBLISHED_RUNS as PUBLISHED_RUNS
 from ._published_runs import PublishedRun as PublishedRun
 from ._validate import ValidationRow as ValidationRow
 from ._validate import price_run as price_run
+from ._validate import summary_lines as validation_summary
 from ._validate import validate as validate
+from ._validate import verdict as validation_verdict

@@ -23,8 +23,7 @@ from alpasim import solvers as sv
 
 from ._published_runs import PUBLISHED_RUNS, PublishedRun
 
-# (remat, recompute) of the planner for a row's recomputation.
-_RECOMPUTE = {"full": (True, "none"), "selective": (False, "selective"), "none": (False, "none")}
+STATUSES = ("priced", "out of memory", "not expressible")
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,17 +34,13 @@ class ValidationRow:
     measured_s: float
     predicted_s: float | None
     plan_s: float
+    status: str = "priced"               # one of STATUSES (module doc)
     reason: str = ""                     # why it is not priced (not expressible, or does not fit)
     system: dict[str, Any] | None = None
-    out_of_memory: bool = False          # priced as not fitting, though it ran
 
     @property
-    def status(self) -> str:
-        return "priced" if self.expressible else "out of memory" if self.out_of_memory else "not expressible"
-
-    @property
-    def expressible(self) -> bool:
-        return self.predicted_s is not None
+    def priced(self) -> bool:
+        return self.status == "priced"
 
     @property
     def error(self) -> float | None:
@@ -58,7 +53,7 @@ class ValidationRow:
                 "microbatch_size": r.microbatch_size, "recompute": r.recompute,
                 "sequence_parallel": r.sequence_parallel, "distributed_optimizer": r.distributed_optimizer,
                 "measured_s": self.measured_s, "predicted_s": self.predicted_s, "error": self.error,
-                "expressible": self.expressible, "status": self.status, "reason": self.reason, "assumed": list(r.assumed),
+                "expressible": self.status != "not expressible", "status": self.status, "reason": self.reason, "assumed": list(r.assumed),
                 "differs": list(r.differs), "plan_s": self.plan_s, "priced_as": self.system}
 
 
@@ -75,27 +70,26 @@ def price_run(run: PublishedRun, cache: sv.DiskCache | None = None) -> Validatio
     measured = run.measured_iteration_s
     reason = _not_expressible(run)
     if reason:
-        return ValidationRow(run, measured, None, 0.0, reason)
-    config = sv.MegatronConfig(run.tp, run.pp, run.dp, run.microbatch_size,
-                               distributed_optimizer=run.distributed_optimizer,
-                               sequence_parallel=run.sequence_parallel)
-    remat, recompute = _RECOMPUTE[run.recompute]
+        return ValidationRow(run, measured, None, 0.0, "not expressible", reason)
+    config = sv.MegatronConfig(run.tp, run.pp, run.dp, run.microbatch_size, sequence_parallel=run.sequence_parallel)
+    remat, recompute = sv.RECOMPUTE_OPTIONS[run.recompute]
     chunked = {"schedule": "interleaved", "chunk_options": (run.chunks,)} if run.chunks > 1 else {}
     try:
         plan = sv.plan_model(run.model, run.cluster, "megatron", megatron=config, system=run.system,
-                             precision=run.precision, remat=remat, recompute=recompute, cache=cache, **chunked)
+                             distributed_optimizer=run.distributed_optimizer, precision=run.precision, remat=remat,
+                             recompute=recompute, cache=cache, **chunked)
     except (ValueError, sv.PlanInfeasible) as e:     # refused: the layout cannot be expressed
-        return ValidationRow(run, measured, None, time.perf_counter() - t0, str(e))
+        return ValidationRow(run, measured, None, time.perf_counter() - t0, "not expressible", str(e))
     if not plan.feasible:
-        return ValidationRow(run, measured, None, time.perf_counter() - t0, "; ".join(plan.notes), plan.system,
-                             out_of_memory=True)
+        return ValidationRow(run, measured, None, time.perf_counter() - t0, "out of memory", "; ".join(plan.notes),
+                             plan.system)
     timeline = sim.simulate(plan, plan.schedule, chunks=plan.chunks)
-    return ValidationRow(run, measured, timeline.iteration_s, time.perf_counter() - t0, "", plan.system)
+    return ValidationRow(run, measured, timeline.iteration_s, time.perf_counter() - t0, system=plan.system)
 
 
 def mape(rows: Iterable[ValidationRow]) -> tuple[float | None, int]:
     """Mean absolute percentage error over the priced rows, and how many there were."""
-    errors = [abs(r.error) for r in rows if r.expressible]
+    errors = [abs(r.error) for r in rows if r.priced]
     return (100.0 * sum(errors) / len(errors) if errors else None), len(errors)
 
 
@@ -111,11 +105,30 @@ def validate(runs: Sequence[PublishedRun] = PUBLISHED_RUNS, cache: sv.DiskCache 
     overall, n = mape(rows)
     by_generation = {}
     for gen in dict.fromkeys(r.generation for r in runs):
-        value, count = mape(r for r in rows if r.run.generation == gen)
-        by_generation[gen] = {"mape_percent": value, "rows": count,
-                              "of": sum(r.generation == gen for r in runs),
-                              "out_of_memory": sum(r.out_of_memory for r in rows if r.run.generation == gen)}
+        own = [r for r in rows if r.run.generation == gen]
+        value, count = mape(own)
+        by_generation[gen] = {"mape_percent": value, "rows": count, "of": len(own),
+                              "out_of_memory": sum(r.status == "out of memory" for r in own)}
     return {"rows": [r.to_json() for r in rows], "mape_percent": overall, "priced_rows": n, "rows_total": len(rows),
-            "out_of_memory_rows": sum(r.out_of_memory for r in rows),
+            "out_of_memory_rows": sum(r.status == "out of memory" for r in rows),
             "by_generation": by_generation,
             "seconds": sum(r.plan_s for r in rows)}
+
+
+def verdict(row: dict[str, Any]) -> str:
+    """What a report row says in a table: its signed error, or why it has none."""
+    if row["status"] == "priced":
+        return f"{100 * row['error']:+.1f} %"
+    return "predicted out of memory (it ran)" if row["status"] == "out of memory" else row["reason"]
+
+
+def summary_lines(report: dict[str, Any]) -> list[str]:
+    """The MAPE lines under the table: per hardware generation, then all rows."""
+    def pct(value: float | None) -> str:
+        return "-" if value is None else f"{value:.1f} %"
+
+    lines = [f"{gen}: MAPE {pct(g['mape_percent'])} over {g['rows']} of {g['of']} rows; {g['out_of_memory']} "
+             f"predicted out of memory" for gen, g in report["by_generation"].items()]
+    lines.append(f"all: MAPE {pct(report['mape_percent'])} over {report['priced_rows']} of {report['rows_total']} "
+                 f"rows; {report['out_of_memory_rows']} predicted out of memory, though every row ran")
+    return lines

@@ -101,11 +101,8 @@ from ._cross_mesh import Tile as Tile
 from ._cross_mesh import Transfer as Transfer
 from ._cross_mesh import cross_mesh_plan as cross_mesh_plan
 from ._methods import COMMON_OPTIONS as COMMON_OPTIONS
-from ._systems import SYSTEMS as SYSTEMS
-from ._systems import SystemProfile as SystemProfile
-from ._systems import UnknownSystemError as UnknownSystemError
-from ._systems import get_system as get_system
 from ._methods import METHODS as METHODS
+from ._methods import RECOMPUTE_OPTIONS as RECOMPUTE_OPTIONS
 from ._methods import RECOMPUTE_SEARCH as RECOMPUTE_SEARCH
 from ._methods import MegatronConfig as MegatronConfig
 from ._methods import Method as Method
@@ -120,6 +117,11 @@ from ._methods import megatron_plan as megatron_plan
 from ._methods import plan_model as plan_model
 from ._methods import plan_with_method as plan_with_method
 from ._methods import throughput_pflops as throughput_pflops
+from ._systems import ENTRIES as SYSTEM_ENTRIES
+from ._systems import SYSTEMS as SYSTEMS
+from ._systems import SystemProfile as SystemProfile
+from ._systems import UnknownSystemError as UnknownSystemError
+from ._systems import get_system as get_system
 from ._stage_dp import equal_layer_dp as equal_layer_dp
 from ._cache import CACHE_VERSION as CACHE_VERSION
 from ._cache import digest as digest

@@ -77,6 +77,10 @@ class Method:
     zoo_only: bool = False               # its layouts are written for the zoo's transformer blocks
     accepts: frozenset[str] = frozenset({"layers", "max_stages"})
     system: str = "alpa-osdi22"          # the system profile it is priced as (`_systems.SYSTEMS`)
+    # Profile entries its own search chooses when the user leaves them to it (Megatron-
+    # core's grid: the recomputation, and without an explicit configuration the optimizer
+    # sharding); `plan_model` searches a "searched" recomputation for the others.
+    own_search: frozenset[str] = frozenset()
 
     @property
     def cli_name(self) -> str:
@@ -133,7 +137,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("megatron_core", "Megatron-core today: the grid also searches sequence parallelism, the distributed "
            "optimizer and full, selective or no recomputation", restriction="megatron", equal_layers=True,
            zoo_only=True, accepts=frozenset({"megatron", "distributed_optimizer", "sequence_parallel"}),
-           system="megatron-core-0.8"),
+           system="megatron-core-0.8", own_search=frozenset({"recompute", "optimizer_sharding"})),
 )}
 MEGATRON_METHODS = frozenset({"megatron", "megatron_core"})
 # Megatron-LM's grid (Narayanan et al. 2021): tensor parallelism inside a node only,
@@ -218,7 +222,7 @@ def plan_model(model: ModelLike, cluster: Cluster, method: str = "alpa", *, laye
                                                             options)
     kw = dict(layers=layers, max_stages=max_stages, megatron=megatron, distributed_optimizer=distributed_optimizer,
               sequence_parallel=sequence_parallel)
-    if record.settings["recompute"] == "searched" and m.name != "megatron_core":    # its grid searches it
+    if record.settings["recompute"] == "searched" and "recompute" not in m.own_search:
         plan = _best_recompute(m, model_source(model), cluster, kw, options)
     else:
         plan = _plan_method(m, model, cluster, **kw, **options)
@@ -255,8 +259,9 @@ def _plan_method(m: Method, model: ModelLike, cluster: Cluster, *, layers: int |
         return infeasible_plan(source, cluster, m.name, reason)
 
 
-# The `recompute` entry of a system profile as the planner's (remat, recompute) options.
-_RECOMPUTE_OPTIONS = {"full": (True, "none"), "selective": (False, "selective"), "fusible": (False, "fusible"),
+# A `recompute` entry (of a system profile, or a published run) as the planner's (remat,
+# recompute) options.
+RECOMPUTE_OPTIONS = {"full": (True, "none"), "selective": (False, "selective"), "fusible": (False, "fusible"),
                       "none": (False, "none")}
 
 
@@ -288,9 +293,7 @@ def system_options(m: Method, system: str | None, overlap: bool | None, distribu
     if overlap is None and "bucket_bytes" in options and options["bucket_bytes"] is None:
         overlap = False
     recompute = _recompute_given(options)
-    sharding = None
-    if m.name in MEGATRON_METHODS and distributed_optimizer is not None:
-        sharding = "data-parallel" if distributed_optimizer else "none"
+    sharding = None if distributed_optimizer is None else _sharding(distributed_optimizer)
     record = resolve(profile, grad_overlap=overlap, recompute=recompute, optimizer_sharding=sharding)
     settings = record.settings
     options["bucket_bytes"] = (options.get("bucket_bytes") or DEFAULT_BUCKET_BYTES) if settings["grad_overlap"] \
@@ -299,22 +302,25 @@ def system_options(m: Method, system: str | None, overlap: bool | None, distribu
         options.pop("remat", None)
         options.pop("recompute", None)
     elif recompute is None:
-        options["remat"], options["recompute"] = _RECOMPUTE_OPTIONS[settings["recompute"]]
-    grid_searches = m.name == "megatron_core" and megatron is None
-    if m.name in MEGATRON_METHODS and distributed_optimizer is None and settings["optimizer_sharding"] != "searched" \
-            and not grid_searches:
+        options["remat"], options["recompute"] = RECOMPUTE_OPTIONS[settings["recompute"]]
+    searches_sharding = "optimizer_sharding" in m.own_search and megatron is None
+    if "distributed_optimizer" in m.accepts and distributed_optimizer is None and not searches_sharding \
+            and settings["optimizer_sharding"] != "searched":
         distributed_optimizer = settings["optimizer_sharding"] == "data-parallel"
     return options, record, distributed_optimizer
+
+
+def _sharding(distributed_optimizer: bool) -> str:
+    """The `optimizer_sharding` entry of a Megatron configuration's flag."""
+    return "data-parallel" if distributed_optimizer else "none"
 
 
 def with_system(plan: PipelinePlan, record: SystemRecord) -> PipelinePlan:
     """`plan` recording the system it was priced as; a Megatron plan's chosen
     configuration decides its optimizer sharding where the grid searched it."""
     config = plan.search.megatron
-    if config is not None and record.settings["optimizer_sharding"] != ("data-parallel" if config.get(
-            "distributed_optimizer") else "none") and "optimizer_sharding" not in record.overridden:
-        settings = {**record.settings, "optimizer_sharding": "data-parallel" if config.get("distributed_optimizer")
-                    else "none"}
+    if config is not None and "optimizer_sharding" not in record.overridden:
+        settings = {**record.settings, "optimizer_sharding": _sharding(config.get("distributed_optimizer"))}
         record = dataclasses.replace(record, settings=settings)
     return dataclasses.replace(plan, system=record.to_json(), notes=(*plan.notes, *record.notes()))
 
@@ -357,9 +363,9 @@ def _run_preflight(m: Method, source: ModelSource, cluster: Cluster, *, layers: 
 
 
 # What `recompute="auto"` tries, as Megatron-core's --recompute-granularity offers it:
-# (remat, recompute) for full, selective (attention's core only) and no recomputation.
-RECOMPUTE_SEARCH: tuple[tuple[str, bool, str], ...] = (
-    ("full", True, "none"), ("selective", False, "selective"), ("none", False, "none"))
+# (label, remat, recompute) for full, selective (attention's core only) and no recomputation.
+RECOMPUTE_SEARCH: tuple[tuple[str, bool, str], ...] = tuple(
+    (label, *RECOMPUTE_OPTIONS[label]) for label in ("full", "selective", "none"))
 
 
 def _best_recompute(m: Method, source: ModelSource, cluster: Cluster, kw: dict, options: dict) -> PipelinePlan:

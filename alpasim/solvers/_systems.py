@@ -35,21 +35,20 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-ATTENTION_KERNELS = ("explicit", "fused")
-OPTIMIZER_SHARDINGS = ("none", "data-parallel", "searched")
-RECOMPUTE_DEFAULTS = ("full", "selective", "fusible", "none", "searched")
-ENTRIES = ("grad_overlap", "param_gather_overlap", "tp_comm_overlap", "attention", "optimizer_sharding",
-           "recompute")
-# (entry, value) pairs the cost model prices. Any other value is recorded in the plan as
-# not priced (what the plan then assumes instead is the first value of the entry here).
-PRICED: Mapping[str, tuple[Any, ...]] = MappingProxyType({
+# Each entry's values; a bool entry is on or off.
+ALLOWED: Mapping[str, tuple[Any, ...]] = MappingProxyType({
     "grad_overlap": (False, True),
-    "param_gather_overlap": (False,),
-    "tp_comm_overlap": (False,),
-    "attention": ("explicit",),
+    "param_gather_overlap": (False, True),
+    "tp_comm_overlap": (False, True),
+    "attention": ("explicit", "fused"),
     "optimizer_sharding": ("none", "data-parallel", "searched"),
-    "recompute": RECOMPUTE_DEFAULTS,
+    "recompute": ("full", "selective", "fusible", "none", "searched"),
 })
+ENTRIES = tuple(ALLOWED)
+# The values the cost model prices. Any other value is recorded in the plan as not
+# priced (what the plan then assumes instead is the first value of the entry here).
+PRICED: Mapping[str, tuple[Any, ...]] = MappingProxyType({
+    **ALLOWED, "param_gather_overlap": (False,), "tp_comm_overlap": (False,), "attention": ("explicit",)})
 
 
 class UnknownSystemError(ValueError):
@@ -71,14 +70,11 @@ class SystemProfile:
     sources: Mapping[str, str]
 
     def __post_init__(self) -> None:
-        for entry in ("grad_overlap", "param_gather_overlap", "tp_comm_overlap"):
-            if not isinstance(getattr(self, entry), bool):
-                raise ValueError(f"system {self.name}: {entry} must be true or false")
-        for entry, allowed in (("attention", ATTENTION_KERNELS), ("optimizer_sharding", OPTIMIZER_SHARDINGS),
-                               ("recompute", RECOMPUTE_DEFAULTS)):
-            if getattr(self, entry) not in allowed:
-                raise ValueError(f"system {self.name}: {entry} must be one of {', '.join(allowed)}, "
-                                 f"got {getattr(self, entry)!r}")
+        for entry, allowed in ALLOWED.items():
+            value = getattr(self, entry)
+            if isinstance(value, bool) != isinstance(allowed[0], bool) or value not in allowed:
+                raise ValueError(f"system {self.name}: {entry} must be one of {', '.join(map(_fmt, allowed))}, "
+                                 f"got {value!r}")
         missing = [e for e in ENTRIES if not self.sources.get(e)]
         if missing:
             raise ValueError(f"system {self.name}: no source for {', '.join(missing)}")
@@ -116,7 +112,7 @@ class SystemRecord:
 
 
 def _fmt(value: Any) -> str:
-    return {True: "on", False: "off"}.get(value, str(value)) if isinstance(value, bool) else str(value)
+    return ("on" if value else "off") if isinstance(value, bool) else str(value)
 
 
 def resolve(profile: SystemProfile, **given: Any) -> SystemRecord:

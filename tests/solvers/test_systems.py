@@ -8,7 +8,7 @@ import pytest
 
 from alpasim import solvers as sv
 from alpasim.costmodels import get_cluster
-from alpasim.solvers._systems import ENTRIES, PRICED, SYSTEMS, SystemProfile, resolve
+from alpasim.solvers._systems import ENTRIES, PRICED, SYSTEMS, resolve
 
 MODEL = "gpt3-350m:batch=16,layers=4"
 # Two nodes of two V100s: a data-parallel group over the slow network, so when the
@@ -33,6 +33,10 @@ def test_the_systems_that_reduced_after_the_backward_are_priced_so():
     assert not SYSTEMS[sv.METHODS["megatron"].system].grad_overlap
     assert not SYSTEMS[sv.METHODS["alpa"].system].grad_overlap
     assert SYSTEMS[sv.METHODS["megatron_core"].system].grad_overlap
+    # And a plan of one of Alpa's baselines is priced so: every gradient's collective
+    # after the backward, all of it exposed.
+    (stage,) = sv.plan_model(MODEL, CLUSTER, "data_parallel").stages
+    assert stage.grad_sync_s > 0 and stage.sync_buckets == () and stage.exposed_sync_s == stage.grad_sync_s
 
 
 def test_resolve_records_overrides_and_what_is_not_modelled():

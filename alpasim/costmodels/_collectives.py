@@ -142,26 +142,39 @@ def collective_time_s(kind: str, nbytes: float,
 def group_link(cluster: Cluster, device_ids: Sequence[int]) -> Link:
     """The link a group of devices communicates over.
 
-    Inside one node: the intra-node link. Spanning nodes: the inter-node per-device
-    share (`Cluster.inter_node_per_device`), divided by the spine's oversubscription
-    when the group spans leaf switches; it assumes every device of the node
-    crosses nodes at the same time, as the parallel groups of one mesh axis do. That
-    is pessimistic for a lone ring through all devices, whose few cross-node edges
-    would each see a whole network card.
+    Inside one node: the intra-node link. Spanning nodes: the network, assuming every
+    device of the node crosses nodes at the same time in some group, as the parallel
+    groups of one mesh axis do. A group with k devices in each node then has k
+    devices' share of the node's cards (`Cluster.inter_node_per_device` times k): its
+    ring enters and leaves each node once per channel, and NCCL runs one channel per
+    card, so the k cards of its devices carry it side by side while the node's other
+    groups use the other cards (NCCL's multi-node ring: nccl-tests' all_reduce bus
+    bandwidth across DGX A100 nodes is about the 8 x 25 GB/s of their HDR cards, not
+    one card's). Divided by the spine's oversubscription when the group spans leaf
+    switches.
     """
     ids = list(device_ids)
     if not ids:
         raise ClusterError(f"cluster {cluster.name!r}: a device group needs at least one device")
-    nodes = {cluster.node_of(d) for d in ids}
-    if len(nodes) == 1:
+    per_node: dict[int, int] = {}
+    for d in ids:
+        node = cluster.node_of(d)
+        per_node[node] = per_node.get(node, 0) + 1
+    if len(per_node) == 1:
         return cluster.intra_node
     share = cluster.inter_node_per_device
-    if cluster.spine is None or len({cluster.leaf_of(n) for n in nodes}) == 1:
-        return share
-    # Across leaves every card's traffic also climbs the spine, which carries only
-    # 1/oversubscription of it (`Cluster.route`).
-    return Link(f"{share.name} over the spine", share.bandwidth_gbps / cluster.spine.oversubscription,
-                share.latency_s)
+    k = min(per_node.values())
+    name = share.name if k == 1 else f"{cluster.inter_node.name} ({k} devices' share)"
+    bandwidth = min(share.bandwidth_gbps * k, cluster.intra_node.bandwidth_gbps)
+    # Of a ring's n steps per pass, one per node crosses the network; the others are
+    # NVLink hops (NCCL tuning.cc prices them so: nInterSteps at the network's latency,
+    # the rest at the intra-node one). The link's per-step latency is their mean.
+    latency = (len(per_node) * share.latency_s + (len(ids) - len(per_node)) * cluster.intra_node.latency_s) / len(ids)
+    if cluster.spine is not None and len({cluster.leaf_of(n) for n in per_node}) > 1:
+        # Across leaves every card's traffic also climbs the spine, which carries only
+        # 1/oversubscription of it (`Cluster.route`).
+        name, bandwidth = f"{name} over the spine", bandwidth / cluster.spine.oversubscription
+    return Link(name, bandwidth, latency)
 
 
 def mesh_axes(cluster: Cluster, shape: Sequence[int]) -> tuple[MeshAxis, ...]:
@@ -184,7 +197,12 @@ def mesh_axes(cluster: Cluster, shape: Sequence[int]) -> tuple[MeshAxis, ...]:
     axes = []
     for i, n in enumerate(shape):
         groups, per_node, per_leaf = (np.moveaxis(x, i, -1).reshape(-1, n) for x in (ids, nodes, leaves))
-        # The axis's slowest group (`group_link`): one that spans leaves, else nodes, else any.
+        # The axis's slowest group (`group_link`): of those that span leaves, else nodes,
+        # else any, the one with the fewest devices in some node (the least share of cards).
         spread = 2 * (per_leaf.max(axis=1) != per_leaf.min(axis=1)) + (per_node.max(axis=1) != per_node.min(axis=1))
-        axes.append(MeshAxis(n, group_link(cluster, groups[int(np.argmax(spread))].tolist())))
+        widest = np.flatnonzero(spread == spread.max())
+        if spread.max() == 0:             # every group inside one node: any of them
+            widest = widest[:1]
+        links = {group_link(cluster, groups[g].tolist()) for g in widest}
+        axes.append(MeshAxis(n, min(links, key=lambda link: (link.bandwidth_gbps, -link.latency_s))))
     return tuple(axes)

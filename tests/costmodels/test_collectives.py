@@ -131,6 +131,18 @@ def test_group_link(p3):
     assert spanning.bandwidth_gbps == pytest.approx(25 / 8)
     assert spanning.latency_s == p3.inter_node.latency_s
     assert group_link(get_cluster("dgx-a100"), [7, 8]).bandwidth_gbps == 200.0
+    # A ring through all 16 devices of two nodes crosses each node's one card once per
+    # pass: the whole card is its (NCCL's multi-node ring), not 1/8 of it; of its 16
+    # steps, 2 cross the network and 14 are NVLink hops.
+    ring = group_link(p3, range(16))
+    assert ring.bandwidth_gbps == pytest.approx(25.0)
+    assert ring.latency_s == pytest.approx((2 * p3.inter_node.latency_s + 14 * p3.intra_node.latency_s) / 16)
+    # Four devices in each of two DGX A100 nodes: their four HDR cards (the other four
+    # serve the node's other group), capped by nothing slower.
+    a100 = get_cluster("dgx-a100", nodes=2)
+    assert group_link(a100, [0, 2, 4, 6, 8, 10, 12, 14]).bandwidth_gbps == pytest.approx(4 * 200.0)
+    # Uneven: the node holding fewer of the group's devices sets the share.
+    assert group_link(a100, [5, 6, 7, 8]).bandwidth_gbps == pytest.approx(200.0)
     with pytest.raises(ClusterError):
         group_link(p3, [])
     with pytest.raises(ClusterError, match="64"):
@@ -143,12 +155,14 @@ def test_mesh_axes_on_p3(p3):
     assert across.link.bandwidth_gbps == pytest.approx(25 / 8)
     assert within.link == p3.intra_node
     assert mesh_axes(p3, (4,))[0].link == p3.intra_node
-    assert mesh_axes(p3, (16,))[0].link == p3.inter_node_per_device
-    # 8x2: axis 0 strides by 2 over 16 devices, so it spans nodes; the pairs stay inside.
+    assert mesh_axes(p3, (16,))[0].link.bandwidth_gbps == pytest.approx(25.0)   # the card, whole
+    # 8x2: axis 0 strides by 2 over 16 devices, so it spans nodes, 4 devices in each: the
+    # two columns share the card. The pairs stay inside.
     a0, a1 = mesh_axes(p3, (8, 2))
-    assert a0.link == p3.inter_node_per_device and a1.link == p3.intra_node
-    # 2x6 on 8-GPU nodes: the second row (devices 6..11) straddles the node boundary.
-    assert mesh_axes(p3, (2, 6))[1].link == p3.inter_node_per_device
+    assert a0.link.bandwidth_gbps == pytest.approx(4 * 25 / 8) and a1.link == p3.intra_node
+    # 2x6 on 8-GPU nodes: the second row (devices 6..11) straddles the node boundary, 2
+    # of its devices in node 0.
+    assert mesh_axes(p3, (2, 6))[1].link.bandwidth_gbps == pytest.approx(2 * 25 / 8)
     with pytest.raises(ClusterError, match="128"):
         mesh_axes(p3, (16, 8))
 

@@ -240,11 +240,13 @@ def test_on_cluster_1x8_stays_in_a_node():
 def test_on_cluster_4x4_on_two_nodes():
     p3 = get_cluster("aws-p3.16xlarge", nodes=2)
     m = LogicalMesh.on_cluster(p3, (4, 4))
-    # devices 0..15 row-major: columns {j, 4+j, 8+j, 12+j} cross nodes, rows stay inside one.
-    assert m.axes[0].link == p3.inter_node_per_device
+    # devices 0..15 row-major: columns {j, 4+j, 8+j, 12+j} cross nodes (two devices in
+    # each: two devices' share of the card), rows stay inside one.
+    assert m.axes[0].link.bandwidth_gbps == pytest.approx(2 * p3.inter_node_per_device.bandwidth_gbps)
     assert m.axes[1].link == p3.intra_node
     m = LogicalMesh.on_cluster(p3, (8, 2))
-    assert m.axes[0].link == p3.inter_node_per_device and m.axes[1].link == p3.intra_node
+    assert m.axes[0].link.bandwidth_gbps == pytest.approx(4 * p3.inter_node_per_device.bandwidth_gbps)
+    assert m.axes[1].link == p3.intra_node
 
 
 def test_on_cluster_axis_crosses_nodes_if_any_group_does():
@@ -252,7 +254,11 @@ def test_on_cluster_axis_crosses_nodes_if_any_group_does():
     # and all groups of an axis run at once, so axis 1 is as slow as the network.
     p3 = get_cluster("aws-p3.16xlarge", nodes=2)
     m = LogicalMesh.on_cluster(p3, (4, 3))
-    assert m.axes[0].link == p3.inter_node_per_device and m.axes[1].link == p3.inter_node_per_device
+    share = p3.inter_node_per_device.bandwidth_gbps
+    assert m.axes[0].link.bandwidth_gbps == m.axes[1].link.bandwidth_gbps == pytest.approx(share)
+    # {6, 7, 8}: of its ring's 3 steps, 2 cross the network (one into each node).
+    inter, intra = p3.inter_node.latency_s, p3.intra_node.latency_s
+    assert m.axes[1].link.latency_s == pytest.approx((2 * inter + intra) / 3)
     m = LogicalMesh.on_cluster(p3, (2, 4))
     assert m.axes[0].link == p3.intra_node and m.axes[1].link == p3.intra_node
 

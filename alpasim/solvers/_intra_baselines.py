@@ -66,8 +66,23 @@ TIE_RTOL = 1e-12
 
 
 def batch_letters(graph: OpGraph) -> dict[str, frozenset[str]]:
-    """Op name -> the letters of its loops that run over the batch."""
-    return _propagated_letters(graph, {(t, 0) for t in graph.inputs if graph.tensors[t].rank > 0})
+    """Op name -> the letters of its loops that run over the batch.
+
+    From the inputs' leading dimension forward, and back again from readers to
+    producers: a batch dimension can be born inside the graph, where a table is
+    broadcast to the activations' shape (RoPE's cos and sin). Left out, such a tensor
+    was kept whole on every data-parallel rank, and its stash grew with dp."""
+    out = dict(_propagated_letters(graph, {(t, 0) for t in graph.inputs if graph.tensors[t].rank > 0}))
+    read_over_batch: dict[str, set[int]] = {}
+    for op in reversed(graph.ops):
+        dm = op_dims(op, graph.tensors)
+        letters = set(out[op.name])
+        for t, term in zip(op.outputs, dm.outputs):
+            letters.update(term[d] for d in read_over_batch.get(t, ()))
+        out[op.name] = frozenset(letters - dm.unshardable)
+        for t, term in zip(op.inputs, dm.inputs):
+            read_over_batch.setdefault(t, set()).update(d for d, c in enumerate(term) if c in out[op.name])
+    return out
 
 
 def sequence_letters(graph: OpGraph) -> dict[str, frozenset[str]]:
@@ -224,6 +239,28 @@ def optimizer_state_shards(restriction: str | None, mesh: LogicalMesh) -> int:
     layout, for states it keeps outside the graph (a tied copy's, `_stage_costs`): the
     data-parallel degree under the distributed optimizer, else 1."""
     return mesh.shape[0] if restriction in DISTRIBUTED_OPTIMIZER else 1
+
+
+def unsliced_state_bytes(restriction: str | None, layer: OpGraph, specs, mesh: LogicalMesh) -> float:
+    """Optimizer-state bytes per device that the distributed optimizer's layouts could
+    not slice over the data-parallel axis (no dimension of the parameter's layout
+    divides evenly by dp), and that Megatron-core shards all the same: its optimizer
+    holds the states of a flat, padded buffer of all parameters, 1/dp of it on each
+    rank (megatron/core/optimizer/distrib_optimizer.py, `_build_model_gbuf_range`), so
+    divisibility never keeps a state whole. The caller takes (1 - 1/dp) of these off.
+    0 for the other baselines."""
+    if restriction not in DISTRIBUTED_OPTIMIZER or mesh.shape[0] == 1:
+        return 0.0
+    total = 0.0
+    for op in layer.ops:
+        if op.prim != "adam":
+            continue
+        for t in op.inputs:
+            tensor = layer.tensors[t]
+            spec = specs.get(t)
+            if tensor.role == "optimizer_state" and spec is not None and not any(0 in d for d in spec.dims):
+                total += tensor.nbytes / spec.num_shards(mesh)
+    return total
 
 
 def _one_more_axis(spec: ShardingSpec, base: ShardingSpec, axis: int) -> bool:

@@ -53,7 +53,7 @@ from alpasim.graphs import (DTYPE_BYTES, OpGraph, get_recipe, in_weight_pass, is
                             stage_graph)
 
 from ._cache import CACHE_VERSION, DiskCache, digest
-from ._intra_baselines import BASELINES, REWRITE_ALLOWED, optimizer_state_shards
+from ._intra_baselines import BASELINES, REWRITE_ALLOWED, optimizer_state_shards, unsliced_state_bytes
 from ._intra_op import IntraOpInfeasible, min_memory_choice, solve_intra_op, solve_problem
 from ._mesh import LogicalMesh
 from ._resharding import Collective
@@ -336,15 +336,18 @@ def layer_options(layer: OpGraph, mesh: LogicalMesh, cluster: Cluster, microbatc
 
     def summarise(plan, status: str) -> LayerOption:
         mem = plan.memory
-        t_param, t_grad, t_opt = tied_copy_bytes(layer, plan.specs, mesh,
-                                                 optimizer_state_shards(restriction, mesh))
-        return LayerOption(plan.time_s, plan.sync_s + plan.update_s, mem.persistent_bytes + t_grad + t_opt,
+        shards = optimizer_state_shards(restriction, mesh)
+        t_param, t_grad, t_opt = tied_copy_bytes(layer, plan.specs, mesh, shards)
+        # Megatron-core's flat buffer shards the states the layouts could not slice.
+        opt = mem.optimizer_bytes - unsliced_state_bytes(restriction, layer, plan.specs, mesh) * (1 - 1 / shards)
+        return LayerOption(plan.time_s, plan.sync_s + plan.update_s,
+                           mem.params_bytes + mem.grads_bytes + opt + t_grad + t_opt,
                            mem.activations_peak_bytes, tuple(str(plan.specs[p]) for p in params),
                            tuple((i, plan.strategies[layer.ops[i].name].name,
                                   "/".join(map(str, plan.strategies[layer.ops[i].name].out_specs))) for i in heavy),
                            status, plan.forward_s, tuple(str(plan.specs[t]) for t in layer.inputs),
                            tuple(str(plan.specs[t]) for t in layer.outputs), mem.stash_bytes,
-                           mem.params_bytes, mem.grads_bytes + t_grad, mem.optimizer_bytes + t_opt,
+                           mem.params_bytes, mem.grads_bytes + t_grad, opt + t_opt,
                            (t_param, t_grad, t_opt), gathered_param_bytes(layer, plan), mem.update_bytes,
                            tuple(str(plan.specs[t]) if t in plan.specs else "" for t in canonical_tensors(layer)),
                            *gradient_sync(layer, plan), hidden_collectives_s(layer, plan), *weight_pass(layer, plan))

@@ -250,3 +250,25 @@ def test_ilp_is_no_worse_than_any_baseline(p3, gpt_layer, moe_layer, microbatche
         for method in ("data_parallel", "zero2", "zero3", "heuristic", "deepspeed_moe"):
             baseline = _solve(stage, mesh, model, method, microbatches=microbatches).objective_s
             assert alpa <= baseline * (1 + 1e-9), (stage.name, method, alpa, baseline)
+
+
+def test_a_batch_dimension_born_inside_the_graph_is_split_over_data_parallelism():
+    """Llama's RoPE broadcasts its (seq, half) cos and sin tables to the activations'
+    shape; the stash keeps them for the backward. Under Megatron's layout with dp
+    replicas each rank holds its own microbatch's share, so the stash per microbatch
+    does not grow with dp (it grew by a table per replica when only the inputs'
+    leading dimension counted as batch)."""
+    from alpasim import solvers as sv
+    from alpasim.costmodels import get_cluster
+
+    model = "llama:hidden=256,layers=2,heads=8,kv_heads=2,ffn=512,seq=256,vocab=1024,dtype=fp32"
+    stash = {}
+    for dp in (1, 4):
+        plan = sv.plan_model(f"{model},batch={2 * dp}", get_cluster("dgx-a100", nodes=1, devices_per_node=2 * dp),
+                             "megatron", megatron=sv.MegatronConfig(2, 1, dp, 1), remat=False, recompute="none")
+        stash[dp] = plan.stages[0].stash_bytes
+    assert stash[4] == stash[1] > 0
+    graph = build_training_graph(f"{model},batch=8").graph
+    batch = sv.batch_letters(graph)
+    tables = [op for op in graph.ops if op.prim == "broadcast" and op.name.endswith(("cos_b", "sin_b"))]
+    assert tables and all(batch[op.name] for op in tables)

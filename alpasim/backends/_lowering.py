@@ -251,6 +251,38 @@ def _softmax_grad(p, dy, y):
     return (p.get("scale", 1.0) * yf * (d - dot)).astype(dy.dtype)
 
 
+# ------------------------------------------------------------ fused attention
+def _attention_fn(p, q, k, v):
+    """(out, lse) of `attention` (`alpasim.graphs._prims_attention`): scores in float32,
+    the causal mask, the log-sum-exp per query, probabilities cast to q's dtype for the
+    second matmul (what FlashAttention's kernels do). XLA:CPU materialises the scores;
+    a GPU's fused kernel would not, and the graph prices the kernel."""
+    q_term, k_term, v_term = p["equation"].split("->")[0].split(",")
+    s_term = q_term.replace("d", "k")
+    z = jnp.einsum(f"{q_term},{k_term}->{s_term}", q, k, preferred_element_type=F32) * p.get("scale", 1.0)
+    if p.get("causal", False):
+        qi = lax.broadcasted_iota(jnp.int32, z.shape, s_term.index("q"))
+        ki = lax.broadcasted_iota(jnp.int32, z.shape, s_term.index("k"))
+        z = jnp.where(ki <= qi, z, -jnp.inf)
+    lse = jax.nn.logsumexp(z, axis=-1)
+    probs = jnp.exp(z - lse[..., None]).astype(q.dtype)
+    out = jnp.einsum(f"{s_term},{v_term}->{q_term}", probs, v, preferred_element_type=F32)
+    return out.astype(q.dtype), lse
+
+
+@_lowers("attention")
+def _attention(p, q, k, v):
+    return _attention_fn(p, q, k, v)
+
+
+@_lowers("attention_grad")
+def _attention_grad(p, dout, q, k, v, out, lse):
+    """The kernel's backward recomputes the probabilities from q and k (here with
+    `jax.vjp` of the forward; `out` and `lse` are the residuals a GPU kernel reads)."""
+    _, vjp = jax.vjp(lambda a, b, c: _attention_fn(p, a, b, c)[0], q, k, v)
+    return vjp(dout.astype(q.dtype))
+
+
 def _normalize(x, axes, eps):
     """(x - mean) * rstd over `axes`, with rstd = 1 / sqrt(var + eps)."""
     xf = x.astype(F32)

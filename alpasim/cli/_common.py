@@ -51,16 +51,24 @@ OverlapOpt = Annotated[Optional[bool], typer.Option("--overlap/--no-overlap", he
 SystemOpt = Annotated[Optional[str], typer.Option("--system", help="Price the plan as this system ran (a profile "
                                                   "of `alpasim methods`: overlap, recomputation, optimizer "
                                                   "sharding; default: the method's own).")]
-BucketOpt = Annotated[float, typer.Option("--bucket-mb", help="Gradient bucket size in MiB for the overlapped "
-                                          "reduction (PyTorch DDP's default: 25).")]
+AttentionOpt = Annotated[Optional[str], typer.Option("--attention", help="Attention kernel of a zoo model: "
+                                                     "explicit (the (s, s) scores in memory) or fused (one "
+                                                     "FlashAttention-style kernel; default: as the method's "
+                                                     "system ran).")]
+BucketOpt = Annotated[Optional[float], typer.Option("--bucket-mb", help="Gradient bucket size in MiB for the "
+                                                    "overlapped reduction (default: the system's; PyTorch DDP's "
+                                                    "25, Megatron-core's max(40M, 1M x dp) parameters).")]
 
 
-def bucket_bytes(no_overlap: bool, bucket_mb: float) -> float | None:
+def bucket_bytes(no_overlap: bool, bucket_mb: float | None) -> float | str | None:
     """The planner's `bucket_bytes` for `--no-overlap` / `--bucket-mb` (one line if bad):
-    None (no overlap, overriding the system profile) or the bucket size."""
-    if not (math.isfinite(bucket_mb) and bucket_mb > 0):
+    None (no overlap, overriding the system profile), the bucket size, or
+    `solvers.SYSTEM_BUCKETS` (the system's own)."""
+    if bucket_mb is not None and not (math.isfinite(bucket_mb) and bucket_mb > 0):
         fail(f"--bucket-mb must be a finite number > 0, got {bucket_mb}")
-    return None if no_overlap else bucket_mb * 2 ** 20
+    if no_overlap:
+        return None
+    return sv.SYSTEM_BUCKETS if bucket_mb is None else bucket_mb * 2 ** 20
 
 
 PrecisionOpt = Annotated[str, typer.Option("--precision", help="Mixed-precision recipe: mixed-fp32grad (fp16 "

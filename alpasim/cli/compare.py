@@ -31,7 +31,7 @@ def compare(
     ray: RayOpt = False,
     ray_address: RayAddressOpt = None,
     no_overlap: NoOverlapOpt = False,
-    bucket_mb: BucketOpt = 25.0,
+    bucket_mb: BucketOpt = None,
     schedules: Annotated[Optional[str], typer.Option(
         "--schedules", help="Also simulate each plan under these schedules, e.g. gpipe,1f1b,interleaved,zb-h1,"
         "zb-h2: iteration, bubble and peak memory side by side.")] = None,

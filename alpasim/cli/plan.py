@@ -17,7 +17,7 @@ from alpasim import solvers as sv
 from alpasim.experiments import simulation_report
 
 from ._common import (
-    BucketOpt, ClusterOpt, CostModelOpt, DpnOpt, GbpsOpt, JsonOpt, MemOpt, NodesOpt, OverlapOpt, PrecisionOpt,
+    AttentionOpt, BucketOpt, ClusterOpt, CostModelOpt, DpnOpt, GbpsOpt, JsonOpt, MemOpt, NodesOpt, OverlapOpt, PrecisionOpt,
     SystemOpt, app, bucket_bytes, check_precision, check_recompute, emit_json, err, fail, fmt_bytes, fmt_count,
     load_cluster, load_cost_model, out, parse_microbatches, plan_map, RayAddressOpt, RayOpt, TaskProgress,
     writable_file, writing,
@@ -111,7 +111,8 @@ def plan(
                                                      "method's system ran.")] = None,
     overlap: OverlapOpt = None,
     system: SystemOpt = None,
-    bucket_mb: BucketOpt = 25.0,
+    attention: AttentionOpt = None,
+    bucket_mb: BucketOpt = None,
     schedule: Annotated[str, typer.Option("--schedule", help="The pipeline schedule the plan runs: 1f1b (the "
                                           "stage DP's); interleaved (the model cut into S x v chunks, chunk j "
                                           "on mesh j mod S, v from --chunks); or 'auto': with --method alpa "
@@ -147,6 +148,8 @@ def plan(
             sv.get_system(system)
         except sv.UnknownSystemError as e:
             fail(f"--system: {e}")
+    if attention is not None and attention not in gr.ATTENTION_KERNELS:
+        fail(f"--attention {attention!r}: choose {' or '.join(gr.ATTENTION_KERNELS)}")
     if max_stages is not None and max_stages < 1:
         fail(f"--max-stages {max_stages}: must be at least 1")
     if not (math.isfinite(epsilon) and epsilon >= 0):
@@ -176,7 +179,7 @@ def plan(
                   distributed_optimizer=distributed_optimizer,
                   sequence_parallel=sequence_parallel or None, cache=not no_cache, workers=workers, ray=ray,
                   ray_address=ray_address, epsilon=epsilon, cost_model=model_costs, precision=precision,
-                  bucket_bytes=buckets, system=system, overlap=overlap,
+                  bucket_bytes=buckets, system=system, overlap=overlap, attention=attention,
                   **{k: v for k, v in (("remat", remat), ("recompute", recompute)) if v is not None},
                   **({"schedule": schedule, "chunk_options": chunk_options}
                      if (name == "alpa" and schedule != "1f1b") or (interleaves and schedule == "interleaved")

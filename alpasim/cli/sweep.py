@@ -55,7 +55,7 @@ def sweep(
     ray: RayOpt = False,
     ray_address: RayAddressOpt = None,
     no_overlap: NoOverlapOpt = False,
-    bucket_mb: BucketOpt = 25.0,
+    bucket_mb: BucketOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """What-if sweep of one cluster parameter x methods: table, CSV, markdown and a plot."""

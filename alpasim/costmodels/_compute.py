@@ -8,6 +8,9 @@ their dtype, derated by `matmul_efficiency`; every other kind runs on the CUDA c
 (float32 peak, no derating) and is memory bound in practice — its elementwise FLOPs are
 a handful per byte (Williams, Waterman and Patterson, "Roofline", CACM 2009).
 
+Fused attention (kind "attention") is priced from its kernel's measured throughput
+where the device has one (`_attention`), else as the GEMMs it runs.
+
 Fusion (`_fusion`): an op inside a fused kernel is charged the HBM bytes the kernel
 moves on its behalf (`OpAccess.nbytes`) instead of its own reads and writes, and only
 the kernel's first op pays the launch.
@@ -21,11 +24,15 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from alpasim.graphs import MATMUL_KINDS, Op, Tensor, op_bytes, op_flops, op_kind
+from alpasim.graphs import MATMUL_KINDS, Op, Tensor, attention_geometry, op_bytes, op_flops, op_kind
 
+from ._attention import executed_flops, fused_attention_time_s
 from ._fusion import VIEW_PRIMS, OpAccess
 from ._hardware import Device
 
+# Kinds that run on tensor cores: the contractions, and fused attention where no kernel
+# measurement covers it (`_attention`), as the GEMMs it is made of.
+TENSOR_CORE_KINDS = MATMUL_KINDS | {"attention"}
 # One CUDA kernel launch plus its minimal run time (a few microseconds on V100-H100).
 KERNEL_LAUNCH_OVERHEAD_S = 3e-6
 # Large cuBLAS GEMMs reach roughly 70-80% of the tensor-core peak; 0.7 is the V100 end.
@@ -90,7 +97,9 @@ def traffic_bytes(op: Op, tensors: Mapping[str, Tensor]) -> int:
 
 def compute_dtype(op: Op, tensors: Mapping[str, Tensor]) -> str:
     """The dtype an op computes in: its widest float input (fp16 x fp32 runs at fp32)."""
-    floats = [tensors[t].dtype for t in op.inputs if tensors[t].is_float]
+    # Fused attention's float32 log-sum-exp is a softmax statistic, not a GEMM operand.
+    inputs = op.inputs[:5] if op.prim == "attention_grad" else op.inputs
+    floats = [tensors[t].dtype for t in inputs if tensors[t].is_float]
     if not floats:
         return "float32"
     return "float32" if "float32" in floats else floats[0]
@@ -106,8 +115,14 @@ def op_time_s(op: Op, tensors: Mapping[str, Tensor], device: Device, num_shards:
     """
     check_shards(op, num_shards)
     flops = op_flops(op, tensors) / num_shards
+    if op_kind(op) == "attention":
+        geometry, backward = attention_geometry(op, tensors), op.prim == "attention_grad"
+        kernel_s = fused_attention_time_s(device.name, geometry, backward, num_shards)
+        if kernel_s is not None:
+            return kernel_s + KERNEL_LAUNCH_OVERHEAD_S
+        flops = executed_flops(*geometry, backward) / num_shards
     nbytes = (traffic_bytes(op, tensors) if access is None else access.nbytes) / num_shards
-    return compute_time_s(flops, nbytes, compute_dtype(op, tensors), device, op_kind(op) in MATMUL_KINDS,
+    return compute_time_s(flops, nbytes, compute_dtype(op, tensors), device, op_kind(op) in TENSOR_CORE_KINDS,
                           launch=access is None or access.launch)
 
 

@@ -81,7 +81,7 @@ REQUIRED_OP_CLASSES = tuple(c for c in OP_CLASSES if c not in FALLBACK_CLASS)
 # "elementwise". Softmax and norms are apart because at equal bytes a softmax (exp and
 # two passes) takes 2-3x a layer norm on the CPU; reductions and pooling are one pass
 # with a reduction, like a norm.
-_CLASS_OF_KIND = {"einsum": "matmul", "conv": "conv", "softmax": "softmax", "loss": "softmax",
+_CLASS_OF_KIND = {"einsum": "matmul", "attention": "matmul", "conv": "conv", "softmax": "softmax", "loss": "softmax",
                   "normalization": "normalization", "reduction": "normalization", "pooling": "normalization"}
 
 

@@ -12,9 +12,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from alpasim.costmodels import DEFAULT_BUCKET_BYTES, Cluster
+from alpasim.costmodels import Cluster
 from alpasim.simulator import SCHEDULES, schedule_options
-from alpasim.solvers import METHODS, PipelinePlan, plan_from_json
+from alpasim.solvers import METHODS, SYSTEM_BUCKETS, PipelinePlan, plan_from_json
 
 from ._points import Point, Result, run_points
 
@@ -109,7 +109,7 @@ def schedule_rows(plan: PipelinePlan, cluster: Cluster, schedules: Sequence[str]
 def compare(model: str, cluster: Cluster, methods: Sequence[str], *, cache: bool = True, workers: int | None = None,
             map_fn: Callable[[Callable, Iterable], Iterable] | None = None,
             progress: Callable[[int, int, Result], None] | None = None,
-            bucket_bytes: float | None = DEFAULT_BUCKET_BYTES, schedules: Sequence[str] = ()) -> Comparison:
+            bucket_bytes: float | str | None = SYSTEM_BUCKETS, schedules: Sequence[str] = ()) -> Comparison:
     """Plan and simulate `model` on `cluster` with each of `methods` (the first is the
     reference the others are divided by); `bucket_bytes` as `Point`'s. With
     `schedules` (names in `simulator.SCHEDULES`), every feasible plan is also simulated

@@ -19,10 +19,11 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from alpasim.costmodels import DEFAULT_BUCKET_BYTES, Cluster, get_cluster
+from alpasim.costmodels import Cluster, get_cluster
 from alpasim.graphs import ModelSpecError, graph_digest, graph_to_json, read_graph_file
 from alpasim.simulator import simulate
-from alpasim.solvers import CACHE_VERSION, DiskCache, MegatronConfig, digest, plan_with_method, worker_pool
+from alpasim.solvers import (CACHE_VERSION, SYSTEM_BUCKETS, DiskCache, MegatronConfig, digest, plan_with_method,
+                             worker_pool)
 
 # 3: the DP prices stage-boundary transfers; 5: DP baselines' microbatches split over their devices
 RESULT_VERSION = "points/7"   # 7: each method priced as its system profile ran (overlap per system)
@@ -52,7 +53,7 @@ class Point:
     label: str = ""                                  # e.g. the swept value, for tables
     # The size of the gradient buckets where the method's system overlaps them with the
     # backward (`solvers._systems`); None: no overlap for any method (`--no-overlap`).
-    bucket_bytes: float | None = DEFAULT_BUCKET_BYTES
+    bucket_bytes: float | str | None = SYSTEM_BUCKETS
 
     @property
     def gpus(self) -> int:
@@ -61,7 +62,8 @@ class Point:
     def key(self) -> str:
         return digest([RESULT_VERSION, CACHE_VERSION, model_key(self.model), self.cluster.to_json(), self.method,
                        str(self.microbatches), dataclasses.asdict(self.megatron) if self.megatron else None,
-                       self.cross_mesh, None if self.bucket_bytes is None else float(self.bucket_bytes)])
+                       self.cross_mesh, self.bucket_bytes if self.bucket_bytes in (None, SYSTEM_BUCKETS)
+                       else float(self.bucket_bytes)])
 
 
 @dataclass(frozen=True)

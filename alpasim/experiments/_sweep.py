@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from alpasim.costmodels import DEFAULT_BUCKET_BYTES, Cluster, get_cluster
+from alpasim.costmodels import Cluster, get_cluster
+from alpasim.solvers import SYSTEM_BUCKETS
 
 from ._compare import method_name, plan_shape, plan_summary
 from ._points import DEFAULT_CLUSTER, Point, Result, run_points
@@ -256,7 +257,7 @@ def sweep(model: str, gpus: int, axis: str, values: Sequence[Any], methods: Sequ
           microbatches: int | str = "auto", workers: int | None = None, cache: bool = True,
           map_fn: Callable[[Callable, Iterable], Iterable] | None = None,
           progress: Callable[[int, int, Result], None] | None = None,
-          bucket_bytes: float | None = DEFAULT_BUCKET_BYTES) -> SweepReport:
+          bucket_bytes: float | str | None = SYSTEM_BUCKETS) -> SweepReport:
     """Plan and simulate `model` on `gpus` devices with each method at each value of
     `axis` (see the module doc) on whole nodes of `cluster_name` (of `devices_per_node`
     devices when given); `microbatches` fixes B for the methods that search it (Megatron's

@@ -59,6 +59,8 @@ from ._primitives import op_dims as op_dims
 from ._primitives import op_flops as op_flops
 from ._primitives import op_kind as op_kind
 from ._primitives import parse_einsum as parse_einsum
+from ._prims_attention import ATTENTION_KERNELS as ATTENTION_KERNELS
+from ._prims_attention import attention_geometry as attention_geometry
 from ._llama import LlamaConfig as LlamaConfig
 from ._resnet import WResNetConfig as WResNetConfig
 from ._serialize import GraphFormatError as GraphFormatError

@@ -351,6 +351,19 @@ def _norm_vjp(c, op, cts, needs):
     return [dx if needs[0] else None, dg if needs[1] else None, db if needs[2] else None]
 
 
+@_rule("attention")
+def _attention_vjp(c, op, cts, needs):
+    # The log-sum-exp output is the kernel's residual for its backward, not a value the
+    # loss reads (NONDIFF_OUTPUTS), so only the attention output carries a cotangent.
+    dout = cts[0]
+    if dout is None:
+        return [None, None, None]
+    q, k, v = op.inputs
+    out, lse = op.outputs
+    grads = c.b.apply("attention_grad", [dout, c.x(q), c.x(k), c.x(v), c.x(out), c.x(lse)], **op.attrs)
+    return [g if need else None for g, need in zip(grads, needs)]
+
+
 @_rule("embedding")
 def _embedding_vjp(c, op, cts, needs):
     table, ids = op.inputs
@@ -386,7 +399,8 @@ NO_INPUT_PRIMS = frozenset({"iota", "full", "constant"})
 
 # ------------------------------------------------------------------- driver
 # Outputs that are piecewise constant in the inputs and so carry no cotangent.
-NONDIFF_OUTPUTS: dict[str, frozenset[int]] = {"top2_gating": frozenset({1}), "topk_gating": frozenset({1})}
+NONDIFF_OUTPUTS: dict[str, frozenset[int]] = {"top2_gating": frozenset({1}), "topk_gating": frozenset({1}),
+                                               "attention": frozenset({1})}
 
 
 def _needs_grad(fwd: OpGraph) -> set[str]:

@@ -37,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ._builder import GraphBuilder
+from ._prims_attention import check_attention_kernel, fused_attention
 from ._types import OpGraph
 
 
@@ -54,6 +55,7 @@ class LlamaConfig:
     batch: int = 512
     rope_theta: int = 500000
     dtype: str = "bfloat16"
+    attention: str = "explicit"
 
     def __post_init__(self) -> None:
         check_decoder(self, ("ffn",))
@@ -88,6 +90,7 @@ def check_decoder(cfg, positive: tuple[str, ...] = (), non_negative: tuple[str, 
         raise ValueError(f"{cfg.family}: the head size {cfg.hidden // cfg.heads} must be even (RoPE rotates pairs)")
     if cfg.dtype not in ("float16", "bfloat16", "float32"):
         raise ValueError(f"{cfg.family}: dtype must be float16, bfloat16 or float32, got {cfg.dtype!r}")
+    check_attention_kernel(cfg)
 
 
 def rms_norm(b: GraphBuilder, x: str, dt: str, name: str) -> str:
@@ -150,9 +153,12 @@ def gqa_attention(b: GraphBuilder, x: str, cfg) -> str:
         k = b.einsum("bsh,hgd->bsgd", x, b.param("w_k", (h, g, d), dt), name="k_proj")
         v = b.einsum("bsh,hgd->bsgd", x, b.param("w_v", (h, g, d), dt), name="v_proj")
         q, k = _rope(b, q, cos, sin, "q_rope"), _rope(b, k, cos, sin, "k_rope")
-        scores = b.einsum("bqgrd,bkgd->bgrqk", q, k, name="scores")
-        probs = b.one("softmax", [scores], name="softmax", axis=-1, scale=1.0 / math.sqrt(d), causal=True)
-        ctx = b.einsum("bgrqk,bkgd->bqgrd", probs, v, name="context")
+        if cfg.attention == "fused":
+            ctx = fused_attention(b, "bqgrd,bkgd,bkgd->bqgrd", q, k, v, scale=1.0 / math.sqrt(d), causal=True)
+        else:
+            scores = b.einsum("bqgrd,bkgd->bgrqk", q, k, name="scores")
+            probs = b.one("softmax", [scores], name="softmax", axis=-1, scale=1.0 / math.sqrt(d), causal=True)
+            ctx = b.einsum("bgrqk,bkgd->bqgrd", probs, v, name="context")
         return b.einsum("bsgrd,grdh->bsh", ctx, b.param("w_o", (g, r, d, h), dt), name="out_proj")
 
 

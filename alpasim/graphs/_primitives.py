@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from . import _prims_compute, _prims_layout, _prims_nn  # noqa: F401  (register the rules)
+from . import _prims_attention, _prims_compute, _prims_layout, _prims_nn  # noqa: F401  (register the rules)
 from ._prim_core import LETTERS as LETTERS
 from ._prim_core import MATMUL_KINDS as MATMUL_KINDS
 from ._prim_core import PRIMITIVES as PRIMITIVES

@@ -57,6 +57,7 @@ class TopKMoEConfig:
     normalize_topk: int = 1
     rope_theta: int = 1000000
     dtype: str = "bfloat16"
+    attention: str = "explicit"
 
     def __post_init__(self) -> None:
         check_decoder(self, ("experts", "top_k", "expert_ffn", "group_size", "capacity_pct"),

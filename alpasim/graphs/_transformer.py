@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass
 
 from ._builder import GraphBuilder
+from ._prims_attention import check_attention_kernel, fused_attention
 from ._types import OpGraph
 
 
@@ -41,6 +42,7 @@ class GPTConfig:
     batch: int = 1024
     ffn_mult: int = 4
     dtype: str = "float16"
+    attention: str = "explicit"
 
     def __post_init__(self) -> None:
         _check_transformer(self)
@@ -64,6 +66,7 @@ class MoEConfig:
     group_size: int = 2048
     ffn_mult: int = 8
     dtype: str = "float16"
+    attention: str = "explicit"
 
     def __post_init__(self) -> None:
         _check_transformer(self)
@@ -105,6 +108,7 @@ def _check_transformer(cfg) -> None:
         raise ValueError(f"{cfg.family}: hidden={cfg.hidden} is not divisible by heads={cfg.heads}")
     if cfg.dtype not in ("float16", "bfloat16", "float32"):
         raise ValueError(f"{cfg.family}: dtype must be float16, bfloat16 or float32, got {cfg.dtype!r}")
+    check_attention_kernel(cfg)
 
 
 def _attention(b: GraphBuilder, x: str, cfg, causal: bool) -> str:
@@ -118,9 +122,12 @@ def _attention(b: GraphBuilder, x: str, cfg, causal: bool) -> str:
             y = b.one("bias_add", [y, b.param(f"b_{which}", (n, d), dt)], name=f"{which}_bias")
             heads.append(b.one("transpose", [y], name=f"{which}_heads", perm=(0, 2, 1, 3)))  # (b, n, s, d)
         q, k, v = heads
-        scores = b.einsum("bnqd,bnkd->bnqk", q, k, name="scores")
-        probs = b.one("softmax", [scores], name="softmax", axis=-1, scale=1.0 / math.sqrt(d), causal=causal)
-        ctx = b.einsum("bnqk,bnkd->bnqd", probs, v, name="context")
+        if cfg.attention == "fused":
+            ctx = fused_attention(b, "bnqd,bnkd,bnkd->bnqd", q, k, v, scale=1.0 / math.sqrt(d), causal=causal)
+        else:
+            scores = b.einsum("bnqd,bnkd->bnqk", q, k, name="scores")
+            probs = b.one("softmax", [scores], name="softmax", axis=-1, scale=1.0 / math.sqrt(d), causal=causal)
+            ctx = b.einsum("bnqk,bnkd->bnqd", probs, v, name="context")
         w_o = b.param("w_o", (n, d, h), dt)
         out = b.einsum("bnsd,ndh->bsh", ctx, w_o, name="out_proj")
         return b.one("bias_add", [out, b.param("b_o", (h,), dt)], name="out_bias")

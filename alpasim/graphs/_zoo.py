@@ -105,10 +105,16 @@ def model_names() -> list[str]:
     return list(ZOO)
 
 
+# Config fields that hold names, not sizes (`dtype` has aliases of its own).
+STRING_FIELDS = ("dtype", "attention")
+
+
 def _parse_value(family: str, key: str, raw: str, field_type: Any) -> Any:
     if key == "dtype":
         aliases = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
         return aliases.get(raw, raw)
+    if key in STRING_FIELDS:
+        return raw
     try:
         return int(raw)
     except ValueError:
@@ -199,7 +205,7 @@ def model_from_json(data: Mapping[str, Any], where: str = "model JSON") -> Model
         raise ModelSpecError(f"{where}: field 'family' is {family!r}, expected one of {', '.join(FAMILIES)}")
     fields = {k: v for k, v in data.items() if k not in ("schema", "family", "name")}
     for k, v in fields.items():
-        if k == "dtype":
+        if k in STRING_FIELDS:
             fields[k] = _parse_value(family, k, str(v), str)
         elif not isinstance(v, int) or isinstance(v, bool):
             raise ModelSpecError(f"{where}: field {k!r} must be an integer, got {v!r}")

@@ -104,6 +104,7 @@ from ._methods import COMMON_OPTIONS as COMMON_OPTIONS
 from ._methods import METHODS as METHODS
 from ._methods import RECOMPUTE_OPTIONS as RECOMPUTE_OPTIONS
 from ._methods import RECOMPUTE_SEARCH as RECOMPUTE_SEARCH
+from ._methods import SYSTEM_BUCKETS as SYSTEM_BUCKETS
 from ._methods import MegatronConfig as MegatronConfig
 from ._methods import Method as Method
 from ._methods import check_before_planning as check_before_planning

@@ -47,7 +47,7 @@ from ._inter_op import DEFAULT_MAX_STAGES, PlanInfeasible, plan_pipeline, planni
 from ._preflight import check_megatron, preflight
 from ._pipeline_plan import PipelinePlan, PlanModel, Prediction, SearchStats, plan_cluster_info
 from ._submesh import SubmeshShape
-from ._systems import SystemRecord, get_system, resolve
+from ._systems import GradBuckets, SystemRecord, get_system, resolve
 
 # Options every method takes (`plan_pipeline` keywords), and those only some do.
 COMMON_OPTIONS = frozenset({"microbatches", "remat", "recompute", "precision", "cost_model", "epsilon", "cache",
@@ -193,7 +193,8 @@ class MegatronConfig:
 def plan_model(model: ModelLike, cluster: Cluster, method: str = "alpa", *, layers: int | None = None,
                max_stages: int | None = None, megatron: MegatronConfig | None = None,
                distributed_optimizer: bool | None = None, sequence_parallel: bool | None = None,
-               system: str | None = None, overlap: bool | None = None, **options) -> PipelinePlan:
+               system: str | None = None, overlap: bool | None = None, attention: str | None = None,
+               **options) -> PipelinePlan:
     """The one planner entry: `model` (a zoo name, spec string or graph file path, a
     `ModelSource`, an `OpGraph`, or a `graphs.JaxModel` — a JAX loss function with
     example arguments) on `cluster` with `method` (a `METHODS` name).
@@ -208,7 +209,10 @@ def plan_model(model: ModelLike, cluster: Cluster, method: str = "alpa", *, laye
     `system` names the profile the plan is priced as (`_systems.SYSTEMS`; default: the
     method's). What the user does not give (`overlap`, `remat`/`recompute`, a Megatron
     configuration's `distributed_optimizer`) is the profile's; the plan's `system`
-    records the settings, what was overridden and what is not modelled yet."""
+    records the settings, what was overridden and what is not modelled yet. `attention`
+    ("explicit" or "fused", `graphs.ATTENTION_KERNELS`; a zoo spec's own `attention=`
+    counts as given) rebuilds a zoo model with that kernel; a saved graph keeps its own
+    ops, and the record says so where they differ from the system's."""
     m = get_method(method)
     unknown = set(options) - COMMON_OPTIONS
     if unknown:
@@ -219,7 +223,8 @@ def plan_model(model: ModelLike, cluster: Cluster, method: str = "alpa", *, laye
     if megatron is not None and megatron.distributed_optimizer and distributed_optimizer is None:
         distributed_optimizer = True          # asked for in the configuration itself
     options, record, distributed_optimizer = system_options(m, system, overlap, distributed_optimizer, megatron,
-                                                            options)
+                                                            options, attention=_attention_given(model, attention))
+    model, record = with_attention(model, record)
     kw = dict(layers=layers, max_stages=max_stages, megatron=megatron, distributed_optimizer=distributed_optimizer,
               sequence_parallel=sequence_parallel)
     if record.settings["recompute"] == "searched" and "recompute" not in m.own_search:
@@ -246,6 +251,8 @@ def _plan_method(m: Method, model: ModelLike, cluster: Cluster, *, layers: int |
             return megatron_grid(source, cluster, today=m.name == "megatron_core", config=megatron, **given,
                                  **options)
         kw = {**options, **m.search_options(cluster)}
+        if isinstance(kw.get("bucket_bytes"), GradBuckets):     # no one data-parallel degree: the least
+            kw["bucket_bytes"] = kw["bucket_bytes"].nbytes(1)
         if layers is not None:
             kw["layers"] = layers
         if max_stages is not None:
@@ -257,6 +264,10 @@ def _plan_method(m: Method, model: ModelLike, cluster: Cluster, *, layers: int |
             reason += (f"; pipelines deeper than --max-stages {e.capped[0]} were not searched: raise it (up to "
                        f"{e.capped[1]}) to try them")
         return infeasible_plan(source, cluster, m.name, reason)
+
+
+# The `bucket_bytes` option's value for "the system profile's buckets" (the default).
+SYSTEM_BUCKETS = "system"
 
 
 # A `recompute` entry (of a system profile, or a published run) as the planner's (remat,
@@ -280,7 +291,8 @@ def _recompute_given(options: dict) -> str | None:
 
 
 def system_options(m: Method, system: str | None, overlap: bool | None, distributed_optimizer: bool | None,
-                   megatron: MegatronConfig | None, options: dict) -> tuple[dict, SystemRecord, bool | None]:
+                   megatron: MegatronConfig | None, options: dict, attention: str | None = None
+                   ) -> tuple[dict, SystemRecord, bool | None]:
     """The planner's options with the system profile's entries filled in where the
     user gave none, the record of what the plan is priced with, and the Megatron
     configuration's distributed optimizer (None: Megatron-core's grid searches it).
@@ -294,10 +306,12 @@ def system_options(m: Method, system: str | None, overlap: bool | None, distribu
         overlap = False
     recompute = _recompute_given(options)
     sharding = None if distributed_optimizer is None else _sharding(distributed_optimizer)
-    record = resolve(profile, grad_overlap=overlap, recompute=recompute, optimizer_sharding=sharding)
+    record = resolve(profile, grad_overlap=overlap, recompute=recompute, optimizer_sharding=sharding,
+                     attention=attention)
     settings = record.settings
-    options["bucket_bytes"] = (options.get("bucket_bytes") or DEFAULT_BUCKET_BYTES) if settings["grad_overlap"] \
-        else None
+    given = options.get("bucket_bytes")
+    options["bucket_bytes"] = ((profile.buckets or DEFAULT_BUCKET_BYTES) if given in (None, SYSTEM_BUCKETS)
+                               else given) if settings["grad_overlap"] else None
     if settings["recompute"] == "searched":
         options.pop("remat", None)
         options.pop("recompute", None)
@@ -308,6 +322,31 @@ def system_options(m: Method, system: str | None, overlap: bool | None, distribu
             and settings["optimizer_sharding"] != "searched":
         distributed_optimizer = settings["optimizer_sharding"] == "data-parallel"
     return options, record, distributed_optimizer
+
+
+def _attention_given(model: ModelLike, attention: str | None) -> str | None:
+    """The attention kernel the user asked for: `attention`, else a spec string's own
+    `attention=` (it names the model as the user wants it computed)."""
+    if attention is not None or not isinstance(model, str) or "attention=" not in model:
+        return attention
+    source = model_source(model)
+    return source.config.attention if source.config is not None else None
+
+
+def with_attention(model: ModelLike, record: SystemRecord) -> tuple[ModelLike, SystemRecord]:
+    """`model` computing attention with the record's kernel: a zoo model is rebuilt with
+    it; a saved graph's own ops are what is priced, and where they are not the
+    record's kernel, the record lists the kernel as not modelled (priced as the graph's)."""
+    source = model_source(model)
+    kernel = record.settings["attention"]
+    if source.config is not None:
+        if source.config.attention == kernel:
+            return source, record
+        return ModelSource.zoo(source.name, dataclasses.replace(source.config, attention=kernel)), record
+    ran = "fused" if any(op.prim == "attention" for op in source.graph.ops) else "explicit"
+    if ran == kernel:
+        return source, record
+    return source, dataclasses.replace(record, unpriced={**record.unpriced, "attention": ran})
 
 
 def _sharding(distributed_optimizer: bool) -> str:
@@ -443,6 +482,8 @@ def megatron_plan(model: ModelLike, cluster: Cluster, config: MegatronConfig, me
         return [(config.dp, config.tp)] if shape.size == size else []
 
     search = {**METHODS["megatron"].search_options(cluster), "restriction": config.restriction}
+    if isinstance(kw.get("bucket_bytes"), GradBuckets):
+        kw = {**kw, "bucket_bytes": kw["bucket_bytes"].nbytes(config.dp)}
     try:
         plan = plan_pipeline(source, cluster, microbatches=b, method=method, shape_ok=lambda sh: sh.size == size,
                              views_of=views_of, num_stages=config.pp, max_stages=config.pp, relabel=zoo_blocks,

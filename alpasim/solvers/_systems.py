@@ -25,6 +25,10 @@ Entries:
 * `recompute`: "full" (each layer's forward again in the backward), "selective"
   (attention's core only), "fusible" (`graphs.training_graph`'s policy), "none", or
   "searched" (the method's search chooses).
+
+Beside the entries, a profile may size its overlapped gradient buckets (`GradBuckets`:
+Megatron-core's grow with the data-parallel degree); without one, a bucket is PyTorch
+DDP's 25 MiB. `--bucket-mb` overrides either.
 """
 
 from __future__ import annotations
@@ -48,11 +52,33 @@ ENTRIES = tuple(ALLOWED)
 # The values the cost model prices. Any other value is recorded in the plan as not
 # priced (what the plan then assumes instead is the first value of the entry here).
 PRICED: Mapping[str, tuple[Any, ...]] = MappingProxyType({
-    **ALLOWED, "param_gather_overlap": (False,), "tp_comm_overlap": (False,), "attention": ("explicit",)})
+    **ALLOWED, "param_gather_overlap": (False,), "tp_comm_overlap": (False,)})
 
 
 class UnknownSystemError(ValueError):
     """A system profile name no record has."""
+
+
+@dataclass(frozen=True, slots=True)
+class GradBuckets:
+    """Gradient buckets of max(min_params, params_per_rank x dp) parameters, of
+    `grad_bytes` bytes each: larger data-parallel groups take larger buckets so that
+    their collectives stay bandwidth-bound (a ring's latency grows with the group)."""
+
+    min_params: int
+    params_per_rank: int
+    grad_bytes: int
+    source: str
+
+    def nbytes(self, dp: int) -> float:
+        return float(max(self.min_params, self.params_per_rank * dp) * self.grad_bytes)
+
+
+MEGATRON_CORE_BUCKETS = GradBuckets(
+    40_000_000, 1_000_000, 4,
+    "megatron/core/distributed/distributed_data_parallel_config.py (core_r0.7-0.8): bucket_size defaults to "
+    "max(40000000, 1000000 * dp_size) parameters; fp32 gradients (megatron/training/arguments.py sets "
+    "accumulate_allreduce_grads_in_fp32 for bf16)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +94,7 @@ class SystemProfile:
     optimizer_sharding: str
     recompute: str
     sources: Mapping[str, str]
+    buckets: GradBuckets | None = None
 
     def __post_init__(self) -> None:
         for entry, allowed in ALLOWED.items():
@@ -186,7 +213,7 @@ SYSTEMS: Mapping[str, SystemProfile] = MappingProxyType({p.name: p for p in (
                          "(flash or cuDNN fused attention)",
             "optimizer_sharding": "README: --overlap-param-gather implies --use-distributed-optimizer",
             "recompute": "README does not say; the method's grid searches none, selective and full",
-        }),
+        }, buckets=MEGATRON_CORE_BUCKETS),
     SystemProfile(
         "megatron-deepspeed", "Megatron-DeepSpeed as BLOOM-176B ran it (2022)",
         grad_overlap=False, param_gather_overlap=False, tp_comm_overlap=False, attention="explicit",

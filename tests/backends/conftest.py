@@ -7,7 +7,7 @@ MODELS = {
     "gpt": "gpt3:hidden=64,layers=2,heads=4,seq=16,vocab=128,batch=8,dtype=fp32",
     "moe": "moe:hidden=64,layers=2,heads=4,seq=16,vocab=128,batch=8,experts=4,group_size=32,dtype=fp32",
     "wresnet": "wresnet:channels=8,width=1,image=64,classes=16,batch=8",
-    "llama": "llama:hidden=64,layers=2,heads=4,kv_heads=2,ffn=96,seq=16,vocab=128,batch=8,dtype=fp32",
+    "llama": "llama:hidden=64,layers=2,heads=4,kv_heads=2,ffn=96,seq=16,vocab=128,batch=8,dtype=fp32,attention=fused",
     "topk-moe": "topk-moe:hidden=64,layers=3,heads=4,kv_heads=2,experts=4,top_k=2,expert_ffn=48,shared_experts=1,"
                 "dense_layers=1,dense_ffn=96,seq=16,vocab=128,batch=8,group_size=32,dtype=fp32",
 }

@@ -45,9 +45,9 @@ def test_resolve_records_overrides_and_what_is_not_modelled():
     assert record.overridden == {"grad_overlap": True}
     assert record.settings["grad_overlap"] is False and record.settings["recompute"] == "searched"
     # Every entry the profile sets to a value the cost model cannot price is listed with
-    # the value priced instead: here TP overlap, the parameter gather's and the kernel.
+    # the value priced instead: here TP overlap and the parameter gather's.
     assert record.unpriced == {k: PRICED[k][0] for k in ENTRIES if core.settings()[k] not in PRICED[k]}
-    assert set(record.unpriced) == {"param_gather_overlap", "tp_comm_overlap", "attention"}
+    assert set(record.unpriced) == {"param_gather_overlap", "tp_comm_overlap"}
     assert resolve(SYSTEMS["megatron-lm-2021"]).unpriced == {}
     with pytest.raises(ValueError, match="recompute must be one of"):
         resolve(core, recompute="sometimes")
@@ -68,15 +68,17 @@ def test_a_plan_is_priced_and_recorded_as_its_system_ran():
     assert core.search.megatron["distributed_optimizer"] and not after.search.megatron["distributed_optimizer"]
     stage = after.stages[0]
     assert stage.sync_buckets == () and stage.exposed_sync_s == pytest.approx(stage.grad_sync_s)
-    # Only the overlap differs: the same configuration, recomputation and optimizer.
-    overlapped = _plan("megatron-core-0.8", remat=True, distributed_optimizer=False)
+    # Only the overlap differs: the same configuration, recomputation, optimizer and kernel.
+    same = dict(remat=True, distributed_optimizer=False, attention="explicit")
+    overlapped = _plan("megatron-core-0.8", **same)
     o = overlapped.stages[0]
     assert o.sync_buckets and o.exposed_sync_s < o.grad_sync_s
     assert overlapped.predicted.iteration_s < after.predicted.iteration_s
-    assert overlapped.system["overridden"] == {"optimizer_sharding": "data-parallel", "recompute": "searched"}
-    undone = _plan("megatron-core-0.8", overlap=False, distributed_optimizer=False, remat=True)
+    assert overlapped.system["overridden"] == {"optimizer_sharding": "data-parallel", "recompute": "searched",
+                                               "attention": "fused"}
+    undone = _plan("megatron-core-0.8", overlap=False, **same)
     assert undone.system["overridden"] == {"grad_overlap": True, "optimizer_sharding": "data-parallel",
-                                           "recompute": "searched"}
+                                           "recompute": "searched", "attention": "fused"}
     assert undone.predicted.iteration_s == pytest.approx(after.predicted.iteration_s)
     assert any("grad_overlap off (the profile's: on)" in n for n in undone.notes)
 
@@ -100,6 +102,39 @@ def test_a_profiles_recomputation_is_the_plans_unless_given():
     full = _plan("megatron-lm-2022", remat=True)
     assert (full.model.remat, full.system["overridden"]) == (True, {"recompute": "selective"})
     assert full.predicted.iteration_s > selective.predicted.iteration_s      # the forward again
+
+
+def test_a_profiles_attention_kernel_builds_the_model_unless_given():
+    """Megatron-core's fused kernel rebuilds the zoo model with it (the plan's model
+    config says so, and the backend rebuilds that); the user's kernel, by option or in
+    the spec, is an override; a saved graph keeps its ops, and the record says which."""
+    core = _plan("megatron-core-0.8", remat=True)
+    assert core.model.source["config"]["attention"] == "fused" and core.system["overridden"] == {
+        "recompute": "searched"}
+    explicit = _plan("megatron-core-0.8", remat=True, attention="explicit")
+    assert explicit.model.source["config"]["attention"] == "explicit"
+    assert explicit.system["overridden"] == {"recompute": "searched", "attention": "fused"}
+    spec = sv.plan_model(MODEL + ",attention=explicit", CLUSTER, "megatron", megatron=DP4,
+                         system="megatron-core-0.8", remat=True)
+    assert spec.system["overridden"] == explicit.system["overridden"]
+    assert spec.predicted.iteration_s == explicit.predicted.iteration_s != core.predicted.iteration_s
+    assert _plan().model.source["config"]["attention"] == "explicit"       # Megatron-LM 2021's own
+
+    import jax
+    import jax.numpy as jnp
+
+    from alpasim.graphs import from_jax
+
+    def loss(params, batch):       # an imported graph: its own ops, no attention kernel
+        return jnp.mean(jnp.tanh(batch["x"] @ params["w"]) ** 2)
+
+    spec = jax.ShapeDtypeStruct
+    imported = from_jax(loss, {"w": spec((64, 64), jnp.float32)}, {"x": spec((16, 64), jnp.float32)}, name="mlp")
+    graph = sv.plan_model(imported, CLUSTER, "data_parallel", system="megatron-core-0.8", remat=True)
+    assert graph.system["unpriced"]["attention"] == "explicit"
+    assert any("attention explicit (it ran fused)" in n for n in graph.notes)
+    with pytest.raises(ValueError, match="attention must be one of explicit, fused"):
+        _plan(attention="flash")
 
 
 def test_the_bucket_size_alone_is_not_an_override_but_none_is():
@@ -138,3 +173,41 @@ def test_the_system_record_round_trips_and_a_malformed_one_is_refused(tmp_path):
     path.write_text(json.dumps(data))
     with pytest.raises(ValueError, match="system must hold a profile name"):
         sv.load_plan(path)
+
+
+def test_megatron_core_sizes_its_gradient_buckets_by_the_data_parallel_degree():
+    """Megatron-core's DDP buckets hold max(40M, 1M x dp) fp32 gradients; PyTorch DDP's
+    (Megatron-LM 2021 priced with overlap) 25 MiB; `bucket_bytes` overrides either. The
+    overlapped buckets are the stage's weight-gradient bytes over the bucket size."""
+    from alpasim.solvers._systems import MEGATRON_CORE_BUCKETS
+
+    assert MEGATRON_CORE_BUCKETS.nbytes(4) == 40e6 * 4 and MEGATRON_CORE_BUCKETS.nbytes(64) == 64e6 * 4
+    model = "gpt3:hidden=2048,layers=2,heads=16,seq=256,vocab=4096,batch=16"
+    cluster = get_cluster("dgx-a100", nodes=1, devices_per_node=4)
+    kw = dict(megatron=DP4, remat=True, distributed_optimizer=False, attention="explicit")
+    core = sv.plan_model(model, cluster, "megatron", system="megatron-core-0.8", **kw)
+    ddp = sv.plan_model(model, cluster, "megatron", system="megatron-core-0.8", bucket_bytes=25 * 2 ** 20, **kw)
+    # Buckets fill within a layer (`_stage_costs.layer_sync`): a block's 12 h^2 weight
+    # gradients, here 50 M of them, take ceil(bytes / bucket) each.
+    grad = 12 * 2048 ** 2 * 2                     # fp16 gradients of one block (the default recipe)
+    blocks = 2
+    assert len(ddp.stages[0].sync_buckets) >= blocks * -(-grad // (25 * 2 ** 20))
+    assert len(core.stages[0].sync_buckets) < len(ddp.stages[0].sync_buckets)
+    assert core.predicted.iteration_s != ddp.predicted.iteration_s
+
+
+def test_the_distributed_optimizer_shards_states_no_layout_divides():
+    """Megatron-core shards a flat, padded buffer: with dp 3 no dimension of a 64-wide
+    model divides, and still each device keeps a third of the master weights and Adam
+    moments (12 of the 18 bytes a parameter takes under mixed-fp32grad)."""
+    cluster = get_cluster("dgx-a100", nodes=1, devices_per_node=6, memory_gb=1e3)
+    model = "gpt3:hidden=64,layers=2,heads=4,seq=32,vocab=96,batch=12"
+    config = sv.MegatronConfig(2, 1, 3, 1)
+    plans = {d: sv.plan_model(model, cluster, "megatron", megatron=config, distributed_optimizer=d, remat=True)
+             for d in (False, True)}
+    states = {d: sum(s.params_bytes for s in p.stages) for d, p in plans.items()}
+    # Per device: the model's parameters over tp 2 (embedding and blocks split, norms and
+    # biases replicated); the saving is 12 bytes x (2/3) of each.
+    saved = states[False] - states[True]
+    per_param = states[False] / 18
+    assert saved == pytest.approx(12 * per_param * 2 / 3, rel=0.02)

@@ -1,0 +1,137 @@
+"""Fused attention: softmax(scale * Q K^T, causal mask) V as one kernel, and its gradient.
+
+What every large training run since 2023 runs (FlashAttention 2, Dao 2023; FlashAttention
+3, Shah et al. 2024; cuDNN's fused attention, which Transformer Engine, and so
+Megatron-core, calls): the (s, s) scores and probabilities live in on-chip memory one
+tile at a time and never reach HBM. The forward writes the output and, per query, the
+log-sum-exp of its scores (float32), which the backward reads to recompute the
+probabilities tile by tile.
+
+`attention` takes q, k, v and an `equation` in einsum letters, e.g. GPT's
+``bnqd,bnkd,bnkd->bnqd`` or grouped-query attention's ``bqgrd,bkgd,bkgd->bqgrd`` (r
+query heads share each of g KV heads). The letters `q`, `k` and `d` are reserved: query
+positions, key positions, head dimension. Outputs: the attention output (q's letters)
+and the log-sum-exp (q's letters without d, float32). `attention_grad` takes
+(dout, q, k, v, out, lse) and returns (dq, dk, dv).
+
+FLOPs are the model's, as for explicit attention (and Megatron-LM's formula, which
+counts attention whole): forward 4 * (batch letters) * q * k * d, two matmuls; the
+backward twice that. What a kernel executes differs (a causal kernel skips the tiles
+above the diagonal; the backward recomputes Q K^T), and is priced by the cost model
+(`alpasim.costmodels._attention`), so a plan's FLOP rate compares across kernels.
+
+Dimensions: the batch and head letters shard freely (no communication: each head
+attends alone); q, k and d do not (splitting k or d leaves partial softmax sums, and
+splitting q is context parallelism, which needs the KV exchange priced).
+"""
+
+from __future__ import annotations
+
+import math
+
+from ._prim_core import Primitive, dimmap, need, register
+from ._prims_compute import parse_einsum
+
+RESERVED = "qkd"
+
+
+def attention_terms(equation: str) -> tuple[str, str, str]:
+    """(q term, k term, v term) of an attention equation, checked (module doc)."""
+    ins, out = parse_einsum(equation)
+    need(len(ins) == 3, f"attention equation {equation!r} takes q, k, v: three terms")
+    q, k, v = ins
+    need(out == q, f"attention equation {equation!r}: the output has q's letters")
+    need(k == v, f"attention equation {equation!r}: k and v have the same letters")
+    need(q[-1] == "d" and k[-1] == "d" and "q" in q and "k" in k and "q" not in k and "k" not in q,
+         f"attention equation {equation!r}: q's term has 'q' and k's 'k' (positions), both end in 'd' (head dim)")
+    need(set(k) - {"k"} <= set(q), f"attention equation {equation!r}: k's batch and head letters are q's")
+    return q, k, v
+
+
+def lse_term(q_term: str) -> str:
+    return q_term.replace("d", "")
+
+
+def _sizes(equation: str, ins) -> dict[str, int]:
+    terms = attention_terms(equation)
+    sizes: dict[str, int] = {}
+    for term, t in zip(terms, ins):
+        need(len(term) == t.rank, f"attention {equation!r}: operand {t.name!r} has shape {t.shape}, "
+                                  f"term {term!r} expects rank {len(term)}")
+        for c, n in zip(term, t.shape):
+            need(sizes.setdefault(c, n) == n, f"attention {equation!r}: letter {c!r} is {sizes[c]} and {n}")
+    return sizes
+
+
+def attention_forward_flops(p, ins) -> float:
+    sizes = _sizes(p["equation"], ins[:3])
+    batch = math.prod(n for c, n in sizes.items() if c not in RESERVED)
+    return 4.0 * batch * sizes["q"] * sizes["k"] * sizes["d"]
+
+
+def _infer(p, ins):
+    q_term, _, _ = attention_terms(p["equation"])
+    _sizes(p["equation"], ins)
+    q = ins[0]
+    return [(q.shape, q.dtype), (tuple(n for c, n in zip(q_term, q.shape) if c != "d"), "float32")]
+
+
+def _dims(p, ins, outs):
+    q, k, v = attention_terms(p["equation"])
+    return dimmap([q, k, v], [q, lse_term(q)], list(ins) + list(outs), fixed=RESERVED)
+
+
+register(Primitive("attention", "attention", _infer, lambda p, ins, outs: attention_forward_flops(p, ins), _dims,
+                   arity=(3,), heavy=True))
+
+
+def _grad_infer(p, ins):
+    dout, q, k, v, out, lse = ins
+    q_term, _, _ = attention_terms(p["equation"])
+    _sizes(p["equation"], [q, k, v])
+    need(dout.shape == out.shape == q.shape, f"attention_grad: dout {dout.shape}, out {out.shape} and q {q.shape} differ")
+    need(lse.shape == tuple(n for c, n in zip(q_term, q.shape) if c != "d"),
+         f"attention_grad: lse {lse.shape} does not match q {q.shape}")
+    return [(q.shape, dout.dtype), (k.shape, dout.dtype), (v.shape, dout.dtype)]
+
+
+def _grad_dims(p, ins, outs):
+    q, k, v = attention_terms(p["equation"])
+    return dimmap([q, q, k, v, q, lse_term(q)], [q, k, v], list(ins) + list(outs), fixed=RESERVED)
+
+
+register(Primitive("attention_grad", "attention", _grad_infer,
+                   lambda p, ins, outs: 2.0 * attention_forward_flops(p, ins[1:4]), _grad_dims,
+                   arity=(6,), heavy=True))
+
+
+# ------------------------------------------------------------------ builders
+ATTENTION_KERNELS = ("explicit", "fused")
+
+
+def check_attention_kernel(cfg) -> None:
+    """A model config's `attention`: "explicit" (scores and probabilities as (s, s)
+    tensors, einsum-softmax-einsum: Megatron-LM to 2022, Alpa) or "fused" (one kernel)."""
+    if cfg.attention not in ATTENTION_KERNELS:
+        raise ValueError(f"{cfg.family}: attention must be one of {', '.join(ATTENTION_KERNELS)}, "
+                         f"got {cfg.attention!r}")
+
+
+def fused_attention(b, equation: str, q: str, k: str, v: str, *, scale: float, causal: bool) -> str:
+    """The `attention` op on a builder; returns its output (the log-sum-exp stays for
+    the backward)."""
+    out, _ = b.apply("attention", [q, k, v], name="attention", out_names=["attention", "attention_lse"],
+                     equation=equation, scale=scale, causal=causal)
+    return out
+
+
+def attention_geometry(op, tensors) -> tuple[int, int, int, int, bool]:
+    """(batch x heads, query positions, key positions, head dim, causal) of an
+    `attention` or `attention_grad` op, whole (not per shard)."""
+    q_name = op.inputs[0] if op.prim == "attention" else op.inputs[1]
+    q_term, k_term, _ = attention_terms(op.attrs["equation"])
+    q_sizes = dict(zip(q_term, tensors[q_name].shape))
+    k_name = op.inputs[1] if op.prim == "attention" else op.inputs[2]
+    k_len = dict(zip(k_term, tensors[k_name].shape))["k"]
+    batch = math.prod(n for c, n in q_sizes.items() if c not in RESERVED)
+    return batch, q_sizes["q"], k_len, q_sizes["d"], bool(op.attrs.get("causal"))

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ._builder import GraphBuilder
-from ._prims_attention import check_attention_kernel, fused_attention
+from ._prims_attention import attention_core, check_attention_kernel
 from ._types import OpGraph
 
 
@@ -153,12 +153,8 @@ def gqa_attention(b: GraphBuilder, x: str, cfg) -> str:
         k = b.einsum("bsh,hgd->bsgd", x, b.param("w_k", (h, g, d), dt), name="k_proj")
         v = b.einsum("bsh,hgd->bsgd", x, b.param("w_v", (h, g, d), dt), name="v_proj")
         q, k = _rope(b, q, cos, sin, "q_rope"), _rope(b, k, cos, sin, "k_rope")
-        if cfg.attention == "fused":
-            ctx = fused_attention(b, "bqgrd,bkgd,bkgd->bqgrd", q, k, v, scale=1.0 / math.sqrt(d), causal=True)
-        else:
-            scores = b.einsum("bqgrd,bkgd->bgrqk", q, k, name="scores")
-            probs = b.one("softmax", [scores], name="softmax", axis=-1, scale=1.0 / math.sqrt(d), causal=True)
-            ctx = b.einsum("bgrqk,bkgd->bqgrd", probs, v, name="context")
+        ctx = attention_core(b, cfg.attention, "bqgrd,bkgd,bkgd->bqgrd", q, k, v, scores="bgrqk",
+                             scale=1.0 / math.sqrt(d), causal=True)
         return b.einsum("bsgrd,grdh->bsh", ctx, b.param("w_o", (g, r, d, h), dt), name="out_proj")
 
 

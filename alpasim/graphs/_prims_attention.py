@@ -117,12 +117,19 @@ def check_attention_kernel(cfg) -> None:
                          f"got {cfg.attention!r}")
 
 
-def fused_attention(b, equation: str, q: str, k: str, v: str, *, scale: float, causal: bool) -> str:
-    """The `attention` op on a builder; returns its output (the log-sum-exp stays for
-    the backward)."""
-    out, _ = b.apply("attention", [q, k, v], name="attention", out_names=["attention", "attention_lse"],
-                     equation=equation, scale=scale, causal=causal)
-    return out
+def attention_core(b, kernel: str, equation: str, q: str, k: str, v: str, *, scores: str, scale: float,
+                   causal: bool) -> str:
+    """softmax(scale * q k^T) v on a builder, as `kernel` computes it: "fused", the
+    `attention` op (its log-sum-exp stays for the backward); "explicit", the scores
+    (letters `scores`: q's batch and head letters, q and k), a softmax, and the context."""
+    if kernel == "fused":
+        out, _ = b.apply("attention", [q, k, v], name="attention", out_names=["attention", "attention_lse"],
+                         equation=equation, scale=scale, causal=causal)
+        return out
+    q_term, k_term, v_term = attention_terms(equation)
+    s = b.einsum(f"{q_term},{k_term}->{scores}", q, k, name="scores")
+    probs = b.one("softmax", [s], name="softmax", axis=-1, scale=scale, causal=causal)
+    return b.einsum(f"{scores},{v_term}->{q_term}", probs, v, name="context")
 
 
 def attention_geometry(op, tensors) -> tuple[int, int, int, int, bool]:

@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass
 
 from ._builder import GraphBuilder
-from ._prims_attention import check_attention_kernel, fused_attention
+from ._prims_attention import attention_core, check_attention_kernel
 from ._types import OpGraph
 
 
@@ -122,12 +122,8 @@ def _attention(b: GraphBuilder, x: str, cfg, causal: bool) -> str:
             y = b.one("bias_add", [y, b.param(f"b_{which}", (n, d), dt)], name=f"{which}_bias")
             heads.append(b.one("transpose", [y], name=f"{which}_heads", perm=(0, 2, 1, 3)))  # (b, n, s, d)
         q, k, v = heads
-        if cfg.attention == "fused":
-            ctx = fused_attention(b, "bnqd,bnkd,bnkd->bnqd", q, k, v, scale=1.0 / math.sqrt(d), causal=causal)
-        else:
-            scores = b.einsum("bnqd,bnkd->bnqk", q, k, name="scores")
-            probs = b.one("softmax", [scores], name="softmax", axis=-1, scale=1.0 / math.sqrt(d), causal=causal)
-            ctx = b.einsum("bnqk,bnkd->bnqd", probs, v, name="context")
+        ctx = attention_core(b, cfg.attention, "bnqd,bnkd,bnkd->bnqd", q, k, v, scores="bnqk",
+                             scale=1.0 / math.sqrt(d), causal=causal)
         w_o = b.param("w_o", (n, d, h), dt)
         out = b.einsum("bnsd,ndh->bsh", ctx, w_o, name="out_proj")
         return b.one("bias_add", [out, b.param("b_o", (h,), dt)], name="out_bias")

@@ -50,13 +50,14 @@ def make_plan(model: str, cluster: cm.Cluster, method: str = "alpa", *, microbat
         fail(f"--{refused.replace('_', '-')} does not apply to --method {m.cli_name} (its search sets it)")
     mb = parse_microbatches(microbatches)
     try:        # what is known before planning is refused before a pool starts
-        source = sv.check_before_planning(model, cluster, m.name, layers=layers, max_stages=max_stages,
-                                          megatron=megatron, **options)
+        sv.check_before_planning(model, cluster, m.name, layers=layers, max_stages=max_stages, megatron=megatron,
+                                 **options)
         pool = plan_map(workers, ray, ray_address)
     except sv.PlanInfeasible:   # plan_model returns its infeasible plan at once
-        source, pool = model, contextlib.nullcontext(map)
+        pool = contextlib.nullcontext(map)
     with pool as map_fn, TaskProgress(f"{m.cli_name}: ") as progress:
-        return sv.plan_model(source, cluster, m.name, microbatches=mb, layers=layers, max_stages=max_stages,
+        # The model as given (not its source): a spec's own settings, `attention=`, count.
+        return sv.plan_model(model, cluster, m.name, microbatches=mb, layers=layers, max_stages=max_stages,
                              megatron=megatron, map_fn=map_fn, cache=sv.DiskCache(enabled=cache),
                              progress=progress.update, **options)
 

@@ -6,6 +6,7 @@ from ._collectives import all_gather_time_s as all_gather_time_s
 from ._collectives import all_reduce_time_s as all_reduce_time_s
 from ._collectives import all_to_all_time_s as all_to_all_time_s
 from ._collectives import collective_time_s as collective_time_s
+from ._collectives import axis_of_groups as axis_of_groups
 from ._collectives import group_link as group_link
 from ._collectives import mesh_axes as mesh_axes
 from ._collectives import reduce_scatter_time_s as reduce_scatter_time_s

@@ -108,12 +108,13 @@ def kernel_flops(batch_heads: int, q: int, k: int, d: int, causal: bool, backwar
 
 
 def fused_attention_time_s(device_name: str, geometry: tuple[int, int, int, int, bool], backward: bool,
-                           num_shards: int) -> float | None:
+                           num_shards: int, dtype: str = "bfloat16") -> float | None:
     """Seconds of one shard of a fused attention kernel on a device with a measured
-    kernel, or None (price it as a GEMM). Shards split batch and heads only."""
+    kernel, or None (price it as a GEMM). Shards split batch and heads only. The
+    kernels are half precision only (FlashAttention and cuDNN have no float32 path)."""
     kernel = KERNELS.get(device_name)
     batch_heads, q, k, d, causal = geometry
-    if kernel is None or q < CAUSAL_TILE:
+    if kernel is None or q < CAUSAL_TILE or dtype not in ("float16", "bfloat16"):
         return None
     flops = kernel_flops(batch_heads, q, k, d, causal, backward) / num_shards
     return flops / (kernel.tflops(backward, causal, q) * 1e12)

@@ -46,15 +46,28 @@ COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", 
 
 @dataclass(frozen=True, slots=True)
 class MeshAxis:
-    """One mesh axis as communication sees it: how many devices, over which link."""
+    """One mesh axis as communication sees it: how many devices, over which link.
+
+    `link` is what its rings run over (`group_link`); `device_link`, where it differs,
+    what one device's own messages get (an all-to-all's or a point-to-point's bytes
+    leave through the device's own share of the cards, not the group's: they do not
+    ring). None: the same as `link`."""
 
     size: int
     link: Link
+    device_link: Link | None = None
 
     def __post_init__(self) -> None:
         check_count("mesh axis", "size", self.size)
-        if not isinstance(self.link, Link):
-            raise ClusterError(f"mesh axis: link must be a Link, got {self.link!r}")
+        for name in ("link", "device_link"):
+            value = getattr(self, name)
+            if not isinstance(value, Link) and not (name == "device_link" and value is None):
+                raise ClusterError(f"mesh axis: {name} must be a Link, got {value!r}")
+
+    @property
+    def message_link(self) -> Link:
+        """The link of one device's own messages (all-to-all, send/recv)."""
+        return self.device_link or self.link
 
 
 def _check_bytes(nbytes: float) -> float:
@@ -127,31 +140,33 @@ def collective_time_s(kind: str, nbytes: float,
     if kind == "send_recv":
         if not group:
             return 0.0
-        slowest = min(group, key=lambda a: (a.link.bytes_per_s, -a.link.latency_s))
-        return send_recv_time_s(nbytes, slowest.link)
+        slowest = min(group, key=lambda a: (a.message_link.bytes_per_s, -a.message_link.latency_s))
+        return send_recv_time_s(nbytes, slowest.message_link)
     one_axis = _ONE_AXIS[kind]
+    link_of = (lambda a: a.message_link) if kind == "all_to_all" else (lambda a: a.link)  # noqa: E731
     total, piece = 0.0, nbytes
-    for axis in sorted(group, key=lambda a: -a.link.bytes_per_s):
-        total += one_axis(piece, axis.size, axis.link)
+    for axis in sorted(group, key=lambda a: -link_of(a).bytes_per_s):
+        total += one_axis(piece, axis.size, link_of(axis))
         if kind != "all_to_all":
             piece /= axis.size
     return total
 
 
 # ------------------------------------------------------------- cluster topology
-def group_link(cluster: Cluster, device_ids: Sequence[int]) -> Link:
+def group_link(cluster: Cluster, device_ids: Sequence[int], ring: bool = True) -> Link:
     """The link a group of devices communicates over.
 
     Inside one node: the intra-node link. Spanning nodes: the network, assuming every
     device of the node crosses nodes at the same time in some group, as the parallel
     groups of one mesh axis do. A group with k devices in each node then has k
-    devices' share of the node's cards (`Cluster.inter_node_per_device` times k): its
-    ring enters and leaves each node once per channel, and NCCL runs one channel per
-    card, so the k cards of its devices carry it side by side while the node's other
-    groups use the other cards (NCCL's multi-node ring: nccl-tests' all_reduce bus
-    bandwidth across DGX A100 nodes is about the 8 x 25 GB/s of their HDR cards, not
-    one card's). Divided by the spine's oversubscription when the group spans leaf
-    switches.
+    devices' share of the node's cards (`Cluster.inter_node_per_device` times k) for
+    its rings: a ring enters and leaves each node once per channel, and NCCL runs one
+    channel per card, so the k cards of its devices carry it side by side while the
+    node's other groups use the other cards (NCCL's multi-node ring: nccl-tests'
+    all_reduce bus bandwidth across DGX A100 nodes is about the 8 x 25 GB/s of their
+    HDR cards, not one card's). `ring=False`: one device's own messages (all-to-all,
+    send/recv), which leave through its own share whatever the group. Divided by the
+    spine's oversubscription when the group spans leaf switches.
     """
     ids = list(device_ids)
     if not ids:
@@ -163,13 +178,14 @@ def group_link(cluster: Cluster, device_ids: Sequence[int]) -> Link:
     if len(per_node) == 1:
         return cluster.intra_node
     share = cluster.inter_node_per_device
-    k = min(per_node.values())
+    k = min(per_node.values()) if ring else 1
     name = share.name if k == 1 else f"{cluster.inter_node.name} ({k} devices' share)"
     bandwidth = min(share.bandwidth_gbps * k, cluster.intra_node.bandwidth_gbps)
     # Of a ring's n steps per pass, one per node crosses the network; the others are
     # NVLink hops (NCCL tuning.cc prices them so: nInterSteps at the network's latency,
     # the rest at the intra-node one). The link's per-step latency is their mean.
-    latency = (len(per_node) * share.latency_s + (len(ids) - len(per_node)) * cluster.intra_node.latency_s) / len(ids)
+    latency = (len(per_node) * share.latency_s + (len(ids) - len(per_node)) * cluster.intra_node.latency_s) / len(ids) \
+        if ring else share.latency_s
     if cluster.spine is not None and len({cluster.leaf_of(n) for n in per_node}) > 1:
         # Across leaves every card's traffic also climbs the spine, which carries only
         # 1/oversubscription of it (`Cluster.route`).
@@ -192,17 +208,17 @@ def mesh_axes(cluster: Cluster, shape: Sequence[int]) -> tuple[MeshAxis, ...]:
         raise ClusterError(f"mesh shape {shape} needs {total} devices; cluster {cluster.name!r} has "
                            f"{cluster.num_devices}")
     ids = np.arange(total).reshape(shape)
-    nodes = ids // cluster.devices_per_node
-    leaves = nodes // (cluster.spine.nodes_per_leaf if cluster.spine is not None else cluster.nodes)
-    axes = []
-    for i, n in enumerate(shape):
-        groups, per_node, per_leaf = (np.moveaxis(x, i, -1).reshape(-1, n) for x in (ids, nodes, leaves))
-        # The axis's slowest group (`group_link`): of those that span leaves, else nodes,
-        # else any, the one with the fewest devices in some node (the least share of cards).
-        spread = 2 * (per_leaf.max(axis=1) != per_leaf.min(axis=1)) + (per_node.max(axis=1) != per_node.min(axis=1))
-        widest = np.flatnonzero(spread == spread.max())
-        if spread.max() == 0:             # every group inside one node: any of them
-            widest = widest[:1]
-        links = {group_link(cluster, groups[g].tolist()) for g in widest}
-        axes.append(MeshAxis(n, min(links, key=lambda link: (link.bandwidth_gbps, -link.latency_s))))
-    return tuple(axes)
+    return tuple(axis_of_groups(cluster, n, np.moveaxis(ids, i, -1).reshape(-1, n).tolist())
+                 for i, n in enumerate(shape))
+
+
+def axis_of_groups(cluster: Cluster, size: int, groups: Sequence[Sequence[int]]) -> MeshAxis:
+    """The `MeshAxis` of parallel groups that run at once: the slowest group's ring link
+    (`group_link`), and where a group spans nodes, one device's own link for its
+    messages."""
+    def slowest(links):
+        return min(links, key=lambda link: (link.bytes_per_s, -link.latency_s))
+
+    ring = slowest({group_link(cluster, g) for g in groups})
+    device = slowest({group_link(cluster, g, ring=False) for g in groups})
+    return MeshAxis(size, ring, None if device == ring else device)

@@ -117,7 +117,7 @@ def op_time_s(op: Op, tensors: Mapping[str, Tensor], device: Device, num_shards:
     flops = op_flops(op, tensors) / num_shards
     if op_kind(op) == "attention":
         geometry, backward = attention_geometry(op, tensors), op.prim == "attention_grad"
-        kernel_s = fused_attention_time_s(device.name, geometry, backward, num_shards)
+        kernel_s = fused_attention_time_s(device.name, geometry, backward, num_shards, compute_dtype(op, tensors))
         if kernel_s is not None:
             return kernel_s + KERNEL_LAUNCH_OVERHEAD_S
         flops = executed_flops(*geometry, backward) / num_shards

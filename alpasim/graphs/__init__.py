@@ -48,6 +48,7 @@ from ._precision import get_recipe as get_recipe
 from ._recompute import RECOMPUTABLE_PRIMS as RECOMPUTABLE_PRIMS
 from ._recompute import RECOMPUTE_POLICIES as RECOMPUTE_POLICIES
 from ._recompute import recompute_fusible as recompute_fusible
+from ._recompute import expanding_contraction as expanding_contraction
 from ._primitives import ELEMENTWISE as ELEMENTWISE
 from ._primitives import MATMUL_KINDS as MATMUL_KINDS
 from ._primitives import PRIMITIVES as PRIMITIVES

@@ -74,14 +74,15 @@ def build_training_graph(model: str | OpGraph, *, layers: int | None = None, rem
 
 
 def flops_by_kind(graph: OpGraph) -> dict[str, float]:
-    """FLOPs per iteration by primitive kind, plus `matmul` (einsum + conv) and `total`."""
+    """FLOPs per iteration by primitive kind, plus `matmul` (einsum + conv + fused
+    attention: the model's GEMMs, however a kernel runs them) and `total`."""
     out: Counter[str] = Counter()
     for op in graph.ops:
         out[op_kind(op)] += op_flops(op, graph.tensors)
     result = {k: float(v) for k, v in sorted(out.items())}
     result.setdefault("einsum", 0.0)
     result.setdefault("conv", 0.0)
-    result["matmul"] = result["einsum"] + result["conv"]
+    result["matmul"] = result["einsum"] + result["conv"] + result.get("attention", 0.0)
     result["total"] = float(sum(out.values()))
     return result
 

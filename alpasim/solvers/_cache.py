@@ -24,10 +24,11 @@ from typing import Any
 # sequence parallelism; 18: each option's weight-gradient collectives (bytes by kind and
 # axes) for the overlapped buckets; 19: the input-gradient collectives their weight
 # gradients hide; 20/21: the weight-gradient pass (zero-bubble schedules); 22: Megatron-
-# core's flat-buffer sharding of the optimizer states its layouts cannot slice, and batch
-# loops found back from readers (RoPE's broadcast tables). The restriction
+# core's flat-buffer sharding of the optimizer states its layouts cannot slice; 23: batch
+# loops found back from readers (RoPE's broadcast tables); 24: a mesh axis's message link
+# (all-to-all, send/recv) in the key. The restriction
 # tables are code, not part of a key: a change to them bumps this.
-CACHE_VERSION = "stage-costs/23"
+CACHE_VERSION = "stage-costs/24"
 
 
 def cache_dir() -> Path:

@@ -230,7 +230,8 @@ def plan_pipeline(model: str | ModelSource, cluster: Cluster, *, microbatches: i
         raise ValueError(f"unknown planner schedule {schedule!r}; choose one of {', '.join(PLANNER_SCHEDULES)}")
     if any(isinstance(v, bool) or not isinstance(v, int) or v < 2 for v in chunk_options) or not chunk_options:
         raise ValueError(f"chunks per mesh must be integers >= 2, got {list(chunk_options)}")
-    if bucket_bytes is not None and not (math.isfinite(bucket_bytes) and bucket_bytes > 0):
+    if bucket_bytes is not None and (isinstance(bucket_bytes, (str, bool)) or not isinstance(bucket_bytes, (int, float))
+                                     or not (math.isfinite(bucket_bytes) and bucket_bytes > 0)):
         raise ValueError(f"the gradient bucket must be a finite number of bytes > 0, got {bucket_bytes!r}")
     t0 = time.perf_counter()
     if cost_model is not None:

@@ -34,13 +34,15 @@ false and the reason in `notes`, so a sweep can mark the point out of memory.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from alpasim.costmodels import DEFAULT_BUCKET_BYTES, Cluster
-from alpasim.graphs import (ModelLike, ModelSource, ModelSpecError, OpGraph, assign_layers, forward_graph,
-                            model_source)
+from alpasim.graphs import (DTYPE_BYTES, ModelLike, ModelSource, ModelSpecError, OpGraph, assign_layers,
+                            expanding_contraction, forward_graph, model_source)
 
 from ._interleave import DEFAULT_CHUNK_OPTIONS
 from ._inter_op import DEFAULT_MAX_STAGES, PlanInfeasible, plan_pipeline, planning_units
@@ -252,7 +254,7 @@ def _plan_method(m: Method, model: ModelLike, cluster: Cluster, *, layers: int |
                                  **options)
         kw = {**options, **m.search_options(cluster)}
         if isinstance(kw.get("bucket_bytes"), GradBuckets):     # no one data-parallel degree: the least
-            kw["bucket_bytes"] = kw["bucket_bytes"].nbytes(1)
+            kw["bucket_bytes"] = kw["bucket_bytes"].nbytes(1, DTYPE_BYTES[source.dtype])
         if layers is not None:
             kw["layers"] = layers
         if max_stages is not None:
@@ -325,26 +327,49 @@ def system_options(m: Method, system: str | None, overlap: bool | None, distribu
 
 
 def _attention_given(model: ModelLike, attention: str | None) -> str | None:
-    """The attention kernel the user asked for: `attention`, else a spec string's own
-    `attention=` (it names the model as the user wants it computed)."""
-    if attention is not None or not isinstance(model, str) or "attention=" not in model:
+    """The attention kernel the user asked for: `attention`, else the model's own where
+    its description names one (a spec string's `attention=`, a model JSON's
+    `"attention"` field, a config object): it names the model as the user wants it
+    computed."""
+    if attention is not None:
         return attention
-    source = model_source(model)
-    return source.config.attention if source.config is not None else None
+    if hasattr(model, "attention") and not isinstance(model, (str, ModelSource)):
+        return model.attention                                     # a ModelConfig
+    if not isinstance(model, str):
+        return None
+    text = model.strip()
+    if "attention=" in text:
+        return model_source(text).config.attention
+    if text.endswith(".json") and Path(text).is_file():
+        try:
+            data = json.loads(Path(text).read_text())
+        except (OSError, ValueError):
+            return None                                            # model_source says why, later
+        if isinstance(data, dict) and "attention" in data:
+            return str(data["attention"])
+    return None
 
 
 def with_attention(model: ModelLike, record: SystemRecord) -> tuple[ModelLike, SystemRecord]:
-    """`model` computing attention with the record's kernel: a zoo model is rebuilt with
-    it; a saved graph's own ops are what is priced, and where they are not the
-    record's kernel, the record lists the kernel as not modelled (priced as the graph's)."""
+    """`model` computing attention with the record's kernel: a zoo model (and a saved
+    graph of one, which is that model) is rebuilt with it; another graph's own ops are
+    what is priced, and where they hold attention in the other form (a fused op, or
+    explicit scores found by structure), the record lists the kernel as not modelled,
+    priced as the graph's."""
     source = model_source(model)
     kernel = record.settings["attention"]
-    if source.config is not None:
+    if source.config is not None and hasattr(source.config, "attention"):
         if source.config.attention == kernel:
             return source, record
         return ModelSource.zoo(source.name, dataclasses.replace(source.config, attention=kernel)), record
-    ran = "fused" if any(op.prim == "attention" for op in source.graph.ops) else "explicit"
-    if ran == kernel:
+    if source.config is not None:                  # a family without attention (Wide-ResNet)
+        return source, record
+    graph = source.graph
+    # Explicit attention found by structure, as selective recomputation finds it: a
+    # contraction of two activations larger than both (the scores).
+    ran = "fused" if any(op.prim == "attention" for op in graph.ops) else \
+        "explicit" if any(expanding_contraction(op, graph.tensors) for op in graph.ops) else None
+    if ran is None or ran == kernel:               # no attention to speak of, or the profile's
         return source, record
     return source, dataclasses.replace(record, unpriced={**record.unpriced, "attention": ran})
 
@@ -482,8 +507,8 @@ def megatron_plan(model: ModelLike, cluster: Cluster, config: MegatronConfig, me
         return [(config.dp, config.tp)] if shape.size == size else []
 
     search = {**METHODS["megatron"].search_options(cluster), "restriction": config.restriction}
-    if isinstance(kw.get("bucket_bytes"), GradBuckets):
-        kw = {**kw, "bucket_bytes": kw["bucket_bytes"].nbytes(config.dp)}
+    if isinstance(kw.get("bucket_bytes"), GradBuckets):       # gradients reduced in the weights' dtype
+        kw = {**kw, "bucket_bytes": kw["bucket_bytes"].nbytes(config.dp, DTYPE_BYTES[source.config.dtype])}
     try:
         plan = plan_pipeline(source, cluster, microbatches=b, method=method, shape_ok=lambda sh: sh.size == size,
                              views_of=views_of, num_stages=config.pp, max_stages=config.pp, relabel=zoo_blocks,

@@ -24,7 +24,7 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from alpasim.costmodels import Cluster, MeshAxis, group_link
+from alpasim.costmodels import Cluster, MeshAxis, axis_of_groups
 
 from ._mesh import LogicalMesh
 
@@ -246,11 +246,6 @@ def logical_mesh(cluster: Cluster, devices: Sequence[int], view: tuple[int, int]
         raise ValueError(f"view {view} does not have {len(devices)} devices")
     grid = [list(devices[r * d1:(r + 1) * d1]) for r in range(d0)]
     axis0 = [[grid[r][c] for r in range(d0)] for c in range(d1)]
-    link0 = _worst_link(cluster, axis0) if d0 > 1 else cluster.intra_node
-    link1 = _worst_link(cluster, grid) if d1 > 1 else cluster.intra_node
-    return LogicalMesh((MeshAxis(d0, link0), MeshAxis(d1, link1)))
-
-
-def _worst_link(cluster: Cluster, groups: list[list[int]]):
-    links = [group_link(cluster, g) for g in groups]
-    return min(links, key=lambda link: link.bytes_per_s)
+    axis_0 = axis_of_groups(cluster, d0, axis0) if d0 > 1 else MeshAxis(d0, cluster.intra_node)
+    axis_1 = axis_of_groups(cluster, d1, grid) if d1 > 1 else MeshAxis(d1, cluster.intra_node)
+    return LogicalMesh((axis_0, axis_1))

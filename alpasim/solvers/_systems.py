@@ -61,24 +61,24 @@ class UnknownSystemError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class GradBuckets:
-    """Gradient buckets of max(min_params, params_per_rank x dp) parameters, of
-    `grad_bytes` bytes each: larger data-parallel groups take larger buckets so that
-    their collectives stay bandwidth-bound (a ring's latency grows with the group)."""
+    """Gradient buckets of max(min_params, params_per_rank x dp) parameters: larger
+    data-parallel groups take larger buckets so that their collectives stay
+    bandwidth-bound (a ring's latency grows with the group)."""
 
     min_params: int
     params_per_rank: int
-    grad_bytes: int
     source: str
 
-    def nbytes(self, dp: int) -> float:
-        return float(max(self.min_params, self.params_per_rank * dp) * self.grad_bytes)
+    def nbytes(self, dp: int, grad_itemsize: int) -> float:
+        """The bucket in bytes of gradients of `grad_itemsize` bytes each (the dtype the
+        planner's gradients are reduced in)."""
+        return float(max(self.min_params, self.params_per_rank * dp) * grad_itemsize)
 
 
 MEGATRON_CORE_BUCKETS = GradBuckets(
-    40_000_000, 1_000_000, 4,
+    40_000_000, 1_000_000,
     "megatron/core/distributed/distributed_data_parallel_config.py (core_r0.7-0.8): bucket_size defaults to "
-    "max(40000000, 1000000 * dp_size) parameters; fp32 gradients (megatron/training/arguments.py sets "
-    "accumulate_allreduce_grads_in_fp32 for bf16)")
+    "max(40000000, 1000000 * dp_size) parameters")
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,6 +49,22 @@ def test_h100_backward_is_slower_than_its_forward_and_longer_sequences_run_faste
     assert len(SEQLENS) == len(KERNELS[device.name].backward[True])
 
 
+def test_a_float32_kernel_is_priced_as_its_gemms_even_where_a_measurement_exists():
+    """FlashAttention and cuDNN have no float32 path: a float32 model's fused attention on
+    an H100 is its executed GEMMs at the float32 peak, not the BF16 kernel's rate."""
+    device = get_cluster("dgx-h100").device
+    spec = "gpt3:hidden=1024,layers=1,heads=8,seq=1024,vocab=64,batch=2,attention=fused"
+    half, full = (training_graph(forward_graph(spec + dt)) for dt in ("", ",dtype=fp32"))
+    t = {}
+    for name, g in (("half", half), ("full", full)):
+        op = next(op for op in g.ops if op.prim == "attention")
+        t[name] = op_time_s(op, g.tensors, device)
+    nbytes = sum(full.tensors[x].nbytes for op in full.ops if op.prim == "attention" for x in (*op.inputs, *op.outputs))
+    assert t["full"] == pytest.approx(compute_time_s(executed_flops(16, 1024, 1024, 128, True, False), nbytes,
+                                                     "float32", device, True))
+    assert t["full"] > 5 * t["half"]
+
+
 def test_a_device_without_a_measurement_prices_the_executed_gemms():
     """A V100 has no FlashAttention 2 (it needs Ampere): its fused attention is priced as
     the GEMMs the kernel executes, the causal tiles' share and the backward's recompute."""

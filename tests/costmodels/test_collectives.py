@@ -176,3 +176,35 @@ def test_data_parallel_across_p3_nodes_is_slow(p3):
     network = 2 * 1 / 2 * (s / 8) / (25e9 / 8 / 8) + 2 * 30e-6
     assert t == pytest.approx(nvlink + network)
     assert network > 10 * nvlink
+
+
+def test_an_all_to_all_across_nodes_leaves_through_each_devices_own_share(p3):
+    """Rings through 16 devices of two p3 nodes use the whole card; an all-to-all's bytes
+    do not ring: each device sends its own 15/16 through its eighth of the card."""
+    (axis,) = mesh_axes(p3, (16,))
+    assert axis.link.bandwidth_gbps == pytest.approx(25.0)
+    assert axis.message_link == p3.inter_node_per_device
+    s = 1e9
+    assert collective_time_s("all_to_all", s, [axis]) == pytest.approx(
+        all_to_all_time_s(s, 16, p3.inter_node_per_device))
+    assert collective_time_s("all_gather", s, [axis]) == pytest.approx(all_gather_time_s(s, 16, axis.link))
+    assert collective_time_s("send_recv", s, [axis]) == pytest.approx(send_recv_time_s(s, p3.inter_node_per_device))
+    # Inside a node there is one link for both.
+    (inside,) = mesh_axes(p3, (8,))
+    assert inside.device_link is None and inside.message_link == p3.intra_node
+
+
+def test_mesh_axes_and_submesh_meshes_take_the_same_slowest_group():
+    """A leaf-spanning group with many devices per node can be faster than a node-spanning
+    group with few: an axis is its slowest group, whichever that is, on both paths."""
+    import dataclasses
+
+    from alpasim.costmodels import SpineTier
+    from alpasim.solvers._submesh import logical_mesh
+
+    cluster = dataclasses.replace(get_cluster("dgx-a100", nodes=6), spine=SpineTier(3, 1.0))
+    axes = mesh_axes(cluster, (4, 10))
+    groups = [list(range(r * 10, r * 10 + 10)) for r in range(4)]
+    slowest = min((group_link(cluster, g) for g in groups), key=lambda link: link.bytes_per_s)
+    assert axes[1].link.bandwidth_gbps == slowest.bandwidth_gbps
+    assert logical_mesh(cluster, list(range(40)), (4, 10)).axes == axes

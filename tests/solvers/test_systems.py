@@ -125,16 +125,29 @@ def test_a_profiles_attention_kernel_builds_the_model_unless_given():
 
     from alpasim.graphs import from_jax
 
-    def loss(params, batch):       # an imported graph: its own ops, no attention kernel
-        return jnp.mean(jnp.tanh(batch["x"] @ params["w"]) ** 2)
+    def loss(params, batch):       # an imported graph: its own ops, explicit attention
+        h = batch["x"] @ params["w"]
+        return jnp.mean(jax.nn.softmax(h @ h.T, axis=-1) @ h)
 
     spec = jax.ShapeDtypeStruct
-    imported = from_jax(loss, {"w": spec((64, 64), jnp.float32)}, {"x": spec((16, 64), jnp.float32)}, name="mlp")
+    imported = from_jax(loss, {"w": spec((16, 16), jnp.float32)}, {"x": spec((128, 16), jnp.float32)}, name="att")
     graph = sv.plan_model(imported, CLUSTER, "data_parallel", system="megatron-core-0.8", remat=True)
     assert graph.system["unpriced"]["attention"] == "explicit"
     assert any("attention explicit (it ran fused)" in n for n in graph.notes)
+    plain = from_jax(lambda p, b: jnp.mean(jnp.tanh(b["x"] @ p["w"]) ** 2), {"w": spec((64, 64), jnp.float32)},
+                     {"x": spec((16, 64), jnp.float32)}, name="mlp")
+    assert "attention" not in sv.plan_model(plain, CLUSTER, "data_parallel", system="megatron-core-0.8",
+                                            remat=True).system["unpriced"]      # no attention to speak of
     with pytest.raises(ValueError, match="attention must be one of explicit, fused"):
         _plan(attention="flash")
+    # A family without attention plans under any profile (Wide-ResNet once crashed here).
+    wresnet = sv.plan_model("wresnet:channels=8,width=1,image=32,classes=16,batch=8", CLUSTER, "data_parallel",
+                            system="megatron-core-0.8", remat=True)
+    assert wresnet.feasible and "attention" not in wresnet.system["unpriced"]
+    from alpasim.graphs import GPTConfig
+    config = GPTConfig(hidden=1024, layers=4, heads=16, batch=16, attention="explicit")
+    given = sv.plan_model(config, CLUSTER, "megatron", megatron=DP4, system="megatron-core-0.8", remat=True)
+    assert given.system["overridden"]["attention"] == "fused"
 
 
 def test_the_bucket_size_alone_is_not_an_override_but_none_is():
@@ -159,6 +172,15 @@ def test_cli_lists_methods_with_their_profiles_and_refuses_an_unknown_system(cli
     kept = cli.json(*args, "--system", "megatron-core-0.8", "--no-distributed-optimizer")
     assert kept["search"]["megatron"]["distributed_optimizer"] is False
     assert kept["system"]["overridden"]["optimizer_sharding"] == "data-parallel"
+    # A spec's own kernel is the user's, through the command as through Python; so is
+    # `--attention`.
+    spec = cli.json(*[a if a != MODEL else MODEL + ",attention=explicit" for a in args], "--system",
+                    "megatron-core-0.8")
+    assert spec["model"]["source"]["config"]["attention"] == "explicit"
+    assert spec["system"]["overridden"]["attention"] == "fused"
+    fused = cli.json(*args, "--attention", "fused")
+    assert fused["model"]["source"]["config"]["attention"] == "fused"
+    assert fused["system"]["overridden"] == {"attention": "explicit"}
 
 
 def test_the_system_record_round_trips_and_a_malformed_one_is_refused(tmp_path):
@@ -176,12 +198,12 @@ def test_the_system_record_round_trips_and_a_malformed_one_is_refused(tmp_path):
 
 
 def test_megatron_core_sizes_its_gradient_buckets_by_the_data_parallel_degree():
-    """Megatron-core's DDP buckets hold max(40M, 1M x dp) fp32 gradients; PyTorch DDP's
+    """Megatron-core's DDP buckets hold max(40M, 1M x dp) gradients; PyTorch DDP's
     (Megatron-LM 2021 priced with overlap) 25 MiB; `bucket_bytes` overrides either. The
     overlapped buckets are the stage's weight-gradient bytes over the bucket size."""
     from alpasim.solvers._systems import MEGATRON_CORE_BUCKETS
 
-    assert MEGATRON_CORE_BUCKETS.nbytes(4) == 40e6 * 4 and MEGATRON_CORE_BUCKETS.nbytes(64) == 64e6 * 4
+    assert MEGATRON_CORE_BUCKETS.nbytes(4, 2) == 40e6 * 2 and MEGATRON_CORE_BUCKETS.nbytes(64, 4) == 64e6 * 4
     model = "gpt3:hidden=2048,layers=2,heads=16,seq=256,vocab=4096,batch=16"
     cluster = get_cluster("dgx-a100", nodes=1, devices_per_node=4)
     kw = dict(megatron=DP4, remat=True, distributed_optimizer=False, attention="explicit")

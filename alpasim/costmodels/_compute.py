@@ -4,7 +4,8 @@
 
 F is the op's FLOPs and M the bytes it moves, both per shard when the op is split
 `num_shards` ways. Matmul kinds (einsum, conv) run on tensor cores at the peak of
-their dtype, derated by `matmul_efficiency`; every other kind runs on the CUDA cores
+their dtype, derated by the device's GEMM curve (`_gemm`: fitted to a published GEMM
+sweep of the device, else the former 0.7 / 8 us guess); every other kind runs on the CUDA cores
 (float32 peak, no derating) and is memory bound in practice — its elementwise FLOPs are
 a handful per byte (Williams, Waterman and Patterson, "Roofline", CACM 2009).
 
@@ -15,8 +16,10 @@ Fusion (`_fusion`): an op inside a fused kernel is charged the HBM bytes the ker
 moves on its behalf (`OpAccess.nbytes`) instead of its own reads and writes, and only
 the kernel's first op pays the launch.
 
-Ignored: caches, wave quantisation, achievable (rather than peak) HBM bandwidth, and
-overlap between consecutive kernels.
+Memory-bound kernels stream at the device's measured bandwidth where one is known
+(`_gemm.STREAM_BANDWIDTH`, BabelStream), else the datasheet's.
+
+Ignored: caches, wave quantisation, and overlap between consecutive kernels.
 """
 
 from __future__ import annotations
@@ -28,35 +31,28 @@ from alpasim.graphs import MATMUL_KINDS, Op, Tensor, attention_geometry, op_byte
 
 from ._attention import executed_flops, fused_attention_time_s
 from ._fusion import VIEW_PRIMS, OpAccess
+from ._gemm import DEFAULT_CURVE, LAUNCH_S, GemmCurve, gemm_curve, memory_bandwidth
 from ._hardware import Device
 
 # Kinds that run on tensor cores: the contractions, and fused attention where no kernel
 # measurement covers it (`_attention`), as the GEMMs it is made of.
 TENSOR_CORE_KINDS = MATMUL_KINDS | {"attention"}
 # One CUDA kernel launch plus its minimal run time (a few microseconds on V100-H100).
-KERNEL_LAUNCH_OVERHEAD_S = 3e-6
-# Large cuBLAS GEMMs reach roughly 70-80% of the tensor-core peak; 0.7 is the V100 end.
-MAX_MATMUL_EFFICIENCY = 0.7
-# A matmul reaches half of MAX_MATMUL_EFFICIENCY when its ideal time at peak equals
-# this: small kernels cannot fill every SM and pay fixed pipeline fill and tail costs.
-# The half-efficiency size therefore scales with the peak: ~1 GFLOP on a V100 in fp16,
-# ~2.5 GFLOP on an A100, ~8 GFLOP on an H100.
-HALF_EFFICIENCY_TIME_S = 8e-6
+KERNEL_LAUNCH_OVERHEAD_S = LAUNCH_S
+# The curve of a device without a sweep (`_gemm.DEFAULT_CURVE`): large cuBLAS GEMMs reach
+# roughly 70-80% of the tensor-core peak, 0.7 the V100 end; a matmul reaches half of that
+# when its ideal time at peak equals HALF_EFFICIENCY_TIME_S (small kernels cannot fill
+# every SM and pay fixed pipeline fill and tail costs).
+MAX_MATMUL_EFFICIENCY = DEFAULT_CURVE.max_efficiency
+HALF_EFFICIENCY_TIME_S = DEFAULT_CURVE.half_time_s
 
 
-def matmul_efficiency(flops: float, peak_flops_per_s: float) -> float:
-    """Fraction of peak a matmul of `flops` attains: MAX * F / (F + F_half).
-
-    F_half = peak * HALF_EFFICIENCY_TIME_S. The saturating form (one Michaelis-Menten
-    curve) turns into a fixed cost: F / (peak * eff) = (F + F_half) / (peak * MAX).
-    Ignores shape (a skinny GEMM is less efficient than a square one of equal FLOPs).
-    """
-    if flops <= 0:
-        return 0.0
-    f_half = peak_flops_per_s * HALF_EFFICIENCY_TIME_S
-    # MAX / (1 + F_half / F): each step is monotone under IEEE rounding, so a larger
-    # matmul never rounds to a lower efficiency (MAX * F / (F + F_half) can, by an ulp).
-    return MAX_MATMUL_EFFICIENCY / (1.0 + f_half / flops)
+def matmul_efficiency(flops: float, peak_flops_per_s: float, curve: GemmCurve = DEFAULT_CURVE) -> float:
+    """Fraction of peak a matmul of `flops` attains: MAX * F / (F + F_half), F_half =
+    peak * T_half of `curve`. The saturating form (one Michaelis-Menten curve) turns
+    into a fixed cost: F / (peak * eff) = (F + F_half) / (peak * MAX). Ignores shape (a
+    skinny GEMM is less efficient than a square one of equal FLOPs)."""
+    return curve.efficiency(flops, peak_flops_per_s)
 
 
 def compute_time_s(flops: float, nbytes: float, dtype: str, device: Device, matmul: bool,
@@ -74,10 +70,10 @@ def compute_time_s(flops: float, nbytes: float, dtype: str, device: Device, matm
         compute_s = 0.0
     elif matmul:
         peak = device.peak_flops_per_s(dtype)
-        compute_s = flops / (peak * matmul_efficiency(flops, peak))
+        compute_s = flops / (peak * matmul_efficiency(flops, peak, gemm_curve(device.name, dtype)))
     else:
         compute_s = flops / device.peak_flops_per_s("float32")
-    memory_s = nbytes / device.memory_bandwidth_bytes_per_s
+    memory_s = nbytes / memory_bandwidth(device.name, device.memory_bandwidth_bytes_per_s)
     return max(compute_s, memory_s) + (KERNEL_LAUNCH_OVERHEAD_S if launch else 0.0)
 
 

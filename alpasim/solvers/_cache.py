@@ -26,9 +26,11 @@ from typing import Any
 # gradients hide; 20/21: the weight-gradient pass (zero-bubble schedules); 22: Megatron-
 # core's flat-buffer sharding of the optimizer states its layouts cannot slice; 23: batch
 # loops found back from readers (RoPE's broadcast tables); 24: a mesh axis's message link
-# (all-to-all, send/recv) in the key. The restriction
+# (all-to-all, send/recv) in the key; 25: GEMM curves fitted per device and measured HBM
+# bandwidth (`costmodels._gemm`).
+# The restriction
 # tables are code, not part of a key: a change to them bumps this.
-CACHE_VERSION = "stage-costs/24"
+CACHE_VERSION = "stage-costs/25"
 
 
 def cache_dir() -> Path:

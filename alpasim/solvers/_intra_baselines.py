@@ -69,12 +69,17 @@ def batch_letters(graph: OpGraph) -> dict[str, frozenset[str]]:
     """Op name -> the letters of its loops that run over the batch.
 
     From the inputs' leading dimension forward, and back again from readers to
-    producers: a batch dimension can be born inside the graph, where a table is
-    broadcast to the activations' shape (RoPE's cos and sin). Left out, such a tensor
-    was kept whole on every data-parallel rank, and its stash grew with dp."""
+    producers in the forward pass: a batch dimension can be born inside the graph,
+    where a table is broadcast to the activations' shape (RoPE's cos and sin). Left
+    out, such a tensor was kept whole on every data-parallel rank, and its stash grew
+    with dp. (Not in the backward: a rematerialised copy is transient, and splitting
+    the position table's copy there turned data parallelism's once-an-iteration
+    embedding-gradient reduction into one per microbatch; `test_partial_grads.py`.)"""
     out = dict(_propagated_letters(graph, {(t, 0) for t in graph.inputs if graph.tensors[t].rank > 0}))
     read_over_batch: dict[str, set[int]] = {}
     for op in reversed(graph.ops):
+        if op.phase != "forward":
+            continue
         dm = op_dims(op, graph.tensors)
         letters = set(out[op.name])
         for t, term in zip(op.outputs, dm.outputs):

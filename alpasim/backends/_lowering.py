@@ -253,21 +253,28 @@ def _softmax_grad(p, dy, y):
 
 # ------------------------------------------------------------ fused attention
 def _attention_fn(p, q, k, v):
-    """(out, lse) of `attention` (`alpasim.graphs._prims_attention`): scores in float32,
-    the causal mask, the log-sum-exp per query, probabilities cast to q's dtype for the
-    second matmul (what FlashAttention's kernels do). XLA:CPU materialises the scores;
-    a GPU's fused kernel would not, and the graph prices the kernel."""
-    q_term, k_term, v_term = p["equation"].split("->")[0].split(",")
-    s_term = q_term.replace("d", "k")
-    z = jnp.einsum(f"{q_term},{k_term}->{s_term}", q, k, preferred_element_type=F32) * p.get("scale", 1.0)
-    if p.get("causal", False):
-        qi = lax.broadcasted_iota(jnp.int32, z.shape, s_term.index("q"))
-        ki = lax.broadcasted_iota(jnp.int32, z.shape, s_term.index("k"))
-        z = jnp.where(ki <= qi, z, -jnp.inf)
-    lse = jax.nn.logsumexp(z, axis=-1)
-    probs = jnp.exp(z - lse[..., None]).astype(q.dtype)
-    out = jnp.einsum(f"{s_term},{v_term}->{q_term}", probs, v, preferred_element_type=F32)
-    return out.astype(q.dtype), lse
+    """(out, lse) of `attention` (`alpasim.graphs._prims_attention`) through
+    `jax.nn.dot_product_attention`, which takes (batch, seq, heads, head_dim) and returns
+    the log-sum-exp as its residual. Every (batch, head) letter pair is an independent
+    head, so the letters q and k share fold into its heads axis (batch 1), q's own
+    letters (GQA's r query heads per KV head) after them: query head (shared..., r) then
+    reads KV head (shared...), jax's contiguous grouping. XLA:CPU materialises the
+    scores; a GPU's fused kernel (`implementation="cudnn"`) would not."""
+    q_term, k_term, _ = p["equation"].split("->")[0].split(",")
+    shared = [c for c in q_term if c in k_term and c not in "qkd"]
+    own = [c for c in q_term if c not in k_term and c not in "qd"]
+    q_order = ["q", *shared, *own, "d"]
+    qt = jnp.transpose(q, [q_term.index(c) for c in q_order])
+    kv_perm = [k_term.index(c) for c in ["k", *shared, "d"]]
+    kt, vt = (jnp.transpose(x, kv_perm) for x in (k, v))
+    seq, head = qt.shape[0], qt.shape[-1]
+    out, lse = jax.nn.dot_product_attention(
+        qt.reshape(1, seq, -1, head), kt.reshape(1, kt.shape[0], -1, head), vt.reshape(1, vt.shape[0], -1, head),
+        scale=p.get("scale", 1.0), is_causal=bool(p.get("causal", False)), return_residual=True)
+    out = jnp.transpose(out.reshape(qt.shape), [q_order.index(c) for c in q_term])
+    lse_term, lse_order = q_term.replace("d", ""), q_order[:-1]
+    lse = jnp.transpose(lse.reshape(qt.shape[:-1]), [lse_order.index(c) for c in lse_term])
+    return out.astype(q.dtype), lse.astype(F32)
 
 
 @_lowers("attention")

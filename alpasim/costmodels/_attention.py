@@ -38,6 +38,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ._gemm import HALF_DTYPES
+
 SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 
 
@@ -95,16 +97,20 @@ def causal_fraction(q: int, k: int) -> float:
     return (tiles + 1) / (2 * tiles)
 
 
+def _pass_flops(batch_heads: int, q: int, k: int, d: int, share: float, backward: bool) -> float:
+    """`share` of the forward's two matmuls over all q x k scores; the backward's five."""
+    fwd = 4.0 * batch_heads * q * k * d * share
+    return fwd * BACKWARD_FLOPS_RATIO if backward else fwd
+
+
 def executed_flops(batch_heads: int, q: int, k: int, d: int, causal: bool, backward: bool) -> float:
     """FLOPs a fused kernel executes (module doc), for devices without a measurement."""
-    fwd = 4.0 * batch_heads * q * k * d * (causal_fraction(q, k) if causal else 1.0)
-    return fwd * BACKWARD_FLOPS_RATIO if backward else fwd
+    return _pass_flops(batch_heads, q, k, d, causal_fraction(q, k) if causal else 1.0, backward)
 
 
 def kernel_flops(batch_heads: int, q: int, k: int, d: int, causal: bool, backward: bool) -> float:
-    """FLOPs of one kernel call as the benchmarks count them (module doc)."""
-    fwd = 4.0 * batch_heads * q * k * d / (2 if causal else 1)
-    return fwd * BACKWARD_FLOPS_RATIO if backward else fwd
+    """FLOPs of one kernel call as the benchmarks count them: causal, half (module doc)."""
+    return _pass_flops(batch_heads, q, k, d, 0.5 if causal else 1.0, backward)
 
 
 def fused_attention_time_s(device_name: str, geometry: tuple[int, int, int, int, bool], backward: bool,
@@ -114,7 +120,7 @@ def fused_attention_time_s(device_name: str, geometry: tuple[int, int, int, int,
     kernels are half precision only (FlashAttention and cuDNN have no float32 path)."""
     kernel = KERNELS.get(device_name)
     batch_heads, q, k, d, causal = geometry
-    if kernel is None or q < CAUSAL_TILE or dtype not in ("float16", "bfloat16"):
+    if kernel is None or q < CAUSAL_TILE or dtype not in HALF_DTYPES:
         return None
     flops = kernel_flops(batch_heads, q, k, d, causal, backward) / num_shards
     return flops / (kernel.tflops(backward, causal, q) * 1e12)

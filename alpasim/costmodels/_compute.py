@@ -110,16 +110,17 @@ def op_time_s(op: Op, tensors: Mapping[str, Tensor], device: Device, num_shards:
     Formula and what it ignores: module docstring. Each shard pays the launch overhead.
     """
     check_shards(op, num_shards)
-    flops = op_flops(op, tensors) / num_shards
-    if op_kind(op) == "attention":
+    kind, dtype = op_kind(op), compute_dtype(op, tensors)
+    if kind == "attention":
         geometry, backward = attention_geometry(op, tensors), op.prim == "attention_grad"
-        kernel_s = fused_attention_time_s(device.name, geometry, backward, num_shards, compute_dtype(op, tensors))
+        kernel_s = fused_attention_time_s(device.name, geometry, backward, num_shards, dtype)
         if kernel_s is not None:
             return kernel_s + KERNEL_LAUNCH_OVERHEAD_S
         flops = executed_flops(*geometry, backward) / num_shards
+    else:
+        flops = op_flops(op, tensors) / num_shards
     nbytes = (traffic_bytes(op, tensors) if access is None else access.nbytes) / num_shards
-    return compute_time_s(flops, nbytes, compute_dtype(op, tensors), device, op_kind(op) in TENSOR_CORE_KINDS,
-                          launch=access is None or access.launch)
+    return compute_time_s(flops, nbytes, dtype, device, kind in TENSOR_CORE_KINDS, launch=access is None or access.launch)
 
 
 def check_shards(op: Op, num_shards: int) -> None:

@@ -34,7 +34,6 @@ false and the reason in `notes`, so a sweep can mark the point out of memory.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -42,7 +41,7 @@ from pathlib import Path
 
 from alpasim.costmodels import DEFAULT_BUCKET_BYTES, Cluster
 from alpasim.graphs import (DTYPE_BYTES, ModelLike, ModelSource, ModelSpecError, OpGraph, assign_layers,
-                            expanding_contraction, forward_graph, model_source)
+                            expanding_contraction, forward_graph, model_source, read_json_file)
 
 from ._interleave import DEFAULT_CHUNK_OPTIONS
 from ._inter_op import DEFAULT_MAX_STAGES, PlanInfeasible, plan_pipeline, planning_units
@@ -253,8 +252,8 @@ def _plan_method(m: Method, model: ModelLike, cluster: Cluster, *, layers: int |
             return megatron_grid(source, cluster, today=m.name == "megatron_core", config=megatron, **given,
                                  **options)
         kw = {**options, **m.search_options(cluster)}
-        if isinstance(kw.get("bucket_bytes"), GradBuckets):     # no one data-parallel degree: the least
-            kw["bucket_bytes"] = kw["bucket_bytes"].nbytes(1, DTYPE_BYTES[source.dtype])
+        if "bucket_bytes" in kw:          # no one data-parallel degree here: a system's least bucket
+            kw["bucket_bytes"] = _bucket_bytes(kw["bucket_bytes"], 1, source.dtype)
         if layers is not None:
             kw["layers"] = layers
         if max_stages is not None:
@@ -326,6 +325,12 @@ def system_options(m: Method, system: str | None, overlap: bool | None, distribu
     return options, record, distributed_optimizer
 
 
+def _bucket_bytes(bucket: float | GradBuckets | None, dp: int, weight_dtype: str) -> float | None:
+    """The planner's bucket size: a system's `GradBuckets` at data-parallel degree `dp`,
+    in the dtype the weight gradients are reduced in (the weights'); a size as given."""
+    return bucket.nbytes(dp, DTYPE_BYTES[weight_dtype]) if isinstance(bucket, GradBuckets) else bucket
+
+
 def _attention_given(model: ModelLike, attention: str | None) -> str | None:
     """The attention kernel the user asked for: `attention`, else the model's own where
     its description names one (a spec string's `attention=`, a model JSON's
@@ -342,8 +347,8 @@ def _attention_given(model: ModelLike, attention: str | None) -> str | None:
         return model_source(text).config.attention
     if text.endswith(".json") and Path(text).is_file():
         try:
-            data = json.loads(Path(text).read_text())
-        except (OSError, ValueError):
+            data = read_json_file(text, ValueError)
+        except ValueError:
             return None                                            # model_source says why, later
         if isinstance(data, dict) and "attention" in data:
             return str(data["attention"])
@@ -507,8 +512,8 @@ def megatron_plan(model: ModelLike, cluster: Cluster, config: MegatronConfig, me
         return [(config.dp, config.tp)] if shape.size == size else []
 
     search = {**METHODS["megatron"].search_options(cluster), "restriction": config.restriction}
-    if isinstance(kw.get("bucket_bytes"), GradBuckets):       # gradients reduced in the weights' dtype
-        kw = {**kw, "bucket_bytes": kw["bucket_bytes"].nbytes(config.dp, DTYPE_BYTES[source.config.dtype])}
+    if "bucket_bytes" in kw:
+        kw = {**kw, "bucket_bytes": _bucket_bytes(kw["bucket_bytes"], config.dp, source.config.dtype)}
     try:
         plan = plan_pipeline(source, cluster, microbatches=b, method=method, shape_ok=lambda sh: sh.size == size,
                              views_of=views_of, num_stages=config.pp, max_stages=config.pp, relabel=zoo_blocks,

@@ -18,10 +18,17 @@ setup: $(STAMP)
 # PYTHONDONTWRITEBYTECODE is set (this machine, many CIs) nothing ever writes them, and
 # every process (a test worker, a Ray actor, a command) compiles alpasim from source:
 # 0.2-0.4 s of each one's 2 s import here. An edited module is recompiled as usual.
+# The packages are installed by uv (itself a wheel, fetched by pip): it resolves, fetches
+# and unpacks in parallel and byte-compiles on every core, 31 s against pip's 61 s for the
+# same packages on the 2-core machine; its cache lives in the venv, never in the home.
+# Where uv cannot be had or cannot reach an index (pip set up for a mirror uv does not
+# read), pip installs them as before.
+UV := UV_CACHE_DIR=$(CURDIR)/$(VENV)/.uv-cache UV_PYTHON_DOWNLOADS=never $(BIN)/uv
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(NO_HOME) $(PYTHON) -m venv $(VENV)
-	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet -e '.[test]'
+	( $(PIP) install --quiet uv && \
+	  $(UV) pip install --quiet --python $(BIN)/python --compile-bytecode -e '.[test]' ) || \
+	( $(PIP) install --quiet --upgrade pip && $(PIP) install --quiet -e '.[test]' )
 	$(BIN)/python -m compileall -q alpasim
 	touch $(STAMP)
 

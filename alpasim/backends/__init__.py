@@ -47,4 +47,5 @@ from ._hlo import compare_collectives as compare_collectives
 from ._hlo import hlo_collectives as hlo_collectives
 from ._hlo import stage_collectives as stage_collectives
 from ._ray_runtime import RayRuntimeError as RayRuntimeError
+from ._ray_runtime import idle_actors as idle_actors
 from ._ray_runtime import run_ray as run_ray

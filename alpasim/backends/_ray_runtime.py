@@ -20,6 +20,16 @@ actor has its own bound (`STARTUP_TIMEOUT_S`), since it includes importing JAX a
 compiling the stage. A timeout raises one `RayRuntimeError` naming the mesh, the
 instruction and the tensor; nothing hangs.
 
+Actors outlive a run: a run that completes hands its actors, their stages dropped, to
+an idle pool of this driver's Ray session, and the next run takes the ones whose
+devices fit its meshes (`assign` lowers the new stages in the warm process) and stops
+the rest, so idle actors never hold more than one run's devices. Alpa does the same: a
+`PhysicalDeviceMesh`'s workers start once, at `alpa.init`, and run every executable
+compiled for it. Starting an actor costs a process, importing JAX and alpasim (about
+3 s of CPU each on the 2-core machine); a warm one only lowers its stage. A run that
+started Ray itself stops it at the end, actors and all; a run that fails kills its
+actors, whose state it no longer knows.
+
 Fault tolerance (policy): after every completed step the driver fetches each stage's
 `state_dict()` (parameters, gradient accumulators, Adam states) — a checkpoint per
 step, cheap for the small models run here; a large model would checkpoint every few
@@ -33,6 +43,7 @@ timeout, an exception in a stage) is not retried: it is a bug, reported as is.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Callable
@@ -83,7 +94,7 @@ def run_ray(plan: PipelinePlan, *, steps: int = 1, seed: int = 0, address: str |
         local = {} if address else {"include_dashboard": False}
         ray.init(address=address, log_to_driver=False, **local)
     graph = planning_graph(plan.model)
-    meshes = None
+    meshes, finished = None, False
     try:
         platform = actor_platform(ray, plan, platform)
         meshes = _Meshes(ray, plan, program, partition(graph, plan),
@@ -103,11 +114,13 @@ def run_ray(plan: PipelinePlan, *, steps: int = 1, seed: int = 0, address: str |
                                          "measured: ray runtime, one actor per mesh")
             if on_step is not None:
                 on_step(step, list(meshes.actors))
-        return RunResult(losses, grads, times, timeline, list(meshes.stages), program, meshes.restarts, profile,
-                         platform)
+        result = RunResult(losses, grads, times, timeline, list(meshes.stages), program, meshes.restarts, profile,
+                           platform)
+        finished = True
+        return result
     finally:
         if meshes is not None:
-            meshes.close()
+            meshes.close(keep=finished and not started)
         if started:
             ray.shutdown()
 
@@ -163,6 +176,43 @@ def _xla_flags(cpu_devices: int | None) -> dict[str, str]:
     return {"XLA_FLAGS": " ".join(kept)} if kept else {}
 
 
+class _IdleActors:
+    """The actors of this driver's last finished run, for the next one (module doc),
+    held for the Ray session they belong to: after `ray.shutdown()` they are gone, and a
+    new session finds none."""
+
+    def __init__(self) -> None:
+        self.session: tuple[str, str] | None = None
+        self.actors: list[tuple[str, Any]] = []
+
+    @staticmethod
+    def _session(ray) -> tuple[str, str]:
+        context = ray.get_runtime_context()
+        return context.get_job_id(), context.get_node_id()
+
+    def take(self, ray) -> list[tuple[str, Any]]:
+        """Every idle actor of the current session, as (what it fits: `_Meshes.fit`, handle)."""
+        actors, self.actors = self.actors, []
+        return actors if self.session == self._session(ray) else []
+
+    def give(self, ray, actors: list[tuple[str, Any]]) -> None:
+        session = self._session(ray)
+        if self.session != session:
+            self.session, self.actors = session, []
+        self.actors += actors
+
+    def __len__(self) -> int:
+        return len(self.actors)
+
+
+_IDLE = _IdleActors()
+
+
+def idle_actors() -> int:
+    """How many mesh actors wait for this driver's next `run_ray`."""
+    return len(_IDLE)
+
+
 def _cause(error: Exception) -> str:
     """The message of what went wrong inside an actor, without Ray's wrapping."""
     cause = getattr(error, "cause", None)
@@ -184,21 +234,44 @@ class _Meshes:
         self.worker_cls = ray.remote(MeshWorker)
         self.epoch = -1
         self.restarts: list[dict] = []
-        self.actors = [self.spawn(k) for k in range(program.num_meshes)]
-        self.stages = [None] * len(plan.stages)     # per plan stage (chunks of a mesh come from its actor)
-        self.load(range(program.num_meshes))
-        self.set_peers()
-        self.checkpoint = self.fetch_state()
+        self.starting: dict[int, Any] = {}          # mesh -> the call that answers once its actor is ready
+        idle = _IDLE.take(ray)
+        self.actors: list = []
+        try:
+            for k in range(program.num_meshes):
+                self.actors.append(self.spawn(k, idle))
+            self.stages = [None] * len(plan.stages)     # per plan stage (chunks of a mesh come from its actor)
+            self.load(range(program.num_meshes))
+            self.set_peers()
+            self.checkpoint = self.fetch_state()
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            for _, actor in idle:                   # the idle actors this run does not fit
+                ray.kill(actor)
 
     # ------------------------------------------------------------- actors
-    def spawn(self, k: int):
-        options = _actor_options(len(self.plan.stages[k].devices), self.platform)
-        return self.worker_cls.options(**options).remote(self.plan, k, self.seed)
+    def fit(self, k: int) -> str:
+        """What an actor must have to serve mesh `k`: its Ray options (platform, device
+        count, the XLA flags in its environment), as one comparable string."""
+        return json.dumps(_actor_options(len(self.plan.stages[k].devices), self.platform), sort_keys=True)
+
+    def spawn(self, k: int, idle: list | None = None):
+        """Mesh `k`'s actor: an idle one that fits (taken out of `idle`), else a new one."""
+        fit = self.fit(k)
+        for i, (have, actor) in enumerate(idle or []):
+            if have == fit:
+                del idle[i]
+                self.starting[k] = actor.assign.remote(self.plan, k, self.seed)
+                return actor
+        actor = self.worker_cls.options(**json.loads(fit)).remote(self.plan, k, self.seed)
+        self.starting[k] = actor.ready.remote()
+        return actor
 
     def load(self, ks) -> None:
         """Wait for the actors `ks` to start, then send each its part of the program."""
-        self.get({k: self.actors[k].ready.remote() for k in ks}, STARTUP_TIMEOUT_S,
-                 "start (import JAX, lower its stage)")
+        self.get({k: self.starting.pop(k) for k in ks}, STARTUP_TIMEOUT_S, "start (import JAX, lower its stage)")
         calls = {k: self.actors[k].load_program.remote(self.program, self.payloads, self.owners, self.readers,
                                                        self.timeout_s) for k in ks}
         for summaries in self.get(calls, self.timeout_s, "load its program").values():
@@ -221,9 +294,17 @@ class _Meshes:
                           "return its checkpoint")
         return [states[k] for k in range(len(self.actors))]
 
-    def close(self) -> None:
-        for a in self.actors:
-            self.ray.kill(a)
+    def close(self, keep: bool = False) -> None:
+        """Stop the actors, or with `keep` (the run finished) hand them to the idle pool."""
+        if not keep:
+            for a in self.actors:
+                self.ray.kill(a)
+            return
+        dead = self.dead()                 # one a caller's `on_step` killed after the last step
+        alive = [(self.fit(k), a) for k, a in enumerate(self.actors) if k not in dead]
+        for _, a in alive:
+            a.release.remote()
+        _IDLE.give(self.ray, alive)
 
     # --------------------------------------------------------------- steps
     def run_step(self, step: int) -> tuple[list[dict], float]:

@@ -73,20 +73,35 @@ class MeshWorker:
     """The actor class (wrapped with `ray.remote` by the driver; no Ray at import)."""
 
     def __init__(self, plan: PipelinePlan, k: int, seed: int) -> None:
+        self.cond = threading.Condition()
+        self.mailbox: dict[tuple[int, Any], list] = {}    # (epoch, key) -> [(kind, name, numpy)]
+        self.assign(plan, k, seed)
+
+    # ------------------------------------------------------------- set-up
+    def assign(self, plan: PipelinePlan, k: int, seed: int) -> int:
+        """Become mesh `k` of `plan`: lower its stages on this process's devices, with
+        nothing left of a run this actor served before (`_ray_runtime` keeps idle
+        actors for the next run of this driver, as Alpa keeps its mesh workers)."""
         self.k, self.seed = k, seed
         self.graph = planning_graph(plan.model)
         # The plan stages this mesh runs: one, or its chunks under interleaving.
         own = range(k, len(plan.stages), plan.num_meshes)
         self.stages = {j: lower_stage(plan, self.graph, j, jax.devices(), seed=seed) for j in own}
         self.inflight = {j: plan.stages[j].inflight_microbatches for j in own}
-        self.cond = threading.Condition()
-        self.mailbox: dict[tuple[int, Any], list] = {}    # (epoch, key) -> [(kind, name, numpy)]
+        with self.cond:
+            self.mailbox.clear()
         self.epoch = -1
         self.aborted_epoch = -1
         self.peers: list = []
         self.at: Any = None                               # the instruction being run, for `where`
+        return k
 
-    # ------------------------------------------------------------- set-up
+    def release(self) -> None:
+        """Drop the stages (their arrays and programs) while the actor waits idle."""
+        self.stages, self.peers, self.program = {}, [], None
+        with self.cond:
+            self.mailbox.clear()
+
     def ready(self) -> int:
         return self.k
 

@@ -1,9 +1,10 @@
 """The Ray runtime against the local runtime, a single device, a killed actor and a
 program that never sends.
 
-One Ray cluster for the module (2 CPUs; the mesh actors reserve none). Each run
-starts one actor per mesh, a process of its own with as many virtual CPU devices as
-its mesh has; the plans are the `small_plan` fixture's (3 stages, 1x2 and 2x2 meshes).
+One Ray cluster for the module (2 CPUs; the mesh actors reserve none). Each run has
+one actor per mesh, a process of its own with as many virtual CPU devices as its mesh
+has, started for it or kept from the module's previous run where the devices fit; the
+plans are the `small_plan` fixture's (3 stages, 1x2 and 2x2 meshes).
 
 Agreement with `run_local`: both runtimes execute the same compiled stage programs on
 meshes of the same shape with the same data, and Ray moves tensors losslessly (host
@@ -22,8 +23,8 @@ import time
 import numpy as np
 import pytest
 
-from alpasim.backends import (RayRuntimeError, check_numerics, compare_collectives, reference_step, run_local,
-                              run_ray)
+from alpasim.backends import (RayRuntimeError, check_numerics, compare_collectives, idle_actors, reference_step,
+                              run_local, run_ray)
 from alpasim.simulator import Send, build_program
 
 ray = pytest.importorskip("ray")
@@ -81,6 +82,20 @@ def test_ray_matches_local_and_single_device(family, cluster, small_plan, gpt_lo
         assert [e.name for e in mesh if e.kind == "sync"] == ["grad_sync", "update"], k
     assert all(0 <= e.start_s <= e.end_s <= tl.iteration_s for e in tl.events)
     assert tl.iteration_s == result.step_times_s[-1] > 0
+
+
+def test_a_finished_runs_actors_serve_the_next_run(cluster, small_plan):
+    """A finished run hands its actors to the next run of this driver (`_ray_runtime`'s
+    module doc): the same processes serve it, its stages lowered afresh and its state
+    reset, so it computes the first run's step to the bit."""
+    plan = small_plan("gpt")
+    seen = []
+    first = run_ray(plan, steps=1, on_step=lambda step, actors: seen.append(set(actors)))
+    assert idle_actors() == plan.num_meshes
+    second = run_ray(plan, steps=1, on_step=lambda step, actors: seen.append(set(actors)))
+    assert seen[1] == seen[0] and idle_actors() == plan.num_meshes
+    assert second.losses == first.losses
+    assert all(np.array_equal(second.grads[p], g) for p, g in first.grads.items())
 
 
 def test_killed_actor_is_restarted_and_the_step_redone(cluster, small_plan, gpt_local):
@@ -166,3 +181,4 @@ def test_a_receive_whose_send_never_comes_fails_within_the_timeout(cluster, smal
                                               r"tensor '.+' from mesh \d; nothing arrived within 2 s"):
         run_ray(plan, steps=1, timeout_s=2.0, program=broken)
     assert time.monotonic() - start < HANG_S
+    assert idle_actors() == 0          # a failed run's actors are stopped, not kept for the next

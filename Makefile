@@ -21,14 +21,16 @@ setup: $(STAMP)
 # The packages are installed by uv (itself a wheel, fetched by pip): it resolves, fetches
 # and unpacks in parallel and byte-compiles on every core, 31 s against pip's 61 s for the
 # same packages on the 2-core machine; its cache lives in the venv, never in the home.
-# Where uv cannot be had or cannot reach an index (pip set up for a mirror uv does not
-# read), pip installs them as before.
+# uv does not read pip's settings, so where pip is pointed at an index of its own
+# (PIP_INDEX_URL, or index-url in pip's configuration: a mirror, maybe the only index
+# reachable) pip installs everything, as it does where uv cannot be had or fails.
 UV := UV_CACHE_DIR=$(CURDIR)/$(VENV)/.uv-cache UV_PYTHON_DOWNLOADS=never $(BIN)/uv
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(NO_HOME) $(PYTHON) -m venv $(VENV)
-	( $(PIP) install --quiet uv && \
-	  $(UV) pip install --quiet --python $(BIN)/python --compile-bytecode -e '.[test]' ) || \
-	( $(PIP) install --quiet --upgrade pip && $(PIP) install --quiet -e '.[test]' )
+	if [ -z "$${PIP_INDEX_URL}$$($(PIP) config get global.index-url 2>/dev/null)" ] && \
+	   $(PIP) install --quiet uv && \
+	   $(UV) pip install --quiet --python $(BIN)/python --compile-bytecode -e '.[test]'; then :; else \
+	   $(PIP) install --quiet --upgrade pip && $(PIP) install --quiet -e '.[test]'; fi
 	$(BIN)/python -m compileall -q alpasim
 	touch $(STAMP)
 

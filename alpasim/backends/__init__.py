@@ -48,4 +48,5 @@ from ._hlo import hlo_collectives as hlo_collectives
 from ._hlo import stage_collectives as stage_collectives
 from ._ray_runtime import RayRuntimeError as RayRuntimeError
 from ._ray_runtime import idle_actors as idle_actors
+from ._ray_runtime import stop_idle_actors as stop_idle_actors
 from ._ray_runtime import run_ray as run_ray

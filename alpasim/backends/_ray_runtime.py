@@ -43,6 +43,7 @@ timeout, an exception in a stage) is not retried: it is a bug, reported as is.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
@@ -206,11 +207,24 @@ class _IdleActors:
 
 
 _IDLE = _IdleActors()
+# Attempt numbers, increasing across runs: a late delivery or abort from an attempt of an
+# earlier run that an actor served can never match an attempt of this one.
+_EPOCHS = itertools.count()
 
 
 def idle_actors() -> int:
     """How many mesh actors wait for this driver's next `run_ray`."""
     return len(_IDLE)
+
+
+def stop_idle_actors() -> None:
+    """Stop the mesh actors kept for the next `run_ray` (their processes and devices)."""
+    import ray
+
+    actors, _IDLE.actors = _IDLE.actors, []
+    if ray.is_initialized() and _IDLE.session == _IDLE._session(ray):
+        for _, actor in actors:
+            ray.kill(actor)
 
 
 def _cause(error: Exception) -> str:
@@ -232,7 +246,7 @@ class _Meshes:
         self.owners = {p: part.index for part in parts for p in part.owned}
         self.readers = {p: tuple(part.index for part in parts if p in part.params) for p in self.owners}
         self.worker_cls = ray.remote(MeshWorker)
-        self.epoch = -1
+        self.epoch = -1                             # this run's attempts draw theirs from _EPOCHS
         self.restarts: list[dict] = []
         self.starting: dict[int, Any] = {}          # mesh -> the call that answers once its actor is ready
         idle = _IDLE.take(ray)
@@ -240,6 +254,10 @@ class _Meshes:
         try:
             for k in range(program.num_meshes):
                 self.actors.append(self.spawn(k, idle))
+        finally:
+            for _, actor in idle:       # the idle actors this run does not fit, before any waits for devices
+                ray.kill(actor)
+        try:
             self.stages = [None] * len(plan.stages)     # per plan stage (chunks of a mesh come from its actor)
             self.load(range(program.num_meshes))
             self.set_peers()
@@ -247,9 +265,6 @@ class _Meshes:
         except BaseException:
             self.close()
             raise
-        finally:
-            for _, actor in idle:                   # the idle actors this run does not fit
-                ray.kill(actor)
 
     # ------------------------------------------------------------- actors
     def fit(self, k: int) -> str:
@@ -260,11 +275,15 @@ class _Meshes:
     def spawn(self, k: int, idle: list | None = None):
         """Mesh `k`'s actor: an idle one that fits (taken out of `idle`), else a new one."""
         fit = self.fit(k)
-        for i, (have, actor) in enumerate(idle or []):
-            if have == fit:
-                del idle[i]
-                self.starting[k] = actor.assign.remote(self.plan, k, self.seed)
-                return actor
+        while idle and (i := next((i for i, (have, _) in enumerate(idle) if have == fit), None)) is not None:
+            actor = idle.pop(i)[1]
+            try:                        # an idle actor can have died (killed, out of memory): then the next
+                self.ray.get(actor.ready.remote(), timeout=PING_TIMEOUT_S)
+            except self.ray.exceptions.RayError:
+                self.ray.kill(actor)
+                continue
+            self.starting[k] = actor.assign.remote(self.plan, k, self.seed)
+            return actor
         actor = self.worker_cls.options(**json.loads(fit)).remote(self.plan, k, self.seed)
         self.starting[k] = actor.ready.remote()
         return actor
@@ -295,23 +314,31 @@ class _Meshes:
         return [states[k] for k in range(len(self.actors))]
 
     def close(self, keep: bool = False) -> None:
-        """Stop the actors, or with `keep` (the run finished) hand them to the idle pool."""
-        if not keep:
-            for a in self.actors:
-                self.ray.kill(a)
-            return
-        dead = self.dead()                 # one a caller's `on_step` killed after the last step
-        alive = [(self.fit(k), a) for k, a in enumerate(self.actors) if k not in dead]
-        for _, a in alive:
-            a.release.remote()
-        _IDLE.give(self.ray, alive)
+        """Stop the actors, or with `keep` (the run finished) hand the CPU ones to the idle
+        pool once they have dropped their stages; one that does not answer (a caller's
+        `on_step` killed it) is stopped. GPU actors are always stopped: JAX holds most of
+        a GPU's memory for as long as its process lives."""
+        ray = self.ray
+        releases = {k: a.release.remote() for k, a in enumerate(self.actors)} if keep and self.platform == "cpu" \
+            else {}
+        kept = []
+        for k, a in enumerate(self.actors):
+            try:
+                if k in releases:
+                    ray.get(releases[k], timeout=PING_TIMEOUT_S)
+                    kept.append((self.fit(k), a))
+                    continue
+            except ray.exceptions.RayError:
+                pass
+            ray.kill(a)
+        _IDLE.give(ray, kept)
 
     # --------------------------------------------------------------- steps
     def run_step(self, step: int) -> tuple[list[dict], float]:
         """Run one step on every actor, checkpoint, and return (per-mesh outputs, step
         seconds); a dead actor is restarted and the step redone (module doc)."""
         for attempt in range(RESTARTS_PER_STEP + 1):
-            self.epoch += 1
+            self.epoch = next(_EPOCHS)
             t0 = time.time()
             refs = [a.step.remote(step, self.epoch, t0) for a in self.actors]
             try:

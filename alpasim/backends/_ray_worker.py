@@ -75,6 +75,8 @@ class MeshWorker:
     def __init__(self, plan: PipelinePlan, k: int, seed: int) -> None:
         self.cond = threading.Condition()
         self.mailbox: dict[tuple[int, Any], list] = {}    # (epoch, key) -> [(kind, name, numpy)]
+        self.epoch = -1                 # attempt numbers increase across runs (`_ray_runtime._EPOCHS`)
+        self.aborted_epoch = -1
         self.assign(plan, k, seed)
 
     # ------------------------------------------------------------- set-up
@@ -90,8 +92,6 @@ class MeshWorker:
         self.inflight = {j: plan.stages[j].inflight_microbatches for j in own}
         with self.cond:
             self.mailbox.clear()
-        self.epoch = -1
-        self.aborted_epoch = -1
         self.peers: list = []
         self.at: Any = None                               # the instruction being run, for `where`
         return k

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from alpasim.backends import (RayRuntimeError, check_numerics, compare_collectives, idle_actors, reference_step,
-                              run_local, run_ray)
+                              run_local, run_ray, stop_idle_actors)
 from alpasim.simulator import Send, build_program
 
 ray = pytest.importorskip("ray")
@@ -98,23 +98,26 @@ def test_a_finished_runs_actors_serve_the_next_run(cluster, small_plan):
     assert all(np.array_equal(second.grads[p], g) for p, g in first.grads.items())
 
 
+def _wait_until_dead(actor) -> None:
+    """ray.kill is asynchronous: a call submitted at once can still be answered (the
+    actor is threaded), so wait until the actor refuses calls, and fail if it never does."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            ray.get(actor.ready.remote(), timeout=30)
+        except ray.exceptions.RayActorError:
+            return
+        assert time.monotonic() < deadline, "the killed actor still answers after 30 s"
+        time.sleep(0.1)
+
+
 def test_killed_actor_is_restarted_and_the_step_redone(cluster, small_plan, gpt_local):
     killed = []
 
     def kill_mesh1(step, actors):
         if step == 0:
             ray.kill(actors[1])
-            # ray.kill is asynchronous: a call submitted at once can still be answered
-            # (the actor is threaded), so wait until the actor refuses calls — dead
-            # before step 2 starts — and fail if it never does.
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    ray.get(actors[1].ready.remote(), timeout=30)
-                except ray.exceptions.RayActorError:
-                    break
-                assert time.monotonic() < deadline, "the killed actor still answers after 30 s"
-                time.sleep(0.1)
+            _wait_until_dead(actors[1])        # dead before step 2 starts
             killed.append(actors[1])
 
     result = run_ray(small_plan("gpt"), steps=STEPS, on_step=kill_mesh1)
@@ -164,8 +167,15 @@ def test_ray_keeps_two_copies_of_a_weight_on_one_mesh_apart(cluster, shared_weig
     plan = plan_pipeline(str(shared_weight_graph), get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=2),
                          microbatches=2, layers=4, pareto=False, bucket_bytes=None, schedule="interleaved",
                          chunk_options=(2,))
-    result = run_ray(plan, steps=1, timeout_s=60)
+    seen = []
+    result = run_ray(plan, steps=1, timeout_s=60, on_step=lambda step, actors: seen.extend(actors))
     assert check_numerics(result.losses[0], result.grads, reference_step(plan))["numerics_ok"]
+    # The module's last run: its actors, kept for a next run, stop when asked.
+    assert idle_actors() == len(seen) == 2
+    stop_idle_actors()
+    assert idle_actors() == 0
+    for actor in seen:
+        _wait_until_dead(actor)
 
 
 @pytest.mark.serial      # its 2 s receive timeout also bounds the other calls: run on an idle machine

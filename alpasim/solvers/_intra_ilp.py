@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
 import os
 import sys
 import threading
@@ -227,9 +226,9 @@ def _edge_blocks(b: _Builder, problem: IntraOpProblem, s: list[np.ndarray],
         e = b.columns(P * Q, cost=0.0 if edge.share >= 0 else pair_cost * US)
         if edge.share >= 0:
             pairs = shared.setdefault(edge.share, {})
-            for col, (p, q), c in zip(e, itertools.product(used_p, used_q), pair_cost):
-                if c > 0:
-                    pairs.setdefault((edge.specs[p], edge.specs[q]), (float(c), []))[1].append(int(col))
+            for i in np.flatnonzero(pair_cost > 0).tolist():       # pair i is (used_p[i // Q], used_q[i % Q])
+                key = (edge.specs[used_p[i // Q]], edge.specs[used_q[i % Q]])
+                pairs.setdefault(key, (float(pair_cost[i]), []))[1].append(int(e[i]))
         keep_src, keep_dst = np.flatnonzero(~drop[edge.src]), np.flatnonzero(~drop[edge.dst])
         p_row = np.searchsorted(used_p, edge.src_spec[keep_src])    # row of each kept producer strategy
         q_row = np.searchsorted(used_q, edge.dst_spec[keep_dst])
@@ -238,12 +237,21 @@ def _edge_blocks(b: _Builder, problem: IntraOpProblem, s: list[np.ndarray],
         cols = np.concatenate([e, s[edge.src][keep_src], e, s[edge.dst][keep_dst]])
         vals = np.concatenate([np.ones(P * Q), -np.ones(len(keep_src)), np.ones(P * Q), -np.ones(len(keep_dst))])
         b.rows(P + Q, 0.0, 0.0, rows, cols, vals)
-    for pairs in shared.values():
-        for cost, cols in pairs.values():
-            r = b.columns(1, cost=cost * US, upper=1.0)
-            n = len(cols)
-            b.rows(n, 0.0, np.inf, np.repeat(np.arange(n), 2), np.column_stack([np.repeat(r, n), cols]).ravel(),
-                   np.tile([1.0, -1.0], n))
+    _shared_columns(b, [pair for pairs in shared.values() for pair in pairs.values()])
+
+
+def _shared_columns(b: _Builder, pairs: list[tuple[float, list[int]]]) -> None:
+    """One column r per shared (stored, needed) spec pair, costing the resharding, and a
+    row r - e >= 0 for each member edge's column e of that pair: all pairs in one block
+    (a problem has tens of thousands; one block each cost most of the formulation)."""
+    if not pairs:
+        return
+    r = b.columns(len(pairs), cost=np.array([cost for cost, _ in pairs]) * US, upper=1.0)
+    members = np.fromiter((col for _, cols in pairs for col in cols), np.int64)
+    owner = np.repeat(r, [len(cols) for _, cols in pairs])
+    n = len(members)
+    b.rows(n, 0.0, np.inf, np.repeat(np.arange(n), 2), np.column_stack([owner, members]).ravel(),
+           np.tile([1.0, -1.0], n))
 
 
 def _memory_terms(problem: IntraOpProblem, s, tensor: str, unit_bytes: float) -> tuple[np.ndarray, np.ndarray]:

@@ -66,8 +66,26 @@ def op_bytes(op: Op, tensors: dict[str, Tensor]) -> int:
 
 
 def op_dims(op: Op, tensors: dict[str, Tensor]) -> DimMap:
-    p = primitive(op.prim)
-    return p.dims(op.attrs, [tensors[t] for t in op.inputs], [tensors[t] for t in op.outputs])
+    """The op's dimension map. It depends only on the primitive, its parameters and the
+    operands' shapes, which repeat across a model's layers and are asked for again by
+    every pass of the planner (strategies, baselines' restrictions, batch letters), so
+    each distinct one is built once."""
+    ins, outs = [tensors[t] for t in op.inputs], [tensors[t] for t in op.outputs]
+    key = (op.prim, op.params, tuple(t.shape for t in ins), tuple(t.shape for t in outs))
+    try:
+        return _DIMS[key]
+    except KeyError:
+        pass
+    except TypeError:                  # a parameter value that is not hashable: not kept
+        return primitive(op.prim).dims(op.attrs, ins, outs)
+    if len(_DIMS) >= _DIMS_KEPT:
+        _DIMS.clear()
+    dims = _DIMS[key] = primitive(op.prim).dims(op.attrs, ins, outs)
+    return dims
+
+
+_DIMS: dict[tuple, DimMap] = {}
+_DIMS_KEPT = 100_000          # distinct (primitive, parameters, shapes); a zoo model has hundreds
 
 
 def op_kind(op: Op) -> str:

@@ -265,3 +265,27 @@ def test_gradient_primitive_in_a_forward_graph_is_a_clear_error():
     loss = b.one("reduce", [g], kind="sum", axes=(0, 1))
     with pytest.raises(AutodiffError, match="'softmax_grad' cannot be differentiated"):
         training_graph(b.build([loss]))
+
+
+@pytest.mark.parametrize("spec", ["gpt3:hidden=64,layers=2,heads=4,seq=16,vocab=128,batch=2",
+                                  "wresnet:depth=26,width=1,channels=4,image=32,classes=8,batch=2",
+                                  "topk-moe:hidden=64,layers=3,heads=4,kv_heads=2,experts=4,top_k=2,expert_ffn=48,"
+                                  "dense_layers=1,dense_ffn=96,seq=16,vocab=128,batch=2,group_size=16"])
+def test_an_ops_dimension_map_is_built_once_per_distinct_op_and_equals_a_fresh_one(spec):
+    """`op_dims` keeps each distinct (primitive, parameters, shapes) map: every op of a
+    training graph gets the map its primitive builds afresh, the layers' identical ops
+    share one, and an op of other shapes gets its own."""
+    from alpasim.graphs import build_training_graph, op_dims
+    from alpasim.graphs._primitives import primitive
+
+    g = build_training_graph(spec).graph
+    seen = {}
+    for op in g.ops:
+        dims = op_dims(op, g.tensors)
+        fresh = primitive(op.prim).dims(op.attrs, [g.tensors[t] for t in op.inputs],
+                                        [g.tensors[t] for t in op.outputs])
+        assert dims == fresh, op
+        key = (op.prim, op.params, [g.tensors[t].shape for t in op.inputs], [g.tensors[t].shape for t in op.outputs])
+        key = repr(key)
+        assert seen.setdefault(key, dims) is dims, op
+    assert len(seen) < len(g.ops)

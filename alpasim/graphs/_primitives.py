@@ -71,6 +71,8 @@ def op_dims(op: Op, tensors: dict[str, Tensor]) -> DimMap:
     every pass of the planner (strategies, baselines' restrictions, batch letters), so
     each distinct one is built once."""
     ins, outs = [tensors[t] for t in op.inputs], [tensors[t] for t in op.outputs]
+    if op.prim in _NOT_KEPT:
+        return primitive(op.prim).dims(op.attrs, ins, outs)
     key = (op.prim, op.params, tuple(t.shape for t in ins), tuple(t.shape for t in outs))
     try:
         return _DIMS[key]
@@ -85,6 +87,9 @@ def op_dims(op: Op, tensors: dict[str, Tensor]) -> DimMap:
 
 
 _DIMS: dict[tuple, DimMap] = {}
+# An imported constant's parameters hold its data (megabytes of base64): as a key it would
+# outlive its graph, and its map (one letter run) is cheap to build anyway.
+_NOT_KEPT = frozenset({"constant"})
 _DIMS_KEPT = 100_000          # distinct (primitive, parameters, shapes); a zoo model has hundreds
 
 

@@ -20,10 +20,11 @@ actor has its own bound (`STARTUP_TIMEOUT_S`), since it includes importing JAX a
 compiling the stage. A timeout raises one `RayRuntimeError` naming the mesh, the
 instruction and the tensor; nothing hangs.
 
-Actors outlive a run: a run that completes hands its actors, their stages dropped, to
-an idle pool of this driver's Ray session, and the next run takes the ones whose
-devices fit its meshes (`assign` lowers the new stages in the warm process) and stops
-the rest, so idle actors never hold more than one run's devices. Alpa does the same: a
+CPU actors outlive a run: a run that completes hands them, their stages dropped, to an
+idle pool of this driver's Ray session, and the next run takes the ones whose Ray
+options fit its meshes (`assign` lowers the new stages in the warm process) and stops
+the rest, so idle actors never hold more than one run's devices (GPU actors are always
+stopped: JAX holds most of a GPU's memory while its process lives). Alpa does the same: a
 `PhysicalDeviceMesh`'s workers start once, at `alpa.init`, and run every executable
 compiled for it. Starting an actor costs a process, importing JAX and alpasim (about
 3 s of CPU each on the 2-core machine); a warm one only lowers its stage. A run that
@@ -44,7 +45,6 @@ timeout, an exception in a stage) is not retried: it is a bug, reported as is.
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import time
 from collections.abc import Callable
@@ -184,19 +184,19 @@ class _IdleActors:
 
     def __init__(self) -> None:
         self.session: tuple[str, str] | None = None
-        self.actors: list[tuple[str, Any]] = []
+        self.actors: list[tuple[dict, Any]] = []
 
     @staticmethod
     def _session(ray) -> tuple[str, str]:
         context = ray.get_runtime_context()
         return context.get_job_id(), context.get_node_id()
 
-    def take(self, ray) -> list[tuple[str, Any]]:
+    def take(self, ray) -> list[tuple[dict, Any]]:
         """Every idle actor of the current session, as (what it fits: `_Meshes.fit`, handle)."""
         actors, self.actors = self.actors, []
         return actors if self.session == self._session(ray) else []
 
-    def give(self, ray, actors: list[tuple[str, Any]]) -> None:
+    def give(self, ray, actors: list[tuple[dict, Any]]) -> None:
         session = self._session(ray)
         if self.session != session:
             self.session, self.actors = session, []
@@ -221,10 +221,11 @@ def stop_idle_actors() -> None:
     """Stop the mesh actors kept for the next `run_ray` (their processes and devices)."""
     import ray
 
-    actors, _IDLE.actors = _IDLE.actors, []
-    if ray.is_initialized() and _IDLE.session == _IDLE._session(ray):
-        for _, actor in actors:
-            ray.kill(actor)
+    if not ray.is_initialized():        # gone with their session
+        _IDLE.actors = []
+        return
+    for _, actor in _IDLE.take(ray):
+        ray.kill(actor)
 
 
 def _cause(error: Exception) -> str:
@@ -267,26 +268,33 @@ class _Meshes:
             raise
 
     # ------------------------------------------------------------- actors
-    def fit(self, k: int) -> str:
+    def fit(self, k: int) -> dict[str, Any]:
         """What an actor must have to serve mesh `k`: its Ray options (platform, device
-        count, the XLA flags in its environment), as one comparable string."""
-        return json.dumps(_actor_options(len(self.plan.stages[k].devices), self.platform), sort_keys=True)
+        count, the XLA flags in its environment)."""
+        return _actor_options(len(self.plan.stages[k].devices), self.platform)
 
     def spawn(self, k: int, idle: list | None = None):
-        """Mesh `k`'s actor: an idle one that fits (taken out of `idle`), else a new one."""
+        """Mesh `k`'s actor: an idle one that fits and still answers (taken out of `idle`;
+        one that died while idle is stopped), else a new one."""
         fit = self.fit(k)
-        while idle and (i := next((i for i, (have, _) in enumerate(idle) if have == fit), None)) is not None:
-            actor = idle.pop(i)[1]
-            try:                        # an idle actor can have died (killed, out of memory): then the next
-                self.ray.get(actor.ready.remote(), timeout=PING_TIMEOUT_S)
-            except self.ray.exceptions.RayError:
-                self.ray.kill(actor)
-                continue
-            self.starting[k] = actor.assign.remote(self.plan, k, self.seed)
-            return actor
-        actor = self.worker_cls.options(**json.loads(fit)).remote(self.plan, k, self.seed)
+        for entry in [e for e in idle or [] if e[0] == fit]:
+            idle.remove(entry)
+            actor = entry[1]
+            if self.answers(actor.ready.remote()):
+                self.starting[k] = actor.assign.remote(self.plan, k, self.seed)
+                return actor
+            self.ray.kill(actor)
+        actor = self.worker_cls.options(**fit).remote(self.plan, k, self.seed)
         self.starting[k] = actor.ready.remote()
         return actor
+
+    def answers(self, ref) -> bool:
+        """Whether an actor's call `ref` returns within `PING_TIMEOUT_S`."""
+        try:
+            self.ray.get(ref, timeout=PING_TIMEOUT_S)
+        except self.ray.exceptions.RayError:
+            return False
+        return True
 
     def load(self, ks) -> None:
         """Wait for the actors `ks` to start, then send each its part of the program."""
@@ -318,20 +326,15 @@ class _Meshes:
         pool once they have dropped their stages; one that does not answer (a caller's
         `on_step` killed it) is stopped. GPU actors are always stopped: JAX holds most of
         a GPU's memory for as long as its process lives."""
-        ray = self.ray
-        releases = {k: a.release.remote() for k, a in enumerate(self.actors)} if keep and self.platform == "cpu" \
-            else {}
+        keep = keep and self.platform == "cpu"
+        releases = [a.release.remote() for a in self.actors] if keep else []
         kept = []
         for k, a in enumerate(self.actors):
-            try:
-                if k in releases:
-                    ray.get(releases[k], timeout=PING_TIMEOUT_S)
-                    kept.append((self.fit(k), a))
-                    continue
-            except ray.exceptions.RayError:
-                pass
-            ray.kill(a)
-        _IDLE.give(ray, kept)
+            if keep and self.answers(releases[k]):
+                kept.append((self.fit(k), a))
+            else:
+                self.ray.kill(a)
+        _IDLE.give(self.ray, kept)
 
     # --------------------------------------------------------------- steps
     def run_step(self, step: int) -> tuple[list[dict], float]:

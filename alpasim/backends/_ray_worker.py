@@ -84,20 +84,19 @@ class MeshWorker:
         """Become mesh `k` of `plan`: lower its stages on this process's devices, with
         nothing left of a run this actor served before (`_ray_runtime` keeps idle
         actors for the next run of this driver, as Alpa keeps its mesh workers)."""
+        self.release()
         self.k, self.seed = k, seed
         self.graph = planning_graph(plan.model)
         # The plan stages this mesh runs: one, or its chunks under interleaving.
         own = range(k, len(plan.stages), plan.num_meshes)
         self.stages = {j: lower_stage(plan, self.graph, j, jax.devices(), seed=seed) for j in own}
         self.inflight = {j: plan.stages[j].inflight_microbatches for j in own}
-        with self.cond:
-            self.mailbox.clear()
-        self.peers: list = []
         self.at: Any = None                               # the instruction being run, for `where`
         return k
 
     def release(self) -> None:
-        """Drop the stages (their arrays and programs) while the actor waits idle."""
+        """Drop the stages (their arrays and programs), the peers and anything delivered:
+        before an actor waits idle, and before it takes another mesh."""
         self.stages, self.peers, self.program = {}, [], None
         with self.cond:
             self.mailbox.clear()

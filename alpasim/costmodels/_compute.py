@@ -120,7 +120,8 @@ def op_time_s(op: Op, tensors: Mapping[str, Tensor], device: Device, num_shards:
     else:
         flops = op_flops(op, tensors) / num_shards
     nbytes = (traffic_bytes(op, tensors) if access is None else access.nbytes) / num_shards
-    return compute_time_s(flops, nbytes, dtype, device, kind in TENSOR_CORE_KINDS, launch=access is None or access.launch)
+    return compute_time_s(flops, nbytes, dtype, device, kind in TENSOR_CORE_KINDS,
+                          launch=access is None or access.launch)
 
 
 def check_shards(op: Op, num_shards: int) -> None:

@@ -275,15 +275,14 @@ def cross_mesh_plan(shape: Sequence[int], itemsize: int,
     # A sender tile overlaps `tile` only if it does in every dim: candidates are the
     # product of each dim's overlapping intervals, not every sender tile (a 384-device
     # mesh to another was 147,000 intersections a tensor). Kept in the senders' order.
-    order = {s.bounds: i for i, s in enumerate(holders)}
-    by_bounds = {s.bounds: (s, hs) for s, hs in holders.items()}
+    by_bounds = {s.bounds: (i, s, hs) for i, (s, hs) in enumerate(holders.items())}
     intervals = [sorted({s.bounds[d] for s in holders}) for d in range(len(shape))]
 
     def pieces(tile: Tile) -> list[tuple[Tile, list[int]]]:
         """Pass 1: `tile` cut along the sender tiling, each piece with its holders."""
         near = [[iv for iv in intervals[d] if iv[0] < hi and lo < iv[1]] for d, (lo, hi) in enumerate(tile.bounds)]
-        found = sorted((b for b in itertools.product(*near) if b in by_bounds), key=order.__getitem__)
-        cut = ((tile.intersect(by_bounds[b][0]), by_bounds[b][1]) for b in found)
+        found = sorted(by_bounds[b] for b in itertools.product(*near) if b in by_bounds)
+        cut = ((tile.intersect(s), hs) for _, s, hs in found)
         return [(p, hs) for p, hs in cut if p is not None]
 
     choice = _SenderChoice(node_of, itemsize)

@@ -285,7 +285,7 @@ def test_an_ops_dimension_map_is_built_once_per_distinct_op_and_equals_a_fresh_o
         fresh = primitive(op.prim).dims(op.attrs, [g.tensors[t] for t in op.inputs],
                                         [g.tensors[t] for t in op.outputs])
         assert dims == fresh, op
-        key = (op.prim, op.params, [g.tensors[t].shape for t in op.inputs], [g.tensors[t].shape for t in op.outputs])
-        key = repr(key)
+        key = (op.prim, op.params, tuple(g.tensors[t].shape for t in op.inputs),
+               tuple(g.tensors[t].shape for t in op.outputs))
         assert seen.setdefault(key, dims) is dims, op
     assert len(seen) < len(g.ops)

@@ -48,6 +48,10 @@ NoOverlapOpt = Annotated[bool, typer.Option("--no-overlap", help="Reduce each we
 OverlapOpt = Annotated[Optional[bool], typer.Option("--overlap/--no-overlap", help="Reduce the weight gradients "
                                                     "in buckets overlapped with the last backward, or each after "
                                                     "it (default: as the method's system ran, --system).")]
+TpOverlapOpt = Annotated[Optional[bool], typer.Option("--tp-comm-overlap/--no-tp-comm-overlap",
+                                                      help="Run tensor-parallel collectives beside their GEMMs "
+                                                      "(Transformer Engine's comm-GEMM overlap), or in line "
+                                                      "(default: as the method's system ran, --system).")]
 SystemOpt = Annotated[Optional[str], typer.Option("--system", help="Price the plan as this system ran (a profile "
                                                   "of `alpasim methods`: overlap, recomputation, optimizer "
                                                   "sharding; default: the method's own).")]

@@ -18,7 +18,7 @@ from alpasim.experiments import simulation_report
 
 from ._common import (
     AttentionOpt, BucketOpt, ClusterOpt, CostModelOpt, DpnOpt, GbpsOpt, JsonOpt, MemOpt, NodesOpt, OverlapOpt, PrecisionOpt,
-    SystemOpt, app, bucket_bytes, check_precision, check_recompute, emit_json, err, fail, fmt_bytes, fmt_count,
+    SystemOpt, TpOverlapOpt, app, bucket_bytes, check_precision, check_recompute, emit_json, err, fail, fmt_bytes, fmt_count,
     load_cluster, load_cost_model, out, parse_microbatches, plan_map, RayAddressOpt, RayOpt, TaskProgress,
     writable_file, writing,
 )
@@ -111,6 +111,7 @@ def plan(
                                                      "full remat, selective and none that fits); default: as the "
                                                      "method's system ran.")] = None,
     overlap: OverlapOpt = None,
+    tp_comm_overlap: TpOverlapOpt = None,
     system: SystemOpt = None,
     attention: AttentionOpt = None,
     bucket_mb: BucketOpt = None,
@@ -181,7 +182,8 @@ def plan(
                   sequence_parallel=sequence_parallel or None, cache=not no_cache, workers=workers, ray=ray,
                   ray_address=ray_address, epsilon=epsilon, cost_model=model_costs, precision=precision,
                   bucket_bytes=buckets, system=system, overlap=overlap, attention=attention,
-                  **{k: v for k, v in (("remat", remat), ("recompute", recompute)) if v is not None},
+                  **{k: v for k, v in (("remat", remat), ("recompute", recompute), ("tp_overlap", tp_comm_overlap))
+                     if v is not None},
                   **({"schedule": schedule, "chunk_options": chunk_options}
                      if (name == "alpa" and schedule != "1f1b") or (interleaves and schedule == "interleaved")
                      else {}))

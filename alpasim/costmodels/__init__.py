@@ -66,3 +66,5 @@ from ._overlap import bucket_schedule as bucket_schedule
 from ._overlap import exposed_s as exposed_s
 from ._overlap import run_buckets as run_buckets
 from ._overlap import stream_end_s as stream_end_s
+from ._tp_overlap import PIPELINE_SPLITS as PIPELINE_SPLITS
+from ._tp_overlap import exposed_tp_s as exposed_tp_s

@@ -197,7 +197,7 @@ def plan_pipeline(model: str | ModelSource, cluster: Cluster, *, microbatches: i
                   cost_model: CostModel | None = None, precision: str | None = None,
                   microbatch_multiple: int = 1, recompute: str = "none",
                   bucket_bytes: float | None = DEFAULT_BUCKET_BYTES, schedule: str = "1f1b",
-                  chunk_options: Sequence[int] = DEFAULT_CHUNK_OPTIONS) -> PipelinePlan:
+                  chunk_options: Sequence[int] = DEFAULT_CHUNK_OPTIONS, tp_overlap: bool = False) -> PipelinePlan:
     """Plan `model` on `cluster`; `recompute` is the training graph's policy for what
     the backward recomputes (`graphs.training_graph`); `layers` re-clusters the forward ops into that many
     layers with the eq. 6 DP instead of the zoo's blocks (planning units).
@@ -222,6 +222,8 @@ def plan_pipeline(model: str | ModelSource, cluster: Cluster, *, microbatches: i
     `bucket_bytes`: weight gradients reduced in buckets of this size, overlapped with
     the last microbatch's backward (`costmodels._overlap`); None runs each gradient's
     collective after the backward, as the paper's accounting does (`--no-overlap`).
+    `tp_overlap`: per-microbatch collectives of GEMMs run beside them, as Transformer
+    Engine's comm-GEMM overlap runs tensor parallelism's (`_tp_overlap`).
 
     `schedule`: "1f1b" (the paper's DP), "interleaved" (the fastest interleaved plan,
     `_interleave`, with a chunk count from `chunk_options`, at any microbatch count
@@ -264,7 +266,8 @@ def plan_pipeline(model: str | ModelSource, cluster: Cluster, *, microbatches: i
         s_max = min(max_stages, graph.num_layers, cluster.num_devices)
         costs = build_stage_costs(graph, cluster, b, max_stages=s_max, map_fn=map_fn, cache=cache,
                                   progress=report, restriction=restriction, shape_ok=shape_ok, views_of=views_of,
-                                  pareto=pareto, cost_model=cost_model, bucket_bytes=bucket_bytes)
+                                  pareto=pareto, cost_model=cost_model, bucket_bytes=bucket_bytes,
+                                  tp_overlap=tp_overlap)
         jobs += costs.ilp_jobs
         hits += costs.cache_hits
         sizes = [sh.size for sh in costs.shapes]
@@ -463,8 +466,8 @@ def _plan_stage(costs: StageCosts, st: StageChoice, depth: int, inflight: int, d
     for layer, o in zip(range(st.first, st.last + 1), stage_opts, strict=True):
         kind = costs.layer_kind[layer]
         chosen[layer] = o
-        compute += o.busy_s(costs.bucket_bytes is not None)
-        forward += o.forward_s
+        compute += o.busy_s(costs.bucket_bytes is not None, costs.tp_overlap)
+        forward += o.forward_busy_s(costs.tp_overlap)
         sync += o.sync_s
         grad_sync += o.grad_sync_s
         weight_s += o.weight_grad_s
@@ -480,7 +483,7 @@ def _plan_stage(costs: StageCosts, st: StageChoice, depth: int, inflight: int, d
                 heavy.append({"op": op.name, "equation": op.param("equation") or op.prim,
                               "strategy": strategy, "output": out})
     mem = stage_memory_of(costs, st.first, st.last, view, stage_opts, inflight)
-    buckets, exposed = stage_sync(stage_opts, costs.meshes[view][2], costs.bucket_bytes)
+    buckets, exposed = stage_sync(stage_opts, costs.meshes[view][2], costs.bucket_bytes, costs.tp_overlap)
     return PipelineStage((st.first, st.last), tuple(devices), (shape.n, shape.m), tuple(logical),
                          float(st.cost_s), mem.total_bytes, inflight, compute, sync,
                          mem.persistent_bytes + mem.buffer_bytes, mem.activation_bytes, j,

@@ -53,7 +53,7 @@ from ._systems import GradBuckets, SystemRecord, get_system, resolve
 # Options every method takes (`plan_pipeline` keywords), and those only some do.
 COMMON_OPTIONS = frozenset({"microbatches", "remat", "recompute", "precision", "cost_model", "epsilon", "cache",
                             "map_fn", "progress", "price_boundaries", "pareto", "bucket_bytes", "schedule",
-                            "chunk_options"})
+                            "chunk_options", "tp_overlap"})
 METHOD_OPTIONS = ("layers", "max_stages", "megatron", "distributed_optimizer", "sequence_parallel")
 
 
@@ -299,8 +299,9 @@ def system_options(m: Method, system: str | None, overlap: bool | None, distribu
     configuration's distributed optimizer (None: Megatron-core's grid searches it).
 
     `bucket_bytes=None` among `options` (the planner's old spelling of "no overlap")
-    counts as `overlap=False`. A searched recomputation leaves `remat`/`recompute` to
-    the search (`plan_model`'s, or Megatron-core's grid)."""
+    counts as `overlap=False`; `tp_overlap` among them overrides the profile's
+    `tp_comm_overlap`. A searched recomputation leaves `remat`/`recompute` to the search
+    (`plan_model`'s, or Megatron-core's grid)."""
     profile = get_system(system or m.system)
     options = dict(options)
     if overlap is None and "bucket_bytes" in options and options["bucket_bytes"] is None:
@@ -308,11 +309,12 @@ def system_options(m: Method, system: str | None, overlap: bool | None, distribu
     recompute = _recompute_given(options)
     sharding = None if distributed_optimizer is None else _sharding(distributed_optimizer)
     record = resolve(profile, grad_overlap=overlap, recompute=recompute, optimizer_sharding=sharding,
-                     attention=attention)
+                     attention=attention, tp_comm_overlap=options.pop("tp_overlap", None))
     settings = record.settings
     given = options.get("bucket_bytes")
     options["bucket_bytes"] = ((profile.buckets or DEFAULT_BUCKET_BYTES) if given in (None, SYSTEM_BUCKETS)
                                else given) if settings["grad_overlap"] else None
+    options["tp_overlap"] = settings["tp_comm_overlap"]
     if settings["recompute"] == "searched":
         options.pop("remat", None)
         options.pop("recompute", None)
@@ -512,6 +514,12 @@ def megatron_plan(model: ModelLike, cluster: Cluster, config: MegatronConfig, me
         return [(config.dp, config.tp)] if shape.size == size else []
 
     search = {**METHODS["megatron"].search_options(cluster), "restriction": config.restriction}
+    # Megatron refuses --tp-comm-overlap without sequence parallelism (arguments.py:
+    # "Tensor parallel communication/GEMM overlap can happen only when sequence
+    # parallelism is enabled"), and without tensor parallelism it has nothing to overlap.
+    dropped = bool(kw.get("tp_overlap")) and not (config.sequence_parallel and config.tp > 1)
+    if dropped:
+        kw = {**kw, "tp_overlap": False}
     if "bucket_bytes" in kw:
         kw = {**kw, "bucket_bytes": _bucket_bytes(kw["bucket_bytes"], config.dp, source.config.dtype)}
     try:
@@ -520,7 +528,10 @@ def megatron_plan(model: ModelLike, cluster: Cluster, config: MegatronConfig, me
                              **search, **kw)
     except PlanInfeasible as e:
         return infeasible_plan(source, cluster, method, str(e), SearchStats(megatron=_config_json(config)))
-    return dataclasses.replace(plan, search=dataclasses.replace(plan.search, megatron=_config_json(config)))
+    notes = plan.notes + (("tp_comm_overlap priced off: Megatron overlaps tensor-parallel communication only "
+                           "with sequence parallelism at tp > 1",) if dropped and config.tp > 1 else ())
+    return dataclasses.replace(plan, search=dataclasses.replace(plan.search, megatron=_config_json(config)),
+                               notes=notes)
 
 
 def megatron_grid(model: ModelLike, cluster: Cluster, *, progress: Callable | None = None,

@@ -59,6 +59,7 @@ from ._mesh import LogicalMesh
 from ._resharding import Collective
 from ._spec import ShardingSpec
 from ._submesh import SubmeshShape, logical_mesh, logical_shapes, submesh_shapes
+from ._tp_overlap import tp_overlap_s
 
 INF = math.inf
 # Memory-first ILP keeps this many microbatches of activations in flight when it looks
@@ -125,14 +126,26 @@ class LayerOption:
     # device of activations and cotangents W reads (held from B until W): `weight_pass`.
     weight_grad_s: float = 0.0
     weight_stash_bytes: float = 0.0
+    # Of time_s, the tensor-parallel collectives that Transformer Engine's comm-GEMM
+    # overlap hides (`_tp_overlap.tp_overlap_s`), and the forward's share of them.
+    tp_hidden_s: float = 0.0
+    tp_hidden_forward_s: float = 0.0
 
     @property
     def tied_bytes(self) -> float:
         return sum(self.tied)
 
-    def busy_s(self, overlap: bool) -> float:
-        """Forward + backward per microbatch, less what overlap hides (`hidden_s`)."""
+    def busy_s(self, overlap: bool, tp_overlap: bool = False) -> float:
+        """Forward + backward per microbatch, less what overlap hides: with tensor-
+        parallel overlap `tp_hidden_s` (its pairs include the backward's that `hidden_s`
+        counts), else with gradient overlap `hidden_s`."""
+        if tp_overlap:
+            return self.time_s - self.tp_hidden_s
         return self.time_s - self.hidden_s if overlap else self.time_s
+
+    def forward_busy_s(self, tp_overlap: bool = False) -> float:
+        """The forward per microbatch, less what tensor-parallel overlap hides of it."""
+        return self.forward_s - self.tp_hidden_forward_s if tp_overlap else self.forward_s
 
     @property
     def inflight_bytes(self) -> float:
@@ -154,10 +167,12 @@ class LayerOption:
                 tuple(d.get("tied", (0.0, 0.0, 0.0))), d.get("gather_bytes", 0.0), d.get("update_bytes", 0.0),
                 tuple(d.get("tensor_specs", ())), d.get("grad_sync_s", 0.0),
                 tuple((str(k), tuple(int(a) for a in axes), b) for k, axes, b in d.get("grad_groups", ())),
-                d.get("hidden_s", 0.0), d.get("weight_grad_s", 0.0), d.get("weight_stash_bytes", 0.0))
+                d.get("hidden_s", 0.0), d.get("weight_grad_s", 0.0), d.get("weight_stash_bytes", 0.0),
+                d.get("tp_hidden_s", 0.0), d.get("tp_hidden_forward_s", 0.0))
         numbers = [o.time_s, o.sync_s, o.persistent_bytes, o.activation_bytes, o.forward_s, o.params_bytes,
                    o.grads_bytes, o.optimizer_bytes, *o.tied, o.gather_bytes, o.update_bytes, o.grad_sync_s,
-                   *(b for _, _, b in o.grad_groups), o.hidden_s, o.weight_grad_s, o.weight_stash_bytes]
+                   *(b for _, _, b in o.grad_groups), o.hidden_s, o.weight_grad_s, o.weight_stash_bytes,
+                   o.tp_hidden_s, o.tp_hidden_forward_s]
         if o.stash_bytes is not None:
             numbers.append(o.stash_bytes)
         for x in numbers:
@@ -351,7 +366,8 @@ def layer_options(layer: OpGraph, mesh: LogicalMesh, cluster: Cluster, microbatc
                            mem.params_bytes, mem.grads_bytes + t_grad, opt + t_opt,
                            (t_param, t_grad, t_opt), gathered_param_bytes(layer, plan), mem.update_bytes,
                            tuple(str(plan.specs[t]) if t in plan.specs else "" for t in canonical_tensors(layer)),
-                           *gradient_sync(layer, plan), hidden_collectives_s(layer, plan), *weight_pass(layer, plan))
+                           *gradient_sync(layer, plan), hidden_collectives_s(layer, plan), *weight_pass(layer, plan),
+                           *tp_overlap_s(layer, plan))
 
     kw = restricted_solve_kwargs(restriction, layer, mesh, model)
     fast = solve_intra_op(layer, mesh, model, with_compute=True, microbatches=microbatches, mip_gap=PLANNING_MIP_GAP,
@@ -492,6 +508,7 @@ class StageCosts:
     min_memory_bytes: float             # least per-device memory any stage of one layer needs
     tied_owner: list[TiedCopy | None] = None  # per layer: a tied copy of another layer's parameter
     bucket_bytes: float | None = None   # gradient buckets overlapping the backward (None: no overlap)
+    tp_overlap: bool = False            # tensor-parallel collectives overlapped with GEMMs (`LayerOption.busy_s`)
 
 
 def build_stage_costs(graph: OpGraph, cluster: Cluster, microbatches: int, *, max_stages: int | None = None,
@@ -500,7 +517,7 @@ def build_stage_costs(graph: OpGraph, cluster: Cluster, microbatches: int, *, ma
                       shape_ok: Callable[[SubmeshShape], bool] | None = None,
                       views_of: Callable[[SubmeshShape], Sequence[tuple[int, int]]] | None = None,
                       pareto: bool = True, cost_model: CostModel | None = None,
-                      bucket_bytes: float | None = DEFAULT_BUCKET_BYTES) -> StageCosts:
+                      bucket_bytes: float | None = DEFAULT_BUCKET_BYTES, tp_overlap: bool = False) -> StageCosts:
     """The table for `graph`; `restriction` names an intra-op baseline every layer is
     solved under, `shape_ok` narrows the submesh shapes and `views_of` replaces the
     logical views of a shape (baselines that only pipeline, or fix their mesh layout).
@@ -508,7 +525,9 @@ def build_stage_costs(graph: OpGraph, cluster: Cluster, microbatches: int, *, ma
     model's cluster carries the measured link, which the meshes then price with.
     `bucket_bytes`: the weight gradients are reduced in buckets of this size that
     overlap the last backward (`costmodels._overlap`); None: one collective per
-    gradient after the backward (the paper's accounting)."""
+    gradient after the backward (the paper's accounting). `tp_overlap`: tensor-parallel
+    collectives run beside their GEMMs (`_tp_overlap`), as Megatron-core's
+    `--tp-comm-overlap` runs them."""
     if cost_model is not None:
         cluster = cost_model.cluster
     cache = cache or DiskCache(enabled=False)
@@ -554,10 +573,10 @@ def build_stage_costs(graph: OpGraph, cluster: Cluster, microbatches: int, *, ma
             progress(n, total)
     owners = tied_owners(graph, layers)
     costs = _assemble(kinds, options, meshes, shapes, memory, microbatches, num_layers,
-                      max_stages or min(num_layers, cluster.num_devices), owners, layers, bucket_bytes)
+                      max_stages or min(num_layers, cluster.num_devices), owners, layers, bucket_bytes, tp_overlap)
     least = min((o.persistent_bytes + o.activation_bytes for opts in options.values() for o in opts), default=INF)
     return StageCosts(*costs, shapes, meshes, kinds, layers, options, total, cache.hits, least, owners,
-                      bucket_bytes)
+                      bucket_bytes, tp_overlap)
 
 
 @dataclass(frozen=True, slots=True)
@@ -614,7 +633,7 @@ def compose_stage(opts: Sequence[LayerOption], inflight: int, drop_tied: bool = 
                         carries=carries, update_bytes=max((o.update_bytes for o in opts), default=0.0))
 
 
-def layer_sync(o: LayerOption, mesh: LogicalMesh, bucket_bytes: float) -> LayerSync:
+def layer_sync(o: LayerOption, mesh: LogicalMesh, bucket_bytes: float, tp_overlap: bool = False) -> LayerSync:
     """The option's backward and its gradient collectives re-priced in buckets of
     `bucket_bytes` (each bucket one collective of its own size)."""
     seconds, count = 0.0, 0
@@ -623,11 +642,11 @@ def layer_sync(o: LayerOption, mesh: LogicalMesh, bucket_bytes: float) -> LayerS
         if n:
             seconds += n * Collective(kind, nbytes / n, axes).time_s(mesh)
             count += n
-    return LayerSync(max(o.busy_s(True) - o.forward_s, 0.0), seconds, count)
+    return LayerSync(max(o.busy_s(True, tp_overlap) - o.forward_busy_s(tp_overlap), 0.0), seconds, count)
 
 
-def stage_sync(opts: Sequence[LayerOption], mesh: LogicalMesh,
-               bucket_bytes: float | None) -> tuple[tuple[tuple[float, float], ...], float]:
+def stage_sync(opts: Sequence[LayerOption], mesh: LogicalMesh, bucket_bytes: float | None,
+               tp_overlap: bool = False) -> tuple[tuple[tuple[float, float], ...], float]:
     """(buckets, exposed seconds) of a stage running `opts`: the bucketed reduction
     overlapping its backward where that leaves less after it than one collective per
     gradient does after the backward (many small buckets each pay a launch, and a short
@@ -635,7 +654,7 @@ def stage_sync(opts: Sequence[LayerOption], mesh: LogicalMesh,
     unbucketed = sum(o.grad_sync_s for o in opts)
     if bucket_bytes is None:
         return (), unbucketed
-    syncs = [layer_sync(o, mesh, bucket_bytes) for o in opts]
+    syncs = [layer_sync(o, mesh, bucket_bytes, tp_overlap) for o in opts]
     exposed = exposed_s(syncs)
     return ((), unbucketed) if exposed >= unbucketed else (bucket_schedule(syncs), exposed)
 
@@ -663,7 +682,7 @@ def exposed_ranges(backward: np.ndarray, sync: np.ndarray, buckets: np.ndarray) 
 
 def _assemble(kinds: Sequence[str], options, meshes, shapes, memory: float, microbatches: int, num_layers: int,
               s_max: int, owners: Sequence[TiedCopy | None] = (), layers: Sequence[OpGraph] = (),
-              bucket_bytes: float | None = None):
+              bucket_bytes: float | None = None, tp_overlap: bool = False):
     """Compose the layer options into t(k..i, shape, s) and its memory, vectorised.
 
     Memory is `compose_stage` for every range at once: persistent sums, the one-
@@ -686,12 +705,13 @@ def _assemble(kinds: Sequence[str], options, meshes, shapes, memory: float, micr
                     continue
                 o = opts[min(j, len(opts) - 1)]
                 # With overlap the gradient sync is the range's exposed part (below), not each layer's.
-                time[l, m, j] = o.busy_s(overlap) + (o.sync_s - (o.grad_sync_s if overlap else 0.0)) / microbatches
+                time[l, m, j] = (o.busy_s(overlap, tp_overlap)
+                                 + (o.sync_s - (o.grad_sync_s if overlap else 0.0)) / microbatches)
                 if overlap:
                     unbucketed[l, m, j] = o.grad_sync_s
                     ls = syncs.get((kind, m, j))
                     if ls is None:
-                        ls = syncs[(kind, m, j)] = layer_sync(o, meshes[m][2], bucket_bytes)
+                        ls = syncs[(kind, m, j)] = layer_sync(o, meshes[m][2], bucket_bytes, tp_overlap)
                     backward[l, m, j], bucketed[l, m, j], buckets[l, m, j] = ls.backward_s, ls.sync_s, ls.buckets
                 pers[l, m, j] = o.persistent_bytes
                 peak[l, m, j] = o.activation_bytes

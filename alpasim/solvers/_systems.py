@@ -52,7 +52,7 @@ ENTRIES = tuple(ALLOWED)
 # The values the cost model prices. Any other value is recorded in the plan as not
 # priced (what the plan then assumes instead is the first value of the entry here).
 PRICED: Mapping[str, tuple[Any, ...]] = MappingProxyType({
-    **ALLOWED, "param_gather_overlap": (False,), "tp_comm_overlap": (False,)})
+    **ALLOWED, "param_gather_overlap": (False,)})
 
 
 class UnknownSystemError(ValueError):
@@ -208,7 +208,9 @@ SYSTEMS: Mapping[str, SystemProfile] = MappingProxyType({p.name: p for p in (
         sources={
             "grad_overlap": "NVIDIA/Megatron-LM README (r0.8 weak scaling): --overlap-grad-reduce",
             "param_gather_overlap": "same README: --overlap-param-gather",
-            "tp_comm_overlap": "same README: --tp-comm-overlap (Transformer Engine userbuffers)",
+            "tp_comm_overlap": "same README: --tp-comm-overlap (Transformer Engine userbuffers: "
+                               "transformer_engine/pytorch/module/base.py initialize_ub; priced by "
+                               "costmodels._tp_overlap)",
             "attention": "megatron/core/transformer/custom_layers/transformer_engine.py: TEDotProductAttention "
                          "(flash or cuDNN fused attention)",
             "optimizer_sharding": "README: --overlap-param-gather implies --use-distributed-optimizer",

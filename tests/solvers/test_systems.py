@@ -7,8 +7,13 @@ import dataclasses
 import pytest
 
 from alpasim import solvers as sv
-from alpasim.costmodels import get_cluster
+from alpasim.costmodels import AnalyticCostModel, get_cluster
+from alpasim.graphs import forward_graph, training_graph
+from alpasim.solvers._intra_op import solve_intra_op
+from alpasim.solvers._mesh import LogicalMesh
+from alpasim.solvers._stage_costs import layer_graphs, restricted_solve_kwargs
 from alpasim.solvers._systems import ENTRIES, PRICED, SYSTEMS, resolve
+from alpasim.solvers._tp_overlap import _backward_groups, tp_overlap_s
 
 MODEL = "gpt3-350m:batch=16,layers=4"
 # Two nodes of two V100s: a data-parallel group over the slow network, so when the
@@ -45,9 +50,9 @@ def test_resolve_records_overrides_and_what_is_not_modelled():
     assert record.overridden == {"grad_overlap": True}
     assert record.settings["grad_overlap"] is False and record.settings["recompute"] == "searched"
     # Every entry the profile sets to a value the cost model cannot price is listed with
-    # the value priced instead: here TP overlap and the parameter gather's.
+    # the value priced instead: here the parameter gather's overlap.
     assert record.unpriced == {k: PRICED[k][0] for k in ENTRIES if core.settings()[k] not in PRICED[k]}
-    assert set(record.unpriced) == {"param_gather_overlap", "tp_comm_overlap"}
+    assert set(record.unpriced) == {"param_gather_overlap"}
     assert resolve(SYSTEMS["megatron-lm-2021"]).unpriced == {}
     with pytest.raises(ValueError, match="recompute must be one of"):
         resolve(core, recompute="sometimes")
@@ -233,3 +238,63 @@ def test_the_distributed_optimizer_shards_states_no_layout_divides():
     saved = states[False] - states[True]
     per_param = states[False] / 18
     assert saved == pytest.approx(12 * per_param * 2 / 3, rel=0.02)
+
+
+TP2 = sv.MegatronConfig(2, 1, 2, 1, sequence_parallel=True)
+
+
+def test_tensor_parallel_overlap_hides_part_of_each_stages_collectives_and_only_theirs():
+    """Megatron-core runs its tensor-parallel collectives beside their GEMMs
+    (`--tp-comm-overlap`): the forward and the backward both get shorter; turning it off
+    is an override the plan records; without tensor parallelism nothing changes (the
+    data-parallel gradient sync is not a tensor-parallel collective)."""
+    kw = dict(remat=True, distributed_optimizer=False)
+    on = sv.plan_model(MODEL, CLUSTER, "megatron", megatron=TP2, system="megatron-core-0.8", **kw)
+    off = sv.plan_model(MODEL, CLUSTER, "megatron", megatron=TP2, system="megatron-core-0.8", tp_overlap=False, **kw)
+    assert "tp_comm_overlap" not in on.system["unpriced"] and "tp_comm_overlap" not in on.system["overridden"]
+    assert off.system["overridden"]["tp_comm_overlap"] is True
+    assert any("tp_comm_overlap off (the profile's: on)" in n for n in off.notes)
+    (a,), (b,) = on.stages, off.stages
+    assert 0 < a.forward_s < b.forward_s and 0 < a.backward_s < b.backward_s
+    assert on.predicted.iteration_s < off.predicted.iteration_s
+    assert a.sync_s == pytest.approx(b.sync_s)                  # the gradient sync is not TP's
+    # Megatron overlaps only with sequence parallelism (its arguments.py refuses the flag
+    # otherwise), and there is nothing to overlap without tensor parallelism.
+    for config in (DP4, dataclasses.replace(TP2, sequence_parallel=False)):
+        both = [sv.plan_model(MODEL, CLUSTER, "megatron", megatron=config, system="megatron-core-0.8", tp_overlap=t,
+                              **kw) for t in (True, False)]
+        assert both[0].predicted.iteration_s == pytest.approx(both[1].predicted.iteration_s, rel=1e-12), config
+    assert any("tp_comm_overlap priced off" in n for n in sv.plan_model(
+        MODEL, CLUSTER, "megatron", megatron=dataclasses.replace(TP2, sequence_parallel=False),
+        system="megatron-core-0.8", **kw).notes)
+
+
+def test_a_layers_data_and_weight_gradient_gemms_share_their_overlap():
+    """The backward's GEMMs are grouped by the output gradient they read: each group is
+    one forward GEMM's data- and weight-gradient pair (Megatron's bulk overlap runs one
+    beside the other); a recomputed forward GEMM is paired like a forward one. What is
+    hidden never exceeds the collectives it is hidden from."""
+
+    fwd = forward_graph("gpt3:hidden=64,layers=3,heads=4,seq=16,vocab=128,batch=4")
+    block = layer_graphs(training_graph(fwd, remat=True))[1]
+    groups = _backward_groups(block)
+    assert groups and not any(":remat" in name for name in groups)
+    by_group: dict[int, set[str]] = {}
+    for name, g in groups.items():
+        by_group.setdefault(g, set()).add(name.split(":")[0])
+    forward_gemms = {op.name for op in block.ops if op.phase == "forward" and op.prim == "einsum"}
+    assert all(len(names) == 1 for names in by_group.values())                # one forward GEMM each
+    assert {n for names in by_group.values() for n in names} <= forward_gemms
+    assert len([n for n in groups if "#1" in n]) >= 4                           # weight gradients grouped too
+
+    cluster = get_cluster("dgx-a100", nodes=1, devices_per_node=4)
+    mesh = LogicalMesh.on_cluster(cluster, (1, 4))
+    model = AnalyticCostModel(cluster)
+    plan = solve_intra_op(block, mesh, model, with_compute=True, microbatches=2,
+                          **restricted_solve_kwargs("megatron_sp", block, mesh, model)).plan
+    hidden, forward = tp_overlap_s(block, plan)
+    gemm_collectives = sum(p.collective.time_s(mesh) for p in plan.collectives
+                           if not p.per_iteration and block.op_by_name[p.op].prim == "einsum")
+    in_forward = sum(p.collective.time_s(mesh) for p in plan.collectives
+                     if not p.per_iteration and block.op_by_name[p.op].phase == "forward")
+    assert 0 < forward <= in_forward and forward < hidden <= gemm_collectives

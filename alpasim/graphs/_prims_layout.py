@@ -67,18 +67,21 @@ def reshape_groups(src: Sequence[int], dst: Sequence[int]) -> list[tuple[list[in
 
 def _reshape_dims(p, ins, outs):
     # The leading axes of two matched groups share a letter: sharding the first axis
-    # of a group into k blocks is the same data layout on both sides.
+    # of a group into k blocks is the same data layout on both sides. Axes of extent 1
+    # hold no layout and are passed over: (b, s, 1, n, d) -> (b, s, n, d) keeps n's.
     src, dst = ins[0].shape, tuple(p["shape"])
     a, b = [""] * len(src), [""] * len(dst)
     fresh = iter(LETTERS)
     trailing = []
     for gi, gj in reshape_groups(src, dst):
         lead = next(fresh)
-        for n, i in enumerate(gi):
-            a[i] = lead if n == 0 else next(fresh)
-        for n, j in enumerate(gj):
-            b[j] = lead if n == 0 else next(fresh)
-        trailing += [a[i] for i in gi[1:]] + [b[j] for j in gj[1:]]
+        first_i = next((i for i in gi if src[i] > 1), gi[0] if gi else None)
+        first_j = next((j for j in gj if dst[j] > 1), gj[0] if gj else None)
+        for i in gi:
+            a[i] = lead if i == first_i else next(fresh)
+        for j in gj:
+            b[j] = lead if j == first_j else next(fresh)
+        trailing += [a[i] for i in gi if i != first_i] + [b[j] for j in gj if j != first_j]
     return dimmap(["".join(a)], ["".join(b)], list(ins) + list(outs), fixed="".join(trailing))
 
 

@@ -112,15 +112,21 @@ def _check_transformer(cfg) -> None:
 
 
 def _attention(b: GraphBuilder, x: str, cfg, causal: bool) -> str:
+    """Self-attention with one fused QKV projection, as Megatron-LM's ColumnParallelLinear
+    of 3h outputs (`linear_qkv`) and Alpa's benchmark GPT (`qkv_combined`, a Dense of 3h)
+    run it: one GEMM, whose data gradient is one partial sum to reduce, not three."""
     h, n = cfg.hidden, cfg.heads
     d = h // n
     dt = cfg.dtype
+    bsz, s = cfg.batch, cfg.seq
     with b.scope(tags=("attention",)):
+        y = b.einsum("bsh,hcnd->bscnd", x, b.param("w_qkv", (h, 3, n, d), dt), name="qkv_proj")
+        y = b.one("bias_add", [y, b.param("b_qkv", (3, n, d), dt)], name="qkv_bias")
         heads = []
-        for which in "qkv":
-            y = b.einsum("bsh,hnd->bsnd", x, b.param(f"w_{which}", (h, n, d), dt), name=f"{which}_proj")
-            y = b.one("bias_add", [y, b.param(f"b_{which}", (n, d), dt)], name=f"{which}_bias")
-            heads.append(b.one("transpose", [y], name=f"{which}_heads", perm=(0, 2, 1, 3)))  # (b, n, s, d)
+        for i, which in enumerate("qkv"):
+            part = b.one("slice", [y], name=f"{which}_split", start=(0, 0, i, 0, 0), limit=(bsz, s, i + 1, n, d))
+            part = b.one("reshape", [part], name=f"{which}_squeeze", shape=(bsz, s, n, d))
+            heads.append(b.one("transpose", [part], name=f"{which}_heads", perm=(0, 2, 1, 3)))  # (b, n, s, d)
         q, k, v = heads
         ctx = attention_core(b, cfg.attention, "bnqd,bnkd,bnkd->bnqd", q, k, v, scores="bnqk",
                              scale=1.0 / math.sqrt(d), causal=causal)

@@ -52,7 +52,7 @@ from ._strategies import Strategy, graph_strategies
 # Llama's Q/K/V split the KV-head group dim (1), its output projection dim 0, SwiGLU's
 # gate and up are column- and down row-parallel, the untied head splits the vocabulary.
 MEGATRON_PARAM_DIMS: dict[str, int] = {
-    "w_q": 1, "w_k": 1, "w_v": 1, "b_q": 0, "b_k": 0, "b_v": 0, "w_o": 0,
+    "w_q": 1, "w_k": 1, "w_v": 1, "b_q": 0, "b_k": 0, "b_v": 0, "w_qkv": 2, "b_qkv": 1, "w_o": 0,
     "w_fc1": 1, "b_fc1": 0, "w_fc2": 0, "wte": 0, "w_head": 1,
     "w_gate_proj": 1, "w_up_proj": 1, "w_down_proj": 0,
     "shared_w_gate_proj": 1, "shared_w_up_proj": 1, "shared_w_down_proj": 0,
@@ -92,22 +92,27 @@ def batch_letters(graph: OpGraph) -> dict[str, frozenset[str]]:
 
 def sequence_letters(graph: OpGraph) -> dict[str, frozenset[str]]:
     """Op name -> the letters of its loops that run over the sequence (axis 1 of every
-    stage input of rank 2 or more: token ids, labels, hidden states, cotangents)."""
-    return _propagated_letters(graph, {(t, 1) for t in graph.inputs if graph.tensors[t].rank > 1})
+    stage input of rank 2 or more: token ids, labels, hidden states, cotangents). The
+    sequence stays the sequence through an op that cannot split it (attention's core
+    needs every key): the projection after it reduce-scatters onto it."""
+    return _propagated_letters(graph, {(t, 1) for t in graph.inputs if graph.tensors[t].rank > 1},
+                               through_unshardable=True)
 
 
-def _propagated_letters(graph: OpGraph, flagged: set[tuple[str, int]]) -> dict[str, frozenset[str]]:
+def _propagated_letters(graph: OpGraph, flagged: set[tuple[str, int]],
+                        through_unshardable: bool = False) -> dict[str, frozenset[str]]:
     """Op name -> the letters of its loops over the (tensor, dim)s in `flagged`, which
-    flow from each op's inputs to the output dims that keep the letter."""
+    flow from each op's inputs to the output dims that keep the letter (also past an
+    op that cannot shard them, with `through_unshardable`)."""
     flagged = set(flagged)
     out: dict[str, frozenset[str]] = {}
     for op in graph.ops:
         dm = op_dims(op, graph.tensors)
-        letters = {term[d] for t, term in zip(op.inputs, dm.inputs) for d in range(len(term)) if (t, d) in flagged}
-        letters -= dm.unshardable
+        found = {term[d] for t, term in zip(op.inputs, dm.inputs) for d in range(len(term)) if (t, d) in flagged}
+        letters = found - dm.unshardable
         out[op.name] = frozenset(letters)
         for t, term in zip(op.outputs, dm.outputs):
-            flagged.update((t, d) for d, c in enumerate(term) if c in letters)
+            flagged.update((t, d) for d, c in enumerate(term) if c in (found if through_unshardable else letters))
     return out
 
 

@@ -179,7 +179,8 @@ def flax_gpt_problem(hidden: int = 64, layers: int = 2, heads: int = 4, seq: int
         @nn.compact
         def __call__(self, x):
             h = nn.LayerNorm(epsilon=1e-5, dtype=dt, param_dtype=dt)(x)
-            q, k, v = (nn.DenseGeneral((heads, d), dtype=dt, param_dtype=dt)(h) for _ in range(3))
+            qkv = nn.DenseGeneral((3, heads, d), dtype=dt, param_dtype=dt)(h)       # one fused QKV, as built in
+            q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
             att = jnp.einsum("bqnd,bknd->bnqk", q, k) / np.sqrt(d).astype(dt)
             att = jax.nn.softmax(jnp.where(causal, att, jnp.finfo(dt).min), -1)
             o = jnp.einsum("bnqk,bknd->bqnd", att, v)

@@ -134,10 +134,9 @@ def _reference_gpt_loss(P: dict, ids, labels, layers: int, heads: int):
         p = {k.split("/", 1)[1]: v for k, v in P.items() if k.startswith(f"layer{i}/")}
         h = ln(x, p["ln_attn_scale"], p["ln_attn_bias"])
 
-        def heads_of(h, w, b):  # (B, T, C) @ (C, n*d) -> (B, n, T, d)
-            return (h @ w.reshape(C, C) + b.reshape(C)).reshape(B, T, heads, d).transpose(0, 2, 1, 3)
-
-        q, k, v = (heads_of(h, p[f"w_{n}"], p[f"b_{n}"]) for n in "qkv")
+        # One fused QKV matmul, (C, 3 * n * d), cut into Q, K and V (Megatron's linear_qkv).
+        qkv = (h @ p["w_qkv"].reshape(C, 3 * C) + p["b_qkv"].reshape(3 * C)).reshape(B, T, 3, heads, d)
+        q, k, v = (qkv[:, :, j].transpose(0, 2, 1, 3) for j in range(3))     # (B, n, T, d) each
         att = jnp.where(causal, q @ k.transpose(0, 1, 3, 2) / math.sqrt(d), -jnp.inf)
         y = jax.nn.softmax(att, axis=-1) @ v  # (B, n, T, d)
         y = y.transpose(0, 2, 1, 3).reshape(B, T, C)

@@ -289,3 +289,22 @@ def test_an_ops_dimension_map_is_built_once_per_distinct_op_and_equals_a_fresh_o
                tuple(g.tensors[t].shape for t in op.outputs))
         assert seen.setdefault(key, dims) is dims, op
     assert len(seen) < len(g.ops)
+
+
+@pytest.mark.parametrize("src, dst, kept", [((2, 4, 1, 8, 16), (2, 4, 8, 16), {3: 2}),
+                                            ((2, 4, 8, 16), (2, 4, 1, 8, 16), {2: 3}),
+                                            ((2, 1, 6), (2, 6, 1), {2: 1})])
+def test_a_reshape_passes_a_unit_axis_over_and_keeps_the_layout_of_the_next(src, dst, kept):
+    """Dropping or adding an axis of extent 1 moves no data: the axis after it keeps its
+    letter on both sides, and stays shardable (the fused QKV's q, k and v are cut out as
+    (b, s, 1, n, d) and squeezed to (b, s, n, d) with the heads split)."""
+    from alpasim.graphs import GraphBuilder, op_dims
+
+    b = GraphBuilder("g")
+    y = b.one("reshape", [b.input("x", src)], name="r", shape=dst)
+    g = b.build([y])
+    (op,) = g.ops
+    dm = op_dims(op, g.tensors)
+    for i, j in kept.items():
+        letter = dm.inputs[0][i]
+        assert dm.outputs[0][j] == letter and letter not in dm.unshardable, dm

@@ -57,6 +57,28 @@ def test_forward_reduce_scatters_and_gathers_instead_of_all_reducing():
     assert set(gathered.values()) == {1}       # Q, K and V share the first norm's gather
 
 
+@pytest.mark.parametrize("attention", ["explicit", "fused"])
+def test_each_layers_collectives_are_megatrons(attention):
+    """Korthikanti et al. sec. 4.2.2 per layer and microbatch, whichever attention kernel
+    runs between the projections: forward, two all-gathers and two reduce-scatters;
+    backward, the data gradients of the fused QKV and of FC1 reduce-scattered once each
+    (one GEMM each, so one partial sum each), the output gradients of the projection and
+    FC2 gathered, the norms' outputs gathered again for the weight gradients; no
+    all-reduce anywhere. Every one sbh fp16 bytes."""
+    stage = _two_layers(MODEL + f",attention={attention}")
+    cluster = cm.get_cluster("dgx-a100", nodes=1, devices_per_node=4)
+    mesh, model = LogicalMesh.on_cluster(cluster, (1, 4)), cm.AnalyticCostModel(cluster)
+    sp = _solve(stage, mesh, model, "megatron_sp")
+    phase = {op.name: op.phase for op in stage.ops}
+    sbh = 512 * 4 * 512 * 2
+    count = lambda which: Counter((c.collective.kind, c.collective.nbytes) for c in sp.collectives  # noqa: E731
+                                  if not c.per_iteration and phase.get(c.op) == which)
+    assert count("forward") == {("reduce_scatter", sbh): 4, ("all_gather", sbh): 4}
+    backward = count("backward")
+    assert backward[("reduce_scatter", sbh)] == 4 and not any(kind == "all_reduce" for kind, _ in backward)
+    assert set(backward) == {("reduce_scatter", sbh), ("all_gather", sbh)}
+
+
 def test_shared_gather_is_what_the_ilp_pays():
     """The ILP's objective prices a resharding shared by several readers once, as the
     plan it decodes (`realize`, which walks the graph) does."""
@@ -86,19 +108,21 @@ def _ladder(model, cluster, config):
 SMALL = "gpt3:hidden=256,layers=4,heads=8,seq=64,vocab=1024,batch=16"
 
 
-@pytest.mark.parametrize("model, takes_it", [(MODEL, True), (SMALL, False)])
-def test_megatron_core_weighs_sequence_parallelism_for_a_configuration(model, takes_it):
+@pytest.mark.parametrize("model", [MODEL, SMALL])
+@pytest.mark.parametrize("tp_overlap", [True, False])
+def test_megatron_core_weighs_sequence_parallelism_for_a_configuration(model, tp_overlap):
     """tp 4 with memory to spare, Megatron-core searching what the configuration leaves
-    open: with 512 tokens of hidden 512 the norms on a quarter of the sequence save more
-    than its extra collectives (two where one all-reduce was, and the backward's
-    re-gathers) cost, so it takes sequence parallelism; with 64 tokens of hidden 256
-    each collective is latency and it does not. Either way the choice is the faster of
-    the two priced plans. (Explicit attention and collectives in line, as the docstring's
-    arithmetic assumes: Megatron-core's fused kernel and its tensor-parallel overlap,
-    which it runs only with sequence parallelism, shift the balance on models this small.)"""
+    open. Sequence parallelism turns each all-reduce into a reduce-scatter and an
+    all-gather (the same bytes) and adds the backward's re-gathers of the stashed
+    sequence shard; it saves the norms' and residual adds' work on 3/4 of the sequence.
+    In line, the re-gathers cost more than that saves, and the grid keeps it off; with
+    Megatron-core's tensor-parallel overlap, which Megatron runs only with sequence
+    parallelism, they run beside the data-gradient GEMMs and it takes it. Either way
+    the choice is the faster of the two priced plans. (Explicit attention.)"""
     cluster = cm.get_cluster("dgx-a100", nodes=1, devices_per_node=4, memory_gb=1e3)
     plan = plan_with_method("megatron_core", model, cluster, megatron=MegatronConfig(4, 1, 1, 4),
-                            attention="explicit", tp_overlap=False)
+                            attention="explicit", tp_overlap=tp_overlap)
+    takes_it = tp_overlap
     assert plan.search.megatron["sequence_parallel"] is takes_it
     times = {t["sequence_parallel"]: t["iteration_s"] for t in plan.search.megatron_grid}
     assert set(times) == {False, True} and times[takes_it] < times[not takes_it]

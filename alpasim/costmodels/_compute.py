@@ -78,16 +78,19 @@ def compute_time_s(flops: float, nbytes: float, dtype: str, device: Device, matm
 
 
 def traffic_bytes(op: Op, tensors: Mapping[str, Tensor]) -> int:
-    """HBM bytes an op moves: `op_bytes`, except views (0) and embedding lookups.
+    """HBM bytes an op moves: `op_bytes`, except views (0), embedding lookups and slices.
 
     A lookup reads only the gathered rows, not the whole table: ids + 2 * output
-    (read the rows, write the result).
+    (read the rows, write the result). A slice likewise reads only the part it keeps
+    (the fused QKV's q, k and v each read a third of it): 2 * output.
     """
     if op.prim in VIEW_PRIMS:
         return 0
     if op.prim == "embedding":
         _, ids = op.inputs
         return tensors[ids].nbytes + 2 * tensors[op.outputs[0]].nbytes
+    if op.prim == "slice":
+        return 2 * tensors[op.outputs[0]].nbytes
     return op_bytes(op, tensors)
 
 

@@ -149,3 +149,16 @@ def test_each_devices_gemm_curve_reproduces_its_published_sweep():
         assert 0.75 < CURVES[name].max_efficiency < 0.8
         assert gemm_curve(name, "float32") == DEFAULT_CURVE         # the sweeps are half precision
     assert gemm_curve("V100-SXM2-16GB", "float16") == DEFAULT_CURVE
+
+
+def test_a_slice_moves_only_the_part_it_keeps():
+    """Cutting q out of a fused (b, s, 3, n, d) QKV reads a third of it and writes that:
+    twice the output's bytes, not the whole input's (an unfused slice, as the profiled
+    model prices each op)."""
+    from alpasim.costmodels import traffic_bytes
+
+    b = GraphBuilder("g")
+    q = b.one("slice", [b.input("qkv", (2, 8, 3, 4, 16))], name="q", start=(0, 0, 0, 0, 0), limit=(2, 8, 1, 4, 16))
+    g = b.build([q])
+    (op,) = g.ops
+    assert traffic_bytes(op, g.tensors) == 2 * g.tensors[q].nbytes == 2 * g.tensors["qkv"].nbytes // 3

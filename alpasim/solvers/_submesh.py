@@ -37,9 +37,14 @@ class SubmeshShape:
     m: int
     # n x m, kept: placement and the stage DP read it in their innermost loops.
     size: int = field(init=False, repr=False, compare=False)
+    _hash: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "size", self.n * self.m)
+        object.__setattr__(self, "_hash", hash((self.n, self.m)))
+
+    def __hash__(self) -> int:  # placement checks sets of hundreds of pieces: hash once
+        return self._hash
 
     def __str__(self) -> str:
         return f"({self.n},{self.m})"
@@ -205,10 +210,11 @@ def _contiguous(shapes: Sequence[SubmeshShape], devices_per_node: int) -> list[l
     boundaries; the DP's runs say which neighbours share a node otherwise)."""
     out, start = [], 0
     for s in shapes:
-        if not starts_cleanly(s.size, start, devices_per_node):
+        size, offset = s.size, start % devices_per_node
+        if (offset + size > devices_per_node) if size <= devices_per_node else offset:   # `starts_cleanly`
             return None
-        out.append(list(range(start, start + s.size)))
-        start += s.size
+        out.append(list(range(start, start + size)))
+        start += size
     return out
 
 

@@ -18,8 +18,8 @@ from alpasim.experiments import simulation_report
 
 from ._common import (
     AttentionOpt, BucketOpt, ClusterOpt, CostModelOpt, DpnOpt, GbpsOpt, JsonOpt, MemOpt, NodesOpt, OverlapOpt, PrecisionOpt,
-    SystemOpt, TpOverlapOpt, app, bucket_bytes, check_precision, check_recompute, emit_json, err, fail, fmt_bytes, fmt_count,
-    load_cluster, load_cost_model, out, parse_microbatches, plan_map, RayAddressOpt, RayOpt, TaskProgress,
+    SystemOpt, TpOverlapOpt, app, bucket_bytes, check_precision, check_recompute, emit_json, err, fail, fmt_bytes,
+    fmt_count, load_cluster, load_cost_model, out, parse_microbatches, plan_map, RayAddressOpt, RayOpt, TaskProgress,
     writable_file, writing,
 )
 from .simulate import print_simulation

@@ -40,8 +40,6 @@ from collections.abc import Sequence
 # TE's `pipeline` method cuts its GEMM in this many chunks (initialize_ub's default
 # `num_splits` for it; NeMo's H100 configs keep 4).
 PIPELINE_SPLITS = 4
-
-
 METHODS = ("pipeline", "ring", "bulk")
 
 
@@ -52,8 +50,10 @@ def exposed_tp_s(collectives: Sequence[tuple[float, str, int]], gemm_s: float) -
         raise ValueError(f"collectives take >= 0 seconds in >= 1 chunks by one of {METHODS}, beside GEMMs of "
                          f">= 0 seconds; got {list(collectives)!r}, {gemm_s!r}")
     total = sum(c for c, _, _ in collectives)
+    if total == 0:
+        return 0.0
     exposed = 0.0
-    for c, method, k in collectives if total > 0 else ():
+    for c, method, k in collectives:
         g = gemm_s * c / total                      # this collective's share of the GEMMs
         if method == "ring":
             exposed += max(c - g * (k - 1) / k, 0.0)

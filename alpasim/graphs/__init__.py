@@ -10,6 +10,7 @@ from ._autodiff import VJP_RULES as VJP_RULES
 from ._autodiff import WEIGHT_GRAD_TAG as WEIGHT_GRAD_TAG
 from ._autodiff import in_weight_pass as in_weight_pass
 from ._autodiff import is_weight_grad as is_weight_grad
+from ._autodiff import makes_weight_grad as makes_weight_grad
 from ._autodiff import weight_grad_params as weight_grad_params
 from ._autodiff import training_graph as training_graph
 from ._batch import BatchError as BatchError

@@ -536,6 +536,11 @@ def is_weight_grad(op: Op, k: int, tensors) -> bool:
     return tensors[op.outputs[k]].role == "grad" or k in weight_grad_params(op)
 
 
+def makes_weight_grad(op: Op, tensors) -> bool:
+    """Whether any output of `op` is a parameter's gradient or a contribution to it."""
+    return any(is_weight_grad(op, k, tensors) for k in range(len(op.outputs)))
+
+
 def in_weight_pass(backward: Sequence[Op], tensors) -> list[bool]:
     """For each op of `backward` (in order): whether a zero-bubble schedule runs it in
     its W pass (Qi et al. 2024). W holds the ops that make only weight gradients and

@@ -40,7 +40,7 @@ import itertools
 from collections.abc import Mapping
 
 from alpasim.costmodels import CostModel
-from alpasim.graphs import Op, OpGraph, Tensor, is_weight_grad, op_dims, weight_grad_params
+from alpasim.graphs import Op, OpGraph, Tensor, is_weight_grad, makes_weight_grad, op_dims, weight_grad_params
 
 from ._mesh import LogicalMesh
 from ._resharding import Collective, resharding_time_s
@@ -237,7 +237,7 @@ def megatron_distopt_restriction(graph: OpGraph, mesh: LogicalMesh, cost_model: 
             out[op.name] = sliced or restrict[op.name]
         elif op.prim in ("convert", "elementwise") and all(graph.tensors[t].role == "grad" for t in op.outputs):
             out[op.name] = _options(op, graph, mesh, cost_model)
-        elif any(is_weight_grad(op, k, graph.tensors) for k in range(len(op.outputs))):
+        elif makes_weight_grad(op, graph.tensors):
             scattered = [v for x in restrict[op.name] for v in _scatter_gradients(op, x, graph.tensors, mesh)
                          if all(c.kind != "reduce_scatter" or c.axes == (0,) for c in v.collectives)]
             out[op.name] = list(dict.fromkeys(scattered)) or restrict[op.name]
@@ -351,7 +351,7 @@ def _shard_weight_update(graph: OpGraph, mesh: LogicalMesh, cost_model: CostMode
             # The cast into the fp32 accumulator (or a tied gradient's sum) runs in
             # whatever layout the scattered gradient arrives in.
             out[op.name] = _options(op, graph, mesh, cost_model)
-        elif any(is_weight_grad(op, k, graph.tensors) for k in range(len(op.outputs))):
+        elif makes_weight_grad(op, graph.tensors):
             scattered = [v for s in out[op.name] for v in _scatter_gradients(op, s, graph.tensors, mesh,
                                                                              per_microbatch=True)]
             out[op.name] = list(dict.fromkeys(scattered)) or out[op.name]
@@ -486,7 +486,7 @@ def deepspeed_moe_restriction(graph: OpGraph, mesh: LogicalMesh, cost_model: Cos
         options = [s for s in _options(op, graph, mesh, cost_model)
                    if not any(c.kind == "reduce_scatter" for c in s.collectives)]
         keep = [s for s in options if _expert_parallel(s, letter, axes, rest, batch[op_name], op.prim == "adam")]
-        if any(is_weight_grad(op, k, graph.tensors) for k in range(len(op.outputs))):
+        if makes_weight_grad(op, graph.tensors):
             keep = [v for s in keep for v in _scatter_gradients(op, s, graph.tensors, mesh, per_microbatch=True)] \
                 or keep
         if keep:

@@ -49,7 +49,7 @@ from alpasim.costmodels import (
     range_peak,
     stage_memory,
 )
-from alpasim.graphs import (DTYPE_BYTES, OpGraph, get_recipe, in_weight_pass, is_heavy, is_weight_grad, op_flops,
+from alpasim.graphs import (DTYPE_BYTES, OpGraph, get_recipe, in_weight_pass, is_heavy, makes_weight_grad, op_flops,
                             stage_graph)
 
 from ._cache import CACHE_VERSION, DiskCache, digest
@@ -230,7 +230,7 @@ def hidden_collectives_s(layer: OpGraph, plan) -> float:
     is assumed to overlap."""
     readers: dict[str, list[str]] = {}
     for op in layer.ops:
-        if op.phase == "backward" and any(is_weight_grad(op, k, layer.tensors) for k in range(len(op.outputs))):
+        if op.phase == "backward" and makes_weight_grad(op, layer.tensors):
             for t in op.inputs:
                 readers.setdefault(t, []).append(op.name)
     left = {name: plan.strategies[name].compute_s for names in readers.values() for name in names}

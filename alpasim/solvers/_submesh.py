@@ -210,11 +210,10 @@ def _contiguous(shapes: Sequence[SubmeshShape], devices_per_node: int) -> list[l
     boundaries; the DP's runs say which neighbours share a node otherwise)."""
     out, start = [], 0
     for s in shapes:
-        size, offset = s.size, start % devices_per_node
-        if (offset + size > devices_per_node) if size <= devices_per_node else offset:   # `starts_cleanly`
+        if not starts_cleanly(s.size, start, devices_per_node):
             return None
-        out.append(list(range(start, start + size)))
-        start += size
+        out.append(list(range(start, start + s.size)))
+        start += s.size
     return out
 
 

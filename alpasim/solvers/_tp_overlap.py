@@ -21,16 +21,13 @@ Collectives of other ops (a softmax's, a layer norm's) run in line as before.
 from __future__ import annotations
 
 from alpasim.costmodels import PIPELINE_SPLITS, exposed_tp_s
-from alpasim.graphs import Op, OpGraph, is_weight_grad
+from alpasim.graphs import Op, OpGraph, makes_weight_grad
 
 
-def _is_weight_grad(op: Op, layer: OpGraph) -> bool:
-    return any(is_weight_grad(op, k, layer.tensors) for k in range(len(op.outputs)))
-
-
-def _backward_groups(layer: OpGraph) -> dict[str, int]:
-    """Backward gradient GEMM name -> its group: GEMMs reading a common tensor that no
-    forward (or recomputed forward) op made, an output gradient, share one (union-find)."""
+def _backward_groups(layer: OpGraph) -> dict[str, str]:
+    """Backward gradient GEMM name -> its group (the name of one of its GEMMs): GEMMs
+    reading a common tensor that no forward (or recomputed forward) op made, an output
+    gradient, share one (union-find)."""
     forward_made = {t for op in layer.ops if op.phase == "forward" or op.remat for t in op.outputs}
     parent: dict[str, str] = {}
 
@@ -52,31 +49,27 @@ def _backward_groups(layer: OpGraph) -> dict[str, int]:
                 parent[find(op.name)] = find(readers[t])
             else:
                 readers[t] = op.name
-    roots = {r: i for i, r in enumerate(sorted({find(x) for x in parent}))}
-    return {x: roots[find(x)] for x in parent}
+    return {x: find(x) for x in parent}
 
 
 def tp_overlap_s(layer: OpGraph, plan) -> tuple[float, float]:
     """(seconds per microbatch that TE's overlap hides of `plan`'s tensor-parallel
     collectives on `layer`, of which in the forward)."""
     groups = _backward_groups(layer)
-
-    def pair(op: Op) -> tuple:            # the GEMM time a collective of `op` runs beside
-        if op.name not in groups:
-            return (op.name,)
-        return (groups[op.name], "weight" if _is_weight_grad(op, layer) else "data")
-
+    # The GEMM time a collective of an op runs beside: a forward (or recomputed) GEMM's
+    # own, (name,); in the backward its group's data- or weight-gradient GEMMs.
+    pair = {op.name: (op.name,) if op.name not in groups else
+            (groups[op.name], "weight" if makes_weight_grad(op, layer.tensors) else "data")
+            for op in layer.ops if op.prim == "einsum" and op.phase in ("forward", "backward")}
     comm: dict[tuple, list[tuple[float, str, int]]] = {}
     gemm: dict[tuple, float] = {}
-    for op in layer.ops:
-        if op.prim == "einsum" and op.phase in ("forward", "backward"):
-            gemm[pair(op)] = gemm.get(pair(op), 0.0) + plan.strategies[op.name].compute_s
+    for name, key in pair.items():
+        gemm[key] = gemm.get(key, 0.0) + plan.strategies[name].compute_s
     for p in plan.collectives:
-        op = layer.op_by_name.get(p.op)
-        if p.per_iteration or op is None or op.prim != "einsum" or op.phase not in ("forward", "backward"):
+        key = pair.get(p.op)
+        if p.per_iteration or key is None:
             continue
         ranks = plan.mesh.axis_size(p.collective.axes)
-        key = pair(op)
         if len(key) == 1:                                   # a forward GEMM, or one recomputed
             method, chunks = ("ring", ranks) if p.tensor is not None else ("pipeline", PIPELINE_SPLITS)
         elif p.tensor is None:                              # a data gradient's reduction

@@ -9,14 +9,15 @@ drops a microbatch (0.5x) or the backward (~0.3x) fails it.
 
 The op-level profiled prediction is held to a wider band around the measured median:
 predicted / measured in [0.25, 3.0] for a small GPT on 8 virtual CPU devices. The band
-is that wide because the quick profile's fits are unstable: on one day on the 2-core
-machine, with the same code, three runs of this test read 0.43, 0.68 and 0.83, four
-runs on one quiet profile 0.84-0.96, and two fresh clones 1.64 and 2.04: the
-predicted step moved from 0.15 s to 0.65 s while the measured one stayed at 0.28-0.36 s. Its three matmul sizes leave the
-fit free to charge matmuls by the byte (one run fitted 1.9 GB/s to them), and the
-profile runs first in the serial lane, right after the install. It still fails a
-prediction off by 4x below or 3x above, e.g. one that forgets the serial executor or
-the dispatch cost.
+is that wide because the quick profile's fits are unstable. On one day on the 2-core
+machine three runs of this test read 0.43, 0.68 and 0.83 and two fresh clones 1.64 and
+2.04: the predicted step moved from 0.15 s to 0.65 s while the measured one stayed at
+0.28-0.36 s. One quiet profile, reused, gave 0.84-0.96 over four runs (two of them of
+the code before the fused QKV block): the spread is the profile's. Its three matmul
+sizes leave the fit free to charge matmuls by the byte (one run fitted 1.9 GB/s to
+them), and the profile runs first in the serial lane, right after the install. It
+still fails a prediction off by 4x below or 3x above, e.g. one that forgets the serial
+executor or the dispatch cost.
 """
 
 from __future__ import annotations

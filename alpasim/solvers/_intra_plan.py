@@ -233,8 +233,15 @@ def memory_use(problem: IntraOpProblem, specs: dict[str, ShardingSpec],
         role = graph.tensors[t].role
         by_role[role] += per_device(t) * (accumulator_factor(graph, mesh, (strategies or {}).get, t)
                                           if role == "grad" else 1)
-    peak = max((sum(per_device(t) for t in live) for live in problem.live_sets), default=0.0)
-    stash = sum(per_device(t) for t in problem.stash)
+    def total(tensors: list[str]) -> float:   # the brute-force oracles call this ~10^5 times a test
+        s = 0.0
+        for t in tensors:
+            size = sizes.get(t)
+            s += per_device(t) if size is None else size
+        return s
+
+    peak = max(map(total, problem.live_sets), default=0.0)
+    stash = total(problem.stash)
     return MemoryUse(by_role["param"], by_role["grad"], by_role["optimizer_state"], peak, stash,
                      update_working_bytes(graph, mesh, specs, strategies or {}))
 

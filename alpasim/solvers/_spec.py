@@ -20,6 +20,10 @@ class ShardingError(ValueError):
     """A sharding spec that does not fit its tensor or mesh."""
 
 
+# dims as given -> (dims normalised to ints, their hash, the mesh axes used, sorted)
+_CHECKED: dict[tuple, tuple[tuple[tuple[int, ...], ...], int, tuple[int, ...]]] = {}
+
+
 @dataclass(frozen=True, slots=True)
 class ShardingSpec:
     """Mesh axes per tensor dimension; hashable, printable like the paper."""
@@ -27,16 +31,28 @@ class ShardingSpec:
     dims: tuple[tuple[int, ...], ...]
 
     _hash: int = field(init=False, repr=False, compare=False)
+    _axes: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        dims = tuple(tuple(int(a) for a in d) for d in self.dims)
-        used = [a for d in dims for a in d]
-        if any(a not in (0, 1) for a in used):
-            raise ShardingError(f"sharding spec {dims!r}: mesh axes are 0 and 1")
-        if len(set(used)) != len(used):
-            raise ShardingError(f"sharding spec {dims!r}: a mesh axis shards at most one dimension")
-        object.__setattr__(self, "dims", dims)
-        object.__setattr__(self, "_hash", hash(dims))
+        # The planner makes specs by the hundred thousand, from a few dozen distinct
+        # `dims`: each is checked and normalised once (`_CHECKED`).
+        key = self.dims
+        try:
+            known = _CHECKED.get(key)
+        except TypeError:                       # given as lists
+            key = tuple(tuple(d) for d in key)
+            known = _CHECKED.get(key)
+        if known is None:
+            dims = tuple(tuple(int(a) for a in d) for d in key)
+            used = [a for d in dims for a in d]
+            if any(a not in (0, 1) for a in used):
+                raise ShardingError(f"sharding spec {dims!r}: mesh axes are 0 and 1")
+            if len(set(used)) != len(used):
+                raise ShardingError(f"sharding spec {dims!r}: a mesh axis shards at most one dimension")
+            known = _CHECKED[key] = (dims, hash(dims), tuple(sorted(used)))
+        object.__setattr__(self, "dims", known[0])
+        object.__setattr__(self, "_hash", known[1])
+        object.__setattr__(self, "_axes", known[2])
 
     def __hash__(self) -> int:  # specs key the resharding caches, millions of lookups a plan: hash once
         return self._hash
@@ -73,7 +89,7 @@ class ShardingSpec:
         return len(self.dims)
 
     def axes_used(self) -> tuple[int, ...]:
-        return tuple(sorted(a for d in self.dims for a in d))
+        return self._axes
 
     def dim_of_axis(self, axis: int) -> tuple[int, int] | None:
         """(tensor dim, position among that dim's axes) sharded on `axis`, or None."""
@@ -83,7 +99,10 @@ class ShardingSpec:
         return None
 
     def num_shards(self, mesh: LogicalMesh) -> int:
-        return mesh.axis_size(self.axes_used())
+        n = 1
+        for a in self._axes:
+            n *= mesh.axes[a].size
+        return n
 
     def shard_shape(self, shape: Sequence[int], mesh: LogicalMesh) -> tuple[int, ...]:
         check_spec(self, shape, mesh)

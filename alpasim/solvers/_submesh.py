@@ -20,6 +20,7 @@ spans nodes puts the slow links on axis 0). Each view's links come from the clus
 from __future__ import annotations
 
 import functools
+import itertools
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -223,7 +224,7 @@ def covers_exactly(shapes: Sequence[SubmeshShape], nodes: int, devices_per_node:
         placed = place_submeshes(shapes, nodes, devices_per_node)
     except ValueError:
         return False
-    ids = sorted(d for p in placed for d in p)
+    ids = sorted(itertools.chain.from_iterable(placed))
     return ids == list(range(nodes * devices_per_node))
 
 

@@ -37,11 +37,9 @@ class ShardingSpec:
         # The planner makes specs by the hundred thousand, from a few dozen distinct
         # `dims`: each is checked and normalised once (`_CHECKED`).
         key = self.dims
-        try:
-            known = _CHECKED.get(key)
-        except TypeError:                       # given as lists
+        if type(key) is not tuple or not all(type(d) is tuple for d in key):   # lists, generators
             key = tuple(tuple(d) for d in key)
-            known = _CHECKED.get(key)
+        known = _CHECKED.get(key)
         if known is None:
             dims = tuple(tuple(int(a) for a in d) for d in key)
             used = [a for d in dims for a in d]

@@ -21,7 +21,7 @@ VIEWS = {2: [(1, 2)], 4: [(2, 2)]}
 
 @pytest.fixture(scope="session")
 def small_plan():
-    """family ("gpt", "moe", "wresnet") -> a plan from the planner itself, narrowed so that
+    """family (a key of `MODELS`) -> a plan from the planner itself, narrowed so that
     it plans in seconds and pipelines: microbatches B = 2, submeshes of 2 or 4 devices
     viewed as 1x2 and 2x2 meshes (so the stages' meshes differ in shape), at most 3
     stages on 8 devices, priced without overlap (the runtimes do not overlap; with it,

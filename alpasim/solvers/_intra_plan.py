@@ -234,6 +234,7 @@ def memory_use(problem: IntraOpProblem, specs: dict[str, ShardingSpec],
         role = graph.tensors[t].role
         by_role[role] += per_device(t) * (accumulator_factor(graph, mesh, (strategies or {}).get, t)
                                           if role == "grad" else 1)
+
     def total(tensors: Sequence[str]) -> float:   # the brute-force oracles call this ~10^5 times a test
         s = 0.0
         for t in tensors:

@@ -36,11 +36,12 @@ class ShardingSpec:
     def __post_init__(self) -> None:
         # The planner makes specs by the hundred thousand, from a few dozen distinct
         # `dims`: each is checked and normalised once (`_CHECKED`).
-        key = self.dims
-        if type(key) is not tuple or not all(type(d) is tuple for d in key):   # lists, generators
-            key = tuple(tuple(d) for d in key)
-        known = _CHECKED.get(key)
+        try:
+            known = _CHECKED.get(self.dims)
+        except TypeError:                                  # given as lists
+            known = None
         if known is None:
+            key = tuple(tuple(d) for d in self.dims)       # lists and generators are stored as tuples
             dims = tuple(tuple(int(a) for a in d) for d in key)
             used = [a for d in dims for a in d]
             if any(a not in (0, 1) for a in used):
@@ -97,10 +98,7 @@ class ShardingSpec:
         return None
 
     def num_shards(self, mesh: LogicalMesh) -> int:
-        n = 1
-        for a in self._axes:
-            n *= mesh.axes[a].size
-        return n
+        return mesh.axis_size(self._axes)
 
     def shard_shape(self, shape: Sequence[int], mesh: LogicalMesh) -> tuple[int, ...]:
         check_spec(self, shape, mesh)

@@ -279,7 +279,7 @@ def test_a_layers_data_and_weight_gradient_gemms_share_their_overlap():
     block = layer_graphs(training_graph(fwd, remat=True))[1]
     groups = _backward_groups(block)
     assert groups and not any(":remat" in name for name in groups)
-    by_group: dict[int, set[str]] = {}
+    by_group: dict[str, set[str]] = {}
     for name, g in groups.items():
         by_group.setdefault(g, set()).add(name.split(":")[0])
     forward_gemms = {op.name for op in block.ops if op.phase == "forward" and op.prim == "einsum"}

@@ -116,12 +116,17 @@ def _loop_iterations(guess_s: float) -> int:
     return int(min(MAX_LOOP_ITERATIONS, max(2, math.ceil(TARGET_LOOP_S / max(guess_s, 1e-7)))))
 
 
-def _per_iteration_s(step: Callable, args: Sequence, shardings: Sequence, guess_s: float, repeats: int) -> float:
-    """(T(1 + K) - T(1)) / K of `step` (carry -> carry on args[0]) inside a fori_loop."""
+def _loop(step: Callable, shardings: Sequence) -> Callable:
+    """`step` (carry -> carry on args[0]) inside a fori_loop with a traced trip count:
+    one compilation serves every K, and every timing of the same case."""
     def loop(n, x, *rest):
         return lax.fori_loop(0, n, lambda _, c: step(c, *rest), x)
 
-    fn = jax.jit(loop, in_shardings=(None, *shardings), out_shardings=shardings[0])
+    return jax.jit(loop, in_shardings=(None, *shardings), out_shardings=shardings[0])
+
+
+def _per_iteration_s(fn: Callable, args: Sequence, guess_s: float, repeats: int) -> float:
+    """(T(1 + K) - T(1)) / K of a `_loop` function."""
     k = _loop_iterations(guess_s)
     once = _median_s(fn, (1, *args), repeats)
     while True:
@@ -206,11 +211,15 @@ def _operand(t: Tensor, mesh: Mesh, rng: np.random.Generator) -> tuple[jax.Array
     else:
         value = rng.standard_normal((t.shape[0] * mesh.size, *t.shape[1:]))
         sharding = NamedSharding(mesh, P("d"))
-    return jax.device_put(jnp.asarray(value, jnp.float32), sharding), sharding
+    # Placed from the host: a device array would be converted and sliced by programs of
+    # its own, two compilations per operand (a quarter of a quick profile's).
+    return jax.device_put(np.asarray(value, np.float32), sharding), sharding
 
 
 def time_compute(mesh: Mesh, sizes: ProfileSizes, log: Callable[[str], None],
-                 cases: Sequence[tuple[Op, dict[str, Tensor]]] | None = None) -> list[OpSample]:
+                 cases: Sequence[tuple[Op, dict[str, Tensor]]] | None = None, rounds: int = 1) -> list[OpSample]:
+    """One sample per case; with `rounds` > 1, the least of that many timings of one
+    compilation (interference only ever adds time)."""
     rng = np.random.default_rng(0)
     samples = []
     for op, tensors in cases if cases is not None else _grid_cases(sizes):
@@ -222,7 +231,8 @@ def time_compute(mesh: Mesh, sizes: ProfileSizes, log: Callable[[str], None],
         else:
             step = lambda x, *rest, op=op: eval_op(op, (x, *rest))[0]  # noqa: E731
         guess = flops / GUESS_FLOPS_PER_S + nbytes / GUESS_BYTES_PER_S
-        t = _per_iteration_s(step, args, shardings, guess, sizes.repeats)
+        fn = _loop(step, shardings)
+        t = min(_per_iteration_s(fn, args, guess, sizes.repeats) for _ in range(rounds))
         samples.append(OpSample(op_class(op), flops, nbytes, t))
         log(f"{op.name:<34} {t * 1e6:10.1f} us")
     return samples
@@ -257,8 +267,8 @@ def time_collectives(devices: Sequence, sizes: ProfileSizes, log: Callable[[str]
                 # all-gather's S is the gathered tensor: each device starts with S / n.
                 per_device = nbytes // n if kind == "all_gather" else nbytes
                 elems = max(per_device // 4 // n, 1) * n  # divisible by n for scatter / all-to-all
-                x = jax.device_put(jnp.zeros((elems * total,), jnp.float32), sharding)  # zeros: psum never overflows
-                t = _per_iteration_s(step, (x,), (sharding,), 2 * nbytes / GUESS_BYTES_PER_S, sizes.repeats)
+                x = jax.device_put(np.zeros((elems * total,), np.float32), sharding)  # zeros: psum never overflows
+                t = _per_iteration_s(_loop(step, (sharding,)), (x,), 2 * nbytes / GUESS_BYTES_PER_S, sizes.repeats)
                 s = elems * 4 * (n if kind == "all_gather" else 1)
                 samples.append(CollectiveSample(kind, n, s, t))
                 log(f"{kind:<15} n={n} {s:>9} B {t * 1e6:10.1f} us")
@@ -270,7 +280,7 @@ def time_send_recv(devices: Sequence, sizes: ProfileSizes, log: Callable[[str], 
         return []
     samples = []
     for nbytes in sizes.collective_bytes:
-        x = jax.device_put(jnp.ones((nbytes // 4,), jnp.float32), devices[0])
+        x = jax.device_put(np.ones((nbytes // 4,), np.float32), devices[0])
         t = _median_s(lambda a: jax.device_put(a, devices[1]), (x,), sizes.repeats)
         samples.append(CollectiveSample("send_recv", 2, nbytes // 4 * 4, t))
         log(f"{'send_recv':<15} n=2 {nbytes:>9} B {t * 1e6:10.1f} us")
@@ -314,10 +324,8 @@ def time_concurrency_scale(devices: Sequence, sizes: ProfileSizes, full: Sequenc
     while n < total:
         if total % n == 0:
             mesh = Mesh(np.array(devices[:n]), ("d",))
-            again = [min(a.time_s, b.time_s) for a, b in
-                     zip(time_compute(mesh, sizes, lambda _: None, picked_cases),
-                         time_compute(mesh, sizes, lambda _: None, picked_cases), strict=True)]
-            scale = {full[i].op_class: a / r for i, a, r in zip(picked, again, reference, strict=True)}
+            again = time_compute(mesh, sizes, lambda _: None, picked_cases, rounds=2)
+            scale = {full[i].op_class: a.time_s / r for i, a, r in zip(picked, again, reference, strict=True)}
             if n >= 2 and pair:
                 top = max(pair)
                 sub = dataclasses.replace(sizes, collective_bytes=(top,), axis_sizes=(2,))
@@ -332,7 +340,7 @@ def time_concurrency_scale(devices: Sequence, sizes: ProfileSizes, full: Sequenc
 def dispatch_s(mesh: Mesh, repeats: int) -> float:
     """Seconds of one jitted call of a trivial op on every device of `mesh` (any axes)."""
     sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
-    x = jax.device_put(jnp.ones((mesh.size,), jnp.float32), sharding)
+    x = jax.device_put(np.ones((mesh.size,), np.float32), sharding)
     return _median_s(jax.jit(lambda a: a + 1.0, out_shardings=sharding), (x,), repeats)
 
 

@@ -168,6 +168,21 @@ def _module_seconds() -> dict[str, float]:
     return seconds
 
 
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray cluster (2 CPUs) for every `ray` test of this process, started on
+    first use and stopped when the session ends: the scheduler above runs them one after
+    the other on one worker, and each start costs 3 s and 5 CPU-seconds here. Its GCS
+    address, for commands that join an existing cluster. Tests that start and stop a
+    cluster of their own (a command's own) must not run while it is up: none is marked
+    `ray` without taking this fixture but those."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
 # ---------------------------------------------------------------------------------------
 # The `alpasim` command, as a user runs it.
 

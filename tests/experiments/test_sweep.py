@@ -274,22 +274,15 @@ def test_cli_sweep_on_ray_matches_the_local_pool(tmp_path, cache_dir, cli):
 
 
 @pytest.mark.ray
-def test_cli_compare_on_an_existing_ray_cluster_with_a_worker_cap(tmp_path, cli):
+def test_cli_compare_on_an_existing_ray_cluster_with_a_worker_cap(tmp_path, cli, ray_cluster):
     """`--ray-address` with `--workers` (which used to fail: Ray refuses num_cpus when
-    connecting): `compare` joins a cluster this test started, caps its tasks in flight
-    at one, and its rows equal an in-process comparison's."""
-    import ray
-
+    connecting): `compare` joins a running cluster (the session's), caps its tasks in
+    flight at one, and its rows equal an in-process comparison's."""
     from alpasim.experiments import compare
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        address = ray.get_runtime_context().gcs_address
-        proc = cli("compare", "--model", TINY, "--nodes", "1", "--devices-per-node", "2",
-                       "--methods", "intra-only,inter-only", "--ray-address", address, "--workers", "1", "--json",
-                       timeout=600, env={"ALPASIM_CACHE_DIR": str(tmp_path / "cache")})
-    finally:
-        ray.shutdown()
+    proc = cli("compare", "--model", TINY, "--nodes", "1", "--devices-per-node", "2",
+               "--methods", "intra-only,inter-only", "--ray-address", ray_cluster, "--workers", "1", "--json",
+               timeout=600, env={"ALPASIM_CACHE_DIR": str(tmp_path / "cache")})
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = {row["method"]: row for row in json.loads(proc.stdout)["rows"]}
     local = compare(TINY, get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=2), ["intra-only", "inter-only"],

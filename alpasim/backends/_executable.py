@@ -70,7 +70,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,7 +100,7 @@ class StageExecutable:
     optimizer states and the stash of microbatches between forward and backward."""
 
     def __init__(self, part: StagePart, ops: StageOps, mesh: Mesh, intra: IntraOpPlan | Callable[[], IntraOpPlan],
-                 shardings: dict[str, NamedSharding], compiled: dict[str, Any], params: dict, states: dict, *,
+                 shardings: dict[str, NamedSharding], compiled: Mapping[str, Any], params: dict, states: dict, *,
                  remat: bool = True, acc_dtypes: dict[str, Any] | None = None,
                  stash_spec: dict[str, jax.ShapeDtypeStruct] | None = None,
                  acc_spec: dict[str, jax.ShapeDtypeStruct] | None = None,
@@ -111,7 +111,7 @@ class StageExecutable:
         self.split = split or {}
         self.index = part.index
         self.shardings = shardings          # name -> layout: params, grads ("<p>:grad"), states, acts, cts, data
-        self.compiled = compiled            # "forward" | "backward" | "update" -> jax Compiled
+        self.compiled = compiled            # "forward" | "backward" | "update" -> jax Compiled (`StagePrograms`)
         self.params, self.states = params, states
         self.remat = remat
         self.acc_dtypes = acc_dtypes or {p: v.dtype for p, v in params.items()}
@@ -264,14 +264,45 @@ def stage_inputs(plan: PipelinePlan, graph: OpGraph, seed: int = 0) -> StageInpu
     return StageInputs(plan_training_graph(plan, graph), partition(graph, plan), random_leaves(graph, seed))
 
 
+class StagePrograms(Mapping[str, Any]):
+    """A stage's compiled programs by name ("forward", "backward", "update"): those its
+    schedule runs are compiled ahead of time (step times then exclude compilation), any
+    other at its first use. A zero-bubble program runs the backward as B and W, so its
+    whole backward compiles only if something reads it (the memory analysis, a profile,
+    the HLO report)."""
+
+    def __init__(self, compile_fns: dict[str, Callable[[], Any]], ahead: Sequence[str]) -> None:
+        self._compile, self._done = compile_fns, {}
+        for name in ahead:
+            self[name]
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in self._done:
+            self._done[name] = self._compile[name]()
+        return self._done[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._compile)
+
+    @property
+    def ready(self) -> frozenset[str]:
+        """The programs compiled so far."""
+        return frozenset(self._done)
+
+    def __len__(self) -> int:
+        return len(self._compile)
+
+
 def lower_stage(plan: PipelinePlan, graph: OpGraph, stage_index: int, devices: Sequence[jax.Device], *,
-                seed: int = 0, shared: StageInputs | None = None) -> StageExecutable:
+                seed: int = 0, shared: StageInputs | None = None, split_backward: bool = False) -> StageExecutable:
     """Stage `stage_index` of `plan` on `devices`; `graph` is `planning_graph(plan.model)`.
 
     Parameters start as `random_leaves(graph, seed)` gives them, the values a
     single-device run of the whole graph uses (a tied copy too, and its fp32 master, so
     the copies stay equal). `shared` (`stage_inputs`) carries what every stage derives
-    alike, so a process lowering all stages derives it once.
+    alike, so a process lowering all stages derives it once. `split_backward`: the
+    program runs the backward as B and W (zero bubble), so the whole backward is not
+    compiled ahead (`StagePrograms`).
     """
     shared = shared or stage_inputs(plan, graph, seed)
     train, part, leaves = shared.train, shared.parts[stage_index], shared.leaves
@@ -316,17 +347,22 @@ def lower_stage(plan: PipelinePlan, graph: OpGraph, stage_index: int, devices: S
     p_spec, a_spec, d_spec, ct_spec = (abstract(n) for n in (ops.params, ops.acts_in, ops.data, ops.cts_in))
     st_spec = abstract(ops.stash, stash_sh)
     s_spec = {t: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for t, v in states.items()}
-    # Compiled ahead of time: step times then exclude compilation, and the HLO is at hand.
-    # A donated stash or cotangent buffer that no output can reuse is simply freed after
-    # the call, which is what the runtime does with it anyway: JAX's warning says no more.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-        options = compiler_options(mesh)
-        compiled = {
-            "forward": fns["forward"].lower(p_spec, a_spec, d_spec).compile(options),
-            "backward": fns["backward"].lower(p_spec, acc, st_spec, ct_spec).compile(options),
-            "update": fns["update"].lower(p_spec, acc, s_spec).compile(options),
-        }
+    options = compiler_options(mesh)
+    args = {"forward": (p_spec, a_spec, d_spec), "backward": (p_spec, acc, st_spec, ct_spec),
+            "update": (p_spec, acc, s_spec)}
+
+    def compile_fn(name: str) -> Callable[[], Any]:
+        # A donated stash or cotangent buffer that no output can reuse is simply freed
+        # after the call, which is what the runtime does with it anyway: JAX's warning
+        # says no more.
+        def compile_now():
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+                return fns[name].lower(*args[name]).compile(options)
+        return compile_now
+
+    compiled = StagePrograms({name: compile_fn(name) for name in args},
+                             ("forward", "update") if split_backward else tuple(args))
     return StageExecutable(part, ops, mesh, intra, shardings, compiled, params, states, remat=remat,
                            acc_dtypes=acc_dtypes, stash_spec=st_spec, acc_spec=acc,
                            split={k: fns[k] for k in ("backward_input", "backward_weight")})

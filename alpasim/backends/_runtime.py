@@ -84,8 +84,9 @@ def run_local(plan: PipelinePlan, *, steps: int = 1, seed: int = 0, schedule: st
     graph = planning_graph(plan.model)
     program = runnable_program(plan, schedule)
     shared = stage_inputs(plan, graph, seed)
-    stages = [lower_stage(plan, graph, k, [devices[d] for d in st.devices], seed=seed, shared=shared)
-              for k, st in enumerate(plan.stages)]
+    split = any(type(i) is Run and i.phase == "backward_input" for mesh in program.meshes for i in mesh)
+    stages = [lower_stage(plan, graph, k, [devices[d] for d in st.devices], seed=seed, shared=shared,
+                          split_backward=split) for k, st in enumerate(plan.stages)]
     payloads = _payloads(program, shared.train.meta.get("tied_grads", ()), [s.ops for s in stages])
     profile = profile_stages(stages, graph, iters=profile_iters, seed=seed) if profile_iters else []
     losses, times, grads = [], [], {}

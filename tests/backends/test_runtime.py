@@ -148,6 +148,11 @@ def test_zero_bubble_runs_the_same_step_in_the_simulated_order(family, small_pla
         assert any(e.name == "backward_weight" for e in result.timeline.events)
         # W is not empty: the weight gradients really are made apart from B.
         assert all(split_backward_ops(stage.ops, train)[1] for stage in result.stages)
+        # The whole backward never ran, so it was never compiled; read, it compiles then.
+        assert all(stage.compiled.ready == {"forward", "update"} for stage in result.stages)
+    smallest = min(result.stages, key=lambda stage: len(stage.ops.backward))
+    assert "backward" in smallest.compiled and smallest.compiled["backward"].as_text()
+    assert smallest.compiled.ready == {"forward", "backward", "update"}
 
 
 @needs_8

@@ -62,9 +62,15 @@ TEST_WORKERS ?= 2
 FAST_XLA := XLA_FLAGS=--xla_backend_optimization_level=0
 PYTEST := $(BIN)/python -m pytest -q
 
+# pytest keeps each test module's assert-rewritten code as a pyc beside it, unless
+# bytecode writing is off (PYTHONDONTWRITEBYTECODE: this machine, many CIs); then every
+# pytest process rewrites all of them again, 3-4 s of each one's collection here. So the
+# serial lane may write them (tests/**/__pycache__, removed after the run), and the
+# parallel lane's workers read them.
 test: $(STAMP)
-	@root=$$(mktemp -d -t alpasim-test-XXXXXX); trap 'rm -rf "$$root"' EXIT; \
-	ALPASIM_TEST_ROOT=$$root $(PYTEST) -m serial; serial=$$?; \
+	@root=$$(mktemp -d -t alpasim-test-XXXXXX); \
+	trap 'rm -rf "$$root"; find tests -name __pycache__ -type d -prune -exec rm -rf {} +' EXIT; \
+	ALPASIM_TEST_ROOT=$$root PYTHONDONTWRITEBYTECODE= $(PYTEST) -m serial; serial=$$?; \
 	ALPASIM_TEST_ROOT=$$root $(FAST_XLA) $(PYTEST) -n $(TEST_WORKERS) --dist loadscope -m "not serial"; \
 		parallel=$$?; \
 	test $$serial -eq 0 && test $$parallel -eq 0

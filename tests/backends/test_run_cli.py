@@ -61,6 +61,7 @@ def _plan(model: str, cluster, cost_model):
                          views_of=lambda sh: VIEWS[sh.size], max_stages=3, cost_model=cost_model)
 
 
+@pytest.mark.slow
 def test_run_json_reports_numerics_timing_and_collectives(tmp_path, cli):
     path = tmp_path / "plan.json"
     small_plan(TINY_GPT).save(path)
@@ -105,6 +106,7 @@ def test_run_bad_plan_file_is_one_line_and_exit_2(tmp_path, content, cli):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_run_without_stage_profiling_and_a_bad_iteration_count(tmp_path, cli):
     path = tmp_path / "plan.json"
     small_plan(TINY_GPT).save(path)

@@ -66,6 +66,7 @@ def test_table_ranges_are_the_closed_form(layers):
 MODEL = "gpt3:hidden=1024,layers=8,heads=16,seq=1024,vocab=8192,batch=64"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bucket_mb", [4, 25, 400])
 def test_data_parallel_iteration_hides_the_reduction_up_to_the_closed_form(bucket_mb):
     """Data parallelism over two 25 Gb/s nodes, one stage: the simulated iteration with
@@ -88,6 +89,7 @@ def test_data_parallel_iteration_hides_the_reduction_up_to_the_closed_form(bucke
     assert st0.exposed_sync_s == pytest.approx(st0.sync_buckets[0][0] + total - st0.backward_s, rel=1e-9)
 
 
+@pytest.mark.slow
 def test_the_planner_overlaps_only_where_it_pays():
     """Buckets of 4 KiB: each of thousands pays a collective's launch, more than the
     whole backward hides, so the planner keeps one collective per gradient after the

@@ -152,6 +152,7 @@ def stages(draw):
     return g, first, last, draw(st.integers(1, 5)), draw(st.integers(1, 4))
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(stages())
 def test_composed_stage_memory_equals_the_unrolled_schedule(case):

@@ -80,17 +80,20 @@ def run(request) -> Run:
 
 
 # ------------------------------------------------------------------ numerics
+@pytest.mark.slow
 def test_derived_gradients_match_jax_grad(run):
     assert_grads_close(derived_grads(run.train, run.values), run.ref_grads, RTOL[run.family])
     np.testing.assert_allclose(run.values[run.loss], run.ref_loss, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_remat_gives_the_same_gradients(run):
     remat, values = run.run_remat()
     assert any(op.remat for op in remat.ops)
     assert_grads_close(derived_grads(remat, values), derived_grads(run.train, run.values), 1e-5)
 
 
+@pytest.mark.slow
 def test_recomputing_fusible_ops_gives_the_same_gradients_from_a_smaller_stash(run):
     cut = training_graph(run.forward, optimizer=ADAM, recompute="fusible")
     values = jax.jit(lower_graph(cut))(run.leaves)
@@ -100,6 +103,7 @@ def test_recomputing_fusible_ops_gives_the_same_gradients_from_a_smaller_stash(r
     assert all(op.phase == "backward" and op.remat for op in cut.ops if op.name.endswith(":recompute"))
 
 
+@pytest.mark.slow
 def test_adam_step_matches_an_independent_update(run):
     cfg = ADAM
     for op in run.train.ops:
@@ -149,6 +153,7 @@ def _reference_gpt_loss(P: dict, ids, labels, layers: int, heads: int):
     return -jnp.take_along_axis(logp, labels[..., None], axis=-1).mean()
 
 
+@pytest.mark.slow
 def test_gpt_loss_matches_a_plain_jnp_gpt():
     fwd = forward_graph(FAMILIES["gpt3"])
     leaves = random_leaves(fwd, seed=3, scale=0.2)
@@ -159,6 +164,7 @@ def test_gpt_loss_matches_a_plain_jnp_gpt():
     np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_mixed_precision_training_graph_runs():
     spec = FAMILIES["gpt3"].replace("fp32", "bf16")
     train = training_graph(forward_graph(spec))

@@ -31,6 +31,7 @@ def _grads(train, values):
     return {op.inputs[0]: np.asarray(values[op.inputs[1]]) for op in train.ops if op.prim == "adam"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(MODELS))
 def test_fused_model_trains_the_explicit_models_step(family):
     explicit = forward_graph(MODELS[family])

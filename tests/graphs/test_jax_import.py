@@ -308,6 +308,7 @@ def test_mlp_numerics_match_jax():
     assert_matches_jax(mlp_loss, *mlp_shapes(), bounds={"y": MLP_DIMS[-1]})
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAVE_LOWERING, reason="needs alpasim.backends.lower_graph")
 def test_transformer_numerics_match_jax():
     assert_matches_jax(gpt_loss, *gpt_shapes(**TF), bounds={"ids": TF["V"], "targets": TF["V"]})

@@ -69,6 +69,7 @@ def test_llama_spec_is_checked():
         resolve_model("llama:hidden=36,heads=4,kv_heads=2,ffn=96,layers=2")
 
 
+@pytest.mark.slow
 def test_llama_forward_equals_the_same_model_in_jax():
     """The built-in graph lowered to JAX against a direct jax.numpy Llama on the same
     weights: the loss to float32 rounding (RoPE, GQA, RMSNorm, SwiGLU all checked)."""

@@ -153,6 +153,7 @@ def test_microbatch_candidates_divide_the_batch():
     assert microbatch_candidates(1024, 16, 64) == [16] and microbatch_candidates(1024, 32, 64) == []
 
 
+@pytest.mark.slow
 def test_data_parallel_baseline_on_64_devices_finds_its_microbatches():
     """DeepSpeed on 64 devices: every device takes whole samples, so a 64-sample batch
     is one microbatch of one sample per device (moe-70b's Figure 7b point was refused
@@ -182,6 +183,7 @@ def test_bad_plan_files(tmp_path):
         load_plan(p)
 
 
+@pytest.mark.slow
 def test_partition_spec_export(cache):
     cluster = get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=4)
     plan = plan_pipeline("gpt3:hidden=256,layers=4,heads=8,seq=128,vocab=1024,batch=32", cluster,
@@ -214,6 +216,7 @@ def test_stage_table_on_ray(ray_cluster):
 SMALL = "gpt3:hidden=256,layers=4,heads=8,seq=128,vocab=1024,batch=32"
 
 
+@pytest.mark.slow
 def test_out_of_memory_bound_is_true_and_names_its_largest_term(cache):
     """Below the bound nothing fits; the best plan found with room to spare needs at
     least the bound; the message names the term it is made of."""

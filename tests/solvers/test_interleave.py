@@ -64,6 +64,7 @@ def test_a_mesh_must_hold_all_of_its_chunks():
 MODEL = "gpt3:hidden=256,layers=16,heads=4,seq=128,vocab=512,batch=16"
 
 
+@pytest.mark.slow
 def test_the_planner_interleaves_where_it_pays_and_not_where_memory_forbids():
     """Sixteen blocks on 8 devices at B = 16: interleaving 2 chunks on 8 meshes predicts
     and simulates faster than 1F1B, so "auto" takes it. It holds more activations (each

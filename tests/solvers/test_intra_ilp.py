@@ -317,6 +317,7 @@ def test_watchdog_cancels_a_solve_that_outruns_its_time_limit(monkeypatch):
     assert result.choice is not None and result.objective < 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["gpt3:hidden=128,layers=2,heads=4,seq=32,vocab=256,batch=8",
                                    "moe:hidden=128,layers=2,heads=4,seq=32,vocab=256,batch=8,experts=8",
                                    "wresnet:depth=50,width=2,channels=32,image=32,batch=8"])

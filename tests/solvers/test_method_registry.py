@@ -63,6 +63,7 @@ def test_each_record_is_the_search_it_names():
     assert [m.name for m in METHODS.values() if m.zoo_only] == ["megatron", "megatron_core"]
 
 
+@pytest.mark.slow
 def test_a_jax_function_a_saved_graph_and_the_graph_plan_alike(tmp_path):
     params, batch = gpt_shapes(**{**TF, "B": 8})
     model = JaxModel(gpt_loss, params, batch, name="my_gpt")

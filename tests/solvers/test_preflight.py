@@ -39,6 +39,7 @@ def test_model_states_are_the_recipes_bytes_per_parameter():
         assert RECIPES[name].bytes_per_param("float16") == per_param
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["alpa", "zero3", "inter_only", "megatron"])
 def test_every_plan_holds_at_least_the_states_bound(tmp_path, method):
     """The bound is sound by the planner's own accounting: a plan's devices hold every
@@ -87,6 +88,7 @@ def test_a_device_that_holds_the_states_share_is_not_refused():
 @pytest.mark.parametrize("per_node, max_stages, chunks", [
     (1, 4, (2,)), (2, 4, (2,)), (2, 4, (3,)), (4, 4, (2,)), (4, 2, (2,)), (4, 1, (2,)), (4, 4, (3, 4)), (2, 2, (5,)),
 ])
+@pytest.mark.slow
 def test_interleaved_cannot_exist_exactly_where_the_search_finds_nothing(per_node, max_stages, chunks):
     """The check against the search itself, with memory to spare: on a GPT of 4 planning
     units (embedding, 2 blocks, head), the interleaved search finds a plan exactly where

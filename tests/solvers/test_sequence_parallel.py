@@ -145,6 +145,7 @@ def test_megatron_core_takes_sequence_parallelism_where_only_it_fits():
     assert plan.predicted.iteration_s == min(t["iteration_s"] for t in tried)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", [MegatronConfig(2, 1, 2, 4), MegatronConfig(2, 2, 1, 2), MegatronConfig(4, 1, 1, 4)])
 @pytest.mark.parametrize("policy", ["none", "selective"])
 def test_sequence_parallelism_and_the_distributed_optimizer_never_add_memory(config, policy):

@@ -86,6 +86,7 @@ def tables(draw, size_sets=([1, 2], [1, 2, 4], [1, 2, 4, 8], [2, 4]), device_cou
     return cost, sizes, num_devices, draw(st.integers(1, 8))
 
 
+@pytest.mark.slow
 @given(tables())
 @settings(max_examples=300, deadline=None)
 def test_dp_equals_brute_force(table):
@@ -104,6 +105,7 @@ def test_dp_equals_brute_force(table):
     assert result.latency_s == pytest.approx(pipeline_latency_s([s.cost_s for s in result.stages], microbatches))
 
 
+@pytest.mark.slow
 @given(tables(), st.data())
 @settings(max_examples=300, deadline=None)
 def test_dp_with_boundary_transfers_equals_brute_force(table, data):
@@ -198,6 +200,7 @@ def test_pack_runs_fills_nodes_exactly_or_refuses():
     assert pack_runs([1] * 8, 2, 4) is not None and pack_runs([4, 4], 1, 4) is None
 
 
+@pytest.mark.slow
 @given(tables(), st.sampled_from([1e-3, 0.01, 0.05, 0.2, 1.0]), st.data())
 @settings(max_examples=300, deadline=None)
 def test_epsilon_windows_stay_within_one_plus_epsilon_of_brute_force(table, epsilon, data):
@@ -312,6 +315,7 @@ def test_disallowed_shapes_and_sizes_are_rejected():
         place_submeshes([SubmeshShape(2, 4), SubmeshShape(1, 8)], 2, 8)
 
 
+@pytest.mark.slow
 @given(tables(size_sets=([1, 2, 6],), device_counts=(6, 12)), st.data())
 @settings(max_examples=200, deadline=None)
 def test_dp_on_nodes_of_six_places_what_it_plans(table, data):

@@ -109,6 +109,7 @@ def test_a_profiles_recomputation_is_the_plans_unless_given():
     assert full.predicted.iteration_s > selective.predicted.iteration_s      # the forward again
 
 
+@pytest.mark.slow
 def test_a_profiles_attention_kernel_builds_the_model_unless_given():
     """Megatron-core's fused kernel rebuilds the zoo model with it (the plan's model
     config says so, and the backend rebuilds that); the user's kernel, by option or in
@@ -161,6 +162,7 @@ def test_the_bucket_size_alone_is_not_an_override_but_none_is():
     assert off.system["overridden"]["grad_overlap"] is True and off.stages[0].sync_buckets == ()
 
 
+@pytest.mark.slow
 def test_cli_lists_methods_with_their_profiles_and_refuses_an_unknown_system(cli):
     listing = cli.json("methods")
     assert {r["method"]: r["system"] for r in listing["methods"]}["megatron"] == "megatron-lm-2021"

@@ -65,8 +65,9 @@ PYTEST := $(BIN)/python -m pytest -q
 # pytest keeps each test module's assert-rewritten code as a pyc beside it, unless
 # bytecode writing is off (PYTHONDONTWRITEBYTECODE: this machine, many CIs); then every
 # pytest process rewrites all of them again, 3-4 s of each one's collection here. So the
-# serial lane may write them (tests/**/__pycache__, removed after the run), and the
-# parallel lane's workers read them.
+# serial lane may write bytecode (tests/**/__pycache__, removed after the run), and the
+# parallel lane's workers read it. Its commands and Ray workers may then also write the
+# pyc of a source edited since setup (alpasim/**/__pycache__, as Python does by default).
 test: $(STAMP)
 	@root=$$(mktemp -d -t alpasim-test-XXXXXX); \
 	trap 'rm -rf "$$root"; find tests -name __pycache__ -type d -prune -exec rm -rf {} +' EXIT; \

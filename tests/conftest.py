@@ -109,9 +109,9 @@ def pytest_unconfigure(config):
 
 # ---------------------------------------------------------------------------------------
 # Scheduling on pytest-xdist's workers (`--dist loadscope`): a module's tests on one
-# worker (its fixtures are built once), and every test marked `ray` (it starts a Ray
-# cluster) on one worker, one after the other, so two local clusters never share the
-# session's RAY_TMPDIR. The scheduler sees only test ids, so each worker writes the ids
+# worker (its fixtures are built once), and every test marked `ray` (it uses a Ray
+# cluster) on one worker, one after the other: they share the session's cluster
+# (`ray_cluster`), and at most one more, a command's own, runs beside it. The scheduler sees only test ids, so each worker writes the ids
 # of its `ray` tests into the session root as it collects (every worker collects them
 # all, before anything is scheduled). xdist's own groups are not used: pytest 9.2 ignores
 # the id suffix they are made of (pytest-dev/pytest-xdist#1386).
@@ -173,9 +173,10 @@ def ray_cluster():
     """One local Ray cluster (2 CPUs) for every `ray` test of this process, started on
     first use and stopped when the session ends: the scheduler above runs them one after
     the other on one worker, and each start costs 3 s and 5 CPU-seconds here. Its GCS
-    address, for commands that join an existing cluster. Tests that start and stop a
-    cluster of their own (a command's own) must not run while it is up: none is marked
-    `ray` without taking this fixture but those."""
+    address, for commands that join an existing cluster. A command that starts a cluster
+    of its own (`sweep --ray`) starts it beside this one: `ray.init()` without an address
+    joins only a cluster `ray start` made (ray_current_cluster), and the session's
+    environment has no RAY_ADDRESS."""
     import ray
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)

@@ -266,10 +266,11 @@ def stage_inputs(plan: PipelinePlan, graph: OpGraph, seed: int = 0) -> StageInpu
 
 class StagePrograms(Mapping[str, Any]):
     """A stage's compiled programs by name ("forward", "backward", "update"): those its
-    schedule runs are compiled ahead of time (step times then exclude compilation), any
-    other at its first use. A zero-bubble program runs the backward as B and W, so its
-    whole backward compiles only if something reads it (the memory analysis, a profile,
-    the HLO report)."""
+    schedule runs are compiled ahead of time (step times then exclude their
+    compilation), any other at its first use, `in` included. A zero-bubble program runs
+    the backward as B and W (`StageExecutable.split`, still compiled at their first
+    call, in the first step), so its whole backward compiles only if something reads
+    it (the memory analysis, a profile, the HLO report)."""
 
     def __init__(self, compile_fns: dict[str, Callable[[], Any]], ahead: Sequence[str]) -> None:
         self._compile, self._done = compile_fns, {}

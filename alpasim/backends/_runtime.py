@@ -84,9 +84,12 @@ def run_local(plan: PipelinePlan, *, steps: int = 1, seed: int = 0, schedule: st
     graph = planning_graph(plan.model)
     program = runnable_program(plan, schedule)
     shared = stage_inputs(plan, graph, seed)
-    split = any(type(i) is Run and i.phase == "backward_input" for mesh in program.meshes for i in mesh)
+    # The stages whose backward runs as B and W (zero bubble): their whole backward is
+    # not compiled ahead (`StagePrograms`).
+    split = {program.stage_of(k, i.chunk) for k, mesh in enumerate(program.meshes) for i in mesh
+             if type(i) is Run and i.phase == "backward_input"}
     stages = [lower_stage(plan, graph, k, [devices[d] for d in st.devices], seed=seed, shared=shared,
-                          split_backward=split) for k, st in enumerate(plan.stages)]
+                          split_backward=k in split) for k, st in enumerate(plan.stages)]
     payloads = _payloads(program, shared.train.meta.get("tied_grads", ()), [s.ops for s in stages])
     profile = profile_stages(stages, graph, iters=profile_iters, seed=seed) if profile_iters else []
     losses, times, grads = [], [], {}

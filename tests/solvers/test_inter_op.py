@@ -208,7 +208,7 @@ def test_stage_table_on_ray(ray_cluster):
     cluster = get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=2)
     model = "gpt3:hidden=128,layers=2,heads=4,seq=64,vocab=512,batch=8"
     local = plan_pipeline(model, cluster, microbatches=2)
-    remote = plan_pipeline(model, cluster, microbatches=2, map_fn=ray_map_fn(num_cpus=2))
+    remote = plan_pipeline(model, cluster, microbatches=2, map_fn=ray_map_fn(ray_cluster))
     assert remote.predicted.iteration_s == pytest.approx(local.predicted.iteration_s)
     assert [s.layers for s in remote.stages] == [s.layers for s in local.stages]
 

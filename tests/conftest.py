@@ -168,20 +168,32 @@ def _module_seconds() -> dict[str, float]:
     return seconds
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def ray_cluster():
-    """One local Ray cluster (2 CPUs) for every `ray` test of this process, started on
-    first use and stopped when the session ends: the scheduler above runs them one after
-    the other on one worker, and each start costs 3 s and 5 CPU-seconds here. Its GCS
-    address, for commands that join an existing cluster. A command that starts a cluster
-    of its own (`sweep --ray`) starts it beside this one: `ray.init()` without an address
-    joins only a cluster `ray start` made (ray_current_cluster), and the session's
-    environment has no RAY_ADDRESS."""
+    """The local Ray cluster (2 CPUs) of a run of consecutive `ray` tests: the first one
+    starts it, and it stops after the last (`pytest_runtest_teardown` below), so it is
+    never up while an untouched test runs, such as a timed one of the serial lane. The
+    scheduler above runs the `ray` tests of a worker one after the other, so they share
+    one start (3 s and 5 CPU-seconds here). Its GCS address, for commands that join an
+    existing cluster. A command that starts a cluster of its own (`sweep --ray`) starts
+    it beside this one: `ray.init()` without an address joins only a cluster `ray start`
+    made (ray_current_cluster), and the session's environment has no RAY_ADDRESS."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray.get_runtime_context().gcs_address
-    ray.shutdown()
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    return ray.get_runtime_context().gcs_address
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After the last of consecutive `ray` tests (its fixtures torn down), the cluster
+    `ray_cluster` started is stopped."""
+    yield
+    ray = sys.modules.get("ray")
+    if (ray is not None and item.get_closest_marker("ray") is not None
+            and (nextitem is None or nextitem.get_closest_marker("ray") is None) and ray.is_initialized()):
+        ray.shutdown()
 
 
 # ---------------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ STEPS = 2
 HANG_S = 300
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def cluster(ray_cluster):
     return ray_cluster
 

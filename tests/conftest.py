@@ -110,11 +110,12 @@ def pytest_unconfigure(config):
 # ---------------------------------------------------------------------------------------
 # Scheduling on pytest-xdist's workers (`--dist loadscope`): a module's tests on one
 # worker (its fixtures are built once), and every test marked `ray` (it uses a Ray
-# cluster) on one worker, one after the other: they share the session's cluster
-# (`ray_cluster`), and at most one more, a command's own, runs beside it. The scheduler sees only test ids, so each worker writes the ids
-# of its `ray` tests into the session root as it collects (every worker collects them
-# all, before anything is scheduled). xdist's own groups are not used: pytest 9.2 ignores
-# the id suffix they are made of (pytest-dev/pytest-xdist#1386).
+# cluster) on one worker, one after the other, so they share one cluster (`ray_cluster`)
+# and at most one more, a command's own, runs beside it. The scheduler sees only test
+# ids, so each worker writes the ids of its `ray` tests into the session root as it
+# collects (every worker collects them all, before anything is scheduled). xdist's own
+# groups are not used: pytest 9.2 ignores the id suffix they are made of
+# (pytest-dev/pytest-xdist#1386).
 RAY_TESTS = "ray-tests"
 
 

@@ -267,10 +267,10 @@ def stage_inputs(plan: PipelinePlan, graph: OpGraph, seed: int = 0) -> StageInpu
 class StagePrograms(Mapping[str, Any]):
     """A stage's compiled programs by name ("forward", "backward", "update"): those its
     schedule runs are compiled ahead of time (step times then exclude their
-    compilation), any other at its first use, `in` included. A zero-bubble program runs
-    the backward as B and W (`StageExecutable.split`, still compiled at their first
-    call, in the first step), so its whole backward compiles only if something reads
-    it (the memory analysis, a profile, the HLO report)."""
+    compilation), any other at its first read. A zero-bubble program runs the backward
+    as B and W (`StageExecutable.split`, still compiled at their first call, in the
+    first step), so its whole backward compiles only if something reads it (the memory
+    analysis, a profile, the HLO report)."""
 
     def __init__(self, compile_fns: dict[str, Callable[[], Any]], ahead: Sequence[str]) -> None:
         self._compile, self._done = compile_fns, {}
@@ -282,16 +282,28 @@ class StagePrograms(Mapping[str, Any]):
             self._done[name] = self._compile[name]()
         return self._done[name]
 
+    def __contains__(self, name: object) -> bool:     # a program the stage has, compiled or not
+        return name in self._compile
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._compile)
+
+    def __len__(self) -> int:
+        return len(self._compile)
 
     @property
     def ready(self) -> frozenset[str]:
         """The programs compiled so far."""
         return frozenset(self._done)
 
-    def __len__(self) -> int:
-        return len(self._compile)
+
+def _compile(fn, args: Sequence, options: dict[str, Any] | None):
+    """`fn` lowered for `args` (abstract values) and compiled. A donated stash or
+    cotangent buffer that no output can reuse is simply freed after the call, which is
+    what the runtime does with it anyway: JAX's warning says no more."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+        return fn.lower(*args).compile(options)
 
 
 def lower_stage(plan: PipelinePlan, graph: OpGraph, stage_index: int, devices: Sequence[jax.Device], *,
@@ -351,18 +363,7 @@ def lower_stage(plan: PipelinePlan, graph: OpGraph, stage_index: int, devices: S
     options = compiler_options(mesh)
     args = {"forward": (p_spec, a_spec, d_spec), "backward": (p_spec, acc, st_spec, ct_spec),
             "update": (p_spec, acc, s_spec)}
-
-    def compile_fn(name: str) -> Callable[[], Any]:
-        # A donated stash or cotangent buffer that no output can reuse is simply freed
-        # after the call, which is what the runtime does with it anyway: JAX's warning
-        # says no more.
-        def compile_now():
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-                return fns[name].lower(*args[name]).compile(options)
-        return compile_now
-
-    compiled = StagePrograms({name: compile_fn(name) for name in args},
+    compiled = StagePrograms({name: functools.partial(_compile, fns[name], a, options) for name, a in args.items()},
                              ("forward", "update") if split_backward else tuple(args))
     return StageExecutable(part, ops, mesh, intra, shardings, compiled, params, states, remat=remat,
                            acc_dtypes=acc_dtypes, stash_spec=st_spec, acc_spec=acc,

@@ -262,13 +262,14 @@ def time_collectives(devices: Sequence, sizes: ProfileSizes, log: Callable[[str]
         spec = P(("r", "c"))
         sharding = NamedSharding(mesh, spec)
         for kind in kinds:
-            step = jax.shard_map(_collective_step(kind, n), mesh=mesh, in_specs=spec, out_specs=spec)
+            fn = _loop(jax.shard_map(_collective_step(kind, n), mesh=mesh, in_specs=spec, out_specs=spec),
+                       (sharding,))
             for nbytes in sizes.collective_bytes:
                 # all-gather's S is the gathered tensor: each device starts with S / n.
                 per_device = nbytes // n if kind == "all_gather" else nbytes
                 elems = max(per_device // 4 // n, 1) * n  # divisible by n for scatter / all-to-all
                 x = jax.device_put(np.zeros((elems * total,), np.float32), sharding)  # zeros: psum never overflows
-                t = _per_iteration_s(_loop(step, (sharding,)), (x,), 2 * nbytes / GUESS_BYTES_PER_S, sizes.repeats)
+                t = _per_iteration_s(fn, (x,), 2 * nbytes / GUESS_BYTES_PER_S, sizes.repeats)
                 s = elems * 4 * (n if kind == "all_gather" else 1)
                 samples.append(CollectiveSample(kind, n, s, t))
                 log(f"{kind:<15} n={n} {s:>9} B {t * 1e6:10.1f} us")

@@ -1,9 +1,10 @@
 """The Ray runtime against the local runtime, a single device, a killed actor and a
 program that never sends.
 
-One Ray cluster for the module (2 CPUs; the mesh actors reserve none). Each run has
-one actor per mesh, a process of its own with as many virtual CPU devices as its mesh
-has, started for it or kept from the module's previous run where the devices fit; the
+One Ray cluster for the run of `ray` tests (`ray_cluster`: 2 CPUs; the mesh actors
+reserve none). Each run has one actor per mesh, a process of its own with as many
+virtual CPU devices as its mesh has, started for it or kept from the previous run where
+the devices fit; the
 plans are the `small_plan` fixture's (3 stages, 1x2 and 2x2 meshes).
 
 Agreement with `run_local`: both runtimes execute the same compiled stage programs on
@@ -29,7 +30,7 @@ from alpasim.backends import (RayRuntimeError, check_numerics, compare_collectiv
 from alpasim.simulator import Send, build_program
 
 ray = pytest.importorskip("ray")
-# Each starts a Ray cluster or runs on the module's: one worker runs them all (tests/conftest.py).
+# They run on `ray_cluster`'s cluster: one worker runs them all (tests/conftest.py).
 pytestmark = pytest.mark.ray
 
 RTOL = 1e-6
@@ -38,11 +39,6 @@ STEPS = 2
 # two idle cores; Ray runs its workers niced, so on a loaded machine it took over 90 s),
 # far below a hang.
 HANG_S = 300
-
-
-@pytest.fixture
-def cluster(ray_cluster):
-    return ray_cluster
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +51,7 @@ def _rel_err(got: dict, want: dict) -> float:
 
 
 @pytest.mark.parametrize("family", ["gpt", "moe"])
-def test_ray_matches_local_and_single_device(family, cluster, small_plan, gpt_local):
+def test_ray_matches_local_and_single_device(family, ray_cluster, small_plan, gpt_local):
     plan = small_plan(family)
     local = gpt_local if family == "gpt" else run_local(plan, steps=STEPS)
     # GPT's actors first time their stages alone; that must leave the run's numbers as they are.
@@ -83,7 +79,7 @@ def test_ray_matches_local_and_single_device(family, cluster, small_plan, gpt_lo
     assert tl.iteration_s == result.step_times_s[-1] > 0
 
 
-def test_a_finished_runs_actors_serve_the_next_run(cluster, small_plan):
+def test_a_finished_runs_actors_serve_the_next_run(ray_cluster, small_plan):
     """A finished run hands its actors to the next run of this driver (`_ray_runtime`'s
     module doc): the same processes serve it, its stages lowered afresh and its state
     reset, so it computes the first run's step to the bit."""
@@ -110,7 +106,7 @@ def _wait_until_dead(actor) -> None:
         time.sleep(0.1)
 
 
-def test_killed_actor_is_restarted_and_the_step_redone(cluster, small_plan, gpt_local):
+def test_killed_actor_is_restarted_and_the_step_redone(ray_cluster, small_plan, gpt_local):
     killed = []
 
     def kill_mesh1(step, actors):
@@ -125,7 +121,7 @@ def test_killed_actor_is_restarted_and_the_step_redone(cluster, small_plan, gpt_
     assert result.restarts[0]["restart_s"] > 0
 
 
-def test_ray_runs_zero_bubble_as_the_local_runtime_does(cluster, small_plan):
+def test_ray_runs_zero_bubble_as_the_local_runtime_does(ray_cluster, small_plan):
     """ZB-H1 on the actors: each mesh's B and W programs, the step equal to the local
     runtime's and to one device, three passes per microbatch on every mesh."""
     plan = small_plan("gpt")
@@ -140,7 +136,7 @@ def test_ray_runs_zero_bubble_as_the_local_runtime_does(cluster, small_plan):
         assert len(names) == 3 * plan.microbatches
 
 
-def test_ray_runs_an_interleaved_plan_as_the_local_runtime_does(cluster, small_plan):
+def test_ray_runs_an_interleaved_plan_as_the_local_runtime_does(ray_cluster, small_plan):
     """A plan cut into 2 chunks per mesh: each actor lowers both of its chunks and walks
     its interleaved list; the step equals the local runtime's and one device's."""
     plan = small_plan("gpt", schedule="interleaved", chunk_options=(2,))
@@ -156,7 +152,7 @@ def test_ray_runs_an_interleaved_plan_as_the_local_runtime_does(cluster, small_p
         assert chunks == [0, 1]
 
 
-def test_ray_keeps_two_copies_of_a_weight_on_one_mesh_apart(cluster, shared_weight_graph):
+def test_ray_keeps_two_copies_of_a_weight_on_one_mesh_apart(ray_cluster, shared_weight_graph):
     """Interleaved, the copies of weight `s` at stages 1 and 3 sit on one actor: each
     takes its own message of the owner's summed gradient (one key per copy; under one
     key the second overwrote the first and the other copy waited until the timeout)."""
@@ -179,7 +175,7 @@ def test_ray_keeps_two_copies_of_a_weight_on_one_mesh_apart(cluster, shared_weig
 
 @pytest.mark.serial      # its 2 s receive timeout also bounds the other calls: run on an idle machine
 @pytest.mark.timeout(HANG_S)
-def test_a_receive_whose_send_never_comes_fails_within_the_timeout(cluster, small_plan, monkeypatch):
+def test_a_receive_whose_send_never_comes_fails_within_the_timeout(ray_cluster, small_plan, monkeypatch):
     # Nothing here is timed but the wait: the actors compile at LLVM's O0, as the
     # parallel lane's do (the Makefile), which starts them a few seconds sooner.
     monkeypatch.setenv("XLA_FLAGS", f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0")

@@ -23,6 +23,7 @@ from ._fusion import Fusion as Fusion
 from ._fusion import OpAccess as OpAccess
 from ._fusion import fuse as fuse
 from ._hardware import CLUSTER_SCHEMA as CLUSTER_SCHEMA
+from ._hardware import BusSweep as BusSweep
 from ._hardware import Cluster as Cluster
 from ._hardware import ClusterError as ClusterError
 from ._hardware import Device as Device

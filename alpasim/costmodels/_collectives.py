@@ -26,6 +26,12 @@ first) and reduce-scatter (scatter on the fast axes first). An all-to-all over s
 axes is one all-to-all per axis, each on the whole buffer: S_j = S. send_recv crosses
 the slowest link among the axes of size > 1.
 
+A link with a measured sweep (`Link.sweep`, nccl-tests' bus bandwidth per size: the
+presets' NVSwitch nodes, `_bus_sweeps`) prices all-reduce, all-gather and
+reduce-scatter as k(n-1)/n * S / busbw(S) instead, k = 2 for all-reduce and 1 for the
+others: the measured rate folds in what alpha-beta leaves out at the sizes training
+moves (NCCL's channel fill, protocol switches, NVLink SHARP's in-switch reduction).
+
 Ignored: contention between different collectives, link asymmetry inside a ring,
 tree and NVLS algorithms, protocol (LL/LL128) switching for small messages, and the
 compute of the reduction itself.
@@ -76,33 +82,37 @@ def _check_bytes(nbytes: float) -> float:
     return float(nbytes)
 
 
-def _ring_time_s(nbytes: float, n: int, link: Link, steps_per_peer: int) -> float:
-    """`steps_per_peer` ring passes: steps*(n-1) alpha + steps*(n-1)/n * S/B."""
+def _ring_time_s(nbytes: float, n: int, link: Link, steps_per_peer: int, kind: str | None = None) -> float:
+    """`steps_per_peer` ring passes: steps*(n-1) alpha + steps*(n-1)/n * S/B, or, where
+    the link carries a measured sweep of `kind`, steps*(n-1)/n * S / busbw(S)."""
     nbytes = _check_bytes(nbytes)
     check_count("collective", "group size n", n)
     if n == 1 or nbytes == 0:
         return 0.0
     k = steps_per_peer * (n - 1)
+    if kind is not None and link.sweep is not None:
+        return k / n * nbytes / link.sweep.bus_bytes_per_s(kind, nbytes, link.bytes_per_s)
     return k * link.latency_s + k / n * nbytes / link.bytes_per_s
 
 
 def all_reduce_time_s(nbytes: float, n: int, link: Link) -> float:
     """Ring all-reduce of an S-byte tensor: 2(n-1) alpha + 2(n-1)/n * S/B (see module doc)."""
-    return _ring_time_s(nbytes, n, link, 2)
+    return _ring_time_s(nbytes, n, link, 2, "all_reduce")
 
 
 def all_gather_time_s(nbytes: float, n: int, link: Link) -> float:
     """Ring all-gather producing an S-byte tensor: (n-1) alpha + (n-1)/n * S/B."""
-    return _ring_time_s(nbytes, n, link, 1)
+    return _ring_time_s(nbytes, n, link, 1, "all_gather")
 
 
 def reduce_scatter_time_s(nbytes: float, n: int, link: Link) -> float:
     """Ring reduce-scatter of an S-byte tensor: (n-1) alpha + (n-1)/n * S/B."""
-    return _ring_time_s(nbytes, n, link, 1)
+    return _ring_time_s(nbytes, n, link, 1, "reduce_scatter")
 
 
 def all_to_all_time_s(nbytes: float, n: int, link: Link) -> float:
-    """Pairwise all-to-all of an S-byte buffer per device: (n-1) alpha + (n-1)/n * S/B."""
+    """Pairwise all-to-all of an S-byte buffer per device: (n-1) alpha + (n-1)/n * S/B
+    (a measured sweep of the ring collectives does not apply: it does not ring)."""
     return _ring_time_s(nbytes, n, link, 1)
 
 

@@ -8,7 +8,9 @@ datasheets use; `Link.bytes_per_s` converts once for the cost functions.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 import math
 import os
 from collections.abc import Mapping
@@ -98,13 +100,89 @@ class Device:
                 "memory_bandwidth_bytes_per_s": self.memory_bandwidth_bytes_per_s}
 
 
+SWEEP_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+@dataclass(frozen=True, slots=True)
+class BusSweep:
+    """A measured sweep of a link's collectives: nccl-tests' bus bandwidth per message
+    size, as `all_reduce_perf` / `all_gather_perf` / `reduce_scatter_perf` print it.
+
+    `points` is ((kind, ((bytes, busbw GB/s), ...)), ...), sizes increasing; "all_reduce"
+    is required, the other kinds optional. Bus bandwidth is nccl-tests' size-normalised
+    rate (PERFORMANCE.md: algbw x 2(n-1)/n for all-reduce, x (n-1)/n for all-gather and
+    reduce-scatter, with S the full tensor), so a ring collective of S bytes takes
+    k(n-1)/n x S / busbw(S) whatever n is. Between measured sizes busbw is interpolated
+    log-log; below the smallest the time stays the smallest size's (latency-bound);
+    above the largest the rate stays the largest's; time never falls as S grows. A kind with no sweep of its own
+    takes the all-reduce's, capped at the link's rate (an all-reduce through NVLink
+    SHARP reduces in the switch and can exceed it; a ring all-gather cannot)."""
+
+    source: str
+    points: tuple[tuple[str, tuple[tuple[float, float], ...]], ...]
+
+    def __post_init__(self) -> None:
+        owner = f"bus sweep {self.source!r}"
+        kinds = [k for k, _ in self.points]
+        if "all_reduce" not in kinds or len(set(kinds)) != len(kinds) or not set(kinds) <= set(SWEEP_KINDS):
+            raise ClusterError(f"{owner}: kinds must be distinct among {SWEEP_KINDS} and include all_reduce, "
+                               f"got {kinds}")
+        for kind, pts in self.points:
+            sizes = [b for b, _ in pts]
+            if not pts or any(not _is_number(v) or not math.isfinite(v) or v <= 0 for p in pts for v in p) \
+                    or sizes != sorted(set(sizes)):
+                raise ClusterError(f"{owner}: {kind} needs (bytes, GB/s) pairs, both > 0, sizes increasing")
+        object.__setattr__(self, "points", tuple((k, tuple((float(b), float(g)) for b, g in pts))
+                                                 for k, pts in self.points))
+
+    def bus_bytes_per_s(self, kind: str, nbytes: float, cap_bytes_per_s: float) -> float:
+        """Bus bandwidth (bytes/s) of `kind` on an `nbytes` tensor (class doc).
+
+        Interpolated as S / busbw(S), which is the time up to the ring factor: log-log
+        between sizes (the same as interpolating busbw log-log) and never decreasing
+        with S. A table's time can dip between two sizes by noise (H100's ring
+        reduce-scatter: 43.5 us at 2 MiB, 41.5 at 4 MiB); such a dip is read as flat."""
+        own = dict(self.points)
+        sizes, rates = zip(*(own.get(kind) or own["all_reduce"]), strict=True)
+        times = list(itertools.accumulate((b / (g * 1e9) for b, g in zip(sizes, rates, strict=True)), max))
+        if nbytes <= sizes[0]:
+            t = times[0]
+        elif nbytes >= sizes[-1]:
+            t = times[-1] * nbytes / sizes[-1]
+        else:
+            i = bisect.bisect_right(sizes, nbytes)
+            f = math.log(nbytes / sizes[i - 1]) / math.log(sizes[i] / sizes[i - 1])
+            t = math.exp(math.log(times[i - 1]) + f * math.log(times[i] / times[i - 1]))
+        return nbytes / t if kind in own else min(nbytes / t, cap_bytes_per_s)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"source": self.source, **{k: [list(p) for p in pts] for k, pts in self.points}}
+
+    @classmethod
+    def from_json(cls, data: Any, path: str) -> BusSweep:
+        r = _Reader(data, path)
+        source = r.get("source", str)
+        points = []
+        for kind in SWEEP_KINDS:
+            pts = r.get(kind, list, optional=kind != "all_reduce")
+            if pts is not None:
+                if not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in pts):
+                    raise ClusterError(f"cluster JSON: field '{path}.{kind}' must be [[bytes, GB/s], ...]")
+                points.append((kind, tuple(tuple(p) for p in pts)))
+        r.done()
+        return cls(source, tuple(points))
+
+
 @dataclass(frozen=True, slots=True)
 class Link:
-    """A communication channel: Gbit/s per device and direction, plus a per-message latency."""
+    """A communication channel: Gbit/s per device and direction, plus a per-message
+    latency; `sweep`, where one was measured, prices its collectives instead
+    (`_collectives`)."""
 
     name: str
     bandwidth_gbps: float
     latency_s: float
+    sweep: BusSweep | None = None
 
     def __post_init__(self) -> None:
         owner = f"link {self.name!r}"
@@ -113,13 +191,24 @@ class Link:
         if not _is_number(lat) or not math.isfinite(lat) or lat < 0:
             raise ClusterError(f"{owner}: latency_s must be a finite number >= 0, got {lat!r}")
         object.__setattr__(self, "latency_s", float(lat))
+        if self.sweep is not None and not isinstance(self.sweep, BusSweep):
+            raise ClusterError(f"{owner}: sweep must be a BusSweep, got {self.sweep!r}")
 
     @property
     def bytes_per_s(self) -> float:
         return self.bandwidth_gbps * 1e9 / 8
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "bandwidth_gbps": self.bandwidth_gbps, "latency_s": self.latency_s}
+        return {"name": self.name, "bandwidth_gbps": self.bandwidth_gbps, "latency_s": self.latency_s,
+                **({"sweep": self.sweep.to_json()} if self.sweep is not None else {})}
+
+    @classmethod
+    def from_json(cls, data: Any, path: str) -> Link:
+        r = _Reader(data, path)
+        sweep = BusSweep.from_json(r.sub("sweep").data, f"{path}.sweep") if "sweep" in data else None
+        link = cls(r.get("name", str), r.get("bandwidth_gbps", float), r.get("latency_s", float), sweep)
+        r.done()
+        return link
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,11 +389,7 @@ class Cluster:
         device = Device(dev.get("name", str), dev.get("peak_flops", dict), dev.get("memory_bytes", int),
                         dev.get("memory_bandwidth_bytes_per_s", float))
         dev.done()
-        links = []
-        for key in ("intra_node", "inter_node"):
-            lk = r.sub(key)
-            links.append(Link(lk.get("name", str), lk.get("bandwidth_gbps", float), lk.get("latency_s", float)))
-            lk.done()
+        links = [Link.from_json(r.sub(key).data, f"cluster.{key}") for key in ("intra_node", "inter_node")]
         spine = None
         if "spine" in data:
             sp = r.sub("spine")
@@ -334,7 +419,7 @@ class _Reader:
         value = self.data[key]
         ok = {str: isinstance(value, str), dict: isinstance(value, Mapping),
               int: isinstance(value, int) and not isinstance(value, bool),
-              float: _is_number(value)}[kind]
+              float: _is_number(value), list: isinstance(value, list)}[kind]
         if not ok:
             raise ClusterError(f"cluster JSON: field {where!r} must be {kind.__name__}, got {value!r}")
         return value

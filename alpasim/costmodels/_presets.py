@@ -13,7 +13,9 @@ links are stored in Gbit/s (1 GB/s = 8 Gbit/s). Peaks are dense (no 2:4 sparsity
 Latencies are per ring step, not datasheet numbers: NCCL's own tuning model
 (src/graph/tuning.cc, `hwLat`, Simple protocol) charges about 3.4 us per step over
 NVLink and about 14 us over an RDMA network. AWS p3 nodes talk over TCP (no EFA on
-p3.16xlarge), where a step costs more; 30 us is our estimate.
+p3.16xlarge), where a step costs more; 30 us is our estimate. The DGX nodes' NVSwitch
+links also carry their measured nccl-tests sweeps (`_bus_sweeps`), which price their
+ring collectives in place of these figures.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
+from ._bus_sweeps import A100_NVSWITCH, H100_NVSWITCH
 from ._hardware import GIB, Cluster, Device, Link
 
 NVLINK_STEP_LATENCY_S = 3.4e-6  # NCCL tuning.cc hwLat[NVLINK][Ring][Simple]
@@ -89,7 +92,7 @@ DGX_A100 = Cluster(
     device=A100_SXM_80GB,
     # Third-generation NVLink through NVSwitch: 600 GB/s per GPU, both directions
     # together (A100 datasheet), i.e. 300 GB/s per direction to any other GPU.
-    intra_node=Link("NVLink3 via NVSwitch", 300 * 8, NVLINK_STEP_LATENCY_S),
+    intra_node=Link("NVLink3 via NVSwitch", 300 * 8, NVLINK_STEP_LATENCY_S, A100_NVSWITCH),
     # DGX A100 datasheet: 8x single-port ConnectX-6 200 Gb/s HDR InfiniBand, one per GPU.
     inter_node=Link("HDR InfiniBand 200G", 200.0, RDMA_STEP_LATENCY_S),
     nics_per_node=8,
@@ -102,7 +105,7 @@ DGX_H100 = Cluster(
     device=H100_SXM_80GB,
     # Fourth-generation NVLink through NVSwitch: 900 GB/s per GPU, both directions
     # together (H100 datasheet), i.e. 450 GB/s per direction.
-    intra_node=Link("NVLink4 via NVSwitch", 450 * 8, NVLINK_STEP_LATENCY_S),
+    intra_node=Link("NVLink4 via NVSwitch", 450 * 8, NVLINK_STEP_LATENCY_S, H100_NVSWITCH),
     # DGX H100 datasheet: 8x single-port ConnectX-7 400 Gb/s NDR InfiniBand, one per GPU.
     inter_node=Link("NDR InfiniBand 400G", 400.0, RDMA_STEP_LATENCY_S),
     nics_per_node=8,

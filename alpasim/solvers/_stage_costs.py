@@ -332,7 +332,8 @@ def canonical_params(graph: OpGraph) -> list[str]:
 
 def mesh_key(mesh: LogicalMesh) -> list:
     return [[a.size, a.link.bandwidth_gbps, a.link.latency_s, a.message_link.bandwidth_gbps,
-             a.message_link.latency_s] for a in mesh.axes]
+             a.message_link.latency_s, *([a.link.sweep.to_json()] if a.link.sweep is not None else [])]
+            for a in mesh.axes]
 
 
 def layer_options(layer: OpGraph, mesh: LogicalMesh, cluster: Cluster, microbatches: int,

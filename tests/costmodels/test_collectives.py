@@ -1,9 +1,13 @@
+import json
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from alpasim.costmodels import (
     COLLECTIVE_KINDS,
+    BusSweep,
+    Cluster,
     ClusterError,
     Link,
     MeshAxis,
@@ -208,3 +212,60 @@ def test_mesh_axes_and_submesh_meshes_take_the_same_slowest_group():
     slowest = min((group_link(cluster, g) for g in groups), key=lambda link: link.bytes_per_s)
     assert axes[1].link.bandwidth_gbps == slowest.bandwidth_gbps
     assert logical_mesh(cluster, list(range(40)), (4, 10)).axes == axes
+
+
+# ---------------------------------------------------------------- measured sweeps
+SWEPT = Link("swept", 8 * 100.0, 1e-5, BusSweep("test", (
+    ("all_reduce", ((1e6, 10.0), (1e8, 100.0), (1e9, 200.0))),
+    ("all_gather", ((1e6, 5.0), (1e9, 150.0))))))
+
+
+def test_a_swept_link_prices_ring_collectives_from_the_measured_bus_bandwidth():
+    # At a measured size, exactly k(n-1)/n * S / busbw(S): no alpha term.
+    assert all_reduce_time_s(1e8, 8, SWEPT) == pytest.approx(2 * 7 / 8 * 1e8 / 100e9)
+    assert all_gather_time_s(1e9, 4, SWEPT) == pytest.approx(3 / 4 * 1e9 / 150e9)
+    # Between sizes, log-log: 1e7 B is halfway (in log) from 1e6 to 1e8, so sqrt(10 * 100).
+    assert all_reduce_time_s(1e7, 8, SWEPT) == pytest.approx(2 * 7 / 8 * 1e7 / (10 ** 1.5 * 1e9))
+    # Below the smallest size the time stays that size's (latency-bound); above the
+    # largest, the rate stays the largest's.
+    assert all_reduce_time_s(1e3, 8, SWEPT) == pytest.approx(all_reduce_time_s(1e6, 8, SWEPT))
+    assert all_reduce_time_s(1e10, 8, SWEPT) == pytest.approx(2 * 7 / 8 * 1e10 / 200e9)
+    # A kind with no sweep of its own takes the all-reduce's, capped at the link (100 GB/s).
+    assert reduce_scatter_time_s(1e8, 8, SWEPT) == pytest.approx(7 / 8 * 1e8 / 100e9)
+    assert reduce_scatter_time_s(1e9, 8, SWEPT) == pytest.approx(7 / 8 * 1e9 / 100e9)
+    # All-to-all does not ring: alpha-beta on the link's rate.
+    assert all_to_all_time_s(1e8, 8, SWEPT) == pytest.approx(7 * 1e-5 + 7 / 8 * 1e8 / 100e9)
+
+
+@given(st.sampled_from(("all_reduce", "all_gather", "reduce_scatter")), st.floats(1e3, 1e11), st.floats(1e3, 1e11))
+def test_a_swept_collective_is_monotone_in_bytes(kind, a, b):
+    lo, hi = sorted((a, b))
+    for link in (SWEPT, get_cluster("dgx-a100").intra_node, get_cluster("dgx-h100").intra_node):
+        assert collective_time_s(kind, lo, [MeshAxis(8, link)]) <= collective_time_s(kind, hi, [MeshAxis(8, link)])
+
+
+def test_dgx_nodes_carry_nccl_tests_sweeps():
+    """The DGX A100's 64 MiB all-reduce as SuperBench's nccl-tests measured it (200.91
+    GB/s bus bandwidth), well below NVLink3's 300 GB/s, and H100's all-reduce through
+    NVLink SHARP above NVLink4's 450 GB/s line rate at 8 GiB (478.87)."""
+    a100, h100 = get_cluster("dgx-a100").intra_node, get_cluster("dgx-h100").intra_node
+    assert all_reduce_time_s(2**26, 8, a100) == pytest.approx(2 * 7 / 8 * 2**26 / 200.91e9)
+    assert all_reduce_time_s(2**26, 8, a100) > 1.3 * (14 * a100.latency_s + 2 * 7 / 8 * 2**26 / a100.bytes_per_s)
+    assert all_reduce_time_s(2**33, 8, h100) == pytest.approx(2 * 7 / 8 * 2**33 / 478.87e9)
+    assert reduce_scatter_time_s(2**27, 8, h100) == pytest.approx(7 / 8 * 2**27 / 308.73e9)
+    # Across nodes there is no sweep: the network's alpha-beta.
+    assert group_link(get_cluster("dgx-a100", nodes=2), [0, 8]).sweep is None
+
+
+def test_a_sweep_round_trips_through_cluster_json_and_refuses_malformed_points():
+    cluster = get_cluster("dgx-h100")
+    again = Cluster.from_json(json.loads(json.dumps(cluster.to_json())))
+    assert again == cluster and again.intra_node.sweep.points == cluster.intra_node.sweep.points
+    with pytest.raises(ClusterError, match="include all_reduce"):
+        BusSweep("x", (("all_gather", ((1.0, 1.0),)),))
+    with pytest.raises(ClusterError, match="sizes increasing"):
+        BusSweep("x", (("all_reduce", ((2.0, 1.0), (1.0, 1.0))),))
+    bad = cluster.to_json()
+    bad["intra_node"]["sweep"]["all_reduce"] = [[1, 2, 3]]
+    with pytest.raises(ClusterError, match="intra_node.sweep.all_reduce"):
+        Cluster.from_json(bad)

@@ -231,6 +231,26 @@ def _full(p):
     return jnp.full(tuple(p["shape"]), p["value"], jnp.dtype(p.get("dtype", "float32")))
 
 
+@_lowers("dropout_mask")
+def _dropout_mask(p, rows):
+    """Keep (True) with probability 1 - rate: murmur3's 32-bit finaliser of (row id,
+    element's place in its row) xor the op's seed, whose top 24 bits are uniform
+    (`alpasim.graphs._prims_nn`). Integer elementwise ops only, so any sharding of the
+    mask computes the same bits."""
+    shape = tuple(p["shape"])
+    u32 = jnp.uint32
+    place, stride = jnp.zeros(shape, u32), 1
+    for d in reversed(range(1, len(shape))):
+        place = place + lax.broadcasted_iota(u32, shape, d) * u32(stride % 2**32)
+        stride *= shape[d]
+    row = lax.broadcast_in_dim(rows.astype(u32), shape, (0,))
+    x = (row * u32(stride % 2**32) + place) ^ u32(p["seed"] % 2**32)
+    x = (x ^ (x >> 16)) * u32(0x85EBCA6B)
+    x = (x ^ (x >> 13)) * u32(0xC2B2AE35)
+    x = x ^ (x >> 16)
+    return (x >> 8).astype(F32) * (1.0 / 2**24) >= p["rate"]
+
+
 # ------------------------------------------------------------ softmax and norms
 @_lowers("softmax")
 def _softmax(p, x):
@@ -628,6 +648,8 @@ def _index_bounds(graph: OpGraph, name: str, depth: int = 0) -> list[int]:
             bounds.append(graph.tensors[op.inputs[0]].shape[op.param("axis")])
         elif op.prim == "take_along_grad" and op.inputs[1] == name:
             bounds.append(op.param("size"))
+        elif op.prim == "dropout_mask":     # row ids: any int32 draws its own row of the mask
+            bounds.append(2**31 - 1)
         elif (op.prim in ("reshape", "broadcast", "elementwise", "select") and depth < 8
               and not graph.tensors[op.outputs[0]].is_float):
             bounds += _index_bounds(graph, op.outputs[0], depth + 1)

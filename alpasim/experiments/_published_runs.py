@@ -116,7 +116,10 @@ JEAN_ZAY_A100 = Cluster("jean-zay-a100", nodes=48, devices_per_node=8, device=_D
 def _korthikanti(name: str, heads: int, hidden: int, layers: int, pp: int, batch: int, mbs: int, chunks: int,
                  full_s: float, sel_s: float) -> list[PublishedRun]:
     gpus = 8 * pp
-    model = f"gpt3:hidden={hidden},layers={layers},heads={heads},seq=2048,vocab=51200,batch={batch}"
+    # Dropout 0.1 on the hidden states and the attention probabilities: Megatron-LM's
+    # defaults (`--hidden-dropout`, `--attention-dropout`), and the paper's activation
+    # count (34 sbh + 5 a s^2 b per layer) holds their masks.
+    model = f"gpt3:hidden={hidden},layers={layers},heads={heads},seq=2048,vocab=51200,batch={batch},dropout=0.1"
     common = dict(source=KORTHIKANTI, system="megatron-lm-2022", generation="A100", cluster=_a100_nodes(gpus),
                   model=model, tp=8, pp=pp, dp=1, microbatch_size=mbs, chunks=chunks)
     return [PublishedRun(f"korthikanti-{name}-full", recompute="full", measured_s=full_s, **common),

@@ -7,6 +7,7 @@ every op is shape-checked by its primitive's rule at the moment it is added.
 from __future__ import annotations
 
 import contextlib
+import zlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -30,6 +31,7 @@ class GraphBuilder:
         self.tags: frozenset[str] = frozenset()
         self.origin: str | None = None
         self.remat = False
+        self.rows: str | None = None        # the batch's row ids, once a dropout needs them
         self.prefix = ""
 
     # ------------------------------------------------------------ naming
@@ -121,6 +123,27 @@ class GraphBuilder:
 
     def ew(self, fn: str, *xs: str, name: str | None = None, **kw: Any) -> str:
         return self.one("elementwise", list(xs), name=name or fn, fn=fn, **kw)
+
+    def dropout(self, x: str, rate: float, name: str) -> str:
+        """Inverted dropout of `x` (PyTorch's and Megatron's: kept elements scaled by
+        1 / (1 - rate)); `x` itself at rate 0. Its mask (`dropout_mask`, one byte an
+        element, what Korthikanti et al. 2022 count for it) is drawn from the rows' ids
+        (`sample_index`, an input of the batch; dim 0 of `x` is the batch) and a seed of
+        the op's name, so a recomputation draws it again rather than keeping it, as
+        Megatron-LM's RNG tracker does."""
+        if not rate:
+            return x
+        t = self.tensors[x]
+        if self.rows is None:
+            self.rows = self.add_tensor(Tensor("sample_index", t.shape[:1], "int32", "input"))
+            self.inputs.append(self.rows)
+        if self.tensors[self.rows].shape != t.shape[:1]:
+            raise GraphError(f"dropout {name!r}: dim 0 of {t.shape} is not the batch {self.tensors[self.rows].shape}")
+        seed = zlib.crc32((self.prefix + name).encode())
+        mask = self.one("dropout_mask", [self.rows], name=f"{name}_mask", shape=t.shape, rate=float(rate), seed=seed)
+        kept = self.ew("mul", x, scalar=1.0 / (1.0 - rate), scalar_pos=1, name=f"{name}_scale")
+        zeros = self.one("full", [], name=f"{name}_zeros", shape=t.shape, dtype=t.dtype, value=0.0)
+        return self.ew("select", mask, kept, zeros, name=name)
 
     def shape(self, t: str) -> tuple[int, ...]:
         return self.tensors[t].shape

@@ -118,10 +118,12 @@ def check_attention_kernel(cfg) -> None:
 
 
 def attention_core(b, kernel: str, equation: str, q: str, k: str, v: str, *, scores: str, scale: float,
-                   causal: bool) -> str:
+                   causal: bool, dropout: float = 0.0) -> str:
     """softmax(scale * q k^T) v on a builder, as `kernel` computes it: "fused", the
     `attention` op (its log-sum-exp stays for the backward); "explicit", the scores
-    (letters `scores`: q's batch and head letters, q and k), a softmax, and the context."""
+    (letters `scores`: q's batch and head letters, q and k), a softmax, dropout of the
+    probabilities at rate `dropout` (Megatron's `attention_dropout`; inside the fused
+    kernel it is no op), and the context."""
     if kernel == "fused":
         out, _ = b.apply("attention", [q, k, v], name="attention", out_names=["attention", "attention_lse"],
                          equation=equation, scale=scale, causal=causal)
@@ -129,6 +131,7 @@ def attention_core(b, kernel: str, equation: str, q: str, k: str, v: str, *, sco
     q_term, k_term, v_term = attention_terms(equation)
     s = b.einsum(f"{q_term},{k_term}->{scores}", q, k, name="scores")
     probs = b.one("softmax", [s], name="softmax", axis=-1, scale=scale, causal=causal)
+    probs = b.dropout(probs, dropout, "probs_dropout")
     return b.einsum(f"{scores},{v_term}->{q_term}", probs, v, name="context")
 
 

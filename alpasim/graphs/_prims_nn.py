@@ -22,6 +22,28 @@ register(Primitive("softmax", "softmax", lambda p, ins: [(ins[0].shape, ins[0].d
                     lambda p, ins, outs: 5.0 * ins[0].size, _axis_dims))
 
 
+# ------------------------------------------------------------------ dropout
+def _dropout_mask_infer(p, ins):
+    (rows,) = ins
+    shape = tuple(p["shape"])
+    need(len(shape) >= 1 and rows.shape == shape[:1] and not rows.is_float,
+         f"dropout_mask: rows must be integer ids of shape {shape[:1]}, got {rows.dtype}{rows.shape}")
+    need(0.0 < p["rate"] < 1.0, f"dropout_mask: rate must lie in (0, 1), got {p['rate']!r}")
+    return [(shape, "bool")]
+
+
+# A dropout mask drawn from a counter-based hash of (seed, the row's id, the element's
+# place in its row), as GPU dropout draws Philox numbers from (seed, offset): the same
+# element gets the same bit on any device and in any pass, so the backward and a
+# recomputed forward regenerate it instead of keeping it. The row ids are data of the
+# batch (`sample_index`), so a microbatch draws exactly its rows of the whole batch's
+# mask. About 8 integer operations an element (murmur3's finaliser).
+register(Primitive("dropout_mask", "elementwise", _dropout_mask_infer,
+                    lambda p, ins, outs: 8.0 * outs[0].size,
+                    lambda p, ins, outs: dimmap(["a"], ["a" + letter_run(outs[0].rank - 1, 1)],
+                                                list(ins) + list(outs))))
+
+
 def _softmax_grad_infer(p, ins):
     dy, y = ins
     need(dy.shape == y.shape, f"softmax_grad: cotangent {dy.shape} vs output {y.shape}")

@@ -40,7 +40,7 @@ from ._types import Op, OpGraph, Tensor
 RECOMPUTE_POLICIES = ("none", "fusible", "selective")
 RECOMPUTABLE_PRIMS = frozenset({
     "elementwise", "broadcast", "reshape", "transpose", "convert", "bias_add", "slice", "pad", "concatenate",
-    "iota", "full", "layer_norm", "softmax",
+    "iota", "full", "layer_norm", "softmax", "dropout_mask",
 })
 # Capacity units per byte: the low units break ties toward values the backward reads.
 _SCALE = 1 << 8
@@ -60,7 +60,8 @@ def recompute_fusible(graph: OpGraph, selective: bool = False) -> OpGraph:
 
     `selective` instead recomputes only attention's core: expanding contractions
     (`expanding_contraction`) and the cheap ops downstream of them (the softmax, its
-    mask and scale). That is Korthikanti et al. 2022's selective activation
+    mask and scale, the dropout of its probabilities and that dropout's mask). That is
+    Korthikanti et al. 2022's selective activation
     recomputation (Megatron-LM's `--recompute-granularity selective`): QK^T and the
     softmax run again in the backward, so no (s, s) tensor is stashed, and every other
     value is kept as under "none"; found by structure, so it applies to imported
@@ -85,10 +86,19 @@ def recompute_fusible(graph: OpGraph, selective: bool = False) -> OpGraph:
         if op.phase == "forward" and (expanding_contraction(op, tensors) or op.prim in RECOMPUTABLE_PRIMS and any(
                 u in core and fwd_of[u].layer == op.layer for u in op.inputs)):
             core.update(op.outputs)
+    # A dropout mask the core applies is drawn again with it, as Megatron's RNG tracker
+    # replays it inside the recomputed core; the hidden states' masks stay kept.
+    for op in graph.ops:
+        if op.phase == "forward" and op.prim == "dropout_mask" and any(
+                u in core for c in consumers[op.outputs[0]] for u in c.inputs):
+            core.update(op.outputs)
 
     def recomputable(t: str, layer: int) -> bool:
         p = fwd_of.get(t)
-        cheap = p is not None and (t in core if selective else p.prim in RECOMPUTABLE_PRIMS)
+        # Selective: the core, and values of no inputs (a `full` of zeros) that a
+        # recomputed core op reads: made again rather than kept.
+        cheap = p is not None and (t in core or not p.inputs and p.prim in RECOMPUTABLE_PRIMS if selective
+                                   else p.prim in RECOMPUTABLE_PRIMS)
         return cheap and p.layer == layer and t not in kept_elsewhere
 
     def free(t: str) -> bool:

@@ -14,7 +14,13 @@ per kernel that matters:
   with ReLU, combine ``GSEC,GECM->GSM``; every other layer (even indices) is MoE;
 * the language-model head reuses the token embedding (tied weights) and ends in a
   softmax cross-entropy. Head ops are tagged ``keep``: Megatron's activation
-  checkpointing covers transformer layers only.
+  checkpointing covers transformer layers only;
+* with ``dropout`` p > 0 (GPT only), dropout where Megatron-LM's GPT applies it
+  (`--hidden-dropout`, `--attention-dropout`, both 0.1 by default in its arguments.py):
+  on the embedding's output, on the explicit attention probabilities, and on each
+  block's attention and MLP output before its residual add (Megatron's fused
+  bias-dropout-add). With the fused attention kernel the probabilities' dropout runs
+  inside it (FlashAttention draws it from its RNG in both passes) and is not an op.
 
 Layer labels: layer i is transformer block i; the embedding joins block 0 and the
 final norm and head join the last block.
@@ -43,9 +49,13 @@ class GPTConfig:
     ffn_mult: int = 4
     dtype: str = "float16"
     attention: str = "explicit"
+    dropout: float = 0.0
 
     def __post_init__(self) -> None:
         _check_transformer(self)
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) \
+                or not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"gpt3: dropout must be a probability in [0, 1), got {self.dropout!r}")
 
     @property
     def family(self) -> str:
@@ -129,7 +139,7 @@ def _attention(b: GraphBuilder, x: str, cfg, causal: bool) -> str:
             heads.append(b.one("transpose", [part], name=f"{which}_heads", perm=(0, 2, 1, 3)))  # (b, n, s, d)
         q, k, v = heads
         ctx = attention_core(b, cfg.attention, "bnqd,bnkd,bnkd->bnqd", q, k, v, scores="bnqk",
-                             scale=1.0 / math.sqrt(d), causal=causal)
+                             scale=1.0 / math.sqrt(d), causal=causal, dropout=_rate(cfg))
         w_o = b.param("w_o", (n, d, h), dt)
         out = b.einsum("bnsd,ndh->bsh", ctx, w_o, name="out_proj")
         return b.one("bias_add", [out, b.param("b_o", (h,), dt)], name="out_bias")
@@ -163,6 +173,10 @@ def _moe_ffn(b: GraphBuilder, x: str, cfg: MoEConfig) -> str:
         return b.one("reshape", [y], name="ungroup_tokens", shape=(cfg.batch, cfg.seq, h))
 
 
+def _rate(cfg) -> float:
+    return getattr(cfg, "dropout", 0.0)
+
+
 def _layer_norm(b: GraphBuilder, x: str, h: int, dt: str, name: str) -> str:
     return b.one("layer_norm", [x, b.param(f"{name}_scale", (h,), dt), b.param(f"{name}_bias", (h,), dt)],
                  name=name, eps=1e-5)
@@ -180,14 +194,14 @@ def transformer_lm(cfg: GPTConfig | MoEConfig, name: str) -> OpGraph:
         x = b.one("embedding", [wte, ids], name="token_embedding")
         pos = b.one("broadcast", [b.param("wpe", (s, h), dt)], name="position_embedding",
                     shape=(bsz, s, h), dims=(1, 2))
-        x = b.ew("add", x, pos, name="embed_sum")
+        x = b.dropout(b.ew("add", x, pos, name="embed_sum"), _rate(cfg), "embed_dropout")
     for i in range(cfg.layers):
         with b.scope(layer=i, prefix=f"layer{i}/"):
             a = _attention(b, _layer_norm(b, x, h, dt, "ln_attn"), cfg, causal=not moe)
-            x = b.ew("add", x, a, name="residual_attn")
+            x = b.ew("add", x, b.dropout(a, _rate(cfg), "attn_dropout"), name="residual_attn")
             y = _layer_norm(b, x, h, dt, "ln_ffn")
             y = _moe_ffn(b, y, cfg) if moe and i % 2 == 0 else _mlp(b, y, cfg)
-            x = b.ew("add", x, y, name="residual_ffn")
+            x = b.ew("add", x, b.dropout(y, _rate(cfg), "ffn_dropout"), name="residual_ffn")
     with b.scope(layer=cfg.layers - 1, tags=("head",), prefix="head/"):
         x = _layer_norm(b, x, h, dt, "ln_final")
         with b.scope(tags=("keep",)):

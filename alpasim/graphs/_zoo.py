@@ -105,8 +105,10 @@ def model_names() -> list[str]:
     return list(ZOO)
 
 
-# Config fields that hold names, not sizes (`dtype` has aliases of its own).
+# Config fields that hold names, not sizes (`dtype` has aliases of its own), and those
+# that hold fractions.
 STRING_FIELDS = ("dtype", "attention")
+FLOAT_FIELDS = ("dropout",)
 
 
 def _parse_value(family: str, key: str, raw: str, field_type: Any) -> Any:
@@ -115,6 +117,11 @@ def _parse_value(family: str, key: str, raw: str, field_type: Any) -> Any:
         return aliases.get(raw, raw)
     if key in STRING_FIELDS:
         return raw
+    if key in FLOAT_FIELDS:
+        try:
+            return float(raw)
+        except ValueError:
+            raise ModelSpecError(f"{family} spec: key {key!r} needs a number, got {raw!r}") from None
     try:
         return int(raw)
     except ValueError:
@@ -207,6 +214,9 @@ def model_from_json(data: Mapping[str, Any], where: str = "model JSON") -> Model
     for k, v in fields.items():
         if k in STRING_FIELDS:
             fields[k] = _parse_value(family, k, str(v), str)
+        elif k in FLOAT_FIELDS:
+            if not isinstance(v, (int, float)) or isinstance(v, bool):
+                raise ModelSpecError(f"{where}: field {k!r} must be a number, got {v!r}")
         elif not isinstance(v, int) or isinstance(v, bool):
             raise ModelSpecError(f"{where}: field {k!r} must be an integer, got {v!r}")
     return _make_config(family, fields, where)

@@ -5,6 +5,7 @@ import pytest
 
 MODELS = {
     "gpt": "gpt3:hidden=64,layers=2,heads=4,seq=16,vocab=128,batch=8,dtype=fp32",
+    "gpt-dropout": "gpt3:hidden=64,layers=2,heads=4,seq=16,vocab=128,batch=8,dtype=fp32,dropout=0.5",
     "moe": "moe:hidden=64,layers=2,heads=4,seq=16,vocab=128,batch=8,experts=4,group_size=32,dtype=fp32",
     "wresnet": "wresnet:channels=8,width=1,image=64,classes=16,batch=8",
     # Half the blocks (ResNet-26), for the tests of schedules: half the programs to

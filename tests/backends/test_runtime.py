@@ -48,7 +48,7 @@ pytestmark = pytest.mark.slow
 
 
 @needs_8
-@pytest.mark.parametrize("family", ["gpt", "moe", "wresnet", "llama", "topk-moe"])
+@pytest.mark.parametrize("family", ["gpt", "moe", "wresnet", "llama", "topk-moe", "gpt-dropout"])
 def test_pipelined_step_matches_single_device_and_plan(family, small_plan, tmp_path):
     plan = small_plan(family)
     assert len(plan.stages) >= 2 and len({s.logical_mesh for s in plan.stages}) >= 2, plan.stages

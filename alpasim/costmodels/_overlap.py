@@ -27,7 +27,23 @@ simulator's stream; `exposed_s` is the closed form, and both are the same queue.
 
 Buckets do not span layers (DDP's do, in parameter-registration order): a small layer
 pays a bucket's latency of its own. The optimizer step and any collective after it
-(ZeRO's and the distributed optimizer's parameter all-gather) stay after the backward.
+(ZeRO's and the distributed optimizer's parameter all-gather) stay after the backward,
+except with Megatron-core's `--overlap-param-gather`:
+
+* with the distributed optimizer a bucket's reduction is a reduce-scatter, and the
+  updated parameters come back by an all-gather of the same buffer
+  (megatron/core/distributed/param_and_grad_buffer.py); in a ring the two cost the
+  all-reduce the plan prices for the bucket, half each. With `overlap_param_gather`
+  the all-gathers run in the next iteration's first forward, bucket by bucket ahead of
+  the layers that read them (its forward pre-hook waits for a layer's bucket), so the
+  backward's stream carries the reduce-scatter halves and the forward waits only where
+  the gathers run ahead of it: with layer l's gather g_l and forward f_l, first to
+  last, the forward's delay is
+
+      D = max(0, max_l (g_1 + ... + g_l) - (f_1 + ... + f_{l-1}))
+
+  (`gather_exposed_s`: the stream gathers back to back from the step's end, layer l
+  starts when its gather is done and the layers before it have run).
 """
 
 from __future__ import annotations
@@ -94,3 +110,19 @@ def run_buckets(buckets: Sequence[tuple[float, float]], backward_s: float) -> fl
     for ready, seconds in buckets:
         free = max(free, ready) + seconds
     return max(free - backward_s, 0.0)
+
+
+def gather_exposed_s(forward_s: Sequence[float], gather_s: Sequence[float]) -> float:
+    """Seconds the first forward of a stage running layers with these forwards waits for
+    their parameters' all-gathers, run back to back ahead of it (module doc's D)."""
+    delay = waited = gathered = 0.0
+    for f, g in zip(forward_s, gather_s, strict=True):
+        gathered += g
+        delay = max(delay, gathered - waited)
+        waited += f
+    return max(delay, 0.0)
+
+
+def halved(layers: Sequence[LayerSync]) -> list[LayerSync]:
+    """The reduce-scatter halves of `layers`' bucketed all-reduces (module doc)."""
+    return [LayerSync(layer.backward_s, layer.sync_s / 2, layer.buckets) for layer in layers]

@@ -48,6 +48,7 @@ from ._stage_costs import (
     stage_sync,
 )
 from ._boundary import stage_boundary_s
+from ._intra_baselines import DISTRIBUTED_OPTIMIZER
 from ._interleave import (DEFAULT_CHUNK_OPTIONS, InterleavedChoice, interleaved_cannot_exist, interleaved_dp,
                           mesh_shapes)
 from ._stage_dp import DPResult, StageBoundary, StageChoice, bubble_fraction, equal_layer_dp, stage_dp
@@ -197,7 +198,8 @@ def plan_pipeline(model: str | ModelSource, cluster: Cluster, *, microbatches: i
                   cost_model: CostModel | None = None, precision: str | None = None,
                   microbatch_multiple: int = 1, recompute: str = "none",
                   bucket_bytes: float | None = DEFAULT_BUCKET_BYTES, schedule: str = "1f1b",
-                  chunk_options: Sequence[int] = DEFAULT_CHUNK_OPTIONS, tp_overlap: bool = False) -> PipelinePlan:
+                  chunk_options: Sequence[int] = DEFAULT_CHUNK_OPTIONS, tp_overlap: bool = False,
+                  gather_overlap: bool = False) -> PipelinePlan:
     """Plan `model` on `cluster`; `recompute` is the training graph's policy for what
     the backward recomputes (`graphs.training_graph`); `layers` re-clusters the forward ops into that many
     layers with the eq. 6 DP instead of the zoo's blocks (planning units).
@@ -224,6 +226,9 @@ def plan_pipeline(model: str | ModelSource, cluster: Cluster, *, microbatches: i
     collective after the backward, as the paper's accounting does (`--no-overlap`).
     `tp_overlap`: per-microbatch collectives of GEMMs run beside them, as Transformer
     Engine's comm-GEMM overlap runs tensor parallelism's (`_tp_overlap`).
+    `gather_overlap`: under the distributed optimizer's restrictions, with buckets, the
+    parameters' all-gathers run in the next forward (Megatron-core's
+    `--overlap-param-gather`, `costmodels._overlap`).
 
     `schedule`: "1f1b" (the paper's DP), "interleaved" (the fastest interleaved plan,
     `_interleave`, with a chunk count from `chunk_options`, at any microbatch count
@@ -267,7 +272,8 @@ def plan_pipeline(model: str | ModelSource, cluster: Cluster, *, microbatches: i
         costs = build_stage_costs(graph, cluster, b, max_stages=s_max, map_fn=map_fn, cache=cache,
                                   progress=report, restriction=restriction, shape_ok=shape_ok, views_of=views_of,
                                   pareto=pareto, cost_model=cost_model, bucket_bytes=bucket_bytes,
-                                  tp_overlap=tp_overlap)
+                                  tp_overlap=tp_overlap,
+                                  gather_overlap=gather_overlap and restriction in DISTRIBUTED_OPTIMIZER)
         jobs += costs.ilp_jobs
         hits += costs.cache_hits
         sizes = [sh.size for sh in costs.shapes]
@@ -483,14 +489,15 @@ def _plan_stage(costs: StageCosts, st: StageChoice, depth: int, inflight: int, d
                 heavy.append({"op": op.name, "equation": op.param("equation") or op.prim,
                               "strategy": strategy, "output": out})
     mem = stage_memory_of(costs, st.first, st.last, view, stage_opts, inflight)
-    buckets, exposed = stage_sync(stage_opts, costs.meshes[view][2], costs.bucket_bytes, costs.tp_overlap)
+    buckets, exposed, gather = stage_sync(stage_opts, costs.meshes[view][2], costs.bucket_bytes, costs.tp_overlap,
+                                          costs.gather_overlap)
     return PipelineStage((st.first, st.last), tuple(devices), (shape.n, shape.m), tuple(logical),
                          float(st.cost_s), mem.total_bytes, inflight, compute, sync,
                          mem.persistent_bytes + mem.buffer_bytes, mem.activation_bytes, j,
                          param_specs, tuple(heavy), forward, compute - forward, mem.stash_bytes,
                          float(st.boundary_s), mem.to_json(),
                          tuple(layer_specs) if all(layer_specs) else (), grad_sync, buckets, exposed,
-                         min(weight_s, compute - forward), weight_bytes)
+                         min(weight_s, compute - forward), weight_bytes, gather)
 
 
 def chunk_memory(costs: StageCosts, st: StageChoice, depth: int):

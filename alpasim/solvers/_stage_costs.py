@@ -45,6 +45,8 @@ from alpasim.costmodels import (
     bucket_schedule,
     carry_peak,
     exposed_s,
+    gather_exposed_s,
+    halved,
     range_max,
     range_peak,
     stage_memory,
@@ -510,6 +512,7 @@ class StageCosts:
     tied_owner: list[TiedCopy | None] = None  # per layer: a tied copy of another layer's parameter
     bucket_bytes: float | None = None   # gradient buckets overlapping the backward (None: no overlap)
     tp_overlap: bool = False            # tensor-parallel collectives overlapped with GEMMs (`LayerOption.busy_s`)
+    gather_overlap: bool = False        # buckets' parameter all-gathers in the next forward (`costmodels._overlap`)
 
 
 def build_stage_costs(graph: OpGraph, cluster: Cluster, microbatches: int, *, max_stages: int | None = None,
@@ -518,7 +521,8 @@ def build_stage_costs(graph: OpGraph, cluster: Cluster, microbatches: int, *, ma
                       shape_ok: Callable[[SubmeshShape], bool] | None = None,
                       views_of: Callable[[SubmeshShape], Sequence[tuple[int, int]]] | None = None,
                       pareto: bool = True, cost_model: CostModel | None = None,
-                      bucket_bytes: float | None = DEFAULT_BUCKET_BYTES, tp_overlap: bool = False) -> StageCosts:
+                      bucket_bytes: float | None = DEFAULT_BUCKET_BYTES, tp_overlap: bool = False,
+                      gather_overlap: bool = False) -> StageCosts:
     """The table for `graph`; `restriction` names an intra-op baseline every layer is
     solved under, `shape_ok` narrows the submesh shapes and `views_of` replaces the
     logical views of a shape (baselines that only pipeline, or fix their mesh layout).
@@ -528,7 +532,10 @@ def build_stage_costs(graph: OpGraph, cluster: Cluster, microbatches: int, *, ma
     overlap the last backward (`costmodels._overlap`); None: one collective per
     gradient after the backward (the paper's accounting). `tp_overlap`: tensor-parallel
     collectives run beside their GEMMs (`_tp_overlap`), as Megatron-core's
-    `--tp-comm-overlap` runs them."""
+    `--tp-comm-overlap` runs them. `gather_overlap` (with `bucket_bytes`): each bucket
+    is a reduce-scatter in the backward and an all-gather in the next forward, as
+    Megatron-core's distributed optimizer runs them with `--overlap-param-gather`."""
+    gather_overlap = gather_overlap and bucket_bytes is not None
     if cost_model is not None:
         cluster = cost_model.cluster
     cache = cache or DiskCache(enabled=False)
@@ -574,10 +581,11 @@ def build_stage_costs(graph: OpGraph, cluster: Cluster, microbatches: int, *, ma
             progress(n, total)
     owners = tied_owners(graph, layers)
     costs = _assemble(kinds, options, meshes, shapes, memory, microbatches, num_layers,
-                      max_stages or min(num_layers, cluster.num_devices), owners, layers, bucket_bytes, tp_overlap)
+                      max_stages or min(num_layers, cluster.num_devices), owners, layers, bucket_bytes, tp_overlap,
+                      gather_overlap)
     least = min((o.persistent_bytes + o.activation_bytes for opts in options.values() for o in opts), default=INF)
     return StageCosts(*costs, shapes, meshes, kinds, layers, options, total, cache.hits, least, owners,
-                      bucket_bytes, tp_overlap)
+                      bucket_bytes, tp_overlap, gather_overlap)
 
 
 @dataclass(frozen=True, slots=True)
@@ -647,17 +655,36 @@ def layer_sync(o: LayerOption, mesh: LogicalMesh, bucket_bytes: float, tp_overla
 
 
 def stage_sync(opts: Sequence[LayerOption], mesh: LogicalMesh, bucket_bytes: float | None,
-               tp_overlap: bool = False) -> tuple[tuple[tuple[float, float], ...], float]:
-    """(buckets, exposed seconds) of a stage running `opts`: the bucketed reduction
-    overlapping its backward where that leaves less after it than one collective per
-    gradient does after the backward (many small buckets each pay a launch, and a short
-    backward hides little), else no buckets and all of it."""
+               tp_overlap: bool = False, gather_overlap: bool = False
+               ) -> tuple[tuple[tuple[float, float], ...], float, float]:
+    """(buckets, exposed seconds, of those the next forward's wait for its gathers) of a
+    stage running `opts`: the bucketed reduction overlapping its backward where that
+    leaves less after it than one collective per gradient does after the backward (many
+    small buckets each pay a launch, and a short backward hides little), else no buckets
+    and all of it. `gather_overlap`: the buckets are the reduce-scatter halves and the
+    all-gather halves wait in the next forward (`costmodels._overlap`)."""
     unbucketed = sum(o.grad_sync_s for o in opts)
     if bucket_bytes is None:
-        return (), unbucketed
+        return (), unbucketed, 0.0
     syncs = [layer_sync(o, mesh, bucket_bytes, tp_overlap) for o in opts]
-    exposed = exposed_s(syncs)
-    return ((), unbucketed) if exposed >= unbucketed else (bucket_schedule(syncs), exposed)
+    gather = 0.0
+    if gather_overlap:
+        gather = gather_exposed_s([o.forward_busy_s(tp_overlap) for o in opts], [ls.sync_s / 2 for ls in syncs])
+        syncs = halved(syncs)
+    exposed = exposed_s(syncs) + gather
+    return ((), unbucketed, 0.0) if exposed >= unbucketed else (bucket_schedule(syncs), exposed, gather)
+
+
+def gather_ranges(forward: np.ndarray, gather: np.ndarray) -> np.ndarray:
+    """`costmodels.gather_exposed_s` of every layer range k..i at once: (L, ...) per-layer
+    forward and all-gather seconds -> (L, L, ...). With prefix sums G and F, range k..i
+    waits max(0, max_{k<=l<=i} (G_l - F_{l-1}) - (G_{k-1} - F_{k-1}))."""
+    zero = np.zeros((1,) + forward.shape[1:])
+    g = np.concatenate([zero, np.cumsum(gather, axis=0)])          # G_0 .. G_L
+    f = np.concatenate([zero, np.cumsum(forward, axis=0)])
+    lead = g[1:] - f[:-1]                                           # G_l - F_{l-1}, l = 1..L
+    base = g[:-1] - f[:-1]                                          # G_{k-1} - F_{k-1}
+    return np.maximum(range_max(lead) - base[:, None], 0.0)
 
 
 def exposed_ranges(backward: np.ndarray, sync: np.ndarray, buckets: np.ndarray) -> np.ndarray:
@@ -683,7 +710,7 @@ def exposed_ranges(backward: np.ndarray, sync: np.ndarray, buckets: np.ndarray) 
 
 def _assemble(kinds: Sequence[str], options, meshes, shapes, memory: float, microbatches: int, num_layers: int,
               s_max: int, owners: Sequence[TiedCopy | None] = (), layers: Sequence[OpGraph] = (),
-              bucket_bytes: float | None = None, tp_overlap: bool = False):
+              bucket_bytes: float | None = None, tp_overlap: bool = False, gather_overlap: bool = False):
     """Compose the layer options into t(k..i, shape, s) and its memory, vectorised.
 
     Memory is `compose_stage` for every range at once: persistent sums, the one-
@@ -695,7 +722,7 @@ def _assemble(kinds: Sequence[str], options, meshes, shapes, memory: float, micr
     n_opt = max((len(v) for v in options.values()), default=1)
     shape = (num_layers, n_mesh, n_opt)
     time, pers, peak, stash, tied, gather, update = (np.full(shape, INF) for _ in range(7))
-    backward, bucketed, buckets, unbucketed = (np.zeros(shape) for _ in range(4))
+    backward, bucketed, buckets, unbucketed, forward = (np.zeros(shape) for _ in range(5))
     overlap = bucket_bytes is not None
     syncs: dict[tuple[str, int, int], LayerSync] = {}     # by layer kind: layers of one kind share it
     for l, kind in enumerate(kinds):
@@ -714,6 +741,7 @@ def _assemble(kinds: Sequence[str], options, meshes, shapes, memory: float, micr
                     if ls is None:
                         ls = syncs[(kind, m, j)] = layer_sync(o, meshes[m][2], bucket_bytes, tp_overlap)
                     backward[l, m, j], bucketed[l, m, j], buckets[l, m, j] = ls.backward_s, ls.sync_s, ls.buckets
+                    forward[l, m, j] = o.forward_busy_s(tp_overlap)
                 pers[l, m, j] = o.persistent_bytes
                 peak[l, m, j] = o.activation_bytes
                 stash[l, m, j] = o.inflight_bytes
@@ -732,7 +760,11 @@ def _assemble(kinds: Sequence[str], options, meshes, shapes, memory: float, micr
 
     t_range, p_range, s_range = ranges(time), ranges(pers), ranges(np.nan_to_num(stash, posinf=0.0))
     if overlap:     # overlapped where that is faster (`stage_sync`)
-        t_range = t_range + np.minimum(exposed_ranges(backward, bucketed, buckets), ranges(unbucketed)) / microbatches
+        if gather_overlap:
+            exposed = exposed_ranges(backward, bucketed / 2, buckets) + gather_ranges(forward, bucketed / 2)
+        else:
+            exposed = exposed_ranges(backward, bucketed, buckets)
+        t_range = t_range + np.minimum(exposed, ranges(unbucketed)) / microbatches
     peak_range = range_peak(np.nan_to_num(stash, posinf=0.0), np.where(np.isinf(peak), 0.0, peak))
     buffers = np.maximum(range_max(np.where(np.isinf(gather), 0.0, gather)), 0.0)
     updates = np.maximum(range_max(np.where(np.isinf(update), 0.0, update)), 0.0)

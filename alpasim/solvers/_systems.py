@@ -49,10 +49,10 @@ ALLOWED: Mapping[str, tuple[Any, ...]] = MappingProxyType({
     "recompute": ("full", "selective", "fusible", "none", "searched"),
 })
 ENTRIES = tuple(ALLOWED)
-# The values the cost model prices. Any other value is recorded in the plan as not
-# priced (what the plan then assumes instead is the first value of the entry here).
-PRICED: Mapping[str, tuple[Any, ...]] = MappingProxyType({
-    **ALLOWED, "param_gather_overlap": (False,)})
+# The values the cost model prices (all of them now). Any other value is recorded in
+# the plan as not priced (what the plan then assumes instead is the first value of the
+# entry here): an entry may be added before its pricing.
+PRICED: Mapping[str, tuple[Any, ...]] = MappingProxyType(dict(ALLOWED))
 
 
 class UnknownSystemError(ValueError):

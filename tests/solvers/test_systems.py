@@ -12,6 +12,7 @@ from alpasim.graphs import forward_graph, training_graph
 from alpasim.solvers._intra_op import solve_intra_op
 from alpasim.solvers._mesh import LogicalMesh
 from alpasim.solvers._stage_costs import layer_graphs, restricted_solve_kwargs
+from alpasim.solvers import _systems as systems
 from alpasim.solvers._systems import ENTRIES, PRICED, SYSTEMS, resolve
 from alpasim.solvers._tp_overlap import _backward_groups, tp_overlap_s
 
@@ -44,16 +45,17 @@ def test_the_systems_that_reduced_after_the_backward_are_priced_so():
     assert stage.grad_sync_s > 0 and stage.sync_buckets == () and stage.exposed_sync_s == stage.grad_sync_s
 
 
-def test_resolve_records_overrides_and_what_is_not_modelled():
+def test_resolve_records_overrides_and_what_is_not_modelled(monkeypatch):
     core = SYSTEMS["megatron-core-0.8"]
     record = resolve(core, grad_overlap=False, recompute=None)
     assert record.overridden == {"grad_overlap": True}
     assert record.settings["grad_overlap"] is False and record.settings["recompute"] == "searched"
-    # Every entry the profile sets to a value the cost model cannot price is listed with
-    # the value priced instead: here the parameter gather's overlap.
-    assert record.unpriced == {k: PRICED[k][0] for k in ENTRIES if core.settings()[k] not in PRICED[k]}
-    assert set(record.unpriced) == {"param_gather_overlap"}
-    assert resolve(SYSTEMS["megatron-lm-2021"]).unpriced == {}
+    # Every profile's every entry is priced now (the parameter gather's overlap was the
+    # last); an entry set to a value the cost model cannot price is listed with the
+    # value priced instead.
+    assert all(resolve(p).unpriced == {} for p in SYSTEMS.values())
+    monkeypatch.setattr(systems, "PRICED", {**PRICED, "param_gather_overlap": (False,)})
+    assert resolve(core).unpriced == {"param_gather_overlap": False}
     with pytest.raises(ValueError, match="recompute must be one of"):
         resolve(core, recompute="sometimes")
     with pytest.raises(TypeError, match="unknown system entry"):

@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from alpasim.graphs import MATMUL_KINDS, Op, Tensor, attention_geometry, op_bytes, op_flops, op_kind
 
 from ._attention import executed_flops, fused_attention_time_s
-from ._fusion import VIEW_PRIMS, OpAccess
+from ._fusion import VIEW_PRIMS, OpAccess, unfused_loss
 from ._gemm import DEFAULT_CURVE, LAUNCH_S, GemmCurve, gemm_curve, memory_bandwidth
 from ._hardware import Device
 
@@ -77,6 +77,21 @@ def compute_time_s(flops: float, nbytes: float, dtype: str, device: Device, matm
     return max(compute_s, memory_s) + (KERNEL_LAUNCH_OVERHEAD_S if launch else 0.0)
 
 
+def loss_bytes(op: Op, tensors: Mapping[str, Tensor]) -> int:
+    """HBM bytes of a cross-entropy run as Megatron-LM's unfused fp32 vocab-parallel loss
+    (megatron/core/tensor_parallel/cross_entropy.py on `logits.float()`), per logit
+    element of itemsize w: forward, the cast (w + 4, none for fp32 logits), the max (4),
+    the subtraction (8), the exp (8), the sum (4) and the division into the softmax kept
+    for the backward (8); backward, the scaling of that softmax by the loss's cotangent
+    (8) and the cast of the gradient back (4 + w). The per-token work (the target's
+    logit, the log) is negligible beside it."""
+    logits = tensors[op.inputs[0] if op.prim == "softmax_cross_entropy" else op.inputs[1]]
+    w = logits.nbytes // max(logits.size, 1)
+    cast = 0 if logits.dtype == "float32" else w + 4
+    per_element = 32 + cast if op.prim == "softmax_cross_entropy" else 8 + (4 + w if cast else 0)
+    return per_element * logits.size
+
+
 def traffic_bytes(op: Op, tensors: Mapping[str, Tensor]) -> int:
     """HBM bytes an op moves: `op_bytes`, except views (0), embedding lookups and slices.
 
@@ -91,6 +106,8 @@ def traffic_bytes(op: Op, tensors: Mapping[str, Tensor]) -> int:
         return tensors[ids].nbytes + 2 * tensors[op.outputs[0]].nbytes
     if op.prim == "slice":
         return 2 * tensors[op.outputs[0]].nbytes
+    if unfused_loss(op):
+        return loss_bytes(op, tensors)
     return op_bytes(op, tensors)
 
 

@@ -48,6 +48,12 @@ FUSIBLE_PRIMS = RECOMPUTABLE_PRIMS | {
 VIEW_PRIMS = frozenset({"reshape"})
 
 
+def unfused_loss(op) -> bool:
+    """A cross-entropy marked to run as Megatron's unfused fp32 kernels
+    (`graphs.with_loss_kernel`): a kernel boundary, priced by `_compute.loss_bytes`."""
+    return op.param("kernel") == "unfused-fp32"
+
+
 @dataclass(frozen=True, slots=True)
 class OpAccess:
     """What one op is charged inside its kernel: HBM bytes, and whether it launches it."""
@@ -84,7 +90,7 @@ _CACHE = "_costmodels_fusion"
 def _fuse(graph: OpGraph) -> Fusion:
     producer = graph.producer
     index = graph.op_index
-    fusible = {op.name: op.prim in FUSIBLE_PRIMS for op in graph.ops}
+    fusible = {op.name: op.prim in FUSIBLE_PRIMS and not unfused_loss(op) for op in graph.ops}
     anc: dict[str, int] = {}              # op -> bitmask (over op indices) of its ancestors
     parent: dict[str, str] = {op.name: op.name for op in graph.ops}
     members: dict[str, int] = {}          # kernel root -> bitmask of its ops

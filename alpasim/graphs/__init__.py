@@ -42,10 +42,12 @@ from ._jsonfile import read_json_file as read_json_file
 from ._jax_import import training_graph_from_jax as training_graph_from_jax
 from ._jax_values import JaxImportError as JaxImportError
 from ._precision import DEFAULT_RECIPE as DEFAULT_RECIPE
+from ._precision import LOSS_KERNELS as LOSS_KERNELS
 from ._precision import RECIPES as RECIPES
 from ._precision import PrecisionRecipe as PrecisionRecipe
 from ._precision import UnknownRecipeError as UnknownRecipeError
 from ._precision import get_recipe as get_recipe
+from ._precision import with_loss_kernel as with_loss_kernel
 from ._recompute import RECOMPUTABLE_PRIMS as RECOMPUTABLE_PRIMS
 from ._recompute import RECOMPUTE_POLICIES as RECOMPUTE_POLICIES
 from ._recompute import recompute_fusible as recompute_fusible

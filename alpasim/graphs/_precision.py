@@ -68,3 +68,22 @@ def get_recipe(name: str | PrecisionRecipe | None) -> PrecisionRecipe:
     if key not in RECIPES:
         raise UnknownRecipeError(f"unknown precision recipe {name!r}; choose one of {', '.join(RECIPES)}")
     return RECIPES[key]
+
+
+# How the loss kernel runs: "fused" (one pass over the logits each way, as XLA fuses a
+# log-softmax) or "unfused-fp32" (Megatron-LM's vocab-parallel cross-entropy on
+# `logits.float()`: a cast, max, subtract, exp, sum and divide, each its own PyTorch
+# kernel, the softmax kept in fp32 for the backward; `costmodels._compute.loss_bytes`).
+LOSS_KERNELS = ("fused", "unfused-fp32")
+_LOSS_PRIMS = ("softmax_cross_entropy", "softmax_cross_entropy_grad")
+
+
+def with_loss_kernel(graph, kernel: str):
+    """`graph` with its cross-entropy ops marked to run as `kernel` (op param `kernel`;
+    absent: fused). Only pricing reads it: the values computed are the same."""
+    if kernel not in LOSS_KERNELS:
+        raise ValueError(f"unknown loss kernel {kernel!r}; choose one of {', '.join(LOSS_KERNELS)}")
+    if kernel == "fused" or not any(op.prim in _LOSS_PRIMS for op in graph.ops):
+        return graph
+    return graph.replace(ops=[op.replace(params=tuple(sorted({**dict(op.params), "kernel": kernel}.items())))
+                              if op.prim in _LOSS_PRIMS else op for op in graph.ops])

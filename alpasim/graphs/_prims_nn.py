@@ -199,11 +199,13 @@ def _xent_infer(p, ins):
 
 
 def _xent_dims(p, ins, outs):
+    # The class axis may be split, as Megatron's vocab-parallel loss splits it: each
+    # token's max, sum of exponentials and target logit are then all-reduced across the
+    # shards (priced by the strategies, `solvers._strategies.vocab_parallel`), and the
+    # loss is whole on every shard (not a partial sum over classes).
     logits, labels = ins
     full = letter_run(logits.rank)
-    # Sharding the class axis would need a max and a sum across shards (Megatron's
-    # vocab-parallel loss); it is treated as reduced within the op.
-    return dimmap([full, full[:-1]], [""], list(ins) + list(outs), within=full[-1])
+    return dimmap([full, full[:-1]], [""], list(ins) + list(outs))
 
 
 register(Primitive("softmax_cross_entropy", "loss", _xent_infer,
@@ -219,7 +221,7 @@ def _xent_grad_infer(p, ins):
 def _xent_grad_dims(p, ins, outs):
     dloss, logits, labels = ins
     full = letter_run(logits.rank)
-    return dimmap(["", full, full[:-1]], [full], list(ins) + list(outs), within=full[-1])
+    return dimmap(["", full, full[:-1]], [full], list(ins) + list(outs))
 
 
 register(Primitive("softmax_cross_entropy_grad", "loss", _xent_grad_infer,

@@ -29,10 +29,11 @@ from typing import Any
 # (all-to-all, send/recv) in the key; 25: GEMM curves fitted per device and measured HBM
 # bandwidth (`costmodels._gemm`); 26: batch loops found back in the forward pass only;
 # 30: measured collective sweeps of NVSwitch links (`costmodels._bus_sweeps`), in the key;
-# 31: selective recomputation redraws dropout masks and zeros with attention's core.
+# 31: selective recomputation redraws dropout masks and zeros with attention's core;
+# 32: the loss's class axis splits (vocab-parallel cross-entropy).
 # The restriction
 # tables are code, not part of a key: a change to them bumps this.
-CACHE_VERSION = "stage-costs/31"
+CACHE_VERSION = "stage-costs/32"
 
 
 def cache_dir() -> Path:

@@ -30,6 +30,7 @@ from alpasim.graphs import (
     is_heavy,
     model_source,
     source_from_record,
+    with_loss_kernel,
 )
 from alpasim.units import format_bytes
 
@@ -143,13 +144,13 @@ GRAPH_MEMO_ENTRIES = 8
 
 
 def _training_graph(source: ModelSource, size: int, dtype: str, relabel, layers: int | None, remat: bool,
-                    precision: str, recompute: str) -> OpGraph:
+                    precision: str, recompute: str, loss_kernel: str = "fused") -> OpGraph:
     """The training graph of one microbatch of `size` samples, labelled as the search
     asks (`relabel`, else `layers` clusters, else planning units); memoised for zoo
     models (a saved graph has no hashable config to key it by)."""
     key = None
     if source.config is not None:
-        key = (source.name, source.config, size, dtype, relabel, layers, remat, precision, recompute)
+        key = (source.name, source.config, size, dtype, relabel, layers, remat, precision, recompute, loss_kernel)
         try:
             if key in _GRAPH_MEMO:
                 return _GRAPH_MEMO[key]
@@ -162,7 +163,8 @@ def _training_graph(source: ModelSource, size: int, dtype: str, relabel, layers:
         fwd = planning_units(fwd)
     else:
         fwd = assign_layers(fwd, layers)[0]
-    graph = build_training_graph(fwd, remat=remat, precision=precision, recompute=recompute).graph
+    graph = with_loss_kernel(build_training_graph(fwd, remat=remat, precision=precision, recompute=recompute).graph,
+                             loss_kernel)
     if key is not None:
         if len(_GRAPH_MEMO) >= GRAPH_MEMO_ENTRIES:
             _GRAPH_MEMO.pop(next(iter(_GRAPH_MEMO)))
@@ -199,7 +201,7 @@ def plan_pipeline(model: str | ModelSource, cluster: Cluster, *, microbatches: i
                   microbatch_multiple: int = 1, recompute: str = "none",
                   bucket_bytes: float | None = DEFAULT_BUCKET_BYTES, schedule: str = "1f1b",
                   chunk_options: Sequence[int] = DEFAULT_CHUNK_OPTIONS, tp_overlap: bool = False,
-                  gather_overlap: bool = False) -> PipelinePlan:
+                  gather_overlap: bool = False, loss_kernel: str = "fused") -> PipelinePlan:
     """Plan `model` on `cluster`; `recompute` is the training graph's policy for what
     the backward recomputes (`graphs.training_graph`); `layers` re-clusters the forward ops into that many
     layers with the eq. 6 DP instead of the zoo's blocks (planning units).
@@ -228,7 +230,8 @@ def plan_pipeline(model: str | ModelSource, cluster: Cluster, *, microbatches: i
     Engine's comm-GEMM overlap runs tensor parallelism's (`_tp_overlap`).
     `gather_overlap`: under the distributed optimizer's restrictions, with buckets, the
     parameters' all-gathers run in the next forward (Megatron-core's
-    `--overlap-param-gather`, `costmodels._overlap`).
+    `--overlap-param-gather`, `costmodels._overlap`). `loss_kernel`: how the
+    cross-entropy runs, priced (`graphs.with_loss_kernel`).
 
     `schedule`: "1f1b" (the paper's DP), "interleaved" (the fastest interleaved plan,
     `_interleave`, with a chunk count from `chunk_options`, at any microbatch count
@@ -266,7 +269,8 @@ def plan_pipeline(model: str | ModelSource, cluster: Cluster, *, microbatches: i
         nonlocal jobs, hits
         if b in evaluated:
             return evaluated[b]
-        graph = _training_graph(source, global_batch // b, dtype, relabel, layers, remat, recipe.name, recompute)
+        graph = _training_graph(source, global_batch // b, dtype, relabel, layers, remat, recipe.name, recompute,
+                                loss_kernel)
         report = (lambda done, total: progress(f"B={b}", done, total)) if progress else None
         s_max = min(max_stages, graph.num_layers, cluster.num_devices)
         costs = build_stage_costs(graph, cluster, b, max_stages=s_max, map_fn=map_fn, cache=cache,

@@ -182,10 +182,10 @@ def megatron_restriction(graph: OpGraph, mesh: LogicalMesh, cost_model: CostMode
         if 0 not in must and mesh.shape[0] > 1:
             keep = [s for s in keep if 0 not in _axes_of(s)]
         if loss and mesh.shape[1] > 1:
-            # Megatron-LM splits the loss over the vocabulary; our loss primitive cannot
-            # split its class axis, so it runs replicated over the tensor-parallel axis
-            # (never on a sequence split Megatron does not have).
-            keep = [s for s in keep if 1 not in _axes_of(s)] or keep
+            # Megatron-LM splits the loss over the vocabulary, the logits' last axis
+            # (its vocab-parallel cross-entropy), never over a sequence it does not have.
+            vocab = dm.inputs[0 if op.prim == "softmax_cross_entropy" else 1][-1]
+            keep = [s for s in keep if _axes_of(s).get(1) == vocab] or keep
         # No distributed optimizer: gradients (and each contribution to one, such as the
         # LM head's to the tied embedding's), master weights and Adam moments are laid
         # out as the parameter is.

@@ -53,7 +53,7 @@ from ._systems import GradBuckets, SystemRecord, get_system, resolve
 # Options every method takes (`plan_pipeline` keywords), and those only some do.
 COMMON_OPTIONS = frozenset({"microbatches", "remat", "recompute", "precision", "cost_model", "epsilon", "cache",
                             "map_fn", "progress", "price_boundaries", "pareto", "bucket_bytes", "schedule",
-                            "chunk_options", "tp_overlap", "gather_overlap"})
+                            "chunk_options", "tp_overlap", "gather_overlap", "loss_kernel"})
 METHOD_OPTIONS = ("layers", "max_stages", "megatron", "distributed_optimizer", "sequence_parallel")
 
 
@@ -316,6 +316,7 @@ def system_options(m: Method, system: str | None, overlap: bool | None, distribu
                                else given) if settings["grad_overlap"] else None
     options["tp_overlap"] = settings["tp_comm_overlap"]
     options["gather_overlap"] = settings["param_gather_overlap"]
+    options["loss_kernel"] = settings["cross_entropy"]
     if settings["recompute"] == "searched":
         options.pop("remat", None)
         options.pop("recompute", None)

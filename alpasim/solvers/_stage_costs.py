@@ -294,8 +294,14 @@ def read_options(value: Any) -> list[LayerOption]:
     return [LayerOption.from_json(d) for d in value]
 
 
+# Op params that change the values an op computes but not its cost or layouts: a dropout
+# mask's seed differs from layer to layer, and layers of one kind still share a plan.
+VALUE_ONLY_PARAMS = frozenset({"seed"})
+
+
 def canonical_key(graph: OpGraph) -> str:
-    """A digest of a layer's structure with names replaced by first-appearance indices."""
+    """A digest of a layer's structure with names replaced by first-appearance indices
+    (`VALUE_ONLY_PARAMS` left out)."""
     index: dict[str, int] = {}
 
     def ref(t: str) -> int:
@@ -303,7 +309,7 @@ def canonical_key(graph: OpGraph) -> str:
 
     ops = []
     for op in graph.ops:
-        ops.append([op.prim, op.phase, [[k, v] for k, v in op.params],
+        ops.append([op.prim, op.phase, [[k, v] for k, v in op.params if k not in VALUE_ONLY_PARAMS],
                     [[ref(t), list(graph.tensors[t].shape), graph.tensors[t].dtype, graph.tensors[t].role]
                      for t in op.inputs],
                     [[ref(t), list(graph.tensors[t].shape), graph.tensors[t].dtype, graph.tensors[t].role]

@@ -126,7 +126,9 @@ def enumerate_strategies(op: Op, tensors: Mapping[str, Tensor], mesh: LogicalMes
     shardable = [c for c in letters if c not in dm.unshardable and c not in dm.reduced_within]
     live = [a for a in (0, 1) if mesh.shape[a] > 1]
     heavy = is_heavy(op) and not allow_replicated_heavy
-    in_letters = set("".join(dm.inputs))
+    # A vocab-parallel loss is whole on every class shard: its class letter leaves no
+    # partial sum (`vocab_parallel` prices what it all-reduces instead).
+    in_letters = set("".join(dm.inputs)) - set(_class_letter(op, dm))
     found: dict[tuple, Strategy] = {}
     for choice in itertools.product([None, *shardable], repeat=len(live)):
         if heavy and None in choice:
@@ -143,10 +145,11 @@ def enumerate_strategies(op: Op, tensors: Mapping[str, Tensor], mesh: LogicalMes
         compute_s = cost_model.op_time_s(op, tensors, num_shards=loop_shards, access=access)
         update = op.phase == "update"
         grads = tuple(is_weight_grad(op, k, tensors) for k in range(len(op.outputs)))
+        stats = vocab_parallel(op, dm, ins, loops, mesh)
         for out_specs, collectives in _finish_outputs(dm.outputs, outs, base_out, loops, in_letters,
                                                      dm.unshardable | dm.reduced_within, mesh, grads):
-            sync = tuple(update or is_grad for _, is_grad in collectives)
-            collectives = [c for c, _ in collectives]
+            sync = tuple(update or is_grad for _, is_grad in collectives) + (False,) * len(stats)
+            collectives = [c for c, _ in collectives] + stats
             comm_s = sum(c.time_s(mesh) for c, x in zip(collectives, sync) if not x)
             sync_s = sum(c.time_s(mesh) for c, x in zip(collectives, sync) if x)
             s = Strategy(tuple(sorted(loops.items())), in_specs, out_specs, tuple(collectives), comm_s, compute_s,
@@ -155,6 +158,34 @@ def enumerate_strategies(op: Op, tensors: Mapping[str, Tensor], mesh: LogicalMes
             if key not in found or s.cost_s(True) < found[key].cost_s(True):
                 found[key] = s
     return list(found.values())
+
+
+def _class_letter(op: Op, dm) -> str:
+    """The class letter of a softmax cross-entropy (or its gradient), else ""."""
+    if op.prim == "softmax_cross_entropy":
+        return dm.inputs[0][-1]
+    if op.prim == "softmax_cross_entropy_grad":
+        return dm.inputs[1][-1]
+    return ""
+
+
+def vocab_parallel(op: Op, dm, ins: Sequence[Tensor], loops: Mapping[str, tuple[int, ...]],
+                   mesh: LogicalMesh) -> list[Collective]:
+    """The all-reduces of a cross-entropy whose class axis is split, as Megatron-LM's
+    vocab-parallel loss runs them (megatron/core/tensor_parallel/cross_entropy.py,
+    `_VocabParallelCrossEntropy`): each token's max logit, its target's logit and its
+    sum of exponentials, three float32 values a token (the loss); the gradient, which
+    here recomputes the softmax from the logits rather than keeping it, the max and the
+    sum again. Over the class letter's axes; the tokens are the shard's own."""
+    letter = _class_letter(op, dm)
+    axes = loops.get(letter, ()) if letter else ()
+    if not axes:
+        return []
+    term, logits = (dm.inputs[0], ins[0]) if op.prim == "softmax_cross_entropy" else (dm.inputs[1], ins[1])
+    token_axes = tuple(a for c, ax in loops.items() if c in term[:-1] for a in ax)
+    tokens = logits.size / logits.shape[-1] / mesh.axis_size(token_axes)
+    values = 3 if op.prim == "softmax_cross_entropy" else 2
+    return [Collective("all_reduce", values * tokens * 4, tuple(sorted(axes)))]
 
 
 def _finish_outputs(terms: Sequence[str], outs: Sequence[Tensor], base: tuple[ShardingSpec, ...],

@@ -25,6 +25,9 @@ Entries:
 * `recompute`: "full" (each layer's forward again in the backward), "selective"
   (attention's core only), "fusible" (`graphs.training_graph`'s policy), "none", or
   "searched" (the method's search chooses).
+* `cross_entropy`: "fused" (one pass over the logits each way) or "unfused-fp32"
+  (Megatron-LM's vocab-parallel loss on `logits.float()`, a kernel per step,
+  `graphs.with_loss_kernel`).
 
 Beside the entries, a profile may size its overlapped gradient buckets (`GradBuckets`:
 Megatron-core's grow with the data-parallel degree); without one, a bucket is PyTorch
@@ -47,6 +50,7 @@ ALLOWED: Mapping[str, tuple[Any, ...]] = MappingProxyType({
     "attention": ("explicit", "fused"),
     "optimizer_sharding": ("none", "data-parallel", "searched"),
     "recompute": ("full", "selective", "fusible", "none", "searched"),
+    "cross_entropy": ("fused", "unfused-fp32"),
 })
 ENTRIES = tuple(ALLOWED)
 # The values the cost model prices (all of them now). Any other value is recorded in
@@ -93,6 +97,7 @@ class SystemProfile:
     attention: str
     optimizer_sharding: str
     recompute: str
+    cross_entropy: str
     sources: Mapping[str, str]
     buckets: GradBuckets | None = None
 
@@ -159,6 +164,8 @@ def resolve(profile: SystemProfile, **given: Any) -> SystemRecord:
 _MEGATRON_2021 = "Narayanan et al., SC'21, and NVIDIA/Megatron-LM v2.x"
 _AFTER_BACKWARD_2021 = (f"{_MEGATRON_2021}: megatron/training.py train_step calls model.allreduce_gradients() after "
                         "forward_backward_func returns (LocalDDP, no buckets)")
+_MEGATRON_LOSS = ("megatron/core/tensor_parallel/cross_entropy.py (mpu/cross_entropy.py before core): "
+                  "vocab_parallel_cross_entropy(logits.float(), labels), a PyTorch kernel per step")
 _EXPLICIT_MEGATRON = ("megatron/model/transformer.py ParallelAttention (v2-v3): baddbmm writes the (b*np, sq, sk) "
                       "scores, FusedScaleMaskSoftmax, bmm with V")
 
@@ -166,7 +173,7 @@ SYSTEMS: Mapping[str, SystemProfile] = MappingProxyType({p.name: p for p in (
     SystemProfile(
         "alpa-osdi22", "Alpa as published (Zheng et al., OSDI'22)",
         grad_overlap=False, param_gather_overlap=False, tp_comm_overlap=False, attention="explicit",
-        optimizer_sharding="searched", recompute="full",
+        optimizer_sharding="searched", recompute="full", cross_entropy="fused",
         sources={
             "grad_overlap": "alpa/pipeline_parallel/apply_grad.py: gradients accumulate over the microbatches and "
                             "their all-reduce runs in the apply-gradient stage after the last backward",
@@ -175,11 +182,12 @@ SYSTEMS: Mapping[str, SystemProfile] = MappingProxyType({p.name: p for p in (
             "attention": "alpa/model/gpt_model.py (benchmark models): einsum scores, softmax, einsum context",
             "optimizer_sharding": "OSDI'22 sec. 4: the ILP chooses every tensor's layout, optimizer states too",
             "recompute": "benchmark/alpa suites: GPT and MoE cases run with use_remat=True",
+            "cross_entropy": "alpa/model/model_util.py cross_entropy_loss: a log-softmax XLA fuses into the step",
         }),
     SystemProfile(
         "megatron-lm-2021", "Megatron-LM as of 2021 (Narayanan et al., SC'21), Alpa's baseline",
         grad_overlap=False, param_gather_overlap=False, tp_comm_overlap=False, attention="explicit",
-        optimizer_sharding="none", recompute="full",
+        optimizer_sharding="none", recompute="full", cross_entropy="unfused-fp32",
         sources={
             "grad_overlap": _AFTER_BACKWARD_2021,
             "param_gather_overlap": f"{_MEGATRON_2021}: no distributed optimizer before v3.0 (2022)",
@@ -187,11 +195,12 @@ SYSTEMS: Mapping[str, SystemProfile] = MappingProxyType({p.name: p for p in (
             "attention": _EXPLICIT_MEGATRON,
             "optimizer_sharding": f"{_MEGATRON_2021}: every data-parallel rank keeps all Adam states",
             "recompute": "SC'21 sec. 5: all runs use activation recomputation (--checkpoint-activations)",
+            "cross_entropy": _MEGATRON_LOSS,
         }),
     SystemProfile(
         "megatron-lm-2022", "Megatron-LM v3 (Korthikanti et al. 2022): sequence parallelism, selective recompute",
         grad_overlap=False, param_gather_overlap=False, tp_comm_overlap=False, attention="explicit",
-        optimizer_sharding="none", recompute="selective",
+        optimizer_sharding="none", recompute="selective", cross_entropy="unfused-fp32",
         sources={
             "grad_overlap": "Megatron-LM v3.0 megatron/training.py: grads all-reduced after the backward unless "
                             "--overlap-grad-reduce (added 2023)",
@@ -200,11 +209,12 @@ SYSTEMS: Mapping[str, SystemProfile] = MappingProxyType({p.name: p for p in (
             "attention": f"{_EXPLICIT_MEGATRON}; Korthikanti et al. sec. 5 does not use FlashAttention",
             "optimizer_sharding": "Korthikanti et al. Table 5 runs: data parallel 1, no distributed optimizer",
             "recompute": "Korthikanti et al. sec. 5: selective recomputation of attention's core",
+            "cross_entropy": _MEGATRON_LOSS,
         }),
     SystemProfile(
         "megatron-core-0.8", "Megatron-core r0.8 (2024) with its README's overlap flags",
         grad_overlap=True, param_gather_overlap=True, tp_comm_overlap=True, attention="fused",
-        optimizer_sharding="data-parallel", recompute="searched",
+        optimizer_sharding="data-parallel", recompute="searched", cross_entropy="unfused-fp32",
         sources={
             "grad_overlap": "NVIDIA/Megatron-LM README (r0.8 weak scaling): --overlap-grad-reduce",
             "param_gather_overlap": "same README: --overlap-param-gather",
@@ -215,11 +225,13 @@ SYSTEMS: Mapping[str, SystemProfile] = MappingProxyType({p.name: p for p in (
                          "(flash or cuDNN fused attention)",
             "optimizer_sharding": "README: --overlap-param-gather implies --use-distributed-optimizer",
             "recompute": "README does not say; the method's grid searches none, selective and full",
+            "cross_entropy": f"{_MEGATRON_LOSS} (--cross-entropy-loss-fusion, core r0.7, is not among the README's "
+                             "flags)",
         }, buckets=MEGATRON_CORE_BUCKETS),
     SystemProfile(
         "megatron-deepspeed", "Megatron-DeepSpeed as BLOOM-176B ran it (2022)",
         grad_overlap=False, param_gather_overlap=False, tp_comm_overlap=False, attention="explicit",
-        optimizer_sharding="data-parallel", recompute="full",
+        optimizer_sharding="data-parallel", recompute="full", cross_entropy="unfused-fp32",
         sources={
             "grad_overlap": "deepspeed/runtime/pipe/schedule.py TrainSchedule: ReduceGrads after the last "
                             "backward, then OptimizerStep",
@@ -229,11 +241,12 @@ SYSTEMS: Mapping[str, SystemProfile] = MappingProxyType({p.name: p for p in (
             "attention": "bigscience tr11 slurm script: no flash attention (2022); Megatron's explicit softmax",
             "optimizer_sharding": "bigscience tr11 slurm script: ZeRO stage 1 (BF16 optimizer)",
             "recompute": "bigscience tr11 slurm script: --checkpoint-activations",
+            "cross_entropy": f"{_MEGATRON_LOSS}, Megatron-DeepSpeed's copy of it",
         }),
     SystemProfile(
         "deepspeed", "DeepSpeed ZeRO-1/2 and DeepSpeed-MoE (2021-22 defaults)",
         grad_overlap=False, param_gather_overlap=False, tp_comm_overlap=False, attention="explicit",
-        optimizer_sharding="data-parallel", recompute="full",
+        optimizer_sharding="data-parallel", recompute="full", cross_entropy="unfused-fp32",
         sources={
             "grad_overlap": "deepspeed/runtime/zero/config.py: overlap_comm defaults to false below stage 3",
             "param_gather_overlap": "deepspeed/runtime/zero/stage_1_and_2.py: all-gather after the step",
@@ -241,11 +254,12 @@ SYSTEMS: Mapping[str, SystemProfile] = MappingProxyType({p.name: p for p in (
             "attention": "the GPT and MoE models of its 2021-22 examples compute explicit scores",
             "optimizer_sharding": "ZeRO (Rajbhandari et al., SC'20): states partitioned over data parallelism",
             "recompute": "DeepSpeed-Megatron examples: --checkpoint-activations",
+            "cross_entropy": f"{_MEGATRON_LOSS}: its examples train Megatron's GPT",
         }),
     SystemProfile(
         "llama3", "Meta's Llama 3 405B pre-training stack (2024)",
         grad_overlap=True, param_gather_overlap=True, tp_comm_overlap=False, attention="fused",
-        optimizer_sharding="data-parallel", recompute="none",
+        optimizer_sharding="data-parallel", recompute="none", cross_entropy="fused",
         sources={
             "grad_overlap": "Llama 3 paper sec. 3.3.2: FSDP-style sharding over data parallelism, gradients "
                             "reduce-scattered as the backward produces them",
@@ -255,6 +269,7 @@ SYSTEMS: Mapping[str, SystemProfile] = MappingProxyType({p.name: p for p in (
             "attention": "assumed: the paper does not name its kernel; every 2024 H100 run uses a fused one",
             "optimizer_sharding": "Table 4 notes: data parallelism shards optimizer states and gradients",
             "recompute": "sec. 3.3.2: no activation checkpointing at 8K context",
+            "cross_entropy": "assumed: the paper does not describe its loss kernel; priced as one fused pass",
         }),
 )})
 

@@ -103,3 +103,15 @@ def test_the_graph_drops_the_rate_and_scales_what_it_keeps():
     plain = forward_graph(spec)
     loss = lower_graph(plain)({k: v for k, v in leaves.items() if k in plain.tensors})[plain.outputs[0]]
     assert abs(float(out[g.outputs[0]]) - float(loss)) > 1e-4
+
+
+def test_layers_of_one_kind_share_a_plan_though_their_masks_differ():
+    """Each layer draws its own mask (its seed), and the planner still solves one layer
+    kind once: the seed changes values, not cost (`_stage_costs.VALUE_ONLY_PARAMS`)."""
+    from alpasim.solvers._stage_costs import canonical_key, layer_graphs
+
+    layers = layer_graphs(training_graph(forward_graph(
+        "gpt3:hidden=64,layers=4,heads=4,seq=32,vocab=128,batch=2,dropout=0.1")))
+    seeds = [{op.param("seed") for op in g.ops if op.prim == "dropout_mask"} for g in layers[1:3]]
+    assert seeds[0] and seeds[0].isdisjoint(seeds[1])
+    assert canonical_key(layers[1]) == canonical_key(layers[2])

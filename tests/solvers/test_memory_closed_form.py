@@ -38,12 +38,12 @@ fp16 activations):
   norm's input and output, the vocab-split logits 2sbV/t and the labels (all held;
   under remat less the block's recomputed output 2sbh, which lives only inside the
   kernel that fuses the residual add with the recomputed final norm and its gradient);
-  its peak is at the loss backward (+ dLogits, replicated over t since our loss op
-  cannot split the vocabulary), at the logits' weight gradient (+ dLogits, the input
+  its peak is at the loss backward (+ dLogits, 2sbV/t: the vocabulary-parallel loss
+  keeps it split as the logits are), at the logits' weight gradient (+ dLogits, the input
   gradient and the table's 2Vh/t), for t > 1 at the logits' input gradient, which
   contracts the vocabulary split over t (its unreduced partial 2sbh is live next to
   the all-reduced 2sbh), or in its block's backward, with the table's gradient held
-  until the layer's backward ends.
+  until the layer's backward ends (and the logits and labels already dead).
 * The stage: persistent states + w stashes (w = min(stages from this one, B), 1F1B) +
   the largest working set of one layer beyond its own stash, and with one stage
   holding both ends of the tied embedding, the head's table gradient held until the
@@ -107,10 +107,12 @@ def closed_form(cfg, tp, pp, mbs, remat, bytes_per_param, microbatches, stage):
         # recomputed output (2sbh), which the recomputed final norm and its gradient
         # read inside the kernel that fuses them with the residual add.
         held = s_nr - (2 * sbh if remat else 0.0) + logits + ids
-        head_peak = max(held + 4 * sbh + 2 * s * b * V,
-                        held + 6 * sbh + 2 * s * b * V + table_grad,
-                        held + 8 * sbh + 2 * s * b * V if t > 1 else 0.0,
-                        head_stash - stash + peak + table_grad)    # the block's backward, the table grad held
+        head_peak = max(held + 4 * sbh + logits,
+                        held + 6 * sbh + logits + table_grad,
+                        held + 8 * sbh + logits if t > 1 else 0.0,
+                        # the block's backward, the table grad held; the logits and labels
+                        # died with the loss's and the logits' gradients before it
+                        head_stash - stash + peak + table_grad - logits - ids)
         layers[-1] = (head_stash, head_peak)
     carry = table_grad if first and last else 0.0
     stashes = sum(s_j for s_j, _ in layers)       # every stash is held through the backward

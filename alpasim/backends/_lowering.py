@@ -231,23 +231,29 @@ def _full(p):
     return jnp.full(tuple(p["shape"]), p["value"], jnp.dtype(p.get("dtype", "float32")))
 
 
+def _fmix32(x):
+    """murmur3's 32-bit finaliser: a bijection of uint32 whose output bits are uniform."""
+    u32 = jnp.uint32
+    x = (x ^ (x >> 16)) * u32(0x85EBCA6B)
+    x = (x ^ (x >> 13)) * u32(0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
 @_lowers("dropout_mask")
 def _dropout_mask(p, rows):
-    """Keep (True) with probability 1 - rate: murmur3's 32-bit finaliser of (row id,
-    element's place in its row) xor the op's seed, whose top 24 bits are uniform
-    (`alpasim.graphs._prims_nn`). Integer elementwise ops only, so any sharding of the
-    mask computes the same bits."""
+    """Keep (True) with probability 1 - rate: the top 24 bits of fmix(fmix(row id xor
+    the op's seed) + the element's place in its row) (`alpasim.graphs._prims_nn`).
+    Hashing the row first gives every row and seed its own offset (a row's id times
+    the row's size would wrap mod 2^32 and repeat masks every few rows). Integer
+    elementwise ops on global indices only, so any sharding computes the same bits."""
     shape = tuple(p["shape"])
     u32 = jnp.uint32
     place, stride = jnp.zeros(shape, u32), 1
     for d in reversed(range(1, len(shape))):
         place = place + lax.broadcasted_iota(u32, shape, d) * u32(stride % 2**32)
         stride *= shape[d]
-    row = lax.broadcast_in_dim(rows.astype(u32), shape, (0,))
-    x = (row * u32(stride % 2**32) + place) ^ u32(p["seed"] % 2**32)
-    x = (x ^ (x >> 16)) * u32(0x85EBCA6B)
-    x = (x ^ (x >> 13)) * u32(0xC2B2AE35)
-    x = x ^ (x >> 16)
+    row = _fmix32(rows.astype(u32) ^ u32(p["seed"] % 2**32))
+    x = _fmix32(lax.broadcast_in_dim(row, shape, (0,)) + place)
     return (x >> 8).astype(F32) * (1.0 / 2**24) >= p["rate"]
 
 

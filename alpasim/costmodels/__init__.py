@@ -66,7 +66,6 @@ from ._overlap import bucket_count as bucket_count
 from ._overlap import bucket_schedule as bucket_schedule
 from ._overlap import exposed_s as exposed_s
 from ._overlap import gather_exposed_s as gather_exposed_s
-from ._overlap import halved as halved
 from ._overlap import run_buckets as run_buckets
 from ._overlap import stream_end_s as stream_end_s
 from ._tp_overlap import PIPELINE_SPLITS as PIPELINE_SPLITS

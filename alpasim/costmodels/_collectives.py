@@ -32,9 +32,9 @@ reduce-scatter as k(n-1)/n * S / busbw(S) instead, k = 2 for all-reduce and 1 fo
 others: the measured rate folds in what alpha-beta leaves out at the sizes training
 moves (NCCL's channel fill, protocol switches, NVLink SHARP's in-switch reduction).
 
-Ignored: contention between different collectives, link asymmetry inside a ring,
-tree and NVLS algorithms, protocol (LL/LL128) switching for small messages, and the
-compute of the reduction itself.
+Ignored: contention between different collectives, link asymmetry inside a ring, and
+the compute of the reduction itself; on links without a sweep also tree and NVLS
+algorithms and protocol (LL/LL128) switching for small messages.
 """
 
 from __future__ import annotations

@@ -112,8 +112,9 @@ class BusSweep:
     is required, the other kinds optional. Bus bandwidth is nccl-tests' size-normalised
     rate (PERFORMANCE.md: algbw x 2(n-1)/n for all-reduce, x (n-1)/n for all-gather and
     reduce-scatter, with S the full tensor), so a ring collective of S bytes takes
-    k(n-1)/n x S / busbw(S) whatever n is. Between measured sizes busbw is interpolated
-    log-log; below the smallest the time stays the smallest size's (latency-bound);
+    k(n-1)/n x S / busbw(S); a sweep of 8 GPUs is taken for groups of 2 and 4 on the
+    same switch too (each GPU keeps its own links to it). Between measured sizes busbw
+    is interpolated log-log; below the smallest the time stays the smallest size's (latency-bound);
     above the largest the rate stays the largest's; time never falls as S grows. A kind with no sweep of its own
     takes the all-reduce's, capped at the link's rate (an all-reduce through NVLink
     SHARP reduces in the switch and can exceed it; a ring all-gather cannot)."""
@@ -139,8 +140,8 @@ class BusSweep:
         """Bus bandwidth (bytes/s) of `kind` on an `nbytes` tensor (class doc).
 
         Interpolated as S / busbw(S), which is the time up to the ring factor: log-log
-        between sizes (the same as interpolating busbw log-log) and never decreasing
-        with S. A table's time can dip between two sizes by noise (H100's ring
+        between sizes (the same as interpolating busbw log-log, where the table's times
+        increase) and never decreasing with S. A table's time can dip between two sizes by noise (H100's ring
         reduce-scatter: 43.5 us at 2 MiB, 41.5 at 4 MiB); such a dip is read as flat."""
         own = dict(self.points)
         sizes, rates = zip(*(own.get(kind) or own["all_reduce"]), strict=True)

@@ -32,18 +32,23 @@ except with Megatron-core's `--overlap-param-gather`:
 
 * with the distributed optimizer a bucket's reduction is a reduce-scatter, and the
   updated parameters come back by an all-gather of the same buffer
-  (megatron/core/distributed/param_and_grad_buffer.py); in a ring the two cost the
-  all-reduce the plan prices for the bucket, half each. With `overlap_param_gather`
-  the all-gathers run in the next iteration's first forward, bucket by bucket ahead of
-  the layers that read them (its forward pre-hook waits for a layer's bucket), so the
-  backward's stream carries the reduce-scatter halves and the forward waits only where
-  the gathers run ahead of it: with layer l's gather g_l and forward f_l, first to
-  last, the forward's delay is
+  (megatron/core/distributed/param_and_grad_buffer.py). Where the plan's layouts slice
+  the states, it prices exactly that: reduce-scatters in the backward and the step's
+  all-gathers after it; where they cannot (Megatron-core shards a flat buffer), an
+  all-reduce in the backward, which in a ring costs the reduce-scatter and the
+  all-gather, half each (`solvers._stage_costs.LayerOption.gathers_next_forward`).
+  With `overlap_param_gather` the all-gathers run in the next iteration's first
+  forward, bucket by bucket ahead of the layers that read them (its forward pre-hook
+  waits for a layer's bucket), so the backward's stream carries the reduce-scatters
+  and the forward waits only where the gathers run ahead of it: with layer l's gather
+  g_l and forward f_l, first to last, the forward's delay is
 
       D = max(0, max_l (g_1 + ... + g_l) - (f_1 + ... + f_{l-1}))
 
   (`gather_exposed_s`: the stream gathers back to back from the step's end, layer l
-  starts when its gather is done and the layers before it have run).
+  starts when its gather is done and the layers before it have run). Every stage is
+  charged its own wait, though a later stage's first forward also waits for the
+  pipeline to fill: a conservative charge.
 """
 
 from __future__ import annotations
@@ -122,7 +127,3 @@ def gather_exposed_s(forward_s: Sequence[float], gather_s: Sequence[float]) -> f
         waited += f
     return max(delay, 0.0)
 
-
-def halved(layers: Sequence[LayerSync]) -> list[LayerSync]:
-    """The reduce-scatter halves of `layers`' bucketed all-reduces (module doc)."""
-    return [LayerSync(layer.backward_s, layer.sync_s / 2, layer.buckets) for layer in layers]

@@ -61,11 +61,12 @@ def recompute_fusible(graph: OpGraph, selective: bool = False) -> OpGraph:
     `selective` instead recomputes only attention's core: expanding contractions
     (`expanding_contraction`) and the cheap ops downstream of them (the softmax, its
     mask and scale, the dropout of its probabilities and that dropout's mask). That is
-    Korthikanti et al. 2022's selective activation
-    recomputation (Megatron-LM's `--recompute-granularity selective`): QK^T and the
-    softmax run again in the backward, so no (s, s) tensor is stashed, and every other
-    value is kept as under "none"; found by structure, so it applies to imported
-    graphs too."""
+    Korthikanti et al. 2022's selective activation recomputation (Megatron-LM's
+    `--recompute-granularity selective`): QK^T and the softmax run again in the
+    backward, so no (s, s) tensor is stashed, and every other value is kept as under
+    "none", but values of no inputs (a `full` of zeros) that a recomputed core op
+    reads, which are made again; found by structure, so it applies to imported graphs
+    too."""
     import networkx as nx
 
     producer, consumers, tensors = graph.producer, graph.consumers, graph.tensors

@@ -354,9 +354,10 @@ class _Engine:
                 start, d = env.now, self.sync_s[k] + self.dispatch_s
                 if self.stream_done[k] is not None:
                     yield self.stream_done[k]           # the buckets still running after the backward
-                    # The buckets carried the reduction (with gathers overlapping the next
-                    # forward: its reduce-scatter halves; that forward's wait is charged here).
-                    d -= sum(st.grad_sync_s - st.gather_exposed_s for st in self.bucket_runs[k].values())
+                    # The buckets carried the reduction; with the gathers overlapping the
+                    # next forward, those moved there and that forward's wait is charged here.
+                    d -= sum(st.grad_sync_s + st.param_gather_s - st.gather_exposed_s
+                             for st in self.bucket_runs[k].values())
                 working = self.update_bytes[k]          # the optimizer step's own copies
                 if working:
                     self._sample(k, working)

@@ -30,10 +30,12 @@ from typing import Any
 # bandwidth (`costmodels._gemm`); 26: batch loops found back in the forward pass only;
 # 30: measured collective sweeps of NVSwitch links (`costmodels._bus_sweeps`), in the key;
 # 31: selective recomputation redraws dropout masks and zeros with attention's core;
-# 32: the loss's class axis splits (vocab-parallel cross-entropy).
+# 32: the loss's class axis splits (vocab-parallel cross-entropy); 33: each option's
+# after-step parameter gathers (`LayerOption.param_gather_s`), the loss's collectives
+# per kernel.
 # The restriction
 # tables are code, not part of a key: a change to them bumps this.
-CACHE_VERSION = "stage-costs/32"
+CACHE_VERSION = "stage-costs/33"
 
 
 def cache_dir() -> Path:

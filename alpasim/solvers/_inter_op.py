@@ -493,15 +493,15 @@ def _plan_stage(costs: StageCosts, st: StageChoice, depth: int, inflight: int, d
                 heavy.append({"op": op.name, "equation": op.param("equation") or op.prim,
                               "strategy": strategy, "output": out})
     mem = stage_memory_of(costs, st.first, st.last, view, stage_opts, inflight)
-    buckets, exposed, gather = stage_sync(stage_opts, costs.meshes[view][2], costs.bucket_bytes, costs.tp_overlap,
-                                          costs.gather_overlap)
+    buckets, exposed, gather, moved = stage_sync(stage_opts, costs.meshes[view][2], costs.bucket_bytes,
+                                                 costs.tp_overlap, costs.gather_overlap)
     return PipelineStage((st.first, st.last), tuple(devices), (shape.n, shape.m), tuple(logical),
                          float(st.cost_s), mem.total_bytes, inflight, compute, sync,
                          mem.persistent_bytes + mem.buffer_bytes, mem.activation_bytes, j,
                          param_specs, tuple(heavy), forward, compute - forward, mem.stash_bytes,
                          float(st.boundary_s), mem.to_json(),
                          tuple(layer_specs) if all(layer_specs) else (), grad_sync, buckets, exposed,
-                         min(weight_s, compute - forward), weight_bytes, gather)
+                         min(weight_s, compute - forward), weight_bytes, gather, moved)
 
 
 def chunk_memory(costs: StageCosts, st: StageChoice, depth: int):

@@ -299,8 +299,9 @@ def system_options(m: Method, system: str | None, overlap: bool | None, distribu
     configuration's distributed optimizer (None: Megatron-core's grid searches it).
 
     `bucket_bytes=None` among `options` (the planner's old spelling of "no overlap")
-    counts as `overlap=False`; `tp_overlap` among them overrides the profile's
-    `tp_comm_overlap`. A searched recomputation leaves `remat`/`recompute` to the search
+    counts as `overlap=False`; `tp_overlap`, `gather_overlap` and `loss_kernel` among
+    them override the profile's `tp_comm_overlap`, `param_gather_overlap` and
+    `cross_entropy`. A searched recomputation leaves `remat`/`recompute` to the search
     (`plan_model`'s, or Megatron-core's grid)."""
     profile = get_system(system or m.system)
     options = dict(options)
@@ -309,7 +310,9 @@ def system_options(m: Method, system: str | None, overlap: bool | None, distribu
     recompute = _recompute_given(options)
     sharding = None if distributed_optimizer is None else _sharding(distributed_optimizer)
     record = resolve(profile, grad_overlap=overlap, recompute=recompute, optimizer_sharding=sharding,
-                     attention=attention, tp_comm_overlap=options.pop("tp_overlap", None))
+                     attention=attention, tp_comm_overlap=options.pop("tp_overlap", None),
+                     param_gather_overlap=options.pop("gather_overlap", None),
+                     cross_entropy=options.pop("loss_kernel", None))
     settings = record.settings
     given = options.get("bucket_bytes")
     options["bucket_bytes"] = ((profile.buckets or DEFAULT_BUCKET_BYTES) if given in (None, SYSTEM_BUCKETS)

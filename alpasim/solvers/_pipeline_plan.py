@@ -26,7 +26,7 @@ PLAN_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "zb-h2")
 # Per-stage numbers that are seconds or bytes: finite and never negative.
 _STAGE_AMOUNTS = ("time_s", "memory_bytes", "compute_s", "sync_s", "params_bytes", "activation_bytes", "forward_s",
                   "backward_s", "stash_bytes", "boundary_s", "grad_sync_s", "exposed_sync_s", "backward_weight_s",
-                  "weight_stash_bytes", "gather_exposed_s")
+                  "weight_stash_bytes", "gather_exposed_s", "param_gather_s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,10 +183,12 @@ class PipelineStage(Record):
     # that splits the backward then takes half of each, `simulator.split_backward`).
     backward_weight_s: float = 0.0
     weight_stash_bytes: float = 0.0
-    # Of exposed_sync_s, what the next forward waits for the parameters' all-gathers
-    # (Megatron-core's --overlap-param-gather: the buckets are then the reduce-scatter
-    # halves of grad_sync_s, and the all-gather halves run in that forward).
+    # With Megatron-core's --overlap-param-gather: of exposed_sync_s, what the next
+    # forward waits for the parameters' all-gathers, and of sync_s, the after-step
+    # all-gathers that moved into that forward (0 where the buckets' all-reduces are
+    # split into their reduce-scatter and all-gather halves instead, `costmodels._overlap`).
     gather_exposed_s: float = 0.0
+    param_gather_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.layers[0] > self.layers[1] or self.layers[0] < 0:

@@ -46,7 +46,6 @@ from alpasim.costmodels import (
     carry_peak,
     exposed_s,
     gather_exposed_s,
-    halved,
     range_max,
     range_peak,
     stage_memory,
@@ -132,6 +131,21 @@ class LayerOption:
     # overlap hides (`_tp_overlap.tp_overlap_s`), and the forward's share of them.
     tp_hidden_s: float = 0.0
     tp_hidden_forward_s: float = 0.0
+    # Of sync_s, the all-gathers that bring the updated parameters back to their layout
+    # after a sharded optimizer step (the distributed optimizer's, ZeRO's): what
+    # Megatron-core's --overlap-param-gather runs in the next forward.
+    param_gather_s: float = 0.0
+
+    def gathers_next_forward(self, bucketed_s: float) -> tuple[float, float]:
+        """(backward's bucketed seconds, next forward's gather seconds) with the
+        parameter gathers overlapping the next forward (`costmodels._overlap`): the
+        after-step all-gathers where the layout slices the states; where it cannot and
+        the distributed optimizer shards a flat buffer instead (`grad_groups` are then
+        all-reduces), each bucket's all-reduce is that buffer's reduce-scatter and
+        all-gather, half each."""
+        if self.param_gather_s > 0:
+            return bucketed_s, self.param_gather_s
+        return bucketed_s / 2, bucketed_s / 2
 
     @property
     def tied_bytes(self) -> float:
@@ -170,11 +184,11 @@ class LayerOption:
                 tuple(d.get("tensor_specs", ())), d.get("grad_sync_s", 0.0),
                 tuple((str(k), tuple(int(a) for a in axes), b) for k, axes, b in d.get("grad_groups", ())),
                 d.get("hidden_s", 0.0), d.get("weight_grad_s", 0.0), d.get("weight_stash_bytes", 0.0),
-                d.get("tp_hidden_s", 0.0), d.get("tp_hidden_forward_s", 0.0))
+                d.get("tp_hidden_s", 0.0), d.get("tp_hidden_forward_s", 0.0), d.get("param_gather_s", 0.0))
         numbers = [o.time_s, o.sync_s, o.persistent_bytes, o.activation_bytes, o.forward_s, o.params_bytes,
                    o.grads_bytes, o.optimizer_bytes, *o.tied, o.gather_bytes, o.update_bytes, o.grad_sync_s,
                    *(b for _, _, b in o.grad_groups), o.hidden_s, o.weight_grad_s, o.weight_stash_bytes,
-                   o.tp_hidden_s, o.tp_hidden_forward_s]
+                   o.tp_hidden_s, o.tp_hidden_forward_s, o.param_gather_s]
         if o.stash_bytes is not None:
             numbers.append(o.stash_bytes)
         for x in numbers:
@@ -202,6 +216,13 @@ def gradient_sync(layer: OpGraph, plan) -> tuple[float, tuple[tuple[str, tuple[i
         key = (c.kind, tuple(c.axes))
         groups[key] = groups.get(key, 0.0) + c.nbytes
     return seconds, tuple((k, axes, b) for (k, axes), b in sorted(groups.items()))
+
+
+def parameter_gathers_s(plan) -> float:
+    """Seconds of `plan`'s once-an-iteration all-gathers that return updated parameters
+    to their layout (the loop-back reshardings of a sharded optimizer step)."""
+    return sum(p.collective.time_s(plan.mesh) for p in plan.collectives
+               if p.per_iteration and p.op.startswith("loop-back:") and p.collective.kind == "all_gather")
 
 
 def weight_pass(layer: OpGraph, plan) -> tuple[float, float]:
@@ -376,7 +397,7 @@ def layer_options(layer: OpGraph, mesh: LogicalMesh, cluster: Cluster, microbatc
                            (t_param, t_grad, t_opt), gathered_param_bytes(layer, plan), mem.update_bytes,
                            tuple(str(plan.specs[t]) if t in plan.specs else "" for t in canonical_tensors(layer)),
                            *gradient_sync(layer, plan), hidden_collectives_s(layer, plan), *weight_pass(layer, plan),
-                           *tp_overlap_s(layer, plan))
+                           *tp_overlap_s(layer, plan), parameter_gathers_s(plan))
 
     kw = restricted_solve_kwargs(restriction, layer, mesh, model)
     fast = solve_intra_op(layer, mesh, model, with_compute=True, microbatches=microbatches, mip_gap=PLANNING_MIP_GAP,
@@ -662,23 +683,28 @@ def layer_sync(o: LayerOption, mesh: LogicalMesh, bucket_bytes: float, tp_overla
 
 def stage_sync(opts: Sequence[LayerOption], mesh: LogicalMesh, bucket_bytes: float | None,
                tp_overlap: bool = False, gather_overlap: bool = False
-               ) -> tuple[tuple[tuple[float, float], ...], float, float]:
-    """(buckets, exposed seconds, of those the next forward's wait for its gathers) of a
-    stage running `opts`: the bucketed reduction overlapping its backward where that
-    leaves less after it than one collective per gradient does after the backward (many
-    small buckets each pay a launch, and a short backward hides little), else no buckets
-    and all of it. `gather_overlap`: the buckets are the reduce-scatter halves and the
-    all-gather halves wait in the next forward (`costmodels._overlap`)."""
+               ) -> tuple[tuple[tuple[float, float], ...], float, float, float]:
+    """(buckets, exposed seconds, of those the next forward's wait for its gathers, the
+    after-step gathers moved into that forward) of a stage running `opts`: the bucketed
+    reduction overlapping its backward where that leaves less after it than one
+    collective per gradient does after the backward (many small buckets each pay a
+    launch, and a short backward hides little), else no buckets and all of it.
+    `gather_overlap`: the parameters' all-gathers run in the next forward
+    (`LayerOption.gathers_next_forward`, `costmodels._overlap`)."""
     unbucketed = sum(o.grad_sync_s for o in opts)
     if bucket_bytes is None:
-        return (), unbucketed, 0.0
+        return (), unbucketed, 0.0, 0.0
     syncs = [layer_sync(o, mesh, bucket_bytes, tp_overlap) for o in opts]
-    gather = 0.0
+    wait = moved = 0.0
     if gather_overlap:
-        gather = gather_exposed_s([o.forward_busy_s(tp_overlap) for o in opts], [ls.sync_s / 2 for ls in syncs])
-        syncs = halved(syncs)
-    exposed = exposed_s(syncs) + gather
-    return ((), unbucketed, 0.0) if exposed >= unbucketed else (bucket_schedule(syncs), exposed, gather)
+        split = [o.gathers_next_forward(ls.sync_s) for o, ls in zip(opts, syncs)]
+        wait = gather_exposed_s([o.forward_busy_s(tp_overlap) for o in opts], [g for _, g in split])
+        syncs = [LayerSync(ls.backward_s, b, ls.buckets) for ls, (b, _) in zip(syncs, split)]
+        moved = sum(o.param_gather_s for o in opts)
+    exposed = exposed_s(syncs) + wait
+    if exposed >= unbucketed + moved:
+        return (), unbucketed, 0.0, 0.0
+    return bucket_schedule(syncs), exposed, wait, moved
 
 
 def gather_ranges(forward: np.ndarray, gather: np.ndarray) -> np.ndarray:
@@ -728,7 +754,7 @@ def _assemble(kinds: Sequence[str], options, meshes, shapes, memory: float, micr
     n_opt = max((len(v) for v in options.values()), default=1)
     shape = (num_layers, n_mesh, n_opt)
     time, pers, peak, stash, tied, gather, update = (np.full(shape, INF) for _ in range(7))
-    backward, bucketed, buckets, unbucketed, forward = (np.zeros(shape) for _ in range(5))
+    backward, bucketed, buckets, unbucketed, forward, gathers, moved = (np.zeros(shape) for _ in range(7))
     overlap = bucket_bytes is not None
     syncs: dict[tuple[str, int, int], LayerSync] = {}     # by layer kind: layers of one kind share it
     for l, kind in enumerate(kinds):
@@ -738,16 +764,20 @@ def _assemble(kinds: Sequence[str], options, meshes, shapes, memory: float, micr
                 if not opts:
                     continue
                 o = opts[min(j, len(opts) - 1)]
-                # With overlap the gradient sync is the range's exposed part (below), not each layer's.
+                # With overlap the gradient sync (and with gather overlap the parameter
+                # gathers) is the range's exposed part (below), not each layer's.
+                moved[l, m, j] = o.param_gather_s if overlap and gather_overlap else 0.0
                 time[l, m, j] = (o.busy_s(overlap, tp_overlap)
-                                 + (o.sync_s - (o.grad_sync_s if overlap else 0.0)) / microbatches)
+                                 + (o.sync_s - (o.grad_sync_s if overlap else 0.0) - moved[l, m, j]) / microbatches)
                 if overlap:
                     unbucketed[l, m, j] = o.grad_sync_s
                     ls = syncs.get((kind, m, j))
                     if ls is None:
                         ls = syncs[(kind, m, j)] = layer_sync(o, meshes[m][2], bucket_bytes, tp_overlap)
                     backward[l, m, j], bucketed[l, m, j], buckets[l, m, j] = ls.backward_s, ls.sync_s, ls.buckets
-                    forward[l, m, j] = o.forward_busy_s(tp_overlap)
+                    if gather_overlap:
+                        bucketed[l, m, j], gathers[l, m, j] = o.gathers_next_forward(ls.sync_s)
+                        forward[l, m, j] = o.forward_busy_s(tp_overlap)
                 pers[l, m, j] = o.persistent_bytes
                 peak[l, m, j] = o.activation_bytes
                 stash[l, m, j] = o.inflight_bytes
@@ -766,11 +796,10 @@ def _assemble(kinds: Sequence[str], options, meshes, shapes, memory: float, micr
 
     t_range, p_range, s_range = ranges(time), ranges(pers), ranges(np.nan_to_num(stash, posinf=0.0))
     if overlap:     # overlapped where that is faster (`stage_sync`)
+        exposed = exposed_ranges(backward, bucketed, buckets)
         if gather_overlap:
-            exposed = exposed_ranges(backward, bucketed / 2, buckets) + gather_ranges(forward, bucketed / 2)
-        else:
-            exposed = exposed_ranges(backward, bucketed, buckets)
-        t_range = t_range + np.minimum(exposed, ranges(unbucketed)) / microbatches
+            exposed = exposed + gather_ranges(forward, gathers)
+        t_range = t_range + np.minimum(exposed, ranges(unbucketed) + ranges(moved)) / microbatches
     peak_range = range_peak(np.nan_to_num(stash, posinf=0.0), np.where(np.isinf(peak), 0.0, peak))
     buffers = np.maximum(range_max(np.where(np.isinf(gather), 0.0, gather)), 0.0)
     updates = np.maximum(range_max(np.where(np.isinf(update), 0.0, update)), 0.0)

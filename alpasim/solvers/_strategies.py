@@ -171,21 +171,26 @@ def _class_letter(op: Op, dm) -> str:
 
 def vocab_parallel(op: Op, dm, ins: Sequence[Tensor], loops: Mapping[str, tuple[int, ...]],
                    mesh: LogicalMesh) -> list[Collective]:
-    """The all-reduces of a cross-entropy whose class axis is split, as Megatron-LM's
-    vocab-parallel loss runs them (megatron/core/tensor_parallel/cross_entropy.py,
-    `_VocabParallelCrossEntropy`): each token's max logit, its target's logit and its
-    sum of exponentials, three float32 values a token (the loss); the gradient, which
-    here recomputes the softmax from the logits rather than keeping it, the max and the
-    sum again. Over the class letter's axes; the tokens are the shard's own."""
+    """The all-reduces of a cross-entropy whose class axis is split, one float32 value a
+    token each, over the class letter's axes (the tokens are the shard's own).
+    Megatron-LM's vocab-parallel loss (megatron/core/tensor_parallel/cross_entropy.py,
+    `_VocabParallelCrossEntropy`, the "unfused-fp32" kernel) all-reduces each token's max
+    logit, its target's logit and its sum of exponentials, three collectives, and keeps
+    the softmax, so its gradient all-reduces nothing. A fused kernel all-reduces the max,
+    then the target logit with the sum (two), and its gradient, which recomputes the
+    softmax from the logits, the max and the sum again."""
     letter = _class_letter(op, dm)
-    axes = loops.get(letter, ()) if letter else ()
+    axes = tuple(sorted(loops.get(letter, ()))) if letter else ()
     if not axes:
         return []
     term, logits = (dm.inputs[0], ins[0]) if op.prim == "softmax_cross_entropy" else (dm.inputs[1], ins[1])
     token_axes = tuple(a for c, ax in loops.items() if c in term[:-1] for a in ax)
-    tokens = logits.size / logits.shape[-1] / mesh.axis_size(token_axes)
-    values = 3 if op.prim == "softmax_cross_entropy" else 2
-    return [Collective("all_reduce", values * tokens * 4, tuple(sorted(axes)))]
+    per_value = 4 * logits.size / logits.shape[-1] / mesh.axis_size(token_axes)
+    if op.param("kernel") == "unfused-fp32":
+        values = (1, 1, 1) if op.prim == "softmax_cross_entropy" else ()
+    else:
+        values = (1, 2) if op.prim == "softmax_cross_entropy" else (1, 1)
+    return [Collective("all_reduce", v * per_value, axes) for v in values]
 
 
 def _finish_outputs(terms: Sequence[str], outs: Sequence[Tensor], base: tuple[ShardingSpec, ...],

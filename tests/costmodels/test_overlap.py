@@ -101,23 +101,35 @@ MODEL = "gpt3:hidden=1024,layers=8,heads=16,seq=1024,vocab=8192,batch=64"
 
 
 @pytest.mark.slow
-def test_overlapped_parameter_gathers_leave_the_reduce_scatter_to_the_backward():
-    """Megatron's distributed optimizer over two 25 Gb/s nodes: with the gathers in the
-    next forward, the backward's buckets are the reduce-scatter halves of the all-
-    reduce buckets, the exposed sync is what they leave plus the forward's wait, and
-    the simulated iteration charges exactly that."""
+def test_overlapped_parameter_gathers_move_from_after_the_step_into_the_next_forward():
+    """Megatron's distributed optimizer over two 25 Gb/s nodes, its layouts slicing the
+    states: the backward's buckets stay the reduce-scatters they were, the step's
+    all-gathers leave the time after the backward for the next forward, which waits
+    only where they run ahead of it, and the simulated iteration charges exactly that."""
     cluster = get_cluster("aws-p3.16xlarge", nodes=2)
     kw = dict(restriction="megatron_distopt", max_stages=1, microbatches=4, bucket_bytes=25 * 2 ** 20)
     plain = plan_pipeline(MODEL, cluster, **kw)
     plan = plan_pipeline(MODEL, cluster, gather_overlap=True, **kw)
     (a,), (b,) = plain.stages, plan.stages
-    assert a.gather_exposed_s == 0 and b.gather_exposed_s > 0 and b.grad_sync_s == a.grad_sync_s
-    assert [s for _, s in b.sync_buckets] == pytest.approx([s / 2 for _, s in a.sync_buckets])
+    assert a.param_gather_s == a.gather_exposed_s == 0
+    assert b.sync_buckets == a.sync_buckets and b.grad_sync_s == a.grad_sync_s and b.sync_s == a.sync_s
+    assert 0 < b.gather_exposed_s < b.param_gather_s < b.sync_s - b.grad_sync_s
     assert b.exposed_sync_s == pytest.approx(run_buckets(b.sync_buckets, b.backward_s) + b.gather_exposed_s)
-    assert b.exposed_sync_s < a.exposed_sync_s
+    hidden = b.param_gather_s - b.gather_exposed_s
     assert simulate(plan).iteration_s == pytest.approx(plan.predicted.iteration_s, rel=1e-9)
-    assert simulate(plan).iteration_s == pytest.approx(simulate(plain).iteration_s - a.exposed_sync_s
-                                                       + b.exposed_sync_s, rel=1e-9)
+    assert simulate(plan).iteration_s == pytest.approx(simulate(plain).iteration_s - hidden, rel=1e-9)
+
+
+def test_an_unsliced_all_reduce_gives_the_next_forward_half_of_it():
+    """Where the layouts cannot slice the states (Megatron-core's flat buffer), each
+    bucket's all-reduce is the buffer's reduce-scatter and all-gather, half each; where
+    they can, the backward keeps its reduce-scatters and the step's all-gathers move."""
+    from alpasim.solvers._stage_costs import LayerOption
+
+    flat = LayerOption(1.0, 0.5, 0.0, 0.0, (), ())
+    assert flat.gathers_next_forward(0.3) == (0.15, 0.15)
+    sliced = LayerOption(1.0, 0.5, 0.0, 0.0, (), (), param_gather_s=0.2)
+    assert sliced.gathers_next_forward(0.3) == (0.3, 0.2)
 
 
 @pytest.mark.slow

@@ -115,3 +115,11 @@ def test_layers_of_one_kind_share_a_plan_though_their_masks_differ():
     seeds = [{op.param("seed") for op in g.ops if op.prim == "dropout_mask"} for g in layers[1:3]]
     assert seeds[0] and seeds[0].isdisjoint(seeds[1])
     assert canonical_key(layers[1]) == canonical_key(layers[2])
+
+
+def test_rows_far_apart_draw_different_masks():
+    """A row's offset is hashed, not its id times the row's size, which wraps mod 2^32:
+    rows 2^22 apart of a (4, 16, 16) row once drew the same mask."""
+    rows = jnp.asarray([5, 5 + 2**22, 5 + 2**27], jnp.int32)
+    m = np.asarray(_mask(rows, (3, 4, 16, 16), rate=0.5))
+    assert not np.array_equal(m[0], m[1]) and not np.array_equal(m[0], m[2])

@@ -274,19 +274,31 @@ def test_a_batch_dimension_born_inside_the_graph_is_split_over_data_parallelism(
     assert tables and all(batch[op.name] for op in tables)
 
 
-def test_megatron_splits_the_loss_over_the_vocabulary_and_all_reduces_three_floats_a_token(p3):
+@pytest.mark.parametrize("kernel, loss_values, grad_values", [("fused", [1, 2], [1, 1]),
+                                                             ("unfused-fp32", [1, 1, 1], [])])
+def test_megatron_splits_the_loss_over_the_vocabulary(p3, kernel, loss_values, grad_values):
     """The head on tp 4: Megatron's vocab-parallel cross-entropy keeps the logits split
-    on the vocabulary (no gather of them), and pays per microbatch three float32
-    all-reduces a token for the loss (max, target logit, sum of exponentials) and two for
-    its gradient (which recomputes the softmax): 5 x 4 B x 8 x 128 tokens."""
+    on the vocabulary (no gather of them). Per microbatch, float32 values a token
+    all-reduced: Megatron's own kernel the max, the target logit and the sum of
+    exponentials, three collectives, and nothing in the backward (it keeps the softmax);
+    a fused kernel the max, then the target and the sum together, and its gradient
+    (which recomputes the softmax) the max and the sum. 8 x 128 tokens."""
+    from alpasim.graphs import with_loss_kernel
+
     cluster, model = p3
-    head = stage_graph(build_training_graph(GPT, precision="mixed").graph, 2, 2)
+    head = with_loss_kernel(stage_graph(build_training_graph(GPT, precision="mixed").graph, 2, 2), kernel)
     mesh = LogicalMesh.on_cluster(cluster, FOUR)
     plan = _solve(head, mesh, model, "megatron").plan
     ops = {op.name: op for op in head.ops}
-    loss = [c for c in plan.collectives if ops.get(c.op) is not None and ops[c.op].prim.startswith("softmax_cross")]
-    assert sorted(c.collective.nbytes for c in loss) == [2 * 4 * 8 * 128, 3 * 4 * 8 * 128]
-    assert all(c.collective.kind == "all_reduce" and not c.per_iteration for c in loss)
+
+    def values(prim: str) -> list[float]:
+        return sorted(c.collective.nbytes / (4 * 8 * 128) for c in plan.collectives
+                      if ops.get(c.op) is not None and ops[c.op].prim == prim)
+
+    assert values("softmax_cross_entropy") == loss_values
+    assert values("softmax_cross_entropy_grad") == grad_values
+    assert all(c.collective.kind == "all_reduce" and not c.per_iteration for c in plan.collectives
+               if ops.get(c.op) is not None and ops[c.op].prim.startswith("softmax_cross"))
     logits = next(op for op in head.ops if op.prim == "softmax_cross_entropy").inputs[0]
     assert plan.specs[logits].dims[-1] == (1,)
     assert not any(c.tensor == logits and c.collective.kind == "all_gather" for c in plan.collectives)

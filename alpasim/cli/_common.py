@@ -52,6 +52,13 @@ TpOverlapOpt = Annotated[Optional[bool], typer.Option("--tp-comm-overlap/--no-tp
                                                       help="Run tensor-parallel collectives beside their GEMMs "
                                                       "(Transformer Engine's comm-GEMM overlap), or in line "
                                                       "(default: as the method's system ran, --system).")]
+GatherOverlapOpt = Annotated[Optional[bool], typer.Option(
+    "--param-gather-overlap/--no-param-gather-overlap", help="Run a sharded optimizer's parameter all-gathers in "
+    "the next forward (Megatron-core's --overlap-param-gather), or after the step (default: as the method's "
+    "system ran, --system).")]
+CrossEntropyOpt = Annotated[Optional[str], typer.Option(
+    "--cross-entropy", help="How the loss kernel runs: fused (one pass over the logits each way) or unfused-fp32 "
+    "(Megatron's vocab-parallel loss on logits.float(), a kernel per step); default: as the method's system ran.")]
 SystemOpt = Annotated[Optional[str], typer.Option("--system", help="Price the plan as this system ran (a profile "
                                                   "of `alpasim methods`: overlap, recomputation, optimizer "
                                                   "sharding; default: the method's own).")]

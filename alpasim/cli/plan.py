@@ -17,8 +17,8 @@ from alpasim import solvers as sv
 from alpasim.experiments import simulation_report
 
 from ._common import (
-    AttentionOpt, BucketOpt, ClusterOpt, CostModelOpt, DpnOpt, GbpsOpt, JsonOpt, MemOpt, NodesOpt, OverlapOpt, PrecisionOpt,
-    SystemOpt, TpOverlapOpt, app, bucket_bytes, check_precision, check_recompute, emit_json, err, fail, fmt_bytes,
+    AttentionOpt, BucketOpt, ClusterOpt, CostModelOpt, CrossEntropyOpt, DpnOpt, GatherOverlapOpt, GbpsOpt, JsonOpt,
+    MemOpt, NodesOpt, OverlapOpt, PrecisionOpt, SystemOpt, TpOverlapOpt, app, bucket_bytes, check_precision, check_recompute, emit_json, err, fail, fmt_bytes,
     fmt_count, load_cluster, load_cost_model, out, parse_microbatches, plan_map, RayAddressOpt, RayOpt, TaskProgress,
     writable_file, writing,
 )
@@ -112,6 +112,8 @@ def plan(
                                                      "method's system ran.")] = None,
     overlap: OverlapOpt = None,
     tp_comm_overlap: TpOverlapOpt = None,
+    param_gather_overlap: GatherOverlapOpt = None,
+    cross_entropy: CrossEntropyOpt = None,
     system: SystemOpt = None,
     attention: AttentionOpt = None,
     bucket_mb: BucketOpt = None,
@@ -142,6 +144,8 @@ def plan(
     check_precision(precision)
     if recompute is not None:
         check_recompute(recompute, search=True)
+    if cross_entropy is not None and cross_entropy not in gr.LOSS_KERNELS:
+        fail(f"--cross-entropy must be one of {', '.join(gr.LOSS_KERNELS)}, got {cross_entropy!r}")
     if recompute == "none" and remat is None:
         remat = False                # asked for: nothing recomputed, whatever the system's default
     buckets = bucket_bytes(False, bucket_mb)
@@ -182,7 +186,8 @@ def plan(
                   sequence_parallel=sequence_parallel or None, cache=not no_cache, workers=workers, ray=ray,
                   ray_address=ray_address, epsilon=epsilon, cost_model=model_costs, precision=precision,
                   bucket_bytes=buckets, system=system, overlap=overlap, attention=attention,
-                  **{k: v for k, v in (("remat", remat), ("recompute", recompute), ("tp_overlap", tp_comm_overlap))
+                  **{k: v for k, v in (("remat", remat), ("recompute", recompute), ("tp_overlap", tp_comm_overlap),
+                                       ("gather_overlap", param_gather_overlap), ("loss_kernel", cross_entropy))
                      if v is not None},
                   **({"schedule": schedule, "chunk_options": chunk_options}
                      if (name == "alpa" and schedule != "1f1b") or (interleaves and schedule == "interleaved")

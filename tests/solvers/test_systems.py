@@ -302,3 +302,31 @@ def test_a_layers_data_and_weight_gradient_gemms_share_their_overlap():
     in_forward = sum(p.collective.time_s(mesh) for p in plan.collectives
                      if not p.per_iteration and block.op_by_name[p.op].phase == "forward")
     assert 0 < forward <= in_forward and forward < hidden <= gemm_collectives
+
+
+def test_the_parameter_gathers_and_the_loss_kernel_are_overrides_the_plan_records(cli):
+    """Megatron-core's distributed optimizer on dp 4: its gathers overlap the next forward
+    (less exposed, a shorter iteration) unless `--no-param-gather-overlap`; the loss runs
+    as Megatron's unfused fp32 kernels unless `--cross-entropy fused` (the loss alone
+    gets faster). Both are overrides the plan records; a kernel of no name is refused in
+    one line."""
+    kw = dict(remat=True, distributed_optimizer=True)
+    on = sv.plan_model(MODEL, CLUSTER, "megatron", megatron=DP4, system="megatron-core-0.8", **kw)
+    off = sv.plan_model(MODEL, CLUSTER, "megatron", megatron=DP4, system="megatron-core-0.8", gather_overlap=False,
+                        **kw)
+    assert off.system["overridden"]["param_gather_overlap"] is True
+    assert "param_gather_overlap" not in on.system["overridden"]
+    assert on.stages[0].param_gather_s > 0 and off.stages[0].param_gather_s == 0
+    assert on.predicted.iteration_s < off.predicted.iteration_s
+    fused = sv.plan_model(MODEL, CLUSTER, "megatron", megatron=DP4, system="megatron-core-0.8", loss_kernel="fused",
+                          **kw)
+    assert fused.system["overridden"]["cross_entropy"] == "unfused-fp32"
+    assert fused.predicted.iteration_s < on.predicted.iteration_s
+    args = ("plan", "--model", MODEL, "--cluster", "aws-p3.16xlarge", "--nodes", "2", "--devices-per-node", "2",
+            "--method", "megatron", "--tp", "1", "--pp", "1", "--dp", "4", "--microbatch-size", "1",
+            "--system", "megatron-core-0.8", "--distributed-optimizer", "--remat")
+    got = cli.json(*args, "--no-param-gather-overlap", "--cross-entropy", "fused")
+    assert {k: got["system"]["overridden"][k] for k in ("param_gather_overlap", "cross_entropy")} == \
+        {"param_gather_overlap": True, "cross_entropy": "unfused-fp32"}
+    bad = cli("plan", *args[1:], "--cross-entropy", "triton")
+    assert bad.returncode != 0 and bad.stderr.count("\n") == 1 and "unfused-fp32" in bad.stderr

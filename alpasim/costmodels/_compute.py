@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from alpasim.graphs import MATMUL_KINDS, Op, Tensor, attention_geometry, op_bytes, op_flops, op_kind
+from alpasim.graphs import LOSS_LOGITS, MATMUL_KINDS, Op, Tensor, attention_geometry, op_bytes, op_flops, op_kind
 
 from ._attention import executed_flops, fused_attention_time_s
 from ._fusion import VIEW_PRIMS, OpAccess, unfused_loss
@@ -87,7 +87,7 @@ def loss_bytes(op: Op, tensors: Mapping[str, Tensor]) -> int:
     logit, the log) is negligible beside it. The op pays one launch, not its six and
     two kernels' (some 20 us a microbatch left out); the fp32 softmax it keeps for the
     backward (4 bytes a logit) is not in the stash, which keeps the logits instead."""
-    logits = tensors[op.inputs[0] if op.prim == "softmax_cross_entropy" else op.inputs[1]]
+    logits = tensors[op.inputs[LOSS_LOGITS[op.prim]]]
     w = logits.nbytes // max(logits.size, 1)
     cast = 0 if logits.dtype == "float32" else w + 4
     per_element = 32 + cast if op.prim == "softmax_cross_entropy" else 8 + (4 + w if cast else 0)

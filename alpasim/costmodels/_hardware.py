@@ -114,13 +114,17 @@ class BusSweep:
     reduce-scatter, with S the full tensor), so a ring collective of S bytes takes
     k(n-1)/n x S / busbw(S); a sweep of 8 GPUs is taken for groups of 2 and 4 on the
     same switch too (each GPU keeps its own links to it). Between measured sizes busbw
-    is interpolated log-log; below the smallest the time stays the smallest size's (latency-bound);
-    above the largest the rate stays the largest's; time never falls as S grows. A kind with no sweep of its own
-    takes the all-reduce's, capped at the link's rate (an all-reduce through NVLink
+    is interpolated log-log; below the smallest the time stays the smallest size's
+    (latency-bound); above the largest the rate stays the largest's; time never falls as
+    S grows. A kind with no sweep of its own takes the all-reduce's, capped at the link's rate (an all-reduce through NVLink
     SHARP reduces in the switch and can exceed it; a ring all-gather cannot)."""
 
     source: str
     points: tuple[tuple[str, tuple[tuple[float, float], ...]], ...]
+    # Per kind: the sizes, their logs and the logs of the (never falling) times S / busbw,
+    # derived once from `points` (`bus_bytes_per_s` runs for every priced collective).
+    _curves: dict[str, tuple[tuple[float, ...], list[float], list[float]]] = dataclasses.field(
+        init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         owner = f"bus sweep {self.source!r}"
@@ -133,28 +137,34 @@ class BusSweep:
             if not pts or any(not _is_number(v) or not math.isfinite(v) or v <= 0 for p in pts for v in p) \
                     or sizes != sorted(set(sizes)):
                 raise ClusterError(f"{owner}: {kind} needs (bytes, GB/s) pairs, both > 0, sizes increasing")
-        object.__setattr__(self, "points", tuple((k, tuple((float(b), float(g)) for b, g in pts))
-                                                 for k, pts in self.points))
+        points = tuple((k, tuple((float(b), float(g)) for b, g in pts)) for k, pts in self.points)
+        object.__setattr__(self, "points", points)
+        curves = {}
+        for kind, pts in points:
+            sizes = tuple(b for b, _ in pts)
+            times = itertools.accumulate((b / (g * 1e9) for b, g in pts), max)
+            curves[kind] = (sizes, [math.log(b) for b in sizes], [math.log(t) for t in times])
+        object.__setattr__(self, "_curves", curves)
 
     def bus_bytes_per_s(self, kind: str, nbytes: float, cap_bytes_per_s: float) -> float:
         """Bus bandwidth (bytes/s) of `kind` on an `nbytes` tensor (class doc).
 
         Interpolated as S / busbw(S), which is the time up to the ring factor: log-log
         between sizes (the same as interpolating busbw log-log, where the table's times
-        increase) and never decreasing with S. A table's time can dip between two sizes by noise (H100's ring
-        reduce-scatter: 43.5 us at 2 MiB, 41.5 at 4 MiB); such a dip is read as flat."""
-        own = dict(self.points)
-        sizes, rates = zip(*(own.get(kind) or own["all_reduce"]), strict=True)
-        times = list(itertools.accumulate((b / (g * 1e9) for b, g in zip(sizes, rates, strict=True)), max))
+        increase) and never decreasing with S. A table's time can dip between two sizes
+        by noise (H100's ring reduce-scatter: 43.5 us at 2 MiB, 41.5 at 4 MiB); such a
+        dip is read as flat."""
+        own = kind in self._curves
+        sizes, log_sizes, log_times = self._curves[kind if own else "all_reduce"]
         if nbytes <= sizes[0]:
-            t = times[0]
+            t = math.exp(log_times[0])
         elif nbytes >= sizes[-1]:
-            t = times[-1] * nbytes / sizes[-1]
+            t = math.exp(log_times[-1]) * nbytes / sizes[-1]
         else:
             i = bisect.bisect_right(sizes, nbytes)
-            f = math.log(nbytes / sizes[i - 1]) / math.log(sizes[i] / sizes[i - 1])
-            t = math.exp(math.log(times[i - 1]) + f * math.log(times[i] / times[i - 1]))
-        return nbytes / t if kind in own else min(nbytes / t, cap_bytes_per_s)
+            f = (math.log(nbytes) - log_sizes[i - 1]) / (log_sizes[i] - log_sizes[i - 1])
+            t = math.exp(log_times[i - 1] + f * (log_times[i] - log_times[i - 1]))
+        return nbytes / t if own else min(nbytes / t, cap_bytes_per_s)
 
     def to_json(self) -> dict[str, Any]:
         return {"source": self.source, **{k: [list(p) for p in pts] for k, pts in self.points}}

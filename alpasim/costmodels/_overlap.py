@@ -125,5 +125,5 @@ def gather_exposed_s(forward_s: Sequence[float], gather_s: Sequence[float]) -> f
         gathered += g
         delay = max(delay, gathered - waited)
         waited += f
-    return max(delay, 0.0)
+    return delay
 

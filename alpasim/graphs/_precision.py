@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ._prims_nn import LOSS_LOGITS
+
 HALF = frozenset({"float16", "bfloat16"})
 
 
@@ -75,7 +77,6 @@ def get_recipe(name: str | PrecisionRecipe | None) -> PrecisionRecipe:
 # `logits.float()`: a cast, max, subtract, exp, sum and divide, each its own PyTorch
 # kernel, the softmax kept in fp32 for the backward; `costmodels._compute.loss_bytes`).
 LOSS_KERNELS = ("fused", "unfused-fp32")
-_LOSS_PRIMS = ("softmax_cross_entropy", "softmax_cross_entropy_grad")
 
 
 def with_loss_kernel(graph, kernel: str):
@@ -83,7 +84,7 @@ def with_loss_kernel(graph, kernel: str):
     absent: fused). Only pricing reads it: the values computed are the same."""
     if kernel not in LOSS_KERNELS:
         raise ValueError(f"unknown loss kernel {kernel!r}; choose one of {', '.join(LOSS_KERNELS)}")
-    if kernel == "fused" or not any(op.prim in _LOSS_PRIMS for op in graph.ops):
+    if kernel == "fused" or not any(op.prim in LOSS_LOGITS for op in graph.ops):
         return graph
     return graph.replace(ops=[op.replace(params=tuple(sorted({**dict(op.params), "kernel": kernel}.items())))
-                              if op.prim in _LOSS_PRIMS else op for op in graph.ops])
+                              if op.prim in LOSS_LOGITS else op for op in graph.ops])

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from types import MappingProxyType
 
 from ._prim_core import Primitive, dimmap, letter_run, need, register, same_letters
 from ._prims_compute import conv_out
@@ -189,6 +191,10 @@ def _take_along_grad_dims(p, ins, outs):
 
 register(Primitive("take_along_grad", "embedding", _take_along_grad_infer,
                     lambda p, ins, outs: float(ins[0].size), _take_along_grad_dims, arity=(2,)))
+
+
+# The loss primitives, each with the input it reads its logits from.
+LOSS_LOGITS: Mapping[str, int] = MappingProxyType({"softmax_cross_entropy": 0, "softmax_cross_entropy_grad": 1})
 
 
 def _xent_infer(p, ins):

@@ -40,12 +40,13 @@ import itertools
 from collections.abc import Mapping
 
 from alpasim.costmodels import CostModel
-from alpasim.graphs import Op, OpGraph, Tensor, is_weight_grad, makes_weight_grad, op_dims, weight_grad_params
+from alpasim.graphs import (LOSS_LOGITS, Op, OpGraph, Tensor, is_weight_grad, makes_weight_grad, op_dims,
+                            weight_grad_params)
 
 from ._mesh import LogicalMesh
 from ._resharding import Collective, resharding_time_s
 from ._spec import ShardingSpec, all_specs, spec_fits
-from ._strategies import Strategy, graph_strategies
+from ._strategies import Strategy, class_letter, graph_strategies
 
 # Parameter name (last path component) -> dimension Megatron-LM splits on the
 # tensor-parallel axis (Shoeybi et al. 2019; Narayanan et al. 2021).
@@ -166,7 +167,7 @@ def megatron_restriction(graph: OpGraph, mesh: LogicalMesh, cost_model: CostMode
                 for d, axes in enumerate(spec[0].dims):
                     if 1 in axes:
                         must[1] = {term[d]}
-        loss = op.prim in ("softmax_cross_entropy", "softmax_cross_entropy_grad")
+        loss = op.prim in LOSS_LOGITS
         if seq and 1 not in must and not loss:
             # Inside a region the split weight's letter; outside, the sequence.
             letters = set(split[op.name] or seq[op.name]) - set(batch[op.name])
@@ -184,8 +185,7 @@ def megatron_restriction(graph: OpGraph, mesh: LogicalMesh, cost_model: CostMode
         if loss and mesh.shape[1] > 1:
             # Megatron-LM splits the loss over the vocabulary, the logits' last axis
             # (its vocab-parallel cross-entropy), never over a sequence it does not have.
-            vocab = dm.inputs[0 if op.prim == "softmax_cross_entropy" else 1][-1]
-            keep = [s for s in keep if _axes_of(s).get(1) == vocab] or keep
+            keep = [s for s in keep if _axes_of(s).get(1) == class_letter(op, dm)] or keep
         # No distributed optimizer: gradients (and each contribution to one, such as the
         # LM head's to the tied embedding's), master weights and Adam moments are laid
         # out as the parameter is.

@@ -740,6 +740,40 @@ def exposed_ranges(backward: np.ndarray, sync: np.ndarray, buckets: np.ndarray) 
     return out
 
 
+def _table_options(kinds: Sequence[str], options, n_mesh: int, n_opt: int):
+    """(layer, mesh, column, option) of every cell of the stage table's per-layer
+    arrays: column j holds a layer's j-th option, or its last where it has fewer."""
+    for l, kind in enumerate(kinds):
+        for m in range(n_mesh):
+            opts = options.get((kind, m), [])
+            for j in range(n_opt if opts else 0):
+                yield l, m, j, opts[min(j, len(opts) - 1)]
+
+
+def _overlapped_sync(kinds: Sequence[str], options, meshes, shape: tuple[int, int, int], ranges,
+                     bucket_bytes: float, tp_overlap: bool, gather_overlap: bool) -> np.ndarray:
+    """`stage_sync`'s exposed seconds for every layer range at once, (L, L, M, J): what
+    a range's buckets leave after its backward (with `gather_overlap`, plus its next
+    forward's wait for the parameters' gathers), or, where that is more, all its
+    collectives after the backward. `ranges` sums a per-layer array over each range.
+    `gather_overlap` implies buckets (`build_stage_costs`)."""
+    backward, bucketed, buckets, unbucketed, forward, gathers, moved = (np.zeros(shape) for _ in range(7))
+    syncs: dict[tuple[str, int, int], LayerSync] = {}     # by layer kind: layers of one kind share it
+    for l, m, j, o in _table_options(kinds, options, shape[1], shape[2]):
+        ls = syncs.get((kinds[l], m, j))
+        if ls is None:
+            ls = syncs[(kinds[l], m, j)] = layer_sync(o, meshes[m][2], bucket_bytes, tp_overlap)
+        backward[l, m, j], bucketed[l, m, j], buckets[l, m, j] = ls.backward_s, ls.sync_s, ls.buckets
+        unbucketed[l, m, j] = o.grad_sync_s
+        if gather_overlap:
+            bucketed[l, m, j], gathers[l, m, j] = o.gathers_next_forward(ls.sync_s)
+            forward[l, m, j], moved[l, m, j] = o.forward_busy_s(tp_overlap), o.param_gather_s
+    exposed = exposed_ranges(backward, bucketed, buckets)
+    if gather_overlap:
+        exposed = exposed + gather_ranges(forward, gathers)
+    return np.minimum(exposed, ranges(unbucketed) + ranges(moved))
+
+
 def _assemble(kinds: Sequence[str], options, meshes, shapes, memory: float, microbatches: int, num_layers: int,
               s_max: int, owners: Sequence[TiedCopy | None] = (), layers: Sequence[OpGraph] = (),
               bucket_bytes: float | None = None, tp_overlap: bool = False, gather_overlap: bool = False):
@@ -754,36 +788,18 @@ def _assemble(kinds: Sequence[str], options, meshes, shapes, memory: float, micr
     n_opt = max((len(v) for v in options.values()), default=1)
     shape = (num_layers, n_mesh, n_opt)
     time, pers, peak, stash, tied, gather, update = (np.full(shape, INF) for _ in range(7))
-    backward, bucketed, buckets, unbucketed, forward, gathers, moved = (np.zeros(shape) for _ in range(7))
     overlap = bucket_bytes is not None
-    syncs: dict[tuple[str, int, int], LayerSync] = {}     # by layer kind: layers of one kind share it
-    for l, kind in enumerate(kinds):
-        for m in range(n_mesh):
-            opts = options.get((kind, m), [])
-            for j in range(n_opt):
-                if not opts:
-                    continue
-                o = opts[min(j, len(opts) - 1)]
-                # With overlap the gradient sync (and with gather overlap the parameter
-                # gathers) is the range's exposed part (below), not each layer's.
-                moved[l, m, j] = o.param_gather_s if overlap and gather_overlap else 0.0
-                time[l, m, j] = (o.busy_s(overlap, tp_overlap)
-                                 + (o.sync_s - (o.grad_sync_s if overlap else 0.0) - moved[l, m, j]) / microbatches)
-                if overlap:
-                    unbucketed[l, m, j] = o.grad_sync_s
-                    ls = syncs.get((kind, m, j))
-                    if ls is None:
-                        ls = syncs[(kind, m, j)] = layer_sync(o, meshes[m][2], bucket_bytes, tp_overlap)
-                    backward[l, m, j], bucketed[l, m, j], buckets[l, m, j] = ls.backward_s, ls.sync_s, ls.buckets
-                    if gather_overlap:
-                        bucketed[l, m, j], gathers[l, m, j] = o.gathers_next_forward(ls.sync_s)
-                        forward[l, m, j] = o.forward_busy_s(tp_overlap)
-                pers[l, m, j] = o.persistent_bytes
-                peak[l, m, j] = o.activation_bytes
-                stash[l, m, j] = o.inflight_bytes
-                tied[l, m, j] = o.tied_bytes
-                gather[l, m, j] = o.gather_bytes
-                update[l, m, j] = o.update_bytes
+    for l, m, j, o in _table_options(kinds, options, n_mesh, n_opt):
+        # With overlap the gradient sync (and with gather overlap the parameter gathers)
+        # is the range's exposed part (`_overlapped_sync`), not each layer's.
+        after = o.sync_s - (o.grad_sync_s if overlap else 0.0) - (o.param_gather_s if gather_overlap else 0.0)
+        time[l, m, j] = o.busy_s(overlap, tp_overlap) + after / microbatches
+        pers[l, m, j] = o.persistent_bytes
+        peak[l, m, j] = o.activation_bytes
+        stash[l, m, j] = o.inflight_bytes
+        tied[l, m, j] = o.tied_bytes
+        gather[l, m, j] = o.gather_bytes
+        update[l, m, j] = o.update_bytes
 
     k_idx, i_idx = np.indices((num_layers, num_layers))
     empty = (k_idx > i_idx)[..., None, None]
@@ -795,11 +811,9 @@ def _assemble(kinds: Sequence[str], options, meshes, shapes, memory: float, micr
         return out
 
     t_range, p_range, s_range = ranges(time), ranges(pers), ranges(np.nan_to_num(stash, posinf=0.0))
-    if overlap:     # overlapped where that is faster (`stage_sync`)
-        exposed = exposed_ranges(backward, bucketed, buckets)
-        if gather_overlap:
-            exposed = exposed + gather_ranges(forward, gathers)
-        t_range = t_range + np.minimum(exposed, ranges(unbucketed) + ranges(moved)) / microbatches
+    if overlap:
+        t_range = t_range + _overlapped_sync(kinds, options, meshes, shape, ranges, bucket_bytes, tp_overlap,
+                                             gather_overlap) / microbatches
     peak_range = range_peak(np.nan_to_num(stash, posinf=0.0), np.where(np.isinf(peak), 0.0, peak))
     buffers = np.maximum(range_max(np.where(np.isinf(gather), 0.0, gather)), 0.0)
     updates = np.maximum(range_max(np.where(np.isinf(update), 0.0, update)), 0.0)

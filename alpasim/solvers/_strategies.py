@@ -26,8 +26,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from alpasim.costmodels import CostModel, OpAccess, fuse
-from alpasim.graphs import WEIGHT_GRAD_TAG, Op, Tensor, is_heavy, is_weight_grad, op_dims
+from alpasim.costmodels import CostModel, OpAccess, fuse, unfused_loss
+from alpasim.graphs import LOSS_LOGITS, WEIGHT_GRAD_TAG, Op, Tensor, is_heavy, is_weight_grad, op_dims
 
 from ._mesh import LogicalMesh
 from ._resharding import Collective
@@ -128,7 +128,7 @@ def enumerate_strategies(op: Op, tensors: Mapping[str, Tensor], mesh: LogicalMes
     heavy = is_heavy(op) and not allow_replicated_heavy
     # A vocab-parallel loss is whole on every class shard: its class letter leaves no
     # partial sum (`vocab_parallel` prices what it all-reduces instead).
-    in_letters = set("".join(dm.inputs)) - set(_class_letter(op, dm))
+    in_letters = set("".join(dm.inputs)) - set(class_letter(op, dm))
     found: dict[tuple, Strategy] = {}
     for choice in itertools.product([None, *shardable], repeat=len(live)):
         if heavy and None in choice:
@@ -160,13 +160,11 @@ def enumerate_strategies(op: Op, tensors: Mapping[str, Tensor], mesh: LogicalMes
     return list(found.values())
 
 
-def _class_letter(op: Op, dm) -> str:
-    """The class letter of a softmax cross-entropy (or its gradient), else ""."""
-    if op.prim == "softmax_cross_entropy":
-        return dm.inputs[0][-1]
-    if op.prim == "softmax_cross_entropy_grad":
-        return dm.inputs[1][-1]
-    return ""
+def class_letter(op: Op, dm) -> str:
+    """The class letter of a softmax cross-entropy (or its gradient): its logits' last
+    letter; "" for any other op."""
+    i = LOSS_LOGITS.get(op.prim)
+    return "" if i is None else dm.inputs[i][-1]
 
 
 def vocab_parallel(op: Op, dm, ins: Sequence[Tensor], loops: Mapping[str, tuple[int, ...]],
@@ -179,17 +177,18 @@ def vocab_parallel(op: Op, dm, ins: Sequence[Tensor], loops: Mapping[str, tuple[
     the softmax, so its gradient all-reduces nothing. A fused kernel all-reduces the max,
     then the target logit with the sum (two), and its gradient, which recomputes the
     softmax from the logits, the max and the sum again."""
-    letter = _class_letter(op, dm)
+    letter = class_letter(op, dm)
     axes = tuple(sorted(loops.get(letter, ()))) if letter else ()
     if not axes:
         return []
-    term, logits = (dm.inputs[0], ins[0]) if op.prim == "softmax_cross_entropy" else (dm.inputs[1], ins[1])
+    i = LOSS_LOGITS[op.prim]
+    term, logits, forward = dm.inputs[i], ins[i], i == 0
     token_axes = tuple(a for c, ax in loops.items() if c in term[:-1] for a in ax)
     per_value = 4 * logits.size / logits.shape[-1] / mesh.axis_size(token_axes)
-    if op.param("kernel") == "unfused-fp32":
-        values = (1, 1, 1) if op.prim == "softmax_cross_entropy" else ()
+    if unfused_loss(op):
+        values = (1, 1, 1) if forward else ()
     else:
-        values = (1, 2) if op.prim == "softmax_cross_entropy" else (1, 1)
+        values = (1, 2) if forward else (1, 1)
     return [Collective("all_reduce", v * per_value, axes) for v in values]
 
 

@@ -91,7 +91,7 @@ def _ring_time_s(nbytes: float, n: int, link: Link, steps_per_peer: int, kind: s
         return 0.0
     k = steps_per_peer * (n - 1)
     if kind is not None and link.sweep is not None:
-        return k / n * nbytes / link.sweep.bus_bytes_per_s(kind, nbytes, link.bytes_per_s)
+        return k / n * link.sweep.bus_time_s(kind, nbytes, link.bytes_per_s)
     return k * link.latency_s + k / n * nbytes / link.bytes_per_s
 
 

@@ -121,9 +121,9 @@ class BusSweep:
 
     source: str
     points: tuple[tuple[str, tuple[tuple[float, float], ...]], ...]
-    # Per kind: the sizes, their logs and the logs of the (never falling) times S / busbw,
-    # derived once from `points` (`bus_bytes_per_s` runs for every priced collective).
-    _curves: dict[str, tuple[tuple[float, ...], list[float], list[float]]] = dataclasses.field(
+    # Per kind: the sizes, their logs, the (never falling) times S / busbw and their logs,
+    # derived once from `points` (`bus_time_s` runs for every priced collective).
+    _curves: dict[str, tuple[tuple[float, ...], list[float], list[float], list[float]]] = dataclasses.field(
         init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -142,29 +142,32 @@ class BusSweep:
         curves = {}
         for kind, pts in points:
             sizes = tuple(b for b, _ in pts)
-            times = itertools.accumulate((b / (g * 1e9) for b, g in pts), max)
-            curves[kind] = (sizes, [math.log(b) for b in sizes], [math.log(t) for t in times])
+            times = list(itertools.accumulate((b / (g * 1e9) for b, g in pts), max))
+            curves[kind] = (sizes, [math.log(b) for b in sizes], times, [math.log(t) for t in times])
         object.__setattr__(self, "_curves", curves)
 
-    def bus_bytes_per_s(self, kind: str, nbytes: float, cap_bytes_per_s: float) -> float:
-        """Bus bandwidth (bytes/s) of `kind` on an `nbytes` tensor (class doc).
+    def bus_time_s(self, kind: str, nbytes: float, cap_bytes_per_s: float) -> float:
+        """S / busbw(S) of `kind` on an `nbytes` tensor (class doc): the collective's time
+        up to its ring factor k(n-1)/n, so the caller multiplies by a constant and the
+        time stays monotone in S to the last bit (dividing S by a bandwidth got from S
+        does not).
 
-        Interpolated as S / busbw(S), which is the time up to the ring factor: log-log
-        between sizes (the same as interpolating busbw log-log, where the table's times
-        increase) and never decreasing with S. A table's time can dip between two sizes
-        by noise (H100's ring reduce-scatter: 43.5 us at 2 MiB, 41.5 at 4 MiB); such a
-        dip is read as flat."""
+        Interpolated log-log between sizes (the same as interpolating busbw log-log,
+        where the table's times increase) and clamped between the two sizes' times, so
+        that rounding at a segment's ends never lets the time fall as S grows. A table's
+        time can dip between two sizes by noise (H100's ring reduce-scatter: 43.5 us at
+        2 MiB, 41.5 at 4 MiB); such a dip is read as flat."""
         own = kind in self._curves
-        sizes, log_sizes, log_times = self._curves[kind if own else "all_reduce"]
+        sizes, log_sizes, times, log_times = self._curves[kind if own else "all_reduce"]
         if nbytes <= sizes[0]:
-            t = math.exp(log_times[0])
+            t = times[0]
         elif nbytes >= sizes[-1]:
-            t = math.exp(log_times[-1]) * nbytes / sizes[-1]
+            t = times[-1] * (nbytes / sizes[-1])
         else:
             i = bisect.bisect_right(sizes, nbytes)
             f = (math.log(nbytes) - log_sizes[i - 1]) / (log_sizes[i] - log_sizes[i - 1])
-            t = math.exp(log_times[i - 1] + f * (log_times[i] - log_times[i - 1]))
-        return nbytes / t if own else min(nbytes / t, cap_bytes_per_s)
+            t = min(max(math.exp(log_times[i - 1] + f * (log_times[i] - log_times[i - 1])), times[i - 1]), times[i])
+        return t if own else max(t, nbytes / cap_bytes_per_s)
 
     def to_json(self) -> dict[str, Any]:
         return {"source": self.source, **{k: [list(p) for p in pts] for k, pts in self.points}}

@@ -1,7 +1,8 @@
 import json
+import math
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from alpasim.costmodels import (
@@ -237,11 +238,28 @@ def test_a_swept_link_prices_ring_collectives_from_the_measured_bus_bandwidth():
     assert all_to_all_time_s(1e8, 8, SWEPT) == pytest.approx(7 * 1e-5 + 7 / 8 * 1e8 / 100e9)
 
 
+SWEPT_LINKS = (SWEPT, get_cluster("dgx-a100").intra_node, get_cluster("dgx-h100").intra_node)
+
+
 @given(st.sampled_from(("all_reduce", "all_gather", "reduce_scatter")), st.floats(1e3, 1e11), st.floats(1e3, 1e11))
+@example("all_reduce", 1000.0, 1049.0)    # below the smallest size: S / (S / t) rounded either way
 def test_a_swept_collective_is_monotone_in_bytes(kind, a, b):
     lo, hi = sorted((a, b))
-    for link in (SWEPT, get_cluster("dgx-a100").intra_node, get_cluster("dgx-h100").intra_node):
+    for link in SWEPT_LINKS:
         assert collective_time_s(kind, lo, [MeshAxis(8, link)]) <= collective_time_s(kind, hi, [MeshAxis(8, link)])
+
+
+def test_a_swept_collective_is_monotone_across_every_measured_size():
+    """At each size of a table, one ulp below, the size itself and one ulp above: where
+    two interpolation segments (or a segment and the flat ends) meet, rounding must not
+    let the time fall."""
+    for link in SWEPT_LINKS:
+        for kind in ("all_reduce", "all_gather", "reduce_scatter"):
+            for _, pts in link.sweep.points:
+                for size, _ in pts:
+                    sizes = (math.nextafter(size, 0), size, math.nextafter(size, math.inf))
+                    times = [collective_time_s(kind, s, [MeshAxis(8, link)]) for s in sizes]
+                    assert times == sorted(times), (link.name, kind, size, times)
 
 
 def test_dgx_nodes_carry_nccl_tests_sweeps():

@@ -55,6 +55,8 @@ def make_plan(model: str, cluster: cm.Cluster, method: str = "alpa", *, microbat
         pool = plan_map(workers, ray, ray_address)
     except sv.PlanInfeasible:   # plan_model returns its infeasible plan at once
         pool = contextlib.nullcontext(map)
+    except sv.OptionConflict as e:
+        fail(f"--{e.entry.replace('_', '-')} {e.why}")
     with pool as map_fn, TaskProgress(f"{m.cli_name}: ") as progress:
         # The model as given (not its source): a spec's own settings, `attention=`, count.
         return sv.plan_model(model, cluster, m.name, microbatches=mb, layers=layers, max_stages=max_stages,

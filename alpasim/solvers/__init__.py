@@ -121,6 +121,7 @@ from ._methods import throughput_pflops as throughput_pflops
 from ._systems import ENTRIES as SYSTEM_ENTRIES
 from ._systems import SYSTEMS as SYSTEMS
 from ._systems import SystemProfile as SystemProfile
+from ._systems import OptionConflict as OptionConflict
 from ._systems import UnknownSystemError as UnknownSystemError
 from ._systems import get_system as get_system
 from ._stage_dp import equal_layer_dp as equal_layer_dp

@@ -48,7 +48,7 @@ from ._inter_op import DEFAULT_MAX_STAGES, PlanInfeasible, plan_pipeline, planni
 from ._preflight import check_megatron, preflight
 from ._pipeline_plan import PipelinePlan, PlanModel, Prediction, SearchStats, plan_cluster_info
 from ._submesh import SubmeshShape
-from ._systems import GradBuckets, SystemRecord, get_system, resolve
+from ._systems import GradBuckets, OptionConflict, SystemRecord, get_system, resolve
 
 # Options every method takes (`plan_pipeline` keywords), and those only some do.
 COMMON_OPTIONS = frozenset({"microbatches", "remat", "recompute", "precision", "cost_model", "epsilon", "cache",
@@ -309,10 +309,16 @@ def system_options(m: Method, system: str | None, overlap: bool | None, distribu
         overlap = False
     recompute = _recompute_given(options)
     sharding = None if distributed_optimizer is None else _sharding(distributed_optimizer)
+    gather_given = options.pop("gather_overlap", None)
     record = resolve(profile, grad_overlap=overlap, recompute=recompute, optimizer_sharding=sharding,
                      attention=attention, tp_comm_overlap=options.pop("tp_overlap", None),
-                     param_gather_overlap=options.pop("gather_overlap", None),
-                     cross_entropy=options.pop("loss_kernel", None))
+                     param_gather_overlap=gather_given, cross_entropy=options.pop("loss_kernel", None))
+    distributed_optimizer = _profile_distributed_optimizer(m, megatron, distributed_optimizer, record.settings)
+    blocked = _gather_overlap_blocked(m, record.settings, distributed_optimizer)
+    if record.settings["param_gather_overlap"] and blocked:
+        if gather_given:
+            raise OptionConflict("param_gather_overlap", blocked)
+        record = record.without("param_gather_overlap", blocked)
     settings = record.settings
     given = options.get("bucket_bytes")
     options["bucket_bytes"] = ((profile.buckets or DEFAULT_BUCKET_BYTES) if given in (None, SYSTEM_BUCKETS)
@@ -325,11 +331,33 @@ def system_options(m: Method, system: str | None, overlap: bool | None, distribu
         options.pop("recompute", None)
     elif recompute is None:
         options["remat"], options["recompute"] = RECOMPUTE_OPTIONS[settings["recompute"]]
-    searches_sharding = "optimizer_sharding" in m.own_search and megatron is None
-    if "distributed_optimizer" in m.accepts and distributed_optimizer is None and not searches_sharding \
-            and settings["optimizer_sharding"] != "searched":
-        distributed_optimizer = settings["optimizer_sharding"] == "data-parallel"
     return options, record, distributed_optimizer
+
+
+def _profile_distributed_optimizer(m: Method, megatron: MegatronConfig | None, given: bool | None,
+                                   settings: dict) -> bool | None:
+    """A Megatron configuration's distributed optimizer: as given, else the profile's
+    (None: Megatron-core's grid searches it)."""
+    searches_sharding = "optimizer_sharding" in m.own_search and megatron is None
+    if "distributed_optimizer" in m.accepts and given is None and not searches_sharding \
+            and settings["optimizer_sharding"] != "searched":
+        return settings["optimizer_sharding"] == "data-parallel"
+    return given
+
+
+def _gather_overlap_blocked(m: Method, settings: dict, distributed_optimizer: bool | None) -> str | None:
+    """Why the parameters' all-gathers cannot overlap the next forward in this plan, or
+    None. Megatron-core refuses `--overlap-param-gather` without the distributed
+    optimizer and without `--overlap-grad-reduce` (megatron/training/arguments.py,
+    validate_args), and the planner moves only the distributed optimizer's gathers
+    (`_intra_baselines.DISTRIBUTED_OPTIMIZER`)."""
+    if "distributed_optimizer" not in m.accepts:
+        return f"needs a Megatron method's distributed optimizer, and method {m.cli_name} has none"
+    if distributed_optimizer is False:
+        return "needs the distributed optimizer (Megatron-core asserts --use-distributed-optimizer with it)"
+    if not settings["grad_overlap"]:
+        return "needs overlapped gradient reduction (Megatron-core asserts --overlap-grad-reduce with it)"
+    return None
 
 
 def _bucket_bytes(bucket: float | GradBuckets | None, dp: int, weight_dtype: str) -> float | None:
@@ -398,6 +426,9 @@ def with_system(plan: PipelinePlan, record: SystemRecord) -> PipelinePlan:
     if config is not None and "optimizer_sharding" not in record.overridden:
         settings = {**record.settings, "optimizer_sharding": _sharding(config.get("distributed_optimizer"))}
         record = dataclasses.replace(record, settings=settings)
+        if settings["param_gather_overlap"] and not config.get("distributed_optimizer"):
+            record = record.without("param_gather_overlap", "needs the distributed optimizer, which the "
+                                                            "configuration chosen does not use")
     return dataclasses.replace(plan, system=record.to_json(), notes=(*plan.notes, *record.notes()))
 
 
@@ -414,6 +445,10 @@ def check_before_planning(model: ModelLike, cluster: Cluster, method: str = "alp
     m = get_method(method)
     _refuse_options(m, layers=layers, max_stages=max_stages, megatron=megatron,
                     distributed_optimizer=distributed_optimizer, sequence_parallel=sequence_parallel)
+    if megatron is not None and megatron.distributed_optimizer and distributed_optimizer is None:
+        distributed_optimizer = True
+    system_options(m, options.get("system"), options.get("overlap"), distributed_optimizer, megatron,
+                   {k: v for k, v in options.items() if k in COMMON_OPTIONS})      # its conflicts
     source = _zoo_source(model) if m.zoo_only else model_source(model)
     _run_preflight(m, source, cluster, layers=layers, max_stages=max_stages, megatron=megatron, **options)
     return source

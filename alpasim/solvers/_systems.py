@@ -63,6 +63,15 @@ class UnknownSystemError(ValueError):
     """A system profile name no record has."""
 
 
+class OptionConflict(ValueError):
+    """A setting the user asked for that cannot apply to the plan asked for: `entry`
+    (a profile entry) and why, refused before anything is priced."""
+
+    def __init__(self, entry: str, why: str) -> None:
+        super().__init__(f"{entry} {why}")
+        self.entry, self.why = entry, why
+
+
 @dataclass(frozen=True, slots=True)
 class GradBuckets:
     """Gradient buckets of max(min_params, params_per_rank x dp) parameters: larger
@@ -120,19 +129,21 @@ class SystemProfile:
 class SystemRecord:
     """What a plan records of its system: the profile's name, the settings it was priced
     with (the profile's, with the user's overrides), which entries the user overrode
-    (entry -> the profile's value), and which settings the cost model could not price
-    (entry -> the value it priced instead)."""
+    (entry -> the profile's value), which settings the cost model could not price (entry
+    -> the value it priced instead), and which of the settings do not apply to this plan
+    and were priced off (entry -> why)."""
 
     name: str
     settings: dict[str, Any]
     overridden: dict[str, Any]
     unpriced: dict[str, Any]
+    inapplicable: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def notes(self) -> tuple[str, ...]:
-        """One line each for overrides and unpriced settings (none: nothing to say)."""
+        """One line each for overrides, unpriced and inapplicable settings (none: nothing to say)."""
         out = []
         if self.overridden:
             out.append(f"system {self.name}: " + ", ".join(
@@ -140,7 +151,13 @@ class SystemRecord:
         if self.unpriced:
             out.append(f"system {self.name}: not modelled yet, priced as " + ", ".join(
                 f"{k} {_fmt(v)} (it ran {_fmt(self.settings[k])})" for k, v in self.unpriced.items()))
+        out += [f"system {self.name}: {k} priced off: it {why}" for k, why in self.inapplicable.items()]
         return tuple(out)
+
+    def without(self, entry: str, why: str) -> SystemRecord:
+        """The record with the on/off `entry` priced off because it does not apply (`why`)."""
+        return dataclasses.replace(self, settings={**self.settings, entry: False},
+                                   inapplicable={**self.inapplicable, entry: why})
 
 
 def _fmt(value: Any) -> str:

@@ -330,3 +330,32 @@ def test_the_parameter_gathers_and_the_loss_kernel_are_overrides_the_plan_record
         {"param_gather_overlap": True, "cross_entropy": "unfused-fp32"}
     bad = cli("plan", *args[1:], "--cross-entropy", "triton")
     assert bad.returncode != 0 and bad.stderr.count("\n") == 1 and "unfused-fp32" in bad.stderr
+
+
+def test_a_parameter_gather_overlap_that_cannot_apply_is_refused_or_priced_off(cli):
+    """Megatron-core refuses `--overlap-param-gather` without the distributed optimizer
+    or without `--overlap-grad-reduce` (its validate_args): asked for, it is refused in
+    one line before planning; the profile's own default is priced off, and the plan
+    says so and prices exactly what `--no-param-gather-overlap` does."""
+    kw = dict(remat=True, distributed_optimizer=True)
+    for given, why in ((dict(distributed_optimizer=False), "distributed optimizer"),
+                       (dict(overlap=False), "overlapped gradient reduction")):
+        with pytest.raises(sv.OptionConflict, match=why):
+            sv.plan_model(MODEL, CLUSTER, "megatron", megatron=DP4, system="megatron-core-0.8",
+                          **{**kw, **given, "gather_overlap": True})
+    with pytest.raises(sv.OptionConflict, match="method alpa has none"):
+        sv.check_before_planning(MODEL, CLUSTER, "alpa", gather_overlap=True)
+    default = sv.plan_model(MODEL, CLUSTER, "megatron", megatron=DP4, system="megatron-core-0.8", overlap=False, **kw)
+    assert default.system["settings"]["param_gather_overlap"] is False
+    assert "overlapped gradient reduction" in default.system["inapplicable"]["param_gather_overlap"]
+    assert any("param_gather_overlap priced off" in n for n in default.notes)
+    off = sv.plan_model(MODEL, CLUSTER, "megatron", megatron=DP4, system="megatron-core-0.8", overlap=False,
+                        gather_overlap=False, **kw)
+    assert default.predicted.iteration_s == off.predicted.iteration_s and off.system["inapplicable"] == {}
+    args = ("plan", "--model", MODEL, "--cluster", "aws-p3.16xlarge", "--nodes", "2", "--devices-per-node", "2",
+            "--method", "megatron", "--tp", "1", "--pp", "1", "--dp", "4", "--microbatch-size", "1",
+            "--param-gather-overlap")
+    bad = cli(*args)
+    assert bad.returncode != 0 and bad.lines == [
+        "alpasim: error: --param-gather-overlap needs the distributed optimizer (Megatron-core asserts "
+        "--use-distributed-optimizer with it)"], bad.stderr

@@ -774,6 +774,33 @@ def _overlapped_sync(kinds: Sequence[str], options, meshes, shape: tuple[int, in
     return np.minimum(exposed, ranges(unbucketed) + ranges(moved))
 
 
+def _with_tied_copies(p_range: np.ndarray, peak_range: np.ndarray, kinds: Sequence[str], options, meshes,
+                      owners: Sequence[TiedCopy | None], layers: Sequence[OpGraph], tied: np.ndarray,
+                      stash: np.ndarray, peak: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The ranges' persistent bytes less each tied copy held beside its owner (one set
+    of states serves both), and their peak with what a copy after its owner carries
+    (`carry_peak`): (L, L, M, J) each, as `_assemble` composes them."""
+    num_layers, n_mesh, n_opt = tied.shape
+    k_idx, i_idx = np.indices((num_layers, num_layers))
+    for l, copy in enumerate(owners):
+        if copy is None:
+            continue
+        lo, hi = min(l, copy.owner), max(l, copy.owner)
+        both = (k_idx <= lo) & (i_idx >= hi)                             # ranges holding copy and owner
+        p_range = p_range - np.where(both[..., None, None], np.nan_to_num(tied[l], posinf=0.0)[None, None], 0.0)
+        if copy.owner < l and copy.outputs:
+            carry = np.zeros((n_mesh, n_opt))
+            for m in range(n_mesh):
+                opts = options.get((kinds[l], m), [])
+                for j in range(n_opt):
+                    if opts:
+                        carry[m, j] = carry_bytes(layers[l], opts[min(j, len(opts) - 1)], copy, meshes[m][2])
+            carried = carry_peak(np.nan_to_num(stash, posinf=0.0), np.where(np.isinf(peak), 0.0, peak),
+                                 l, copy.owner, carry)
+            peak_range = np.maximum(peak_range, carried)
+    return p_range, peak_range
+
+
 def _assemble(kinds: Sequence[str], options, meshes, shapes, memory: float, microbatches: int, num_layers: int,
               s_max: int, owners: Sequence[TiedCopy | None] = (), layers: Sequence[OpGraph] = (),
               bucket_bytes: float | None = None, tp_overlap: bool = False, gather_overlap: bool = False):
@@ -817,22 +844,8 @@ def _assemble(kinds: Sequence[str], options, meshes, shapes, memory: float, micr
     peak_range = range_peak(np.nan_to_num(stash, posinf=0.0), np.where(np.isinf(peak), 0.0, peak))
     buffers = np.maximum(range_max(np.where(np.isinf(gather), 0.0, gather)), 0.0)
     updates = np.maximum(range_max(np.where(np.isinf(update), 0.0, update)), 0.0)
-    for l, copy in enumerate(owners):
-        if copy is None:
-            continue
-        lo, hi = min(l, copy.owner), max(l, copy.owner)
-        both = (k_idx <= lo) & (i_idx >= hi)                             # ranges holding copy and owner
-        p_range = p_range - np.where(both[..., None, None], np.nan_to_num(tied[l], posinf=0.0)[None, None], 0.0)
-        if copy.owner < l and copy.outputs:
-            carry = np.zeros((n_mesh, n_opt))
-            for m in range(n_mesh):
-                opts = options.get((kinds[l], m), [])
-                for j in range(n_opt):
-                    if opts:
-                        carry[m, j] = carry_bytes(layers[l], opts[min(j, len(opts) - 1)], copy, meshes[m][2])
-            carried = carry_peak(np.nan_to_num(stash, posinf=0.0), np.where(np.isinf(peak), 0.0, peak),
-                                 l, copy.owner, carry)
-            peak_range = np.maximum(peak_range, carried)
+    p_range, peak_range = _with_tied_copies(p_range, peak_range, kinds, options, meshes, owners, layers,
+                                            tied, stash, peak)
     with np.errstate(invalid="ignore"):                                  # inf - inf on empty ranges
         transient = np.where(np.isfinite(s_range), np.maximum(peak_range - s_range, 0.0), INF)
     base = p_range + buffers                                             # (L, L, M, J): persistent + buffers

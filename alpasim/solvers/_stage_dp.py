@@ -232,24 +232,7 @@ def _solve_fixed(cost: np.ndarray, sizes: np.ndarray, num_devices: int, s_max: i
     num_layers = cost.shape[0]
     d_count = num_devices + 1
     sizes = np.asarray(sizes, dtype=int)
-    per_node = devices_per_node or num_devices
-    pad = np.zeros(1)
-    if boundary is None:
-        intra = inter = np.zeros(num_layers + 1)
-    else:
-        intra = np.r_[np.where(boundary.intra <= t_max, boundary.intra, INF), pad]   # into layer j; j = L: none
-        inter = np.r_[np.where(boundary.inter <= t_max, boundary.inter, INF), pad]
-    if boundary is None or per_node >= num_devices:
-        rules = _RunRules(sizes, np.zeros(len(sizes), int), np.ones(1, bool), intra, intra, (),
-                          priced=boundary is not None)
-    else:
-        q = np.arange(per_node + 1)
-        block = node_block(per_node)
-        closable = ((q >= 1) & ((q & (q - 1)) == 0) & (q <= block)) | (q == per_node) if pow2_runs else q >= 1
-        # The run state a stage of each shape starts: its own size, or "full" (q = M)
-        # for a piece of a whole node or more, which nothing joins.
-        rules = _RunRules(sizes, np.minimum(sizes, per_node), closable, intra, inter,
-                          tuple(hh for hh, m in enumerate(sizes) if m < per_node), priced=True)
+    rules = _run_rules(sizes, num_layers, num_devices, t_max, boundary, devices_per_node or num_devices, pow2_runs)
     q_count = rules.q_count
     by_khi = cost.transpose(0, 2, 1, 3)
     prev = np.full((num_layers + 1, d_count, q_count), INF)
@@ -301,6 +284,29 @@ def _solve_fixed(cost: np.ndarray, sizes: np.ndarray, num_devices: int, s_max: i
         return INF, None, None
     stages, runs = _backtrack(cost, rules, levels, entries, best_s, best_q, num_devices)
     return best_total, stages, runs
+
+
+def _run_rules(sizes: np.ndarray, num_layers: int, num_devices: int, t_max: float, boundary: StageBoundary | None,
+               per_node: int, pow2_runs: bool) -> _RunRules:
+    """The run states of one bottleneck pass (`_solve_fixed`): one state without
+    boundaries or on one node; else a run's devices on its node so far, with the
+    boundary into each layer over t_max excluded."""
+    pad = np.zeros(1)
+    if boundary is None:
+        intra = inter = np.zeros(num_layers + 1)
+    else:
+        intra = np.r_[np.where(boundary.intra <= t_max, boundary.intra, INF), pad]   # into layer j; j = L: none
+        inter = np.r_[np.where(boundary.inter <= t_max, boundary.inter, INF), pad]
+    if boundary is None or per_node >= num_devices:
+        return _RunRules(sizes, np.zeros(len(sizes), int), np.ones(1, bool), intra, intra, (),
+                         priced=boundary is not None)
+    q = np.arange(per_node + 1)
+    block = node_block(per_node)
+    closable = ((q >= 1) & ((q & (q - 1)) == 0) & (q <= block)) | (q == per_node) if pow2_runs else q >= 1
+    # The run state a stage of each shape starts: its own size, or "full" (q = M) for a
+    # piece of a whole node or more, which nothing joins.
+    return _RunRules(sizes, np.minimum(sizes, per_node), closable, intra, inter,
+                     tuple(hh for hh, m in enumerate(sizes) if m < per_node), priced=True)
 
 
 @dataclass(frozen=True, slots=True)

@@ -232,14 +232,61 @@ def build_problem(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel, *, w
     narrow the choices of named ops and leaves (how baselines are expressed)."""
     tensors = graph.tensors
     restrict = restrict or {}
-    leaf_specs = leaf_specs or {}
-    strategies: dict[str, list[Strategy]] = {}
-    notes: list[str] = []
     fusion = fuse(graph)
     # Ops of one signature (an imported model's repeated blocks) share their strategy
     # list (`graph_strategies`) and their followers' choices (`follow`): both depend on
     # nothing else.
     signature = {op.name: op_signature(op, tensors, fusion.of(op.name)) for op in graph.ops}
+    strategies, notes = _op_strategies(graph, mesh, cost_model, restrict, fusion, signature, allow_replicated_heavy)
+    owned = {t for t, tensor in tensors.items()
+             if tensor.role == "optimizer_state" and _is_leaf(graph, t)}
+    nodes = _leaf_nodes(graph, mesh, owned, leaf_specs or {})
+    node_of = {node.leaf: k for k, node in enumerate(nodes)}
+    members, deferred = _groups(graph, restrict)
+    followed: dict[tuple, Strategy] = {}
+
+    def follow(op, known: dict[str, ShardingSpec]) -> Strategy:
+        key = ((op.name,) if op.name in restrict else signature[op.name]) + tuple(known.get(t) for t in op.inputs)
+        if key not in followed:
+            followed[key] = _follow(op, strategies[op.name], known, tensors, mesh, with_compute, microbatches)
+        return followed[key]
+
+    for root, names in members.items():
+        idx = len(nodes)
+        nodes.append(_group_node(graph, mesh, root, names, strategies, deferred, owned, follow, with_compute,
+                                 microbatches))
+        for name in names:
+            for t in graph.op_by_name[name].outputs:
+                node_of[t] = idx
+            for t in graph.op_by_name[name].inputs:
+                if t in owned:
+                    node_of[t] = idx
+    edges, loop_backs = _edges(graph, mesh, nodes, node_of, owned, microbatches)
+    edges, shares = share_groups(graph, edges)
+    persistent = [t for t, tensor in tensors.items()
+                  if tensor.role in PERSISTENT_ROLES and t in node_of and not t.endswith(":new")
+                  and (tensor.role != "param" or _is_leaf(graph, t))]
+    # Activation lifetimes by the stage-memory rules (`costmodels.liveness`): the live
+    # sets are the ILP's candidate peaks, the stash what each further microbatch in
+    # flight holds.
+    # An op that reduces its result over a mesh axis adds a candidate peak of its own:
+    # the live set there plus its unreduced partial, whose layout its group fixes.
+    live = liveness(graph)
+    points, partials = partial_points(graph, live, strategies)
+    for name, op in partials.items():
+        node_of[name] = node_of[graph.op_by_name[op].outputs[0]]
+    return IntraOpProblem(graph, mesh, with_compute, microbatches, nodes, edges, node_of, persistent,
+                          maximal_live_sets(live.live_sets() + points), loop_backs, strategies, notes, live.stash(),
+                          partials, shares=shares)
+
+
+def _op_strategies(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel, restrict: Mapping[str, Sequence[Strategy]],
+                   fusion, signature: Mapping[str, tuple], allow_replicated_heavy: bool
+                   ) -> tuple[dict[str, list[Strategy]], list[str]]:
+    """Each op's strategies (a restricted op: its given ones), and a note for each op
+    with no even split over every mesh axis, which then may replicate."""
+    strategies: dict[str, list[Strategy]] = {}
+    notes: list[str] = []
     for op in graph.ops:
         if op.name in restrict:
             strategies[op.name] = list(restrict[op.name])
@@ -249,26 +296,29 @@ def build_problem(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel, *, w
         if not strategies[op.name]:
             # No even split of this op uses every mesh axis (e.g. a 1x3 mesh and
             # power-of-two dimensions): let it replicate rather than fail, and say so.
-            strategies[op.name] = enumerate_strategies(op, tensors, mesh, cost_model, allow_replicated_heavy=True,
-                                                       access=fusion.of(op.name))
+            strategies[op.name] = enumerate_strategies(op, graph.tensors, mesh, cost_model,
+                                                       allow_replicated_heavy=True, access=fusion.of(op.name))
             notes.append(f"{op.name}: no even split over every axis of the {mesh} mesh; "
                          f"it may run replicated on some axes")
+    return strategies, notes
 
-    owned = {t for t, tensor in tensors.items()
-             if tensor.role == "optimizer_state" and _is_leaf(graph, t)}
-    nodes: list[Node] = []
-    node_of: dict[str, int] = {}
 
-    # Leaves: parameters and stage inputs.
+def _leaf_nodes(graph: OpGraph, mesh: LogicalMesh, owned: set[str],
+                leaf_specs: Mapping[str, Sequence[ShardingSpec]]) -> list[Node]:
+    """A node per leaf (parameter or stage input) an op reads, in first-read order: one
+    choice per layout it may take (`leaf_specs` narrows them)."""
+    nodes = []
     for t in dict.fromkeys(t for op in graph.ops for t in op.inputs):
         if not _is_leaf(graph, t) or t in owned:
             continue
-        specs = list(leaf_specs.get(t, all_specs(tensors[t].shape, mesh)))
-        node_of[t] = len(nodes)
+        specs = list(leaf_specs.get(t, all_specs(graph.tensors[t].shape, mesh)))
         nodes.append(Node(f"leaf:{t}", t, (), np.zeros(len(specs)), [{} for _ in specs],
                           [{t: s} for s in specs], [[] for _ in specs]))
+    return nodes
 
-    # Groups.
+
+def _groups(graph: OpGraph, restrict: Mapping[str, Sequence[Strategy]]) -> tuple[dict[str, list[str]], set[str]]:
+    """Root op -> the ops of its group (module doc), and the deferred layout ops among them."""
     depth = _depths(graph)
     root_of: dict[str, str] = {}
     members: dict[str, list[str]] = {}
@@ -295,59 +345,57 @@ def build_problem(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel, *, w
         root = root_of[graph.consumers[op.outputs[0]][0].name]
         root_of[op.name] = root
         members[root].append(op.name)
-    deferred_names = {op.name for op in deferred}
-    followed: dict[tuple, Strategy] = {}
+    return members, {op.name for op in deferred}
 
-    def follow(op, known: dict[str, ShardingSpec]) -> Strategy:
-        key = ((op.name,) if op.name in restrict else signature[op.name]) + tuple(known.get(t) for t in op.inputs)
-        if key not in followed:
-            followed[key] = _follow(op, strategies[op.name], known, tensors, mesh, with_compute, microbatches)
-        return followed[key]
 
-    for root, names in members.items():
-        n = len(strategies[root])
-        cost = np.zeros(n)
-        choices: list[dict[str, Strategy]] = [{} for _ in range(n)]
-        specs: list[dict[str, ShardingSpec]] = [{} for _ in range(n)]
-        inner: list[list[tuple[str, Collective]]] = [[] for _ in range(n)]
-        for i in range(n):
-            for name in names:
-                op = graph.op_by_name[name]
-                if name == root:
-                    s = strategies[name][i]
-                elif name in deferred_names:
-                    # Its readers in the group came first and found no spec for it: pick
-                    # its layout for them, and charge any resharding to theirs now.
-                    t = op.outputs[0]
-                    reads = _group_reads(t, choices[i], graph, microbatches)
-                    s = _lead(strategies[name], reads, tensors[t].nbytes, mesh, with_compute, microbatches)
-                    for spec, rscale in reads:
-                        for c in resharding_collectives(s.out_specs[0], spec, tensors[t].nbytes, mesh):
-                            inner[i].append((t, c))
-                            cost[i] += c.time_s(mesh) * rscale
-                else:
-                    s = follow(op, specs[i])
-                choices[i][name] = s
-                cost[i] += s.cost_s(with_compute, microbatches)
-                scale = 1.0 / microbatches if op.phase == "update" else 1.0
-                for t, spec in zip(op.inputs, s.in_specs):
-                    if t in specs[i]:  # produced earlier in this group: reshard inside it
-                        for c in resharding_collectives(specs[i][t], spec, tensors[t].nbytes, mesh):
-                            inner[i].append((t, c))
-                            cost[i] += c.time_s(mesh) * scale
-                    elif t in owned:
-                        specs[i][t] = spec
-                for t, spec in zip(op.outputs, s.out_specs):
-                    specs[i][t] = spec
-        idx = len(nodes)
-        nodes.append(Node(f"group:{root}", None, tuple(names), cost, choices, specs, inner))
+def _group_node(graph: OpGraph, mesh: LogicalMesh, root: str, names: Sequence[str],
+                strategies: Mapping[str, list[Strategy]], deferred: set[str], owned: set[str], follow,
+                with_compute: bool, microbatches: int) -> Node:
+    """The node of the group `root` leads: one choice per root strategy, each member
+    following it (`follow`), with the group's compute and inner resharding as its cost."""
+    tensors = graph.tensors
+    n = len(strategies[root])
+    cost = np.zeros(n)
+    choices: list[dict[str, Strategy]] = [{} for _ in range(n)]
+    specs: list[dict[str, ShardingSpec]] = [{} for _ in range(n)]
+    inner: list[list[tuple[str, Collective]]] = [[] for _ in range(n)]
+    for i in range(n):
         for name in names:
-            for t in graph.op_by_name[name].outputs:
-                node_of[t] = idx
-            for t in graph.op_by_name[name].inputs:
-                if t in owned:
-                    node_of[t] = idx
+            op = graph.op_by_name[name]
+            if name == root:
+                s = strategies[name][i]
+            elif name in deferred:
+                # Its readers in the group came first and found no spec for it: pick
+                # its layout for them, and charge any resharding to theirs now.
+                t = op.outputs[0]
+                reads = _group_reads(t, choices[i], graph, microbatches)
+                s = _lead(strategies[name], reads, tensors[t].nbytes, mesh, with_compute, microbatches)
+                for spec, rscale in reads:
+                    for c in resharding_collectives(s.out_specs[0], spec, tensors[t].nbytes, mesh):
+                        inner[i].append((t, c))
+                        cost[i] += c.time_s(mesh) * rscale
+            else:
+                s = follow(op, specs[i])
+            choices[i][name] = s
+            cost[i] += s.cost_s(with_compute, microbatches)
+            scale = 1.0 / microbatches if op.phase == "update" else 1.0
+            for t, spec in zip(op.inputs, s.in_specs):
+                if t in specs[i]:  # produced earlier in this group: reshard inside it
+                    for c in resharding_collectives(specs[i][t], spec, tensors[t].nbytes, mesh):
+                        inner[i].append((t, c))
+                        cost[i] += c.time_s(mesh) * scale
+                elif t in owned:
+                    specs[i][t] = spec
+            for t, spec in zip(op.outputs, s.out_specs):
+                specs[i][t] = spec
+    return Node(f"group:{root}", None, tuple(names), cost, choices, specs, inner)
 
+
+def _edges(graph: OpGraph, mesh: LogicalMesh, nodes: Sequence[Node], node_of: Mapping[str, int], owned: set[str],
+           microbatches: int) -> tuple[list[Edge], list[tuple[str, str]]]:
+    """An edge per tensor read across nodes (and per leaf read inside its group), and
+    one per Adam update back to its parameter's leaf (the loop-back), with those pairs."""
+    tensors = graph.tensors
     edges: list[Edge] = []
     loop_backs: list[tuple[str, str]] = []
     for op in graph.ops:
@@ -368,23 +416,7 @@ def build_problem(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel, *, w
                 edges.append(_edge(nodes, dst, node_of[param], new, f"loop-back:{param}",
                                    lambda i, p=param, n=node_of[param]: nodes[n].specs[i][p], tensors, mesh,
                                    1.0 / microbatches))
-
-    edges, shares = share_groups(graph, edges)
-    persistent = [t for t, tensor in tensors.items()
-                  if tensor.role in PERSISTENT_ROLES and t in node_of and not t.endswith(":new")
-                  and (tensor.role != "param" or _is_leaf(graph, t))]
-    # Activation lifetimes by the stage-memory rules (`costmodels.liveness`): the live
-    # sets are the ILP's candidate peaks, the stash what each further microbatch in
-    # flight holds.
-    # An op that reduces its result over a mesh axis adds a candidate peak of its own:
-    # the live set there plus its unreduced partial, whose layout its group fixes.
-    live = liveness(graph)
-    points, partials = partial_points(graph, live, strategies)
-    for name, op in partials.items():
-        node_of[name] = node_of[graph.op_by_name[op].outputs[0]]
-    return IntraOpProblem(graph, mesh, with_compute, microbatches, nodes, edges, node_of, persistent,
-                          maximal_live_sets(live.live_sets() + points), loop_backs, strategies, notes, live.stash(),
-                          partials, shares=shares)
+    return edges, loop_backs
 
 
 def reshard_key(graph: OpGraph, tensor: str, consumer: str) -> tuple[str, str]:

@@ -215,34 +215,21 @@ def plan_pipeline(model: str | ModelSource, cluster: Cluster, *, microbatches: i
     objective (`_boundary`), leaving the paper's eq. 2 as written.
 
     `cost_model` (None: analytic) prices every stage; its cluster replaces `cluster`
-    (see `build_stage_costs`), so the plan records the cluster the model priced, and
-    `search.cost_model` records the model's name and digest.
-
+    (`build_stage_costs`), and `search.cost_model` records its name and digest.
     `precision` names the mixed-precision recipe (`graphs.RECIPES`, default
-    mixed-fp32grad), recorded as `model["precision"]`; `fp32` builds the model in
-    float32. `microbatch_multiple` keeps only microbatches whose size it divides (a
-    data-parallel system gives every device at least one whole sample).
+    mixed-fp32grad; `fp32` builds the model in float32). `microbatch_multiple` keeps only
+    microbatches whose size it divides (each data-parallel device gets whole samples).
 
-    `bucket_bytes`: weight gradients reduced in buckets of this size, overlapped with
-    the last microbatch's backward (`costmodels._overlap`); None runs each gradient's
-    collective after the backward, as the paper's accounting does (`--no-overlap`).
-    `tp_overlap`: per-microbatch collectives of GEMMs run beside them, as Transformer
-    Engine's comm-GEMM overlap runs tensor parallelism's (`_tp_overlap`).
-    `gather_overlap`: under the distributed optimizer's restrictions, with buckets, the
-    parameters' all-gathers run in the next forward (Megatron-core's
-    `--overlap-param-gather`, `costmodels._overlap`). `loss_kernel`: how the
-    cross-entropy runs, priced (`graphs.with_loss_kernel`).
+    `bucket_bytes`: gradients reduced in buckets of this size during the last backward
+    (`costmodels._overlap`; None: after it, the paper's accounting). `tp_overlap`: GEMMs'
+    collectives beside them (`_tp_overlap`). `gather_overlap`: the distributed
+    optimizer's all-gathers in the next forward (`costmodels._overlap`). `loss_kernel`:
+    the cross-entropy's kernel (`graphs.with_loss_kernel`).
 
     `schedule`: "1f1b" (the paper's DP), "interleaved" (the fastest interleaved plan,
     `_interleave`, with a chunk count from `chunk_options`, at any microbatch count
     the 1F1B search evaluated) or "auto" (whichever of the two predicts less)."""
-    if schedule not in PLANNER_SCHEDULES:
-        raise ValueError(f"unknown planner schedule {schedule!r}; choose one of {', '.join(PLANNER_SCHEDULES)}")
-    if any(isinstance(v, bool) or not isinstance(v, int) or v < 2 for v in chunk_options) or not chunk_options:
-        raise ValueError(f"chunks per mesh must be integers >= 2, got {list(chunk_options)}")
-    if bucket_bytes is not None and (isinstance(bucket_bytes, (str, bool)) or not isinstance(bucket_bytes, (int, float))
-                                     or not (math.isfinite(bucket_bytes) and bucket_bytes > 0)):
-        raise ValueError(f"the gradient bucket must be a finite number of bytes > 0, got {bucket_bytes!r}")
+    _check_options(schedule, chunk_options, bucket_bytes)
     t0 = time.perf_counter()
     if cost_model is not None:
         cluster = cost_model.cluster
@@ -252,48 +239,112 @@ def plan_pipeline(model: str | ModelSource, cluster: Cluster, *, microbatches: i
     global_batch = source.global_batch
     if layers is None and relabel is None and source.graph is not None and source.graph.num_layers <= 1:
         layers = default_graph_layers(source.graph)   # an imported graph is one layer until clustered
-    cache = cache or DiskCache(enabled=False)
-    candidates: list[Candidate] = []
-    jobs = hits = 0
-    options = microbatch_candidates(global_batch, microbatches, microbatch_multiple)
+    options = _microbatch_options(source, microbatches, microbatch_multiple)
+    evaluate = _Evaluator(source, cluster, dtype, recipe.name, dict(
+        relabel=relabel, layers=layers, remat=remat, recompute=recompute, loss_kernel=loss_kernel,
+        max_stages=max_stages, map_fn=map_fn, cache=cache or DiskCache(enabled=False), progress=progress,
+        restriction=restriction, shape_ok=shape_ok, views_of=views_of, pareto=pareto, cost_model=cost_model,
+        bucket_bytes=bucket_bytes, tp_overlap=tp_overlap,
+        gather_overlap=gather_overlap and restriction in DISTRIBUTED_OPTIMIZER, price_boundaries=price_boundaries,
+        equal_layers=equal_layers, num_stages=num_stages, epsilon=epsilon))
+    best = _hill_climb(options, evaluate, global_batch)
+    candidates = evaluate.candidates
+    search = SearchStats(time.perf_counter() - t0, evaluate.jobs, evaluate.hits,
+                         tuple(sorted(c.microbatches for c in candidates)), int(best.dp.candidates_evaluated),
+                         _priced_by(cost_model))
+    auto_note = None
+    if schedule != "1f1b":
+        interleaved = _best_interleaved(candidates, cluster, name, chunk_options, schedule, max_stages=max_stages,
+                                        epsilon=epsilon, price_boundaries=price_boundaries)
+        said = _schedule_said(interleaved, best)
+        if interleaved is not None and (schedule == "interleaved" or not best.dp.stages
+                                        or interleaved[1].latency_s < best.dp.latency_s):
+            plan = _assemble_plan(source, dtype, cluster, interleaved[0], candidates,
+                                  dataclasses.replace(search, seconds=time.perf_counter() - t0), remat, method,
+                                  recipe, interleaved[1])
+            return dataclasses.replace(plan, notes=(*plan.notes, f"schedule interleaved: {said}"))
+        auto_note = f"schedule 1f1b: {said}"
+    if not best.dp.stages:
+        raise _nothing_fits(name, cluster, candidates, best.graph.num_layers, max_stages,
+                            capped=num_stages is None)
+    plan = _assemble_plan(source, dtype, cluster, best, candidates, search, remat, method, recipe)
+    return dataclasses.replace(plan, notes=(*plan.notes, auto_note)) if schedule != "1f1b" else plan
+
+
+def _priced_by(cost_model: CostModel | None) -> CostModelRef | None:
+    """The search's record of a cost model other than the analytic one: name and digest."""
+    return None if cost_model is None else CostModelRef(getattr(cost_model, "name", type(cost_model).__name__),
+                                                         cost_model_key(cost_model))
+
+
+def _check_options(schedule: str, chunk_options: Sequence[int], bucket_bytes: float | None) -> None:
+    """`plan_pipeline`'s refusals of a schedule, chunk counts or bucket it cannot take."""
+    if schedule not in PLANNER_SCHEDULES:
+        raise ValueError(f"unknown planner schedule {schedule!r}; choose one of {', '.join(PLANNER_SCHEDULES)}")
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < 2 for v in chunk_options) or not chunk_options:
+        raise ValueError(f"chunks per mesh must be integers >= 2, got {list(chunk_options)}")
+    if bucket_bytes is not None and (isinstance(bucket_bytes, (str, bool)) or not isinstance(bucket_bytes, (int, float))
+                                     or not (math.isfinite(bucket_bytes) and bucket_bytes > 0)):
+        raise ValueError(f"the gradient bucket must be a finite number of bytes > 0, got {bucket_bytes!r}")
+
+
+def _microbatch_options(source: ModelSource, microbatches: int | str, multiple: int) -> list[int]:
+    """The microbatch counts the search may try, ordered by microbatch size; refused
+    (`PlanInfeasible`) where none gives each of `multiple` devices whole samples."""
+    global_batch = source.global_batch
+    options = microbatch_candidates(global_batch, microbatches, multiple)
     if not source.resizable and microbatches == "auto":
         options = [1]    # an unmarked graph is one microbatch of its own batch (`resize_batch` refuses others)
     if not options:
         asked = "" if microbatches == "auto" else \
             f" ({microbatches} microbatches of {global_batch // int(microbatches)})"
-        raise PlanInfeasible(f"no microbatch of {name}'s batch of {global_batch} gives each of "
-                             f"{microbatch_multiple} data-parallel devices whole samples{asked}", float("nan"))
-    evaluated: dict[int, Candidate] = {}
+        raise PlanInfeasible(f"no microbatch of {source.name}'s batch of {global_batch} gives each of "
+                             f"{multiple} data-parallel devices whole samples{asked}", float("nan"))
+    return options
 
-    def evaluate(b: int) -> Candidate:
-        nonlocal jobs, hits
-        if b in evaluated:
-            return evaluated[b]
-        graph = _training_graph(source, global_batch // b, dtype, relabel, layers, remat, recipe.name, recompute,
-                                loss_kernel)
+
+class _Evaluator:
+    """The stage table and stage DP of one microbatch count, each count once: what the
+    hill climb over B asks for (`_hill_climb`), with the ILP jobs and cache hits so far."""
+
+    def __init__(self, source: ModelSource, cluster: Cluster, dtype: str, recipe: str, kw: dict) -> None:
+        self.source, self.cluster, self.dtype, self.recipe, self.kw = source, cluster, dtype, recipe, kw
+        self.evaluated: dict[int, Candidate] = {}
+        self.candidates: list[Candidate] = []
+        self.jobs = self.hits = 0
+
+    def __call__(self, b: int) -> Candidate:
+        if b in self.evaluated:
+            return self.evaluated[b]
+        kw, cluster, progress = self.kw, self.cluster, self.kw["progress"]
+        graph = _training_graph(self.source, self.source.global_batch // b, self.dtype, kw["relabel"], kw["layers"],
+                                kw["remat"], self.recipe, kw["recompute"], kw["loss_kernel"])
         report = (lambda done, total: progress(f"B={b}", done, total)) if progress else None
-        s_max = min(max_stages, graph.num_layers, cluster.num_devices)
-        costs = build_stage_costs(graph, cluster, b, max_stages=s_max, map_fn=map_fn, cache=cache,
-                                  progress=report, restriction=restriction, shape_ok=shape_ok, views_of=views_of,
-                                  pareto=pareto, cost_model=cost_model, bucket_bytes=bucket_bytes,
-                                  tp_overlap=tp_overlap,
-                                  gather_overlap=gather_overlap and restriction in DISTRIBUTED_OPTIMIZER)
-        jobs += costs.ilp_jobs
-        hits += costs.cache_hits
+        costs = build_stage_costs(graph, cluster, b, max_stages=min(kw["max_stages"], graph.num_layers,
+                                                                    cluster.num_devices),
+                                  map_fn=kw["map_fn"], cache=kw["cache"], progress=report,
+                                  restriction=kw["restriction"], shape_ok=kw["shape_ok"], views_of=kw["views_of"],
+                                  pareto=kw["pareto"], cost_model=kw["cost_model"], bucket_bytes=kw["bucket_bytes"],
+                                  tp_overlap=kw["tp_overlap"], gather_overlap=kw["gather_overlap"])
+        self.jobs += costs.ilp_jobs
+        self.hits += costs.cache_hits
         sizes = [sh.size for sh in costs.shapes]
-        boundary = stage_boundary_s(graph, cluster) if price_boundaries else None
-        per_node = cluster.devices_per_node if price_boundaries else None
-        if equal_layers:
-            dp = equal_layer_dp(costs.cost, sizes, cluster.num_devices, b, epsilon=epsilon, stages=num_stages,
-                                boundary=boundary, devices_per_node=per_node)
+        boundary = stage_boundary_s(graph, cluster) if kw["price_boundaries"] else None
+        per_node = cluster.devices_per_node if kw["price_boundaries"] else None
+        if kw["equal_layers"]:
+            dp = equal_layer_dp(costs.cost, sizes, cluster.num_devices, b, epsilon=kw["epsilon"],
+                                stages=kw["num_stages"], boundary=boundary, devices_per_node=per_node)
         else:
-            dp = stage_dp(costs.cost, sizes, cluster.num_devices, b, epsilon=epsilon, boundary=boundary,
+            dp = stage_dp(costs.cost, sizes, cluster.num_devices, b, epsilon=kw["epsilon"], boundary=boundary,
                           devices_per_node=per_node)
-        evaluated[b] = Candidate(b, graph, costs, dp)
-        candidates.append(evaluated[b])
-        return evaluated[b]
+        self.evaluated[b] = Candidate(b, graph, costs, dp)
+        self.candidates.append(self.evaluated[b])
+        return self.evaluated[b]
 
-    # Hill-climb over B (candidates ordered by microbatch size).
+
+def _hill_climb(options: Sequence[int], evaluate: Callable[[int], Candidate], global_batch: int) -> Candidate:
+    """The best candidate of a hill climb over B (`options` ordered by microbatch size),
+    from the count nearest START_MICROBATCH_SIZE, up, then down only where up gained nothing."""
     start = min(range(len(options)), key=lambda i: abs(global_batch // options[i] - START_MICROBATCH_SIZE))
     i = start
     best = evaluate(options[i])
@@ -314,33 +365,19 @@ def plan_pipeline(model: str | ModelSource, cluster: Cluster, *, microbatches: i
             # Going up made microbatches only smaller, and nothing fit even at the
             # smallest: larger microbatches need more memory, so none fits.
             break
-    priced_by = None if cost_model is None else CostModelRef(getattr(cost_model, "name", type(cost_model).__name__),
-                                                              cost_model_key(cost_model))
-    search = SearchStats(time.perf_counter() - t0, jobs, hits, tuple(sorted(c.microbatches for c in candidates)),
-                         int(best.dp.candidates_evaluated), priced_by)
-    auto_note = None
-    if schedule != "1f1b":
-        interleaved = _best_interleaved(candidates, cluster, name, chunk_options, schedule, max_stages=max_stages,
-                                        epsilon=epsilon, price_boundaries=price_boundaries)
-        if interleaved is None:
-            said = "no interleaved plan fits"
-        else:
-            c, r = interleaved
-            said = (f"interleaved ({r.chunks} chunks on {len(r.stages) // r.chunks} meshes, B={c.microbatches}) "
-                    f"predicts {r.latency_s:.4g} s")
-        said += f", 1F1B (B={best.microbatches}) {best.dp.latency_s:.4g} s" if best.dp.stages else ", no 1F1B plan fits"
-        if interleaved is not None and (schedule == "interleaved" or not best.dp.stages
-                                        or interleaved[1].latency_s < best.dp.latency_s):
-            search = dataclasses.replace(search, seconds=time.perf_counter() - t0)
-            plan = _assemble_plan(source, dtype, cluster, interleaved[0], candidates, search, remat, method, recipe,
-                                  interleaved[1])
-            return dataclasses.replace(plan, notes=(*plan.notes, f"schedule interleaved: {said}"))
-        auto_note = f"schedule 1f1b: {said}"
-    if not best.dp.stages:
-        raise _nothing_fits(name, cluster, candidates, best.graph.num_layers, max_stages,
-                            capped=num_stages is None)
-    plan = _assemble_plan(source, dtype, cluster, best, candidates, search, remat, method, recipe)
-    return dataclasses.replace(plan, notes=(*plan.notes, auto_note)) if schedule != "1f1b" else plan
+    return best
+
+
+def _schedule_said(interleaved, best: Candidate) -> str:
+    """What the schedule choice compared: the interleaved plan's and 1F1B's predictions."""
+    if interleaved is None:
+        said = "no interleaved plan fits"
+    else:
+        c, r = interleaved
+        said = (f"interleaved ({r.chunks} chunks on {len(r.stages) // r.chunks} meshes, B={c.microbatches}) "
+                f"predicts {r.latency_s:.4g} s")
+    return said + (f", 1F1B (B={best.microbatches}) {best.dp.latency_s:.4g} s" if best.dp.stages
+                   else ", no 1F1B plan fits")
 
 
 def _nothing_fits(name: str, cluster: Cluster, candidates: Sequence[Candidate], layers: int, max_stages: int,

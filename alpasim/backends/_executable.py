@@ -473,178 +473,13 @@ def _stage_functions(ops: StageOps, train: OpGraph, shardings: dict[str, NamedSh
                      microbatches: int, acc_dtypes: dict[str, Any], stash_sh: dict[str, NamedSharding],
                      layer_sh: dict[int, dict[str, NamedSharding]] | None = None,
                      partials: dict[str, PartialGrad] | None = None) -> dict[str, Any]:
-    """The stage's three programs. With `layer_sh` (the plan's per-layer layouts) every
-    op's output is constrained to the layout its layer was priced with and a tensor one
-    layer makes and another reads in a different layout is resharded where that layer
-    reads it, as the planner's per-layer plans do."""
-    constrained = {t for op in (*ops.forward, *ops.backward) if op.prim in CONSTRAINED_PRIMS for t in op.outputs}
-    constrained |= {*ops.acts_out, *ops.cts_out, *ops.stash}
-    dtypes = {t: jax.dtypes.canonicalize_dtype(x.dtype) for t, x in train.tensors.items()}
-    grad_of = {g: p for p, g in ops.grads.items()}
-    scale = 1.0 / microbatches
-    partials = partials or {}
-    split_sh = {t: info.sharding(mesh) for t, info in partials.items()}
-
-    def run(op_list, values: dict, on_value=None, layouts: dict | None = None, fence=None) -> dict:
-        # layouts: tensor -> the layout its value has now (layer-specs plans only)
-        # fence(values, op, new_layer) -> values: called before each op after the first
-        moved: dict[tuple[int, str], Any] = {}   # (layer, tensor) -> resharded for that layer
-        layer = None
-
-        def read(op, t):
-            want = layer_sh[op.layer].get(t) if layer_sh is not None else None
-            if t in partials:       # an unreduced gradient: as it is to a linear op, else summed
-                if op.outputs[0] in partials:
-                    return values[t]
-                if (op.layer, t) not in moved:
-                    total = values[t].sum(axis=0)
-                    moved[(op.layer, t)] = total if want is None else jax.lax.with_sharding_constraint(total, want)
-                return moved[(op.layer, t)]
-            if want is None or layouts.get(t) == want:
-                return values[t]
-            if (op.layer, t) not in moved:
-                moved[(op.layer, t)] = jax.lax.with_sharding_constraint(values[t], want)
-            return moved[(op.layer, t)]
-
-        for op in op_list:
-            if fence is not None and layer is not None:
-                values = fence(values, op, op.layer != layer)
-            layer = op.layer
-            if op.outputs[0] in ops.carried:  # the tied contribution arrives once per iteration (module doc)
-                outs = [values[ops.carried[op.outputs[0]]]]
-            elif op.outputs[0] in partials and not any(x in partials for x in op.inputs):
-                outs = [eval_split(op, [read(op, x) for x in op.inputs], partials[op.outputs[0]], train, mesh,
-                                   [layer_sh[op.layer].get(x) for x in op.inputs])]
-            else:
-                outs = eval_op(op, [read(op, x) for x in op.inputs])
-            for t, v in zip(op.outputs, outs, strict=True):
-                if v.dtype != dtypes[t]:
-                    v = v.astype(dtypes[t])
-                if t in partials:
-                    v = jax.lax.with_sharding_constraint(v, split_sh[t])
-                    layouts[t] = split_sh[t]
-                elif layer_sh is not None:
-                    want = layer_sh[op.layer].get(t, shardings.get(t))
-                    if want is not None:
-                        v = jax.lax.with_sharding_constraint(v, want)
-                        layouts[t] = want
-                elif t in constrained and t in shardings:
-                    v = jax.lax.with_sharding_constraint(v, shardings[t])
-                values[t] = v
-                if on_value is not None:
-                    on_value(t, v)
-        return values
-
-    given = {*ops.acts_in, *ops.data}
-    reads_of: dict[int, set[str]] = {}
-    for op in ops.backward:
-        reads_of.setdefault(op.layer, set()).update(t for t in op.inputs if t in ops.params)
-
-    def forward(params, acts, data):
-        layouts = {t: shardings[t] for t in (*params, *acts, *data)}
-        values = run(ops.forward, {**params, **acts, **data}, layouts=layouts)
-        outs = {t: values[t] for t in ops.acts_out}
-        if ops.loss is not None:
-            outs[ops.loss] = values[ops.loss]
-        made = {t: values[t] for t in ops.stash if t not in outs and t not in given}
-        return outs, made
-
-    def accumulator(acc, added=lambda p: None):
-        """(the new accumulators, a `run` hook adding each parameter's gradient into
-        them as soon as it is complete, then telling `added`)."""
-        new_acc = dict(acc)
-
-        def accumulate(t, v):
-            p = grad_of.get(t)
-            if p is not None:
-                new_acc[p] = acc[p] + v.astype(acc_dtypes[p]) * jnp.asarray(scale, acc_dtypes[p])
-                added(p)
-        return new_acc, accumulate
-
-    def backward(params, acc, stash, cts):
-        fresh: list[str] = []    # parameters whose gradient the running layer has accumulated
-        new_acc, accumulate = accumulator(acc, fresh.append)
-
-        def fence(values, op, new_layer):
-            # One layer's backward after another, and in a layer each weight gradient
-            # where the plan prices it: when a layer begins, all its parameters, and
-            # before each op, the parameters that op reads take a data dependence on
-            # the gradients accumulated since the last such tie. XLA can then neither
-            # hoist the next layer's recomputation nor defer a weight gradient (which
-            # is off the critical path, so its scheduler would otherwise keep its
-            # operands, activation-sized, alive: with layers alone tied, Wide-ResNet's
-            # first remat stage measured 1.12x its plan, `bench_memory.py --fence layer`).
-            # An optimization barrier would not do: XLA:CPU drops it. The dependence
-            # is a zero made, on each device, from one element of each local
-            # accumulator shard: no collective, no copy beyond the (small) parameters.
-            if new_layer:
-                gated = sorted(reads_of[op.layer])
-            elif FENCE == "op":
-                gated = sorted({t for t in op.inputs if t in ops.params})
-            else:
-                return values
-            if not fresh or not gated:
-                return values
-            names = list(fresh)
-            fresh.clear()
-
-            def tie(accs, ps):
-                s = sum(a.reshape(-1)[0].astype(jnp.float32) for a in accs)
-                zero = jnp.where(jnp.isfinite(s), s, 0.0) * 0.0
-                return [p + zero.astype(p.dtype) for p in ps]
-
-            tied = jax.shard_map(tie, mesh=mesh,
-                                 in_specs=([g_sh[p].spec for p in names], [p_sh[p].spec for p in gated]),
-                                 out_specs=[p_sh[p].spec for p in gated], check_vma=False)
-            made = tied([new_acc[p] for p in names], [values[p] for p in gated])
-            return {**values, **dict(zip(gated, made, strict=True))}
-
-        layouts = {**{t: shardings[t] for t in (*params, *cts)}, **{t: stash_sh[t] for t in stash}}
-        values = run(ops.backward, {**params, **stash, **cts}, accumulate, layouts=layouts,
-                     fence=fence if FENCE else None)
-        return new_acc, {t: values[t] for t in ops.cts_out}
-
-    # The backward split as zero-bubble schedules run it (`simulator._phases`): B runs
-    # every backward op but those that make only weight gradients (and what reads
-    # them), W those; B hands W what they read (the weight stash). The same ops in the
-    # same per-layer layouts (W reshards a kept tensor XLA laid out otherwise); unlike
-    # the whole backward, neither program is fenced to the plan's op order.
-    input_ops, weight_ops, weight_stash = split_backward_ops(ops, train)
-
-    def backward_input(params, acc, stash, cts):
-        new_acc, accumulate = accumulator(acc)
-        layouts = {**{t: shardings[t] for t in (*params, *cts)}, **{t: stash_sh[t] for t in stash}}
-        values = run(input_ops, {**params, **stash, **cts}, accumulate, layouts=layouts)
-        return new_acc, {t: values[t] for t in ops.cts_out}, {t: values[t] for t in weight_stash}
-
-    def backward_weight(params, acc, kept):
-        new_acc, accumulate = accumulator(acc)
-        run(weight_ops, {**params, **kept}, accumulate, layouts={t: shardings[t] for t in params})
-        return new_acc
-
-    def update(params, acc, states):
-        # One parameter after another, as frameworks step their optimizers: each
-        # parameter's inputs pass an optimization barrier together with the previous
-        # parameter's results (in their stored layouts), so XLA cannot run every
-        # parameter's update — and its weight-update-sharding all-gather — at once.
-        params, states = dict(params), dict(states)
-        done: list[str] = []
-        for p, op in ops.adam.items():
-            g = acc[p]
-            if ops.grads.get(p) in partials:   # the once-per-iteration reduction the plan prices
-                g = jax.lax.with_sharding_constraint(g.sum(axis=0), shardings[f"{p}:grad"])
-            ins = [params[p], g, *(states[t] for t in op.inputs[2:])]
-            if done:
-                prev, ins = jax.lax.optimization_barrier(([params[q] for q in done[-1:]], ins))
-                params[done[-1]] = prev[0]
-            new = eval_op(op, ins)
-            params[p] = jax.lax.with_sharding_constraint(new[0], shardings[p])
-            states.update(zip(op.inputs[2:], new[1:]))
-            done.append(p)
-        return params, states, {p: jnp.zeros_like(v) for p, v in acc.items()}
-
-    p_sh = {p: shardings[p] for p in ops.params}
-    g_sh = {p: split_sh.get(g, shardings[f"{p}:grad"]) for p, g in ops.grads.items()}   # the accumulators
+    """The stage's programs, jitted with their layouts (`_StageTracer` traces them). With
+    `layer_sh` (the plan's per-layer layouts) every op's output is constrained to the
+    layout its layer was priced with and a tensor one layer makes and another reads in a
+    different layout is resharded where that layer reads it, as the planner's per-layer
+    plans do."""
+    tr = _StageTracer(ops, train, shardings, mesh, microbatches, acc_dtypes, stash_sh, layer_sh, partials or {})
+    p_sh, g_sh = tr.p_sh, tr.g_sh
     a_sh = {t: shardings[t] for t in ops.acts_in}
     d_sh = {t: shardings[t] for t in ops.data}
     st_sh = dict(stash_sh)
@@ -653,24 +488,211 @@ def _stage_functions(ops: StageOps, train: OpGraph, shardings: dict[str, NamedSh
     o_sh = {t: shardings[t] for t in ops.acts_out}
     if ops.loss is not None:
         o_sh[ops.loss] = NamedSharding(mesh, PartitionSpec())
-    made_sh = {t: stash_sh[t] for t in ops.stash if t not in o_sh and t not in given}
+    made_sh = {t: stash_sh[t] for t in ops.stash if t not in o_sh and t not in tr.given}
     s_sh = {t: shardings[t] for op in ops.adam.values() for t in op.inputs[2:]}
     # Unused arguments are kept: the stage holds them anyway, and each program's memory
     # analysis then counts every buffer it is handed (`_memory`). Donated: what the
     # runtime replaces by the outputs or never reads again (module doc).
     return {
-        "forward": jax.jit(forward, in_shardings=(p_sh, a_sh, d_sh), out_shardings=(o_sh, made_sh),
+        "forward": jax.jit(tr.forward, in_shardings=(p_sh, a_sh, d_sh), out_shardings=(o_sh, made_sh),
                            keep_unused=True),
-        "backward": jax.jit(backward, in_shardings=(p_sh, g_sh, st_sh, ci_sh), out_shardings=(g_sh, co_sh),
+        "backward": jax.jit(tr.backward, in_shardings=(p_sh, g_sh, st_sh, ci_sh), out_shardings=(g_sh, co_sh),
                             donate_argnums=(1, 2, 3), keep_unused=True),
-        "update": jax.jit(update, in_shardings=(p_sh, g_sh, s_sh), out_shardings=(p_sh, s_sh, g_sh),
+        "update": jax.jit(tr.update, in_shardings=(p_sh, g_sh, s_sh), out_shardings=(p_sh, s_sh, g_sh),
                           donate_argnums=(0, 1, 2), keep_unused=True),
         # Compiled at their first call (only a zero-bubble program makes one); the weight
         # stash leaves B in whatever layout XLA gives it.
-        "backward_input": jax.jit(backward_input, in_shardings=(p_sh, g_sh, st_sh, ci_sh),
+        "backward_input": jax.jit(tr.backward_input, in_shardings=(p_sh, g_sh, st_sh, ci_sh),
                                   out_shardings=(g_sh, co_sh, None), donate_argnums=(1, 2, 3)),
-        "backward_weight": jax.jit(backward_weight, donate_argnums=(1, 2)),
+        "backward_weight": jax.jit(tr.backward_weight, donate_argnums=(1, 2)),
     }
+
+
+class _StageTracer:
+    """The Python functions of one stage's programs, traced by `jax.jit`: forward,
+    backward (whole, or split into B and W as zero-bubble schedules run it), update. Each
+    runs its ops through `run`, which evaluates them in the plan's layouts."""
+
+    def __init__(self, ops: StageOps, train: OpGraph, shardings: dict[str, NamedSharding], mesh: Mesh,
+                 microbatches: int, acc_dtypes: dict[str, Any], stash_sh: dict[str, NamedSharding],
+                 layer_sh: dict[int, dict[str, NamedSharding]] | None, partials: dict[str, PartialGrad]) -> None:
+        self.ops, self.train, self.shardings, self.mesh = ops, train, shardings, mesh
+        self.acc_dtypes, self.stash_sh, self.layer_sh, self.partials = acc_dtypes, stash_sh, layer_sh, partials
+        constrained = {t for op in (*ops.forward, *ops.backward) if op.prim in CONSTRAINED_PRIMS for t in op.outputs}
+        self.constrained = constrained | {*ops.acts_out, *ops.cts_out, *ops.stash}
+        self.dtypes = {t: jax.dtypes.canonicalize_dtype(x.dtype) for t, x in train.tensors.items()}
+        self.grad_of = {g: p for p, g in ops.grads.items()}
+        self.scale = 1.0 / microbatches
+        self.split_sh = {t: info.sharding(mesh) for t, info in partials.items()}
+        self.given = {*ops.acts_in, *ops.data}
+        self.reads_of: dict[int, set[str]] = {}
+        for op in ops.backward:
+            self.reads_of.setdefault(op.layer, set()).update(t for t in op.inputs if t in ops.params)
+        # The backward split as zero-bubble schedules run it (`simulator._phases`): B runs
+        # every backward op but those that make only weight gradients (and what reads
+        # them), W those; B hands W what they read (the weight stash). The same ops in the
+        # same per-layer layouts (W reshards a kept tensor XLA laid out otherwise); unlike
+        # the whole backward, neither program is fenced to the plan's op order.
+        self.input_ops, self.weight_ops, self.weight_stash = split_backward_ops(ops, train)
+        self.p_sh = {p: shardings[p] for p in ops.params}
+        self.g_sh = {p: self.split_sh.get(g, shardings[f"{p}:grad"]) for p, g in ops.grads.items()}  # accumulators
+
+    def _read(self, op, t: str, values: dict, layouts: dict, moved: dict):
+        """Op `op`'s input `t` in the layout its layer reads it in (resharded once per
+        layer), an unreduced gradient summed unless `op` is linear in it."""
+        want = self.layer_sh[op.layer].get(t) if self.layer_sh is not None else None
+        if t in self.partials:       # an unreduced gradient: as it is to a linear op, else summed
+            if op.outputs[0] in self.partials:
+                return values[t]
+            if (op.layer, t) not in moved:
+                total = values[t].sum(axis=0)
+                moved[(op.layer, t)] = total if want is None else jax.lax.with_sharding_constraint(total, want)
+            return moved[(op.layer, t)]
+        if want is None or layouts.get(t) == want:
+            return values[t]
+        if (op.layer, t) not in moved:
+            moved[(op.layer, t)] = jax.lax.with_sharding_constraint(values[t], want)
+        return moved[(op.layer, t)]
+
+    def _laid_out(self, op, t: str, v, layouts: dict):
+        """Output `t` of `op` in its dtype and in the layout the plan gives it."""
+        if v.dtype != self.dtypes[t]:
+            v = v.astype(self.dtypes[t])
+        if t in self.partials:
+            layouts[t] = self.split_sh[t]
+            return jax.lax.with_sharding_constraint(v, self.split_sh[t])
+        if self.layer_sh is not None:
+            want = self.layer_sh[op.layer].get(t, self.shardings.get(t))
+            if want is not None:
+                layouts[t] = want
+                return jax.lax.with_sharding_constraint(v, want)
+            return v
+        if t in self.constrained and t in self.shardings:
+            return jax.lax.with_sharding_constraint(v, self.shardings[t])
+        return v
+
+    def run(self, op_list, values: dict, on_value=None, layouts: dict | None = None, fence=None) -> dict:
+        """`values` with every op of `op_list` evaluated. layouts: tensor -> the layout its
+        value has now (layer-specs plans only); fence(values, op, new_layer) -> values:
+        called before each op after the first; on_value(t, v): told each new value."""
+        moved: dict[tuple[int, str], Any] = {}   # (layer, tensor) -> resharded for that layer
+        layer = None
+        for op in op_list:
+            if fence is not None and layer is not None:
+                values = fence(values, op, op.layer != layer)
+            layer = op.layer
+            if op.outputs[0] in self.ops.carried:  # the tied contribution arrives once per iteration (module doc)
+                outs = [values[self.ops.carried[op.outputs[0]]]]
+            else:
+                args = [self._read(op, x, values, layouts, moved) for x in op.inputs]
+                if op.outputs[0] in self.partials and not any(x in self.partials for x in op.inputs):
+                    outs = [eval_split(op, args, self.partials[op.outputs[0]], self.train, self.mesh,
+                                       [self.layer_sh[op.layer].get(x) for x in op.inputs])]
+                else:
+                    outs = eval_op(op, args)
+            for t, v in zip(op.outputs, outs, strict=True):
+                values[t] = v = self._laid_out(op, t, v, layouts)
+                if on_value is not None:
+                    on_value(t, v)
+        return values
+
+    def forward(self, params, acts, data):
+        ops = self.ops
+        layouts = {t: self.shardings[t] for t in (*params, *acts, *data)}
+        values = self.run(ops.forward, {**params, **acts, **data}, layouts=layouts)
+        outs = {t: values[t] for t in ops.acts_out}
+        if ops.loss is not None:
+            outs[ops.loss] = values[ops.loss]
+        made = {t: values[t] for t in ops.stash if t not in outs and t not in self.given}
+        return outs, made
+
+    def accumulator(self, acc, added=lambda p: None):
+        """(the new accumulators, a `run` hook adding each parameter's gradient into
+        them as soon as it is complete, then telling `added`)."""
+        new_acc = dict(acc)
+
+        def accumulate(t, v):
+            p = self.grad_of.get(t)
+            if p is not None:
+                new_acc[p] = acc[p] + v.astype(self.acc_dtypes[p]) * jnp.asarray(self.scale, self.acc_dtypes[p])
+                added(p)
+        return new_acc, accumulate
+
+    def _backward_layouts(self, params, stash, cts) -> dict:
+        return {**{t: self.shardings[t] for t in (*params, *cts)}, **{t: self.stash_sh[t] for t in stash}}
+
+    def backward(self, params, acc, stash, cts):
+        fresh: list[str] = []    # parameters whose gradient the running layer has accumulated
+        new_acc, accumulate = self.accumulator(acc, fresh.append)
+        fence = functools.partial(self._fence, fresh, new_acc) if FENCE else None
+        values = self.run(self.ops.backward, {**params, **stash, **cts}, accumulate,
+                          layouts=self._backward_layouts(params, stash, cts), fence=fence)
+        return new_acc, {t: values[t] for t in self.ops.cts_out}
+
+    def _fence(self, fresh: list[str], new_acc: dict, values: dict, op, new_layer: bool) -> dict:
+        """One layer's backward after another, and in a layer each weight gradient where
+        the plan prices it: when a layer begins, all its parameters, and before each op,
+        the parameters that op reads take a data dependence on the gradients accumulated
+        since the last such tie. XLA can then neither hoist the next layer's
+        recomputation nor defer a weight gradient (which is off the critical path, so its
+        scheduler would otherwise keep its operands, activation-sized, alive: with layers
+        alone tied, Wide-ResNet's first remat stage measured 1.12x its plan,
+        `bench_memory.py --fence layer`). An optimization barrier would not do: XLA:CPU
+        drops it. The dependence is a zero made, on each device, from one element of each
+        local accumulator shard: no collective, no copy beyond the (small) parameters."""
+        if new_layer:
+            gated = sorted(self.reads_of[op.layer])
+        elif FENCE == "op":
+            gated = sorted({t for t in op.inputs if t in self.ops.params})
+        else:
+            return values
+        if not fresh or not gated:
+            return values
+        names = list(fresh)
+        fresh.clear()
+
+        def tie(accs, ps):
+            s = sum(a.reshape(-1)[0].astype(jnp.float32) for a in accs)
+            zero = jnp.where(jnp.isfinite(s), s, 0.0) * 0.0
+            return [p + zero.astype(p.dtype) for p in ps]
+
+        tied = jax.shard_map(tie, mesh=self.mesh,
+                             in_specs=([self.g_sh[p].spec for p in names], [self.p_sh[p].spec for p in gated]),
+                             out_specs=[self.p_sh[p].spec for p in gated], check_vma=False)
+        made = tied([new_acc[p] for p in names], [values[p] for p in gated])
+        return {**values, **dict(zip(gated, made, strict=True))}
+
+    def backward_input(self, params, acc, stash, cts):
+        new_acc, accumulate = self.accumulator(acc)
+        values = self.run(self.input_ops, {**params, **stash, **cts}, accumulate,
+                          layouts=self._backward_layouts(params, stash, cts))
+        return new_acc, {t: values[t] for t in self.ops.cts_out}, {t: values[t] for t in self.weight_stash}
+
+    def backward_weight(self, params, acc, kept):
+        new_acc, accumulate = self.accumulator(acc)
+        self.run(self.weight_ops, {**params, **kept}, accumulate, layouts={t: self.shardings[t] for t in params})
+        return new_acc
+
+    def update(self, params, acc, states):
+        # One parameter after another, as frameworks step their optimizers: each
+        # parameter's inputs pass an optimization barrier together with the previous
+        # parameter's results (in their stored layouts), so XLA cannot run every
+        # parameter's update — and its weight-update-sharding all-gather — at once.
+        params, states = dict(params), dict(states)
+        done: list[str] = []
+        for p, op in self.ops.adam.items():
+            g = acc[p]
+            if self.ops.grads.get(p) in self.partials:   # the once-per-iteration reduction the plan prices
+                g = jax.lax.with_sharding_constraint(g.sum(axis=0), self.shardings[f"{p}:grad"])
+            ins = [params[p], g, *(states[t] for t in op.inputs[2:])]
+            if done:
+                prev, ins = jax.lax.optimization_barrier(([params[q] for q in done[-1:]], ins))
+                params[done[-1]] = prev[0]
+            new = eval_op(op, ins)
+            params[p] = jax.lax.with_sharding_constraint(new[0], self.shardings[p])
+            states.update(zip(op.inputs[2:], new[1:]))
+            done.append(p)
+        return params, states, {p: jnp.zeros_like(v) for p, v in acc.items()}
 
 
 def split_backward_ops(ops: StageOps, train: OpGraph) -> tuple[tuple, tuple, tuple[str, ...]]:

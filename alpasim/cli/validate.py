@@ -23,7 +23,8 @@ def validate(
     """Price every published run alpasim keeps (Korthikanti et al. 2022, BLOOM-176B,
     Megatron-core on H100, Llama 3 405B) as its system ran, and print predicted against
     measured seconds per iteration, with the mean absolute percentage error overall and
-    per hardware generation."""
+    per hardware generation, and each priced plan's peak memory per device (predicted:
+    no source publishes a row's)."""
     runs = [r for r in ex.PUBLISHED_RUNS if rows is None or rows.lower() in r.id]
     if not runs:
         fail(f"--rows {rows!r} matches no row; the ids are {', '.join(r.id for r in ex.PUBLISHED_RUNS)}")
@@ -34,12 +35,13 @@ def validate(
         return
     t = Table(title="predicted against published iteration times")
     t.add_column("row", no_wrap=True)
-    for col in ("GPUs", "system", "measured s", "predicted s", "error"):
+    for col in ("GPUs", "system", "measured s", "predicted s", "error", "peak GiB"):
         t.add_column(col, overflow="fold")
     for r in report["rows"]:
-        predicted = f"{r['predicted_s']:.2f}" if r["status"] == "priced" else "-"
-        t.add_row(r["id"], f"{r['gpus']:,}", r["system"], f"{r['measured_s']:.2f}", predicted,
-                  ex.validation_verdict(r))
+        priced = r["status"] == "priced"
+        peak = f"{r['predicted_peak_bytes'] / 2**30:.0f}/{r['device_memory_bytes'] / 2**30:.0f}" if priced else "-"
+        t.add_row(r["id"], f"{r['gpus']:,}", r["system"], f"{r['measured_s']:.2f}",
+                  f"{r['predicted_s']:.2f}" if priced else "-", ex.validation_verdict(r), peak)
     out.print(t)
     for line in ex.validation_summary(report):
         out.print(line)

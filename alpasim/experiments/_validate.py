@@ -37,6 +37,7 @@ class ValidationRow:
     status: str = "priced"               # one of STATUSES (module doc)
     reason: str = ""                     # why it is not priced (not expressible, or does not fit)
     system: dict[str, Any] | None = None
+    peak_bytes: float | None = None      # the plan's predicted peak memory per device (priced rows)
 
     @property
     def priced(self) -> bool:
@@ -54,7 +55,10 @@ class ValidationRow:
                 "sequence_parallel": r.sequence_parallel, "distributed_optimizer": r.distributed_optimizer,
                 "measured_s": self.measured_s, "predicted_s": self.predicted_s, "error": self.error,
                 "expressible": self.status != "not expressible", "status": self.status, "reason": self.reason, "assumed": list(r.assumed),
-                "differs": list(r.differs), "plan_s": self.plan_s, "priced_as": self.system}
+                "differs": list(r.differs), "plan_s": self.plan_s, "priced_as": self.system,
+                # No source publishes a row's peak memory: the prediction stands beside the device's.
+                "predicted_peak_bytes": self.peak_bytes, "measured_peak_bytes": None,
+                "device_memory_bytes": r.cluster.device.memory_bytes}
 
 
 def _not_expressible(run: PublishedRun) -> str:
@@ -84,7 +88,8 @@ def price_run(run: PublishedRun, cache: sv.DiskCache | None = None) -> Validatio
         return ValidationRow(run, measured, None, time.perf_counter() - t0, "out of memory", "; ".join(plan.notes),
                              plan.system)
     timeline = sim.simulate(plan, plan.schedule, chunks=plan.chunks)
-    return ValidationRow(run, measured, timeline.iteration_s, time.perf_counter() - t0, system=plan.system)
+    return ValidationRow(run, measured, timeline.iteration_s, time.perf_counter() - t0, system=plan.system,
+                         peak_bytes=plan.predicted.peak_memory_bytes)
 
 
 def mape(rows: Iterable[ValidationRow]) -> tuple[float | None, int]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from alpasim import experiments as ex
@@ -48,6 +50,11 @@ def test_validate_prices_rows_and_keeps_the_ones_it_cannot(tmp_path):
     for r in priced:
         assert r["error"] == pytest.approx(r["predicted_s"] / r["measured_s"] - 1)
         assert r["priced_as"]["name"] == "megatron-lm-2022"
+        # 22B's bf16 weights, fp32 grads and Adam states over tp 8 (18 bytes a parameter)
+        # are a floor of the peak; the device's 80 GB its ceiling.
+        params = 48 * 12 * 6144 ** 2 + 51200 * 6144
+        assert 18 * params / 8 < r["predicted_peak_bytes"] <= r["device_memory_bytes"] == 80 * 2 ** 30
+        assert r["measured_peak_bytes"] is None
     full, selective = rows["korthikanti-22b-full"], rows["korthikanti-22b-sp-selective"]
     assert selective["predicted_s"] < full["predicted_s"]          # no forward recomputed whole
     assert report["mape_percent"] == pytest.approx(50 * (abs(full["error"]) + abs(selective["error"])))
@@ -64,6 +71,7 @@ def test_a_row_that_does_not_fit_is_a_failed_prediction_not_a_gap():
     report = ex.validate([small], sv.DiskCache(enabled=False))
     (priced,) = report["rows"]
     assert priced["status"] == "out of memory" and priced["predicted_s"] is None
+    assert priced["predicted_peak_bytes"] is None
     assert (report["out_of_memory_rows"], report["priced_rows"], report["mape_percent"]) == (1, 0, None)
 
 
@@ -71,5 +79,6 @@ def test_cli_validate_prints_the_table_and_refuses_an_unknown_row(cli):
     shown = cli("validate", "--rows", "korthikanti-22b-full")
     assert shown.returncode == 0, shown.stderr
     assert "korthikanti-22b-full" in shown.stdout and "A100: MAPE" in shown.stdout
+    assert re.search(r"│ \d+/80 +│", shown.stdout), shown.stdout          # peak GiB of the device's 80
     bad = cli("validate", "--rows", "gpt5")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "korthikanti-22b-full" in bad.stderr

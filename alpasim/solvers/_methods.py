@@ -308,8 +308,11 @@ def system_options(m: Method, system: str | None, overlap: bool | None, distribu
     if overlap is None and "bucket_bytes" in options and options["bucket_bytes"] is None:
         overlap = False
     recompute = _recompute_given(options)
-    sharding = None if distributed_optimizer is None else _sharding(distributed_optimizer)
     gather_given = options.pop("gather_overlap", None)
+    if gather_given and distributed_optimizer is None and "distributed_optimizer" in m.accepts \
+            and "optimizer_sharding" in m.own_search and megatron is None:
+        distributed_optimizer = True      # Megatron-core's grid, asked to overlap the gathers: they need it
+    sharding = None if distributed_optimizer is None else _sharding(distributed_optimizer)
     record = resolve(profile, grad_overlap=overlap, recompute=recompute, optimizer_sharding=sharding,
                      attention=attention, tp_comm_overlap=options.pop("tp_overlap", None),
                      param_gather_overlap=gather_given, cross_entropy=options.pop("loss_kernel", None))

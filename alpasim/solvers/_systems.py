@@ -157,6 +157,8 @@ class SystemRecord:
     def without(self, entry: str, why: str) -> SystemRecord:
         """The record with the on/off `entry` priced off because it does not apply (`why`)."""
         return dataclasses.replace(self, settings={**self.settings, entry: False},
+                                   overridden={k: v for k, v in self.overridden.items() if k != entry},
+                                   unpriced={k: v for k, v in self.unpriced.items() if k != entry},
                                    inapplicable={**self.inapplicable, entry: why})
 
 

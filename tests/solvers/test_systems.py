@@ -352,6 +352,12 @@ def test_a_parameter_gather_overlap_that_cannot_apply_is_refused_or_priced_off(c
     off = sv.plan_model(MODEL, CLUSTER, "megatron", megatron=DP4, system="megatron-core-0.8", overlap=False,
                         gather_overlap=False, **kw)
     assert default.predicted.iteration_s == off.predicted.iteration_s and off.system["inapplicable"] == {}
+    # Megatron-core's grid asked for the overlap searches only configurations that can
+    # run it (the distributed optimizer's), and records the sharding it implies.
+    grid = sv.plan_model(MODEL, CLUSTER, "megatron_core", remat=True, system="megatron-lm-2021", overlap=True,
+                         gather_overlap=True)
+    assert grid.search.megatron["distributed_optimizer"] is True and grid.system["inapplicable"] == {}
+    assert grid.system["overridden"]["optimizer_sharding"] == "none" and grid.stages[0].param_gather_s > 0
     args = ("plan", "--model", MODEL, "--cluster", "aws-p3.16xlarge", "--nodes", "2", "--devices-per-node", "2",
             "--method", "megatron", "--tp", "1", "--pp", "1", "--dp", "4", "--microbatch-size", "1",
             "--param-gather-overlap")

@@ -31,12 +31,16 @@ pays a bucket's latency of its own. The optimizer step and any collective after 
 except with Megatron-core's `--overlap-param-gather`:
 
 * with the distributed optimizer a bucket's reduction is a reduce-scatter, and the
-  updated parameters come back by an all-gather of the same buffer
-  (megatron/core/distributed/param_and_grad_buffer.py). Where the plan's layouts slice
-  the states, it prices exactly that: reduce-scatters in the backward and the step's
-  all-gathers after it; where they cannot (Megatron-core shards a flat buffer), an
-  all-reduce in the backward, which in a ring costs the reduce-scatter and the
-  all-gather, half each (`solvers._stage_costs.LayerOption.gathers_next_forward`).
+  updated parameters come back by an all-gather of the bucket's parameters
+  (megatron/core/distributed/param_and_grad_buffer.py: `grad_data` in the gradients'
+  dtype, fp32 for a bf16 model; `param_data` in the weights', bf16). Where the plan's
+  layouts slice the states, it prices exactly that: reduce-scatters in the backward and
+  the step's all-gathers after it; where they cannot (Megatron-core shards a flat
+  buffer), an all-reduce in the backward, which with the overlap runs as the bucket's
+  reduce-scatter and its weights' all-gather, each priced at its own size
+  (`solvers._stage_costs.LayerOption.gathers_next_forward`). Without the overlap the
+  flat buffer's all-reduce stays whole in the backward: an fp32 all-gather where
+  Megatron gathers bf16 weights after the step (not modelled yet).
   With `overlap_param_gather` the all-gathers run in the next iteration's first
   forward, bucket by bucket ahead of the layers that read them (its forward pre-hook
   waits for a layer's bucket), so the backward's stream carries the reduce-scatters

@@ -136,16 +136,31 @@ class LayerOption:
     # Megatron-core's --overlap-param-gather runs in the next forward.
     param_gather_s: float = 0.0
 
-    def gathers_next_forward(self, bucketed_s: float) -> tuple[float, float]:
+    def gathers_next_forward(self, bucketed_s: float, mesh: LogicalMesh, bucket_bytes: float) -> tuple[float, float]:
         """(backward's bucketed seconds, next forward's gather seconds) with the
         parameter gathers overlapping the next forward (`costmodels._overlap`): the
-        after-step all-gathers where the layout slices the states; where it cannot and
-        the distributed optimizer shards a flat buffer instead (`grad_groups` are then
-        all-reduces), each bucket's all-reduce is that buffer's reduce-scatter and
-        all-gather, half each."""
+        after-step all-gathers where the layout slices the states. Where it cannot and
+        the distributed optimizer shards a flat buffer instead (its `grad_groups` over
+        the data-parallel axis are then all-reduces), each bucket runs as Megatron-core's
+        buffer does (megatron/core/distributed/param_and_grad_buffer.py): a
+        reduce-scatter of its gradients in the backward (`grad_data`, fp32 where the
+        gradients are: Megatron-LM reduces bf16 models' gradients in fp32), and an
+        all-gather of its parameters in the next forward (`param_data`, in the weights'
+        dtype: half those bytes for a bf16 model), each priced at its own size."""
         if self.param_gather_s > 0:
             return bucketed_s, self.param_gather_s
-        return bucketed_s / 2, bucketed_s / 2
+        weights_per_grad = min(self.params_bytes / self.grads_bytes, 1.0) if self.grads_bytes > 0 else 1.0
+        backward = gather = 0.0
+        for kind, axes, nbytes in self.grad_groups:
+            n = bucket_count(nbytes, bucket_bytes)
+            if not n:
+                continue
+            if kind == "all_reduce" and axes == (0,):
+                backward += n * Collective("reduce_scatter", nbytes / n, axes).time_s(mesh)
+                gather += n * Collective("all_gather", nbytes / n * weights_per_grad, axes).time_s(mesh)
+            else:
+                backward += n * Collective(kind, nbytes / n, axes).time_s(mesh)
+        return backward, gather
 
     @property
     def tied_bytes(self) -> float:
@@ -697,7 +712,7 @@ def stage_sync(opts: Sequence[LayerOption], mesh: LogicalMesh, bucket_bytes: flo
     syncs = [layer_sync(o, mesh, bucket_bytes, tp_overlap) for o in opts]
     wait = moved = 0.0
     if gather_overlap:
-        split = [o.gathers_next_forward(ls.sync_s) for o, ls in zip(opts, syncs)]
+        split = [o.gathers_next_forward(ls.sync_s, mesh, bucket_bytes) for o, ls in zip(opts, syncs)]
         wait = gather_exposed_s([o.forward_busy_s(tp_overlap) for o in opts], [g for _, g in split])
         syncs = [LayerSync(ls.backward_s, b, ls.buckets) for ls, (b, _) in zip(syncs, split)]
         moved = sum(o.param_gather_s for o in opts)
@@ -766,7 +781,7 @@ def _overlapped_sync(kinds: Sequence[str], options, meshes, shape: tuple[int, in
         backward[l, m, j], bucketed[l, m, j], buckets[l, m, j] = ls.backward_s, ls.sync_s, ls.buckets
         unbucketed[l, m, j] = o.grad_sync_s
         if gather_overlap:
-            bucketed[l, m, j], gathers[l, m, j] = o.gathers_next_forward(ls.sync_s)
+            bucketed[l, m, j], gathers[l, m, j] = o.gathers_next_forward(ls.sync_s, meshes[m][2], bucket_bytes)
             forward[l, m, j], moved[l, m, j] = o.forward_busy_s(tp_overlap), o.param_gather_s
     exposed = exposed_ranges(backward, bucketed, buckets)
     if gather_overlap:

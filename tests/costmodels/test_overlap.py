@@ -120,16 +120,31 @@ def test_overlapped_parameter_gathers_move_from_after_the_step_into_the_next_for
     assert simulate(plan).iteration_s == pytest.approx(simulate(plain).iteration_s - hidden, rel=1e-9)
 
 
-def test_an_unsliced_all_reduce_gives_the_next_forward_half_of_it():
+def test_an_unsliced_all_reduce_is_the_buffers_reduce_scatter_and_its_weights_all_gather():
     """Where the layouts cannot slice the states (Megatron-core's flat buffer), each
-    bucket's all-reduce is the buffer's reduce-scatter and all-gather, half each; where
-    they can, the backward keeps its reduce-scatters and the step's all-gathers move."""
+    bucket's data-parallel all-reduce runs as the buffer's reduce-scatter of its fp32
+    gradients in the backward and all-gather of its bf16 parameters in the next forward
+    (param_and_grad_buffer.py's grad_data and param_data), each priced at its own size:
+    the ring closed forms (n-1) alpha + (n-1)/n S/B, the gather on half the bytes. A
+    collective over another axis stays in the backward as it is; where the layouts slice
+    the states, the backward keeps its reduce-scatters and the step's all-gathers move."""
+    from alpasim.costmodels import MeshAxis
+    from alpasim.solvers import LogicalMesh
     from alpasim.solvers._stage_costs import LayerOption
 
-    flat = LayerOption(1.0, 0.5, 0.0, 0.0, (), ())
-    assert flat.gathers_next_forward(0.3) == (0.15, 0.15)
+    link = get_cluster("aws-p3.16xlarge", nodes=2).inter_node
+    mesh = LogicalMesh((MeshAxis(4, link), MeshAxis(2, link)))
+    grads = 3 * 2 ** 20 * 4                                   # 3 Mi fp32 gradients, in two buckets of 6 MiB
+    flat = LayerOption(1.0, 0.5, 0.0, 0.0, (), (), params_bytes=grads / 2, grads_bytes=grads,
+                       grad_groups=(("all_reduce", (0,), grads), ("all_reduce", (1,), 4096.0)))
+    ring = lambda nbytes: 3 * link.latency_s + 3 / 4 * nbytes / link.bytes_per_s      # noqa: E731
+    backward, gather = flat.gathers_next_forward(99.0, mesh, bucket_bytes=6 * 2 ** 20)
+    tp_all_reduce = 2 * link.latency_s + 2 * (1 / 2) * 4096 / link.bytes_per_s
+    assert backward == pytest.approx(2 * ring(grads / 2) + tp_all_reduce, rel=1e-12)
+    assert gather == pytest.approx(2 * ring(grads / 4), rel=1e-12)
+    assert gather < 2 * ring(grads / 2)                         # less than gathering fp32 buckets
     sliced = LayerOption(1.0, 0.5, 0.0, 0.0, (), (), param_gather_s=0.2)
-    assert sliced.gathers_next_forward(0.3) == (0.3, 0.2)
+    assert sliced.gathers_next_forward(0.3, mesh, bucket_bytes=6 * 2 ** 20) == (0.3, 0.2)
 
 
 @pytest.mark.slow

@@ -36,11 +36,10 @@ except with Megatron-core's `--overlap-param-gather`:
   dtype, fp32 for a bf16 model; `param_data` in the weights', bf16). Where the plan's
   layouts slice the states, it prices exactly that: reduce-scatters in the backward and
   the step's all-gathers after it; where they cannot (Megatron-core shards a flat
-  buffer), an all-reduce in the backward, which with the overlap runs as the bucket's
-  reduce-scatter and its weights' all-gather, each priced at its own size
-  (`solvers._stage_costs.LayerOption.gathers_next_forward`). Without the overlap the
-  flat buffer's all-reduce stays whole in the backward: an fp32 all-gather where
-  Megatron gathers bf16 weights after the step (not modelled yet).
+  buffer), the gradient's all-reduce is priced as the same reduce-scatter and an
+  all-gather of the weights' bytes after the step (`solvers._stage_costs._sync_terms`).
+  After the step the gathers are priced one per parameter; overlapped, in the buckets of
+  the gradients they come from (`LayerOption.gathers_next_forward`).
   With `overlap_param_gather` the all-gathers run in the next iteration's first
   forward, bucket by bucket ahead of the layers that read them (its forward pre-hook
   waits for a layer's bucket), so the backward's stream carries the reduce-scatters

@@ -32,10 +32,13 @@ from typing import Any
 # 31: selective recomputation redraws dropout masks and zeros with attention's core;
 # 32: the loss's class axis splits (vocab-parallel cross-entropy); 33: each option's
 # after-step parameter gathers (`LayerOption.param_gather_s`), the loss's collectives
-# per kernel.
+# per kernel; 34: weight gradients reduced on the recipe's accumulator bytes (fp32
+# under mixed-fp32grad), the distributed optimizer's flat buffer reduce-scatters
+# gradients and gathers weights where an all-reduce stood, and the gathers' bytes by
+# axes (`LayerOption.gather_groups`).
 # The restriction
 # tables are code, not part of a key: a change to them bumps this.
-CACHE_VERSION = "stage-costs/33"
+CACHE_VERSION = "stage-costs/34"
 
 
 def cache_dir() -> Path:

@@ -54,7 +54,8 @@ from alpasim.graphs import (DTYPE_BYTES, OpGraph, get_recipe, in_weight_pass, is
                             stage_graph)
 
 from ._cache import CACHE_VERSION, DiskCache, digest
-from ._intra_baselines import BASELINES, REWRITE_ALLOWED, optimizer_state_shards, unsliced_state_bytes
+from ._intra_baselines import (BASELINES, DISTRIBUTED_OPTIMIZER, REWRITE_ALLOWED, optimizer_state_shards,
+                               unsliced_state_bytes)
 from ._intra_op import IntraOpInfeasible, min_memory_choice, solve_intra_op, solve_problem
 from ._mesh import LogicalMesh
 from ._resharding import Collective
@@ -133,34 +134,24 @@ class LayerOption:
     tp_hidden_forward_s: float = 0.0
     # Of sync_s, the all-gathers that bring the updated parameters back to their layout
     # after a sharded optimizer step (the distributed optimizer's, ZeRO's): what
-    # Megatron-core's --overlap-param-gather runs in the next forward.
+    # Megatron-core's --overlap-param-gather runs in the next forward. Priced one per
+    # parameter; their bytes by mesh axes, which the overlap re-prices in buckets.
     param_gather_s: float = 0.0
+    gather_groups: tuple[tuple[tuple[int, ...], float], ...] = ()
 
-    def gathers_next_forward(self, bucketed_s: float, mesh: LogicalMesh, bucket_bytes: float) -> tuple[float, float]:
-        """(backward's bucketed seconds, next forward's gather seconds) with the
-        parameter gathers overlapping the next forward (`costmodels._overlap`): the
-        after-step all-gathers where the layout slices the states. Where it cannot and
-        the distributed optimizer shards a flat buffer instead (its `grad_groups` over
-        the data-parallel axis are then all-reduces), each bucket runs as Megatron-core's
-        buffer does (megatron/core/distributed/param_and_grad_buffer.py): a
-        reduce-scatter of its gradients in the backward (`grad_data`, fp32 where the
-        gradients are: Megatron-LM reduces bf16 models' gradients in fp32), and an
-        all-gather of its parameters in the next forward (`param_data`, in the weights'
-        dtype: half those bytes for a bf16 model), each priced at its own size."""
-        if self.param_gather_s > 0:
-            return bucketed_s, self.param_gather_s
-        weights_per_grad = min(self.params_bytes / self.grads_bytes, 1.0) if self.grads_bytes > 0 else 1.0
-        backward = gather = 0.0
-        for kind, axes, nbytes in self.grad_groups:
-            n = bucket_count(nbytes, bucket_bytes)
-            if not n:
-                continue
-            if kind == "all_reduce" and axes == (0,):
-                backward += n * Collective("reduce_scatter", nbytes / n, axes).time_s(mesh)
-                gather += n * Collective("all_gather", nbytes / n * weights_per_grad, axes).time_s(mesh)
-            else:
-                backward += n * Collective(kind, nbytes / n, axes).time_s(mesh)
-        return backward, gather
+    def gathers_next_forward(self, mesh: LogicalMesh, bucket_bytes: float) -> float:
+        """The parameter all-gathers' seconds in the next forward, with Megatron-core's
+        `--overlap-param-gather` (`costmodels._overlap`): the step's gathers (those of
+        the sliced states and a flat buffer's weights, `_sync_terms`) in the buckets of
+        the gradients they come from (megatron/core/distributed/param_and_grad_buffer.py:
+        a bucket's `param_data` is gathered as one, as its `grad_data` is
+        reduce-scattered), each bucket its own collective."""
+        seconds = 0.0
+        for axes, nbytes in self.gather_groups:
+            grads = sum(b for _, a, b in self.grad_groups if a == axes)
+            n = bucket_count(grads or nbytes, bucket_bytes)
+            seconds += n * Collective("all_gather", nbytes / n, axes).time_s(mesh)
+        return seconds
 
     @property
     def tied_bytes(self) -> float:
@@ -199,11 +190,12 @@ class LayerOption:
                 tuple(d.get("tensor_specs", ())), d.get("grad_sync_s", 0.0),
                 tuple((str(k), tuple(int(a) for a in axes), b) for k, axes, b in d.get("grad_groups", ())),
                 d.get("hidden_s", 0.0), d.get("weight_grad_s", 0.0), d.get("weight_stash_bytes", 0.0),
-                d.get("tp_hidden_s", 0.0), d.get("tp_hidden_forward_s", 0.0), d.get("param_gather_s", 0.0))
+                d.get("tp_hidden_s", 0.0), d.get("tp_hidden_forward_s", 0.0), d.get("param_gather_s", 0.0),
+                tuple((tuple(int(a) for a in axes), b) for axes, b in d.get("gather_groups", ())))
         numbers = [o.time_s, o.sync_s, o.persistent_bytes, o.activation_bytes, o.forward_s, o.params_bytes,
                    o.grads_bytes, o.optimizer_bytes, *o.tied, o.gather_bytes, o.update_bytes, o.grad_sync_s,
                    *(b for _, _, b in o.grad_groups), o.hidden_s, o.weight_grad_s, o.weight_stash_bytes,
-                   o.tp_hidden_s, o.tp_hidden_forward_s, o.param_gather_s]
+                   o.tp_hidden_s, o.tp_hidden_forward_s, o.param_gather_s, *(b for _, b in o.gather_groups)]
         if o.stash_bytes is not None:
             numbers.append(o.stash_bytes)
         for x in numbers:
@@ -217,27 +209,60 @@ class LayerOption:
         return o
 
 
-def gradient_sync(layer: OpGraph, plan) -> tuple[float, tuple[tuple[str, tuple[int, ...], float], ...]]:
-    """(seconds, bytes by (kind, mesh axes)) of `plan`'s once-an-iteration collectives
-    that finish weight gradients in the backward: what can overlap it. The collectives
-    of the update and after it (the updated weights' all-gathers) cannot."""
+def parameter_gathers(plan) -> tuple[float, dict[tuple[int, ...], float]]:
+    """(seconds, bytes by mesh axes) of `plan`'s once-an-iteration all-gathers that
+    return updated parameters to their layout (the loop-back reshardings of a sharded
+    optimizer step)."""
     seconds, groups = 0.0, {}
     for p in plan.collectives:
-        op = layer.op_by_name.get(p.op)
+        c = p.collective
+        if p.per_iteration and p.op.startswith("loop-back:") and c.kind == "all_gather":
+            seconds += c.time_s(plan.mesh)
+            groups[tuple(c.axes)] = groups.get(tuple(c.axes), 0.0) + c.nbytes
+    return seconds, groups
+
+
+def _sync_terms(restriction: str | None, layer: OpGraph, plan):
+    """The layer option's `sync_s`, `grad_sync_s`, `grad_groups`, `param_gather_s` and
+    `gather_groups`: `plan`'s once-an-iteration collectives, of them those that finish
+    weight gradients in the backward (what can overlap it; by (kind, mesh axes) in
+    bytes), and the updated parameters' all-gathers (by mesh axes).
+
+    A weight gradient is reduced once an iteration, after the microbatches' gradients
+    are summed in the recipe's accumulator (`graphs.RECIPES`): Megatron-LM reduces its
+    fp32 `main_grad` (a bf16 model's always: arguments.py turns on
+    --accumulate-allreduce-grads-in-fp32 with --bf16). So each such collective is priced
+    on the accumulator's bytes, not the 16-bit gradient the ILP placed it on.
+
+    Under the distributed optimizer a weight gradient still all-reduced over the
+    data-parallel axis is one no layout could slice, which Megatron-core shards in its
+    flat buffer (megatron/core/distributed/param_and_grad_buffer.py): it reduce-scatters
+    the gradients (`grad_data`) and after the step all-gathers the parameters
+    (`param_data`, in the weights' dtype). Such an all-reduce is priced as that
+    reduce-scatter and an all-gather of the weights' bytes."""
+    recipe, mesh = get_recipe(layer.meta.get("precision")), plan.mesh
+    flat_buffer = restriction in DISTRIBUTED_OPTIMIZER and mesh.shape[0] > 1
+    sync_s = plan.sync_s + plan.update_s
+    gather_s, gathers = parameter_gathers(plan)
+    grad_s, groups = 0.0, {}
+    for p in plan.collectives:
+        op, c = layer.op_by_name.get(p.op), p.collective
         if not p.per_iteration or op is None or op.phase != "backward":
             continue
-        c = p.collective
-        seconds += c.time_s(plan.mesh)
+        dtype = layer.tensors[op.outputs[0]].dtype
+        accumulated = c.nbytes * DTYPE_BYTES[recipe.grad_dtype(dtype)] / DTYPE_BYTES[dtype]
         key = (c.kind, tuple(c.axes))
-        groups[key] = groups.get(key, 0.0) + c.nbytes
-    return seconds, tuple((k, axes, b) for (k, axes), b in sorted(groups.items()))
-
-
-def parameter_gathers_s(plan) -> float:
-    """Seconds of `plan`'s once-an-iteration all-gathers that return updated parameters
-    to their layout (the loop-back reshardings of a sharded optimizer step)."""
-    return sum(p.collective.time_s(plan.mesh) for p in plan.collectives
-               if p.per_iteration and p.op.startswith("loop-back:") and p.collective.kind == "all_gather")
+        if flat_buffer and key == ("all_reduce", (0,)):
+            key = ("reduce_scatter", (0,))
+            gather = Collective("all_gather", c.nbytes, (0,)).time_s(mesh)    # the weights, in their dtype
+            gather_s, sync_s = gather_s + gather, sync_s + gather
+            gathers[(0,)] = gathers.get((0,), 0.0) + c.nbytes
+        t = Collective(key[0], accumulated, key[1]).time_s(mesh)
+        grad_s += t
+        sync_s += t - c.time_s(mesh)
+        groups[key] = groups.get(key, 0.0) + accumulated
+    return (sync_s, grad_s, tuple((k, axes, b) for (k, axes), b in sorted(groups.items())), gather_s,
+            tuple(sorted(gathers.items())))
 
 
 def weight_pass(layer: OpGraph, plan) -> tuple[float, float]:
@@ -401,7 +426,8 @@ def layer_options(layer: OpGraph, mesh: LogicalMesh, cluster: Cluster, microbatc
         t_param, t_grad, t_opt = tied_copy_bytes(layer, plan.specs, mesh, shards)
         # Megatron-core's flat buffer shards the states the layouts could not slice.
         opt = mem.optimizer_bytes - unsliced_state_bytes(restriction, layer, plan.specs, mesh) * (1 - 1 / shards)
-        return LayerOption(plan.time_s, plan.sync_s + plan.update_s,
+        sync_s, grad_sync_s, grad_groups, param_gather_s, gather_groups = _sync_terms(restriction, layer, plan)
+        return LayerOption(plan.time_s, sync_s,
                            mem.params_bytes + mem.grads_bytes + opt + t_grad + t_opt,
                            mem.activations_peak_bytes, tuple(str(plan.specs[p]) for p in params),
                            tuple((i, plan.strategies[layer.ops[i].name].name,
@@ -411,8 +437,8 @@ def layer_options(layer: OpGraph, mesh: LogicalMesh, cluster: Cluster, microbatc
                            mem.params_bytes, mem.grads_bytes + t_grad, opt + t_opt,
                            (t_param, t_grad, t_opt), gathered_param_bytes(layer, plan), mem.update_bytes,
                            tuple(str(plan.specs[t]) if t in plan.specs else "" for t in canonical_tensors(layer)),
-                           *gradient_sync(layer, plan), hidden_collectives_s(layer, plan), *weight_pass(layer, plan),
-                           *tp_overlap_s(layer, plan), parameter_gathers_s(plan))
+                           grad_sync_s, grad_groups, hidden_collectives_s(layer, plan), *weight_pass(layer, plan),
+                           *tp_overlap_s(layer, plan), param_gather_s, gather_groups)
 
     kw = restricted_solve_kwargs(restriction, layer, mesh, model)
     fast = solve_intra_op(layer, mesh, model, with_compute=True, microbatches=microbatches, mip_gap=PLANNING_MIP_GAP,
@@ -712,9 +738,8 @@ def stage_sync(opts: Sequence[LayerOption], mesh: LogicalMesh, bucket_bytes: flo
     syncs = [layer_sync(o, mesh, bucket_bytes, tp_overlap) for o in opts]
     wait = moved = 0.0
     if gather_overlap:
-        split = [o.gathers_next_forward(ls.sync_s, mesh, bucket_bytes) for o, ls in zip(opts, syncs)]
-        wait = gather_exposed_s([o.forward_busy_s(tp_overlap) for o in opts], [g for _, g in split])
-        syncs = [LayerSync(ls.backward_s, b, ls.buckets) for ls, (b, _) in zip(syncs, split)]
+        wait = gather_exposed_s([o.forward_busy_s(tp_overlap) for o in opts],
+                                [o.gathers_next_forward(mesh, bucket_bytes) for o in opts])
         moved = sum(o.param_gather_s for o in opts)
     exposed = exposed_s(syncs) + wait
     if exposed >= unbucketed + moved:
@@ -781,7 +806,7 @@ def _overlapped_sync(kinds: Sequence[str], options, meshes, shape: tuple[int, in
         backward[l, m, j], bucketed[l, m, j], buckets[l, m, j] = ls.backward_s, ls.sync_s, ls.buckets
         unbucketed[l, m, j] = o.grad_sync_s
         if gather_overlap:
-            bucketed[l, m, j], gathers[l, m, j] = o.gathers_next_forward(ls.sync_s, meshes[m][2], bucket_bytes)
+            gathers[l, m, j] = o.gathers_next_forward(meshes[m][2], bucket_bytes)
             forward[l, m, j], moved[l, m, j] = o.forward_busy_s(tp_overlap), o.param_gather_s
     exposed = exposed_ranges(backward, bucketed, buckets)
     if gather_overlap:

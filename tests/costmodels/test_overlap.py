@@ -120,31 +120,28 @@ def test_overlapped_parameter_gathers_move_from_after_the_step_into_the_next_for
     assert simulate(plan).iteration_s == pytest.approx(simulate(plain).iteration_s - hidden, rel=1e-9)
 
 
-def test_an_unsliced_all_reduce_is_the_buffers_reduce_scatter_and_its_weights_all_gather():
-    """Where the layouts cannot slice the states (Megatron-core's flat buffer), each
-    bucket's data-parallel all-reduce runs as the buffer's reduce-scatter of its fp32
-    gradients in the backward and all-gather of its bf16 parameters in the next forward
-    (param_and_grad_buffer.py's grad_data and param_data), each priced at its own size:
-    the ring closed forms (n-1) alpha + (n-1)/n S/B, the gather on half the bytes. A
-    collective over another axis stays in the backward as it is; where the layouts slice
-    the states, the backward keeps its reduce-scatters and the step's all-gathers move."""
+def test_overlapped_gathers_run_in_the_buckets_of_their_gradients():
+    """With Megatron-core's --overlap-param-gather each bucket's parameters are gathered
+    as one (param_and_grad_buffer.py), in the buckets of the gradients they come from:
+    here 12 MiB of fp32 gradients over the data-parallel axis in two 6 MiB buckets, so
+    two all-gathers of half the 6 MiB of bf16 weights each, by the ring closed form
+    (n-1) alpha + (n-1)/n S/B; a gather over an axis no gradient bucket covers is
+    bucketed by its own bytes."""
     from alpasim.costmodels import MeshAxis
     from alpasim.solvers import LogicalMesh
     from alpasim.solvers._stage_costs import LayerOption
 
     link = get_cluster("aws-p3.16xlarge", nodes=2).inter_node
     mesh = LogicalMesh((MeshAxis(4, link), MeshAxis(2, link)))
-    grads = 3 * 2 ** 20 * 4                                   # 3 Mi fp32 gradients, in two buckets of 6 MiB
-    flat = LayerOption(1.0, 0.5, 0.0, 0.0, (), (), params_bytes=grads / 2, grads_bytes=grads,
-                       grad_groups=(("all_reduce", (0,), grads), ("all_reduce", (1,), 4096.0)))
-    ring = lambda nbytes: 3 * link.latency_s + 3 / 4 * nbytes / link.bytes_per_s      # noqa: E731
-    backward, gather = flat.gathers_next_forward(99.0, mesh, bucket_bytes=6 * 2 ** 20)
-    tp_all_reduce = 2 * link.latency_s + 2 * (1 / 2) * 4096 / link.bytes_per_s
-    assert backward == pytest.approx(2 * ring(grads / 2) + tp_all_reduce, rel=1e-12)
-    assert gather == pytest.approx(2 * ring(grads / 4), rel=1e-12)
-    assert gather < 2 * ring(grads / 2)                         # less than gathering fp32 buckets
-    sliced = LayerOption(1.0, 0.5, 0.0, 0.0, (), (), param_gather_s=0.2)
-    assert sliced.gathers_next_forward(0.3, mesh, bucket_bytes=6 * 2 ** 20) == (0.3, 0.2)
+    ring = lambda n, nbytes: (n - 1) * link.latency_s + (n - 1) / n * nbytes / link.bytes_per_s     # noqa: E731
+    grads = 12 * 2 ** 20
+    option = LayerOption(1.0, 0.5, 0.0, 0.0, (), (), grad_groups=(("reduce_scatter", (0,), grads),),
+                         param_gather_s=9.0, gather_groups=(((0,), grads / 2),))
+    assert option.gathers_next_forward(mesh, bucket_bytes=6 * 2 ** 20) == pytest.approx(
+        2 * ring(4, grads / 4), rel=1e-12)
+    other = LayerOption(1.0, 0.5, 0.0, 0.0, (), (), gather_groups=(((1,), 8 * 2 ** 20),))
+    assert other.gathers_next_forward(mesh, bucket_bytes=6 * 2 ** 20) == pytest.approx(
+        2 * ring(2, 4 * 2 ** 20), rel=1e-12)
 
 
 @pytest.mark.slow

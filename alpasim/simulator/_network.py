@@ -97,10 +97,10 @@ class FluidNetwork:
         The bottleneck each round is the link of the smallest even share, ties to the
         lowest link id, found on a heap of (share, link) rather than by a scan of every
         link each round (a data-parallel collective over 64 nodes puts thousands of
-        links in one component). A link's share never falls while filling (the share
-        fixed is the smallest, so (spare - s) / (n - 1) >= spare / n), so an entry whose
-        share no longer matches its link is stale and skipped: the same rounds, in the
-        same order, as the scan."""
+        links in one component). Every link a round touches gets an entry at its new
+        share, and an entry whose share is not its link's current one is stale and
+        skipped, so the first entry that holds is the scan's minimum: the same rounds,
+        in the same order, to the bit."""
         spare = {link: self.capacity[link] for link in comp_links}
         unfixed = {link: set(self.on_link[link]) for link in comp_links if self.on_link[link]}
         heap = [(spare[link] / len(fs), link) for link, fs in unfixed.items()]

@@ -41,7 +41,7 @@ from pathlib import Path
 
 from alpasim.costmodels import DEFAULT_BUCKET_BYTES, Cluster
 from alpasim.graphs import (DTYPE_BYTES, ModelLike, ModelSource, ModelSpecError, OpGraph, assign_layers,
-                            expanding_contraction, forward_graph, model_source, read_json_file)
+                            expanding_contraction, forward_graph, get_recipe, model_source, read_json_file)
 
 from ._interleave import DEFAULT_CHUNK_OPTIONS
 from ._inter_op import DEFAULT_MAX_STAGES, PlanInfeasible, plan_pipeline, planning_units
@@ -253,7 +253,7 @@ def _plan_method(m: Method, model: ModelLike, cluster: Cluster, *, layers: int |
                                  **options)
         kw = {**options, **m.search_options(cluster)}
         if "bucket_bytes" in kw:          # no one data-parallel degree here: a system's least bucket
-            kw["bucket_bytes"] = _bucket_bytes(kw["bucket_bytes"], 1, source.dtype)
+            kw["bucket_bytes"] = _bucket_bytes(kw["bucket_bytes"], 1, source.dtype, kw.get("precision"))
         if layers is not None:
             kw["layers"] = layers
         if max_stages is not None:
@@ -363,10 +363,15 @@ def _gather_overlap_blocked(m: Method, settings: dict, distributed_optimizer: bo
     return None
 
 
-def _bucket_bytes(bucket: float | GradBuckets | None, dp: int, weight_dtype: str) -> float | None:
+def _bucket_bytes(bucket: float | GradBuckets | None, dp: int, model_dtype: str,
+                  precision: str | None) -> float | None:
     """The planner's bucket size: a system's `GradBuckets` at data-parallel degree `dp`,
-    in the dtype the weight gradients are reduced in (the weights'); a size as given."""
-    return bucket.nbytes(dp, DTYPE_BYTES[weight_dtype]) if isinstance(bucket, GradBuckets) else bucket
+    in the dtype the weight gradients are reduced in (the precision recipe's
+    accumulator: fp32 under mixed-fp32grad, `_stage_costs._sync_terms`); a size as given."""
+    if not isinstance(bucket, GradBuckets):
+        return bucket
+    recipe = get_recipe(precision)
+    return bucket.nbytes(dp, DTYPE_BYTES[recipe.grad_dtype(recipe.weight_dtype(model_dtype))])
 
 
 def _attention_given(model: ModelLike, attention: str | None) -> str | None:
@@ -564,7 +569,8 @@ def megatron_plan(model: ModelLike, cluster: Cluster, config: MegatronConfig, me
     if dropped:
         kw = {**kw, "tp_overlap": False}
     if "bucket_bytes" in kw:
-        kw = {**kw, "bucket_bytes": _bucket_bytes(kw["bucket_bytes"], config.dp, source.config.dtype)}
+        kw = {**kw, "bucket_bytes": _bucket_bytes(kw["bucket_bytes"], config.dp, source.config.dtype,
+                                                   kw.get("precision"))}
     try:
         plan = plan_pipeline(source, cluster, microbatches=b, method=method, shape_ok=lambda sh: sh.size == size,
                              views_of=views_of, num_stages=config.pp, max_stages=config.pp, relabel=zoo_blocks,

@@ -235,8 +235,9 @@ def _sync_terms(restriction: str | None, layer: OpGraph, plan):
     on the accumulator's bytes, not the 16-bit gradient the ILP placed it on.
 
     Under the distributed optimizer a weight gradient still all-reduced over the
-    data-parallel axis is one no layout could slice, which Megatron-core shards in its
-    flat buffer (megatron/core/distributed/param_and_grad_buffer.py): it reduce-scatters
+    data-parallel axis, of a parameter whose step no layout could slice (no loop-back
+    gather over that axis), is one Megatron-core shards in its flat buffer
+    (megatron/core/distributed/param_and_grad_buffer.py): it reduce-scatters
     the gradients (`grad_data`) and after the step all-gathers the parameters
     (`param_data`, in the weights' dtype). Such an all-reduce is priced as that
     reduce-scatter and an all-gather of the weights' bytes."""
@@ -244,6 +245,8 @@ def _sync_terms(restriction: str | None, layer: OpGraph, plan):
     flat_buffer = restriction in DISTRIBUTED_OPTIMIZER and mesh.shape[0] > 1
     sync_s = plan.sync_s + plan.update_s
     gather_s, gathers = parameter_gathers(plan)
+    sliced = {p.op.removeprefix("loop-back:") for p in plan.collectives
+              if p.per_iteration and p.op.startswith("loop-back:") and 0 in p.collective.axes}
     grad_s, groups = 0.0, {}
     for p in plan.collectives:
         op, c = layer.op_by_name.get(p.op), p.collective
@@ -252,7 +255,7 @@ def _sync_terms(restriction: str | None, layer: OpGraph, plan):
         dtype = layer.tensors[op.outputs[0]].dtype
         accumulated = c.nbytes * DTYPE_BYTES[recipe.grad_dtype(dtype)] / DTYPE_BYTES[dtype]
         key = (c.kind, tuple(c.axes))
-        if flat_buffer and key == ("all_reduce", (0,)):
+        if flat_buffer and key == ("all_reduce", (0,)) and _updated_param(layer, op) not in sliced:
             key = ("reduce_scatter", (0,))
             gather = Collective("all_gather", c.nbytes, (0,)).time_s(mesh)    # the weights, in their dtype
             gather_s, sync_s = gather_s + gather, sync_s + gather
@@ -263,6 +266,21 @@ def _sync_terms(restriction: str | None, layer: OpGraph, plan):
         groups[key] = groups.get(key, 0.0) + accumulated
     return (sync_s, grad_s, tuple((k, axes, b) for (k, axes), b in sorted(groups.items())), gather_s,
             tuple(sorted(gathers.items())))
+
+
+def _updated_param(layer: OpGraph, op) -> str | None:
+    """The parameter whose Adam step reads the gradient `op` makes (through its casts),
+    or None."""
+    todo, seen = [op.outputs[0]], set()
+    while todo:
+        t = todo.pop()
+        for reader in layer.consumers.get(t, ()):
+            if reader.prim == "adam":
+                return reader.inputs[0]
+            if reader.name not in seen and reader.phase != "forward":
+                seen.add(reader.name)
+                todo.extend(reader.outputs)
+    return None
 
 
 def weight_pass(layer: OpGraph, plan) -> tuple[float, float]:

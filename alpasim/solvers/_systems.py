@@ -84,7 +84,7 @@ class GradBuckets:
 
     def nbytes(self, dp: int, grad_itemsize: int) -> float:
         """The bucket in bytes of gradients of `grad_itemsize` bytes each (the dtype the
-        planner's gradients are reduced in)."""
+        planner's gradients are reduced in: the precision recipe's accumulator)."""
         return float(max(self.min_params, self.params_per_rank * dp) * grad_itemsize)
 
 

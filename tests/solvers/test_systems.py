@@ -220,10 +220,16 @@ def test_megatron_core_sizes_its_gradient_buckets_by_the_data_parallel_degree():
     ddp = sv.plan_model(model, cluster, "megatron", system="megatron-core-0.8", bucket_bytes=25 * 2 ** 20, **kw)
     # Buckets fill within a layer (`_stage_costs.layer_sync`): a block's 12 h^2 weight
     # gradients, here 50 M of them, take ceil(bytes / bucket) each.
-    grad = 12 * 2048 ** 2 * 2                     # fp16 gradients of one block (the default recipe)
+    grad = 12 * 2048 ** 2 * 4                     # a block's gradients, reduced from the fp32 accumulator
     blocks = 2
     assert len(ddp.stages[0].sync_buckets) >= blocks * -(-grad // (25 * 2 ** 20))
     assert len(core.stages[0].sync_buckets) < len(ddp.stages[0].sync_buckets)
+    # A bucket of parameters is sized in the dtype the gradients are reduced in: the
+    # recipe's accumulator (fp32 under mixed-fp32grad, 16-bit under mixed).
+    from alpasim.solvers._methods import _bucket_bytes
+    assert _bucket_bytes(MEGATRON_CORE_BUCKETS, 48, "bfloat16", None) == 48e6 * 4
+    assert _bucket_bytes(MEGATRON_CORE_BUCKETS, 48, "bfloat16", "mixed") == 48e6 * 2
+    assert _bucket_bytes(25.0 * 2 ** 20, 48, "bfloat16", None) == 25 * 2 ** 20
     assert core.predicted.iteration_s != ddp.predicted.iteration_s
 
 
@@ -399,3 +405,32 @@ def test_a_flat_buffer_reduce_scatters_its_gradients_and_gathers_its_weights():
     assert flat.param_gather_s > 0 and flat.grad_sync_s < plain.grad_sync_s
     assert flat.sync_s - flat.param_gather_s - flat.grad_sync_s == pytest.approx(
         plain.sync_s - plain.grad_sync_s, rel=1e-2)
+
+
+def test_a_sliced_parameter_whose_gradient_is_all_reduced_is_gathered_once():
+    """Under the distributed optimizer a bias can have its step sliced over dp (a
+    loop-back all-gather after it) while its gradient is still all-reduced (no free
+    dimension to scatter onto): that is not a flat-buffer gradient, and its weights
+    are gathered once, by the loop-back, not again."""
+    from alpasim.solvers._stage_costs import _sync_terms, _updated_param
+
+    cluster = get_cluster("dgx-a100", nodes=1, devices_per_node=8)
+    block = layer_graphs(training_graph(forward_graph(
+        "gpt3:hidden=64,layers=2,heads=4,seq=32,vocab=96,batch=16,dtype=bfloat16"), remat=True))[1]
+    mesh = LogicalMesh.on_cluster(cluster, (4, 2))
+    model = AnalyticCostModel(cluster)
+    plan = solve_intra_op(block, mesh, model, with_compute=True, microbatches=1,
+                          **restricted_solve_kwargs("megatron_distopt", block, mesh, model)).plan
+    per_iteration = [p for p in plan.collectives if p.per_iteration]
+    looped = {p.op.removeprefix("loop-back:"): p.collective.nbytes for p in per_iteration
+              if p.op.startswith("loop-back:") and p.collective.kind == "all_gather" and p.collective.axes == (0,)}
+    reduced = {_updated_param(block, block.op_by_name[p.op]): p.collective.nbytes for p in per_iteration
+               if p.op in block.op_by_name and block.op_by_name[p.op].phase == "backward"
+               and (p.collective.kind, p.collective.axes) == ("all_reduce", (0,))}
+    both = set(looped) & set(reduced)
+    assert both                                             # fc1's bias: sliced step, all-reduced gradient
+    _, _, groups, _, gathers = _sync_terms("megatron_distopt", block, plan)
+    assert dict(gathers)[(0,)] == pytest.approx(sum(looped.values()) + sum(reduced[p] for p in set(reduced) - both))
+    # The sliced one's gradient stays an all-reduce, of the fp32 accumulator.
+    assert dict(((k, a), b) for k, a, b in groups)[("all_reduce", (0,))] == pytest.approx(
+        2 * sum(reduced[p] for p in both))

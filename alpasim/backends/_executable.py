@@ -370,7 +370,7 @@ def lower_stage(plan: PipelinePlan, graph: OpGraph, stage_index: int, devices: S
                            split={k: fns[k] for k in ("backward_input", "backward_weight")})
 
 
-# How a stage's backward is held to the plan's op order (`fence` in `_stage_functions`):
+# How a stage's backward is held to the plan's op order (`_StageTracer._fence`):
 # "op" ties each layer to the one after it and each weight gradient to the next op
 # that reads a parameter; "layer" only the layers; None neither. Other than "op" only
 # to measure what XLA does without it (`benchmarks/bench_memory.py --fence`).
@@ -488,7 +488,7 @@ def _stage_functions(ops: StageOps, train: OpGraph, shardings: dict[str, NamedSh
     o_sh = {t: shardings[t] for t in ops.acts_out}
     if ops.loss is not None:
         o_sh[ops.loss] = NamedSharding(mesh, PartitionSpec())
-    made_sh = {t: stash_sh[t] for t in ops.stash if t not in o_sh and t not in tr.given}
+    made_sh = {t: stash_sh[t] for t in tr.made}
     s_sh = {t: shardings[t] for op in ops.adam.values() for t in op.inputs[2:]}
     # Unused arguments are kept: the stage holds them anyway, and each program's memory
     # analysis then counts every buffer it is handed (`_memory`). Donated: what the
@@ -524,7 +524,9 @@ class _StageTracer:
         self.grad_of = {g: p for p, g in ops.grads.items()}
         self.scale = 1.0 / microbatches
         self.split_sh = {t: info.sharding(mesh) for t, info in partials.items()}
-        self.given = {*ops.acts_in, *ops.data}
+        # The forward's stash it makes itself, beside its outputs (what it hands on).
+        given, handed = {*ops.acts_in, *ops.data}, {*ops.acts_out, ops.loss}
+        self.made = tuple(t for t in ops.stash if t not in handed and t not in given)
         self.reads_of: dict[int, set[str]] = {}
         for op in ops.backward:
             self.reads_of.setdefault(op.layer, set()).update(t for t in op.inputs if t in ops.params)
@@ -571,7 +573,7 @@ class _StageTracer:
             return jax.lax.with_sharding_constraint(v, self.shardings[t])
         return v
 
-    def run(self, op_list, values: dict, on_value=None, layouts: dict | None = None, fence=None) -> dict:
+    def run(self, op_list, values: dict, layouts: dict, on_value=None, fence=None) -> dict:
         """`values` with every op of `op_list` evaluated. layouts: tensor -> the layout its
         value has now (layer-specs plans only); fence(values, op, new_layer) -> values:
         called before each op after the first; on_value(t, v): told each new value."""
@@ -603,7 +605,7 @@ class _StageTracer:
         outs = {t: values[t] for t in ops.acts_out}
         if ops.loss is not None:
             outs[ops.loss] = values[ops.loss]
-        made = {t: values[t] for t in ops.stash if t not in outs and t not in self.given}
+        made = {t: values[t] for t in self.made}
         return outs, made
 
     def accumulator(self, acc, added=lambda p: None):
@@ -625,7 +627,7 @@ class _StageTracer:
         fresh: list[str] = []    # parameters whose gradient the running layer has accumulated
         new_acc, accumulate = self.accumulator(acc, fresh.append)
         fence = functools.partial(self._fence, fresh, new_acc) if FENCE else None
-        values = self.run(self.ops.backward, {**params, **stash, **cts}, accumulate,
+        values = self.run(self.ops.backward, {**params, **stash, **cts}, on_value=accumulate,
                           layouts=self._backward_layouts(params, stash, cts), fence=fence)
         return new_acc, {t: values[t] for t in self.ops.cts_out}
 
@@ -664,13 +666,14 @@ class _StageTracer:
 
     def backward_input(self, params, acc, stash, cts):
         new_acc, accumulate = self.accumulator(acc)
-        values = self.run(self.input_ops, {**params, **stash, **cts}, accumulate,
+        values = self.run(self.input_ops, {**params, **stash, **cts}, on_value=accumulate,
                           layouts=self._backward_layouts(params, stash, cts))
         return new_acc, {t: values[t] for t in self.ops.cts_out}, {t: values[t] for t in self.weight_stash}
 
     def backward_weight(self, params, acc, kept):
         new_acc, accumulate = self.accumulator(acc)
-        self.run(self.weight_ops, {**params, **kept}, accumulate, layouts={t: self.shardings[t] for t in params})
+        self.run(self.weight_ops, {**params, **kept}, layouts={t: self.shardings[t] for t in params},
+                 on_value=accumulate)
         return new_acc
 
     def update(self, params, acc, states):

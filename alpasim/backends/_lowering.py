@@ -243,8 +243,8 @@ def _fmix32(x):
 def _dropout_mask(p, rows):
     """Keep (True) with probability 1 - rate: the top 24 bits of fmix(fmix(row id xor
     the op's seed) + the element's place in its row) (`alpasim.graphs._prims_nn`).
-    Hashing the row first gives every row and seed its own offset (a row's id times
-    the row's size would wrap mod 2^32 and repeat masks every few rows). Integer
+    Hashing the row first spreads rows' offsets over all of uint32 (a row's id times the
+    row's size would wrap mod 2^32 and repeat masks every few rows). Integer
     elementwise ops on global indices only, so any sharding computes the same bits."""
     shape = tuple(p["shape"])
     u32 = jnp.uint32

@@ -10,7 +10,7 @@ from rich.table import Table
 from alpasim import experiments as ex
 from alpasim import solvers as sv
 
-from ._common import JsonOpt, TaskProgress, app, emit_json, fail, out
+from ._common import JsonOpt, TaskProgress, app, emit_json, fail, fmt_bytes, out
 
 
 @app.command()
@@ -35,11 +35,12 @@ def validate(
         return
     t = Table(title="predicted against published iteration times")
     t.add_column("row", no_wrap=True)
-    for col in ("GPUs", "system", "measured s", "predicted s", "error", "peak GiB"):
+    for col in ("GPUs", "system", "measured s", "predicted s", "error"):
         t.add_column(col, overflow="fold")
+    t.add_column("peak of memory")
     for r in report["rows"]:
         priced = r["status"] == "priced"
-        peak = f"{r['predicted_peak_bytes'] / 2**30:.0f}/{r['device_memory_bytes'] / 2**30:.0f}" if priced else "-"
+        peak = f"{fmt_bytes(r['predicted_peak_bytes'])} of {fmt_bytes(r['device_memory_bytes'])}" if priced else "-"
         t.add_row(r["id"], f"{r['gpus']:,}", r["system"], f"{r['measured_s']:.2f}",
                   f"{r['predicted_s']:.2f}" if priced else "-", ex.validation_verdict(r), peak)
     out.print(t)

@@ -88,10 +88,8 @@ def loss_bytes(op: Op, tensors: Mapping[str, Tensor]) -> int:
     two kernels' (some 20 us a microbatch left out); the fp32 softmax it keeps for the
     backward (4 bytes a logit) is not in the stash, which keeps the logits instead."""
     logits = tensors[op.inputs[LOSS_LOGITS[op.prim]]]
-    w = logits.nbytes // max(logits.size, 1)
-    cast = 0 if logits.dtype == "float32" else w + 4
-    per_element = 32 + cast if op.prim == "softmax_cross_entropy" else 8 + (4 + w if cast else 0)
-    return per_element * logits.size
+    cast = 0 if logits.dtype == "float32" else logits.itemsize + 4
+    return ((32 if op.prim == "softmax_cross_entropy" else 8) + cast) * logits.size
 
 
 def traffic_bytes(op: Op, tensors: Mapping[str, Tensor]) -> int:
@@ -108,7 +106,7 @@ def traffic_bytes(op: Op, tensors: Mapping[str, Tensor]) -> int:
         return tensors[ids].nbytes + 2 * tensors[op.outputs[0]].nbytes
     if op.prim == "slice":
         return 2 * tensors[op.outputs[0]].nbytes
-    if unfused_loss(op):
+    if op.prim in LOSS_LOGITS and unfused_loss(op):
         return loss_bytes(op, tensors)
     return op_bytes(op, tensors)
 

@@ -86,5 +86,5 @@ def with_loss_kernel(graph, kernel: str):
         raise ValueError(f"unknown loss kernel {kernel!r}; choose one of {', '.join(LOSS_KERNELS)}")
     if kernel == "fused" or not any(op.prim in LOSS_LOGITS for op in graph.ops):
         return graph
-    return graph.replace(ops=[op.replace(params=tuple(sorted({**dict(op.params), "kernel": kernel}.items())))
-                              if op.prim in LOSS_LOGITS else op for op in graph.ops])
+    return graph.replace(ops=[op.replace(params={**op.attrs, "kernel": kernel}) if op.prim in LOSS_LOGITS else op
+                              for op in graph.ops])

@@ -49,7 +49,6 @@ from ._stage_costs import (
     stage_sync,
 )
 from ._boundary import stage_boundary_s
-from ._intra_baselines import DISTRIBUTED_OPTIMIZER
 from ._interleave import (DEFAULT_CHUNK_OPTIONS, InterleavedChoice, interleaved_cannot_exist, interleaved_dp,
                           mesh_shapes)
 from ._stage_dp import DPResult, StageBoundary, StageChoice, bubble_fraction, equal_layer_dp, stage_dp
@@ -245,7 +244,7 @@ def plan_pipeline(model: str | ModelSource, cluster: Cluster, *, microbatches: i
         max_stages=max_stages, map_fn=map_fn, cache=cache or DiskCache(enabled=False), progress=progress,
         restriction=restriction, shape_ok=shape_ok, views_of=views_of, pareto=pareto, cost_model=cost_model,
         bucket_bytes=bucket_bytes, tp_overlap=tp_overlap,
-        gather_overlap=gather_overlap and restriction in DISTRIBUTED_OPTIMIZER, price_boundaries=price_boundaries,
+        gather_overlap=gather_overlap, price_boundaries=price_boundaries,
         equal_layers=equal_layers, num_stages=num_stages, epsilon=epsilon))
     best = _hill_climb(options, evaluate, global_batch)
     candidates = evaluate.candidates

@@ -155,7 +155,7 @@ def megatron_restriction(graph: OpGraph, mesh: LogicalMesh, cost_model: CostMode
     split = _propagated_letters(graph, {(t, d) for t, specs in leaf_specs.items()
                                         for d, axes in enumerate(specs[0].dims) if 1 in axes}) if seq else {}
     restrict: dict[str, list[Strategy]] = {}
-    param_of_grad = {op.inputs[1]: op.inputs[0] for op in graph.ops if op.prim == "adam"}
+    param_of_grad = params_of_grads(graph)
     for op in graph.ops:
         dm = op_dims(op, graph.tensors)
         must: dict[int, set[str]] = {}
@@ -192,9 +192,7 @@ def megatron_restriction(graph: OpGraph, mesh: LogicalMesh, cost_model: CostMode
         if op.prim == "adam":
             owners = dict.fromkeys(range(len(op.outputs)), op.inputs[0])
         else:
-            owners = {k: p for k, p in weight_grad_params(op).items()}
-            if op.outputs[0] in param_of_grad:
-                owners[0] = param_of_grad[op.outputs[0]]
+            owners = grad_owners(op, param_of_grad)
         owners = {k: p for k, p in owners.items() if p in leaf_specs}
         if owners:
             def laid_out(s: Strategy) -> bool:
@@ -244,6 +242,21 @@ def megatron_distopt_restriction(graph: OpGraph, mesh: LogicalMesh, cost_model: 
     return out, leaf_specs
 
 
+def params_of_grads(graph: OpGraph) -> dict[str, str]:
+    """Gradient tensor -> the parameter whose Adam step reads it."""
+    return {op.inputs[1]: op.inputs[0] for op in graph.ops if op.prim == "adam"}
+
+
+def grad_owners(op, param_of_grad: dict[str, str]) -> dict[int, str]:
+    """Output index -> the parameter whose gradient (or contribution to one) `op` makes
+    there: autodiff's tags (`graphs.weight_grad_params`), and an output an Adam step
+    reads (`params_of_grads`)."""
+    owners = dict(weight_grad_params(op))
+    if op.outputs[0] in param_of_grad:
+        owners[0] = param_of_grad[op.outputs[0]]
+    return owners
+
+
 def optimizer_state_shards(restriction: str | None, mesh: LogicalMesh) -> int:
     """The devices a baseline splits each optimizer state over beyond its parameter's
     layout, for states it keeps outside the graph (a tied copy's, `_stage_costs`): the
@@ -251,26 +264,34 @@ def optimizer_state_shards(restriction: str | None, mesh: LogicalMesh) -> int:
     return mesh.shape[0] if restriction in DISTRIBUTED_OPTIMIZER else 1
 
 
-def unsliced_state_bytes(restriction: str | None, layer: OpGraph, specs, mesh: LogicalMesh) -> float:
-    """Optimizer-state bytes per device that the distributed optimizer's layouts could
-    not slice over the data-parallel axis (no dimension of the parameter's layout
+def _unsliced_states(restriction: str | None, layer: OpGraph, specs, mesh: LogicalMesh):
+    """(parameter, state) of each optimizer state the distributed optimizer's layouts
+    could not slice over the data-parallel axis (no dimension of the parameter's layout
     divides evenly by dp), and that Megatron-core shards all the same: its optimizer
     holds the states of a flat, padded buffer of all parameters, 1/dp of it on each
     rank (megatron/core/optimizer/distrib_optimizer.py, `_build_model_gbuf_range`), so
-    divisibility never keeps a state whole. The caller takes (1 - 1/dp) of these off.
-    0 for the other baselines."""
+    divisibility never keeps a state whole. None for the other baselines."""
     if restriction not in DISTRIBUTED_OPTIMIZER or mesh.shape[0] == 1:
-        return 0.0
-    total = 0.0
+        return
     for op in layer.ops:
-        if op.prim != "adam":
-            continue
-        for t in op.inputs:
-            tensor = layer.tensors[t]
-            spec = specs.get(t)
-            if tensor.role == "optimizer_state" and spec is not None and not any(0 in d for d in spec.dims):
-                total += tensor.nbytes / spec.num_shards(mesh)
-    return total
+        if op.prim == "adam":
+            for t in op.inputs:
+                spec = specs.get(t)
+                if layer.tensors[t].role == "optimizer_state" and spec is not None \
+                        and not any(0 in d for d in spec.dims):
+                    yield op.inputs[0], t
+
+
+def unsliced_params(restriction: str | None, layer: OpGraph, specs, mesh: LogicalMesh) -> set[str]:
+    """The parameters with a state in Megatron-core's flat buffer (`_unsliced_states`)."""
+    return {p for p, _ in _unsliced_states(restriction, layer, specs, mesh)}
+
+
+def unsliced_state_bytes(restriction: str | None, layer: OpGraph, specs, mesh: LogicalMesh) -> float:
+    """Optimizer-state bytes per device of `_unsliced_states`. The caller takes
+    (1 - 1/dp) of these off. 0 for the other baselines."""
+    return sum((layer.tensors[t].nbytes / specs[t].num_shards(mesh)
+                for _, t in _unsliced_states(restriction, layer, specs, mesh)), 0.0)
 
 
 def _one_more_axis(spec: ShardingSpec, base: ShardingSpec, axis: int) -> bool:

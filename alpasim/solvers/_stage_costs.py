@@ -54,8 +54,8 @@ from alpasim.graphs import (DTYPE_BYTES, OpGraph, get_recipe, in_weight_pass, is
                             stage_graph)
 
 from ._cache import CACHE_VERSION, DiskCache, digest
-from ._intra_baselines import (BASELINES, DISTRIBUTED_OPTIMIZER, REWRITE_ALLOWED, optimizer_state_shards,
-                               unsliced_state_bytes)
+from ._intra_baselines import (BASELINES, DISTRIBUTED_OPTIMIZER, REWRITE_ALLOWED, grad_owners,
+                               optimizer_state_shards, params_of_grads, unsliced_params, unsliced_state_bytes)
 from ._intra_op import IntraOpInfeasible, min_memory_choice, solve_intra_op, solve_problem
 from ._mesh import LogicalMesh
 from ._resharding import Collective
@@ -139,20 +139,6 @@ class LayerOption:
     param_gather_s: float = 0.0
     gather_groups: tuple[tuple[tuple[int, ...], float], ...] = ()
 
-    def gathers_next_forward(self, mesh: LogicalMesh, bucket_bytes: float) -> float:
-        """The parameter all-gathers' seconds in the next forward, with Megatron-core's
-        `--overlap-param-gather` (`costmodels._overlap`): the step's gathers (those of
-        the sliced states and a flat buffer's weights, `_sync_terms`) in the buckets of
-        the gradients they come from (megatron/core/distributed/param_and_grad_buffer.py:
-        a bucket's `param_data` is gathered as one, as its `grad_data` is
-        reduce-scattered), each bucket its own collective."""
-        seconds = 0.0
-        for axes, nbytes in self.gather_groups:
-            grads = sum(b for _, a, b in self.grad_groups if a == axes)
-            n = bucket_count(grads or nbytes, bucket_bytes)
-            seconds += n * Collective("all_gather", nbytes / n, axes).time_s(mesh)
-        return seconds
-
     @property
     def tied_bytes(self) -> float:
         return sum(self.tied)
@@ -209,24 +195,12 @@ class LayerOption:
         return o
 
 
-def parameter_gathers(plan) -> tuple[float, dict[tuple[int, ...], float]]:
-    """(seconds, bytes by mesh axes) of `plan`'s once-an-iteration all-gathers that
-    return updated parameters to their layout (the loop-back reshardings of a sharded
-    optimizer step)."""
-    seconds, groups = 0.0, {}
-    for p in plan.collectives:
-        c = p.collective
-        if p.per_iteration and p.op.startswith("loop-back:") and c.kind == "all_gather":
-            seconds += c.time_s(plan.mesh)
-            groups[tuple(c.axes)] = groups.get(tuple(c.axes), 0.0) + c.nbytes
-    return seconds, groups
-
-
 def _sync_terms(restriction: str | None, layer: OpGraph, plan):
     """The layer option's `sync_s`, `grad_sync_s`, `grad_groups`, `param_gather_s` and
     `gather_groups`: `plan`'s once-an-iteration collectives, of them those that finish
     weight gradients in the backward (what can overlap it; by (kind, mesh axes) in
-    bytes), and the updated parameters' all-gathers (by mesh axes).
+    bytes), and the all-gathers that return updated parameters to their layout (the
+    loop-backs of a sharded optimizer step; by mesh axes).
 
     A weight gradient is reduced once an iteration, after the microbatches' gradients
     are summed in the recipe's accumulator (`graphs.RECIPES`): Megatron-LM reduces its
@@ -235,27 +209,30 @@ def _sync_terms(restriction: str | None, layer: OpGraph, plan):
     on the accumulator's bytes, not the 16-bit gradient the ILP placed it on.
 
     Under the distributed optimizer a weight gradient still all-reduced over the
-    data-parallel axis, of a parameter whose step no layout could slice (no loop-back
-    gather over that axis), is one Megatron-core shards in its flat buffer
-    (megatron/core/distributed/param_and_grad_buffer.py): it reduce-scatters
-    the gradients (`grad_data`) and after the step all-gathers the parameters
-    (`param_data`, in the weights' dtype). Such an all-reduce is priced as that
-    reduce-scatter and an all-gather of the weights' bytes."""
+    data-parallel axis, unless its parameter's step here is sliced (a loop-back gathers
+    it), is one of Megatron-core's flat buffer (`_intra_baselines.unsliced_params`;
+    megatron/core/distributed/param_and_grad_buffer.py): reduce-scattered (`grad_data`)
+    and its parameter all-gathered after the step (`param_data`, in the weights' dtype).
+    So priced; a contribution to a parameter another layer updates (a tied copy's) too."""
     recipe, mesh = get_recipe(layer.meta.get("precision")), plan.mesh
-    flat_buffer = restriction in DISTRIBUTED_OPTIMIZER and mesh.shape[0] > 1
-    sync_s = plan.sync_s + plan.update_s
-    gather_s, gathers = parameter_gathers(plan)
-    sliced = {p.op.removeprefix("loop-back:") for p in plan.collectives
-              if p.per_iteration and p.op.startswith("loop-back:") and 0 in p.collective.axes}
-    grad_s, groups = 0.0, {}
+    param_of_grad = params_of_grads(layer)
+    sharded = optimizer_state_shards(restriction, mesh) > 1
+    sliced = set(param_of_grad.values()) - unsliced_params(restriction, layer, plan.specs, mesh)
+    sync_s, grad_s, gather_s = plan.sync_s + plan.update_s, 0.0, 0.0
+    groups: dict[tuple[str, tuple[int, ...]], float] = {}
+    gathers: dict[tuple[int, ...], float] = {}
     for p in plan.collectives:
         op, c = layer.op_by_name.get(p.op), p.collective
+        if p.per_iteration and p.op.startswith("loop-back:") and c.kind == "all_gather":
+            gather_s += c.time_s(mesh)
+            gathers[tuple(c.axes)] = gathers.get(tuple(c.axes), 0.0) + c.nbytes
         if not p.per_iteration or op is None or op.phase != "backward":
             continue
-        dtype = layer.tensors[op.outputs[0]].dtype
+        owners = grad_owners(op, param_of_grad)
+        dtype = layer.tensors[op.outputs[min(owners, default=0)]].dtype
         accumulated = c.nbytes * DTYPE_BYTES[recipe.grad_dtype(dtype)] / DTYPE_BYTES[dtype]
         key = (c.kind, tuple(c.axes))
-        if flat_buffer and key == ("all_reduce", (0,)) and _updated_param(layer, op) not in sliced:
+        if sharded and key == ("all_reduce", (0,)) and not set(owners.values()) & sliced:
             key = ("reduce_scatter", (0,))
             gather = Collective("all_gather", c.nbytes, (0,)).time_s(mesh)    # the weights, in their dtype
             gather_s, sync_s = gather_s + gather, sync_s + gather
@@ -266,21 +243,6 @@ def _sync_terms(restriction: str | None, layer: OpGraph, plan):
         groups[key] = groups.get(key, 0.0) + accumulated
     return (sync_s, grad_s, tuple((k, axes, b) for (k, axes), b in sorted(groups.items())), gather_s,
             tuple(sorted(gathers.items())))
-
-
-def _updated_param(layer: OpGraph, op) -> str | None:
-    """The parameter whose Adam step reads the gradient `op` makes (through its casts),
-    or None."""
-    todo, seen = [op.outputs[0]], set()
-    while todo:
-        t = todo.pop()
-        for reader in layer.consumers.get(t, ()):
-            if reader.prim == "adam":
-                return reader.inputs[0]
-            if reader.name not in seen and reader.phase != "forward":
-                seen.add(reader.name)
-                todo.extend(reader.outputs)
-    return None
 
 
 def weight_pass(layer: OpGraph, plan) -> tuple[float, float]:
@@ -618,10 +580,11 @@ def build_stage_costs(graph: OpGraph, cluster: Cluster, microbatches: int, *, ma
     overlap the last backward (`costmodels._overlap`); None: one collective per
     gradient after the backward (the paper's accounting). `tp_overlap`: tensor-parallel
     collectives run beside their GEMMs (`_tp_overlap`), as Megatron-core's
-    `--tp-comm-overlap` runs them. `gather_overlap` (with `bucket_bytes`): each bucket
-    is a reduce-scatter in the backward and an all-gather in the next forward, as
-    Megatron-core's distributed optimizer runs them with `--overlap-param-gather`."""
-    gather_overlap = gather_overlap and bucket_bytes is not None
+    `--tp-comm-overlap` runs them. `gather_overlap` (under the distributed optimizer's
+    restrictions, with `bucket_bytes`): each bucket is a reduce-scatter in the backward
+    and an all-gather in the next forward, as Megatron-core's distributed optimizer runs
+    them with `--overlap-param-gather`."""
+    gather_overlap = gather_overlap and bucket_bytes is not None and restriction in DISTRIBUTED_OPTIMIZER
     if cost_model is not None:
         cluster = cost_model.cluster
     cache = cache or DiskCache(enabled=False)
@@ -728,16 +691,33 @@ def compose_stage(opts: Sequence[LayerOption], inflight: int, drop_tied: bool = 
                         carries=carries, update_bytes=max((o.update_bytes for o in opts), default=0.0))
 
 
+def _in_buckets(kind: str, nbytes: float, axes: tuple[int, ...], n: int, mesh: LogicalMesh) -> float:
+    """Seconds of `nbytes` moved by `kind` in `n` equal buckets, each its own collective."""
+    return n * Collective(kind, nbytes / n, axes).time_s(mesh) if n else 0.0
+
+
 def layer_sync(o: LayerOption, mesh: LogicalMesh, bucket_bytes: float, tp_overlap: bool = False) -> LayerSync:
     """The option's backward and its gradient collectives re-priced in buckets of
     `bucket_bytes` (each bucket one collective of its own size)."""
     seconds, count = 0.0, 0
     for kind, axes, nbytes in o.grad_groups:
         n = bucket_count(nbytes, bucket_bytes)
-        if n:
-            seconds += n * Collective(kind, nbytes / n, axes).time_s(mesh)
-            count += n
+        seconds += _in_buckets(kind, nbytes, axes, n, mesh)
+        count += n
     return LayerSync(max(o.busy_s(True, tp_overlap) - o.forward_busy_s(tp_overlap), 0.0), seconds, count)
+
+
+def layer_gathers(o: LayerOption, mesh: LogicalMesh, bucket_bytes: float) -> float:
+    """The option's parameter all-gathers' seconds in the next forward, with
+    Megatron-core's `--overlap-param-gather` (`costmodels._overlap`): the step's
+    gathers (those of the sliced states and a flat buffer's weights, `_sync_terms`) in
+    the buckets of the gradients they come from (param_and_grad_buffer.py: a bucket's
+    `param_data` is gathered as one, as its `grad_data` is reduce-scattered)."""
+    seconds = 0.0
+    for axes, nbytes in o.gather_groups:
+        grads = sum(b for _, a, b in o.grad_groups if a == axes)
+        seconds += _in_buckets("all_gather", nbytes, axes, bucket_count(grads or nbytes, bucket_bytes), mesh)
+    return seconds
 
 
 def stage_sync(opts: Sequence[LayerOption], mesh: LogicalMesh, bucket_bytes: float | None,
@@ -749,7 +729,7 @@ def stage_sync(opts: Sequence[LayerOption], mesh: LogicalMesh, bucket_bytes: flo
     collective per gradient does after the backward (many small buckets each pay a
     launch, and a short backward hides little), else no buckets and all of it.
     `gather_overlap`: the parameters' all-gathers run in the next forward
-    (`LayerOption.gathers_next_forward`, `costmodels._overlap`)."""
+    (`layer_gathers`, `costmodels._overlap`)."""
     unbucketed = sum(o.grad_sync_s for o in opts)
     if bucket_bytes is None:
         return (), unbucketed, 0.0, 0.0
@@ -757,7 +737,7 @@ def stage_sync(opts: Sequence[LayerOption], mesh: LogicalMesh, bucket_bytes: flo
     wait = moved = 0.0
     if gather_overlap:
         wait = gather_exposed_s([o.forward_busy_s(tp_overlap) for o in opts],
-                                [o.gathers_next_forward(mesh, bucket_bytes) for o in opts])
+                                [layer_gathers(o, mesh, bucket_bytes) for o in opts])
         moved = sum(o.param_gather_s for o in opts)
     exposed = exposed_s(syncs) + wait
     if exposed >= unbucketed + moved:
@@ -816,15 +796,18 @@ def _overlapped_sync(kinds: Sequence[str], options, meshes, shape: tuple[int, in
     collectives after the backward. `ranges` sums a per-layer array over each range.
     `gather_overlap` implies buckets (`build_stage_costs`)."""
     backward, bucketed, buckets, unbucketed, forward, gathers, moved = (np.zeros(shape) for _ in range(7))
-    syncs: dict[tuple[str, int, int], LayerSync] = {}     # by layer kind: layers of one kind share it
+    # By layer kind: layers of one kind share their option, so its sync and gathers.
+    syncs: dict[tuple[str, int, int], tuple[LayerSync, float]] = {}
     for l, m, j, o in _table_options(kinds, options, shape[1], shape[2]):
-        ls = syncs.get((kinds[l], m, j))
-        if ls is None:
-            ls = syncs[(kinds[l], m, j)] = layer_sync(o, meshes[m][2], bucket_bytes, tp_overlap)
+        known = syncs.get((kinds[l], m, j))
+        if known is None:
+            mesh = meshes[m][2]
+            known = syncs[(kinds[l], m, j)] = (layer_sync(o, mesh, bucket_bytes, tp_overlap),
+                                               layer_gathers(o, mesh, bucket_bytes) if gather_overlap else 0.0)
+        ls, gathers[l, m, j] = known
         backward[l, m, j], bucketed[l, m, j], buckets[l, m, j] = ls.backward_s, ls.sync_s, ls.buckets
         unbucketed[l, m, j] = o.grad_sync_s
         if gather_overlap:
-            gathers[l, m, j] = o.gathers_next_forward(meshes[m][2], bucket_bytes)
             forward[l, m, j], moved[l, m, j] = o.forward_busy_s(tp_overlap), o.param_gather_s
     exposed = exposed_ranges(backward, bucketed, buckets)
     if gather_overlap:

@@ -42,6 +42,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+from alpasim.graphs import LOSS_KERNELS
+
 # Each entry's values; a bool entry is on or off.
 ALLOWED: Mapping[str, tuple[Any, ...]] = MappingProxyType({
     "grad_overlap": (False, True),
@@ -50,7 +52,7 @@ ALLOWED: Mapping[str, tuple[Any, ...]] = MappingProxyType({
     "attention": ("explicit", "fused"),
     "optimizer_sharding": ("none", "data-parallel", "searched"),
     "recompute": ("full", "selective", "fusible", "none", "searched"),
-    "cross_entropy": ("fused", "unfused-fp32"),
+    "cross_entropy": LOSS_KERNELS,
 })
 ENTRIES = tuple(ALLOWED)
 # The values the cost model prices (all of them now). Any other value is recorded in

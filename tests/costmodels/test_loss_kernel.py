@@ -37,7 +37,8 @@ def test_megatrons_loss_moves_its_kernels_bytes(dtype, itemsize):
     # Priced at the device's streaming bandwidth, one kernel of its own.
     device = get_cluster("dgx-h100").device
     t = AnalyticCostModel(get_cluster("dgx-h100")).op_time_s(loss, g.tensors)
-    want = loss_bytes(loss, g.tensors) / memory_bandwidth(device.name, 0.0) + KERNEL_LAUNCH_OVERHEAD_S
+    want = (32 + cast) * TOKENS * VOCAB / memory_bandwidth(device.name, device.memory_bandwidth_bytes_per_s) \
+        + KERNEL_LAUNCH_OVERHEAD_S
     assert t == pytest.approx(want, rel=1e-6)
 
 

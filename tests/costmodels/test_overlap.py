@@ -4,6 +4,8 @@ simulated iteration against both."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -64,16 +66,6 @@ def test_table_ranges_are_the_closed_form(layers):
             assert got[k, i, 0] == np.inf
 
 
-def _forward_waiting_for_gathers(forward, gather):
-    """The explicit queue: the stream gathers back to back from 0; layer l's forward
-    starts when its gather is done and layer l - 1's forward has ended."""
-    ready, end = 0.0, 0.0
-    for f, g in zip(forward, gather):
-        ready += g
-        end = max(end, ready) + f
-    return end - sum(forward)
-
-
 pairs = st.lists(st.tuples(st.floats(0.0, 10.0), st.floats(0.0, 10.0)), min_size=1, max_size=7)
 
 
@@ -81,8 +73,10 @@ pairs = st.lists(st.tuples(st.floats(0.0, 10.0), st.floats(0.0, 10.0)), min_size
 @given(pairs)
 def test_the_forwards_wait_for_gathers_is_the_queue_and_the_table_its_ranges(layers):
     forward, gather = (np.array(x) for x in zip(*layers))
-    assert gather_exposed_s(forward, gather) == pytest.approx(_forward_waiting_for_gathers(forward, gather),
-                                                              rel=1e-9, abs=1e-9)
+    # The explicit queue (`run_buckets`): layer l's forward is a job ready once the
+    # gathers up to its own are done, run after the forward before it.
+    queue = run_buckets(list(zip(itertools.accumulate(gather), forward)), float(sum(forward)))
+    assert gather_exposed_s(forward, gather) == pytest.approx(queue, rel=1e-9, abs=1e-9)
     got = gather_ranges(forward[:, None], gather[:, None])
     for k in range(len(layers)):
         for i in range(k, len(layers)):
@@ -129,7 +123,7 @@ def test_overlapped_gathers_run_in_the_buckets_of_their_gradients():
     bucketed by its own bytes."""
     from alpasim.costmodels import MeshAxis
     from alpasim.solvers import LogicalMesh
-    from alpasim.solvers._stage_costs import LayerOption
+    from alpasim.solvers._stage_costs import LayerOption, layer_gathers
 
     link = get_cluster("aws-p3.16xlarge", nodes=2).inter_node
     mesh = LogicalMesh((MeshAxis(4, link), MeshAxis(2, link)))
@@ -137,10 +131,10 @@ def test_overlapped_gathers_run_in_the_buckets_of_their_gradients():
     grads = 12 * 2 ** 20
     option = LayerOption(1.0, 0.5, 0.0, 0.0, (), (), grad_groups=(("reduce_scatter", (0,), grads),),
                          param_gather_s=9.0, gather_groups=(((0,), grads / 2),))
-    assert option.gathers_next_forward(mesh, bucket_bytes=6 * 2 ** 20) == pytest.approx(
+    assert layer_gathers(option, mesh, bucket_bytes=6 * 2 ** 20) == pytest.approx(
         2 * ring(4, grads / 4), rel=1e-12)
     other = LayerOption(1.0, 0.5, 0.0, 0.0, (), (), gather_groups=(((1,), 8 * 2 ** 20),))
-    assert other.gathers_next_forward(mesh, bucket_bytes=6 * 2 ** 20) == pytest.approx(
+    assert layer_gathers(other, mesh, bucket_bytes=6 * 2 ** 20) == pytest.approx(
         2 * ring(2, 4 * 2 ** 20), rel=1e-12)
 
 

@@ -1,6 +1,9 @@
 """The small pipelined plans the runtime tests share (the eight virtual CPU devices
 they run on are set by `tests/conftest.py`, before anything imports jax)."""
 
+import os
+from pathlib import Path
+
 import pytest
 
 MODELS = {
@@ -46,6 +49,45 @@ def small_plan():
         return plans[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def reference():
+    """plan -> `backends.reference_step(plan)`, computed once per test session and model:
+    the single-device step depends only on the plan's `model` record and microbatch
+    count, which many plans share (the runtime tests' GPT under four schedules and two
+    runtimes). Kept in the session root (tests/conftest.py), so the other pytest-xdist
+    worker loads what one computed; most of a reference's time is compiling the whole
+    model once more."""
+    import hashlib
+    import json
+
+    import numpy as np
+
+    from alpasim.backends import Reference, reference_step
+
+    store = Path(os.environ["ALPASIM_TEST_ROOT"]) / "references"      # the session root
+    store.mkdir(exist_ok=True)
+
+    def get(plan) -> Reference:
+        key = json.dumps([plan.model.to_json(), plan.microbatches], sort_keys=True)
+        path = store / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.npz"
+        try:
+            with np.load(path) as f:
+                meta = json.loads(str(f["__meta__"]))
+                return Reference(meta["loss"], {p: f[p] for p in meta["grads"]}, meta["half"],
+                                 meta["noise_loss_err"], meta["noise_grad_err"])
+        except FileNotFoundError:
+            pass
+        ref = reference_step(plan)
+        meta = {"loss": ref.loss, "grads": list(ref.grads), "half": ref.half_precision,
+                "noise_loss_err": ref.noise_loss_err, "noise_grad_err": ref.noise_grad_err}
+        part = path.with_suffix(f".{os.getpid()}.npz")
+        np.savez(part, __meta__=json.dumps(meta), **ref.grads)
+        part.replace(path)                 # whole or absent, for the other worker
+        return ref
+
+    return get
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,7 @@
 
 The model is a GPT written directly in JAX (`tests/graphs/test_jax_import.py`: tied
 head, causal attention, GeLU MLP). Independent figures: the single-device step of the
-same graph (`reference_step`); the graph the plan embeds against the file it came
+same graph (`reference_step`, through the `reference` fixture); the graph the plan embeds against the file it came
 from (by digest). The plan file is moved away from the graph file before it runs.
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from alpasim.backends import check_numerics, reference_step, run_local
+from alpasim.backends import check_numerics, run_local
 from alpasim.costmodels import get_cluster
 from alpasim.graphs import GraphFormatError, ModelSpecError, from_jax, graph_digest, graph_to_json, load_graph, save_graph
 from alpasim.simulator import simulate
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow
 
 
 @needs_8
-def test_an_imported_model_is_planned_simulated_and_run_from_its_plan_alone(tmp_path):
+def test_an_imported_model_is_planned_simulated_and_run_from_its_plan_alone(tmp_path, reference):
     graph_file = tmp_path / "gpt.json"
     save_graph(from_jax(gpt_loss, *gpt_shapes(**{**TF, "B": 8}), name="my_gpt"), graph_file)
     plan = plan_pipeline(str(graph_file), get_cluster("aws-p3.16xlarge", nodes=1), microbatches=2, layers=2,
@@ -54,7 +54,7 @@ def test_an_imported_model_is_planned_simulated_and_run_from_its_plan_alone(tmp_
     again = load_plan(moved)
     assert simulate(again).iteration_s > 0
     result = run_local(again, steps=1)
-    assert check_numerics(result.losses[0], result.grads, reference_step(again))["numerics_ok"]
+    assert check_numerics(result.losses[0], result.grads, reference(again))["numerics_ok"]
 
 
 def test_megatron_refuses_a_saved_graph_and_names_the_methods_that_take_it(tmp_path):

@@ -134,7 +134,7 @@ def test_stage_stash_is_the_layers_liveness_stash(remat):
 
 
 @needs_8
-def test_tied_copies_stay_equal_and_train_as_one_parameter():
+def test_tied_copies_stay_equal_and_train_as_one_parameter(reference):
     plan = pipelined_plan(True)
     result = run_local(plan, steps=2)
     first, last = result.stages[0], result.stages[-1]
@@ -143,16 +143,16 @@ def test_tied_copies_stay_equal_and_train_as_one_parameter():
     # The copy has its own accumulator and Adam states, and the same update.
     assert {f"{tied}:adam_m", f"{tied}:adam_v"} <= set(last.states)
     np.testing.assert_array_equal(np.asarray(first.params[tied]), np.asarray(last.params[tied]))
-    assert check_numerics(result.losses[0], result.grads, reference_step(plan))["numerics_ok"]
+    assert check_numerics(result.losses[0], result.grads, reference(plan))["numerics_ok"]
 
 
 @needs_8
-def test_no_remat_stage_backward_does_not_recompute_and_matches_one_device():
+def test_no_remat_stage_backward_does_not_recompute_and_matches_one_device(reference):
     plan = one_stage_plan(TINY_GPT, remat=False)
     result = run_local(plan, steps=1)
     (stage,) = result.stages
     assert not stage.remat and not any(op.remat for op in stage.ops.backward)
-    assert check_numerics(result.losses[0], result.grads, reference_step(plan))["numerics_ok"]
+    assert check_numerics(result.losses[0], result.grads, reference(plan))["numerics_ok"]
     # The backward reads the stash instead of recomputing: it runs fewer contractions
     # than the remat stage's backward does.
     remat = run_local(one_stage_plan(TINY_GPT, remat=True), steps=1).stages[0]
@@ -161,13 +161,13 @@ def test_no_remat_stage_backward_does_not_recompute_and_matches_one_device():
 
 
 @needs_8
-def test_half_precision_gradients_accumulate_in_float32():
+def test_half_precision_gradients_accumulate_in_float32(reference):
     plan = one_stage_plan(TINY_GPT.replace(",dtype=fp32", ""), remat=True, microbatches=4)
     result = run_local(plan, steps=1)
     (stage,) = result.stages
     half = [p for p, v in stage.params.items() if v.dtype == jnp.float16]
     assert half and all(stage.acc[p].dtype == jnp.float32 for p in half)
-    check = check_numerics(result.losses[0], result.grads, reference_step(plan))
+    check = check_numerics(result.losses[0], result.grads, reference(plan))
     assert check["numerics_ok"], check
 
 
@@ -192,7 +192,7 @@ def test_run_exits_1_after_its_report_on_a_numerics_mismatch(tmp_path, monkeypat
 
 @needs_8
 @pytest.mark.parametrize("remat", [True, False])
-def test_stages_run_the_layouts_the_plan_priced(remat, monkeypatch):
+def test_stages_run_the_layouts_the_plan_priced(remat, monkeypatch, reference):
     """A plan carries every layer's tensor layouts (`stages[i].layer_specs`); the backend
     runs them without solving a stage again, so what each microbatch stashes is, byte
     for byte, what the planner priced (a re-solved stage kept layer inputs in the
@@ -211,7 +211,7 @@ def test_stages_run_the_layouts_the_plan_priced(remat, monkeypatch):
         assert m.stash_bytes == pytest.approx(st.memory["stash_bytes"], rel=1e-9)
         assert m.params_bytes == pytest.approx(st.memory["params_bytes"], rel=1e-9)
         assert m.optimizer_bytes == pytest.approx(st.memory["optimizer_bytes"], rel=1e-9)
-    assert check_numerics(result.losses[0], result.grads, reference_step(plan))["numerics_ok"]
+    assert check_numerics(result.losses[0], result.grads, reference(plan))["numerics_ok"]
 
 
 @needs_8

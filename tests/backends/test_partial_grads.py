@@ -15,8 +15,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from alpasim.backends import (check_numerics, lower_stage, per_device_bytes, reference_step, run_local,
-                              stage_memory)
+from alpasim.backends import check_numerics, lower_stage, per_device_bytes, run_local, stage_memory
 from alpasim.backends._hlo import hlo_collectives
 from alpasim.backends._partial_grads import PartialGrad, eval_split
 from alpasim.costmodels import get_cluster
@@ -71,7 +70,7 @@ def test_each_device_holds_the_partial_of_its_own_batch_slice():
 
 
 @needs_8
-def test_data_parallel_gradients_are_reduced_once_per_iteration():
+def test_data_parallel_gradients_are_reduced_once_per_iteration(reference):
     """Plain data parallelism over 8 devices: the plan sums each device's unreduced
     gradients over the microbatches and all-reduces them once. The backward then
     reduces no weight gradient (before: every one, every microbatch); the update
@@ -95,7 +94,7 @@ def test_data_parallel_gradients_are_reduced_once_per_iteration():
     m = stage_memory(stage, plan.stages[0].inflight_microbatches)
     # Pure data parallelism: every device holds every parameter's whole gradient.
     assert m.grads_bytes == sum(stage.params[p].size * stage.acc[p].dtype.itemsize for p in stage.ops.grads)
-    assert check_numerics(result.losses[0], result.grads, reference_step(plan))["numerics_ok"]
+    assert check_numerics(result.losses[0], result.grads, reference(plan))["numerics_ok"]
 
 
 @needs_8

@@ -25,8 +25,8 @@ import time
 import numpy as np
 import pytest
 
-from alpasim.backends import (RayRuntimeError, check_numerics, compare_collectives, idle_actors, reference_step,
-                              run_local, run_ray, stop_idle_actors)
+from alpasim.backends import (RayRuntimeError, check_numerics, compare_collectives, idle_actors, run_local, run_ray,
+                              stop_idle_actors)
 from alpasim.simulator import Send, build_program
 
 ray = pytest.importorskip("ray")
@@ -51,7 +51,7 @@ def _rel_err(got: dict, want: dict) -> float:
 
 
 @pytest.mark.parametrize("family", ["gpt", "moe"])
-def test_ray_matches_local_and_single_device(family, ray_cluster, small_plan, gpt_local):
+def test_ray_matches_local_and_single_device(family, ray_cluster, small_plan, gpt_local, reference):
     plan = small_plan(family)
     local = gpt_local if family == "gpt" else run_local(plan, steps=STEPS)
     # GPT's actors first time their stages alone; that must leave the run's numbers as they are.
@@ -63,7 +63,7 @@ def test_ray_matches_local_and_single_device(family, ray_cluster, small_plan, gp
     np.testing.assert_allclose(result.losses, local.losses, rtol=RTOL, atol=0)
     assert set(result.grads) == set(local.grads)
     assert _rel_err(result.grads, local.grads) <= RTOL
-    check = check_numerics(result.losses[0], result.grads, reference_step(plan))
+    check = check_numerics(result.losses[0], result.grads, reference(plan))
     assert check["numerics_ok"], check
     assert all(math.isfinite(x) for x in result.losses) and result.restarts == []
 
@@ -121,7 +121,7 @@ def test_killed_actor_is_restarted_and_the_step_redone(ray_cluster, small_plan, 
     assert result.restarts[0]["restart_s"] > 0
 
 
-def test_ray_runs_zero_bubble_as_the_local_runtime_does(ray_cluster, small_plan):
+def test_ray_runs_zero_bubble_as_the_local_runtime_does(ray_cluster, small_plan, reference):
     """ZB-H1 on the actors: each mesh's B and W programs, the step equal to the local
     runtime's and to one device, three passes per microbatch on every mesh."""
     plan = small_plan("gpt")
@@ -129,14 +129,14 @@ def test_ray_runs_zero_bubble_as_the_local_runtime_does(ray_cluster, small_plan)
     result = run_ray(plan, steps=1, schedule="zb-h1")
     np.testing.assert_allclose(result.losses, local.losses, rtol=RTOL, atol=0)
     assert _rel_err(result.grads, local.grads) <= RTOL
-    assert check_numerics(result.losses[0], result.grads, reference_step(plan))["numerics_ok"]
+    assert check_numerics(result.losses[0], result.grads, reference(plan))["numerics_ok"]
     for k in range(len(plan.stages)):
         names = [e.name for e in result.timeline.events if e.track == f"mesh{k}" and e.kind == "compute"]
         assert sorted(set(names)) == ["backward_input", "backward_weight", "forward"]
         assert len(names) == 3 * plan.microbatches
 
 
-def test_ray_runs_an_interleaved_plan_as_the_local_runtime_does(ray_cluster, small_plan):
+def test_ray_runs_an_interleaved_plan_as_the_local_runtime_does(ray_cluster, small_plan, reference):
     """A plan cut into 2 chunks per mesh: each actor lowers both of its chunks and walks
     its interleaved list; the step equals the local runtime's and one device's."""
     plan = small_plan("gpt", schedule="interleaved", chunk_options=(2,))
@@ -145,14 +145,14 @@ def test_ray_runs_an_interleaved_plan_as_the_local_runtime_does(ray_cluster, sma
     result = run_ray(plan, steps=1)
     np.testing.assert_allclose(result.losses, local.losses, rtol=RTOL, atol=0)
     assert _rel_err(result.grads, local.grads) <= RTOL
-    assert check_numerics(result.losses[0], result.grads, reference_step(plan))["numerics_ok"]
+    assert check_numerics(result.losses[0], result.grads, reference(plan))["numerics_ok"]
     assert [s.index for s in result.stages] == list(range(len(plan.stages)))
     for k in range(plan.num_meshes):
         chunks = sorted({e.chunk for e in result.timeline.events if e.track == f"mesh{k}" and e.kind == "compute"})
         assert chunks == [0, 1]
 
 
-def test_ray_keeps_two_copies_of_a_weight_on_one_mesh_apart(ray_cluster, shared_weight_graph):
+def test_ray_keeps_two_copies_of_a_weight_on_one_mesh_apart(ray_cluster, shared_weight_graph, reference):
     """Interleaved, the copies of weight `s` at stages 1 and 3 sit on one actor: each
     takes its own message of the owner's summed gradient (one key per copy; under one
     key the second overwrote the first and the other copy waited until the timeout)."""
@@ -164,7 +164,7 @@ def test_ray_keeps_two_copies_of_a_weight_on_one_mesh_apart(ray_cluster, shared_
                          chunk_options=(2,))
     seen = []
     result = run_ray(plan, steps=1, timeout_s=60, on_step=lambda step, actors: seen.extend(actors))
-    assert check_numerics(result.losses[0], result.grads, reference_step(plan))["numerics_ok"]
+    assert check_numerics(result.losses[0], result.grads, reference(plan))["numerics_ok"]
     # The module's last run: its actors, kept for a next run, stop when asked.
     assert idle_actors() == len(seen) == 2
     stop_idle_actors()

@@ -33,8 +33,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from alpasim.backends import (check_numerics, compare_collectives, hlo_collectives, reference_step, run_local,
-                              stage_memory)
+from alpasim.backends import check_numerics, compare_collectives, hlo_collectives, run_local, stage_memory
 from alpasim.backends._executable import plan_training_graph, split_backward_ops
 from alpasim.simulator import Run, build_program
 from alpasim.solvers._inter_op import planning_graph
@@ -49,12 +48,12 @@ pytestmark = pytest.mark.slow
 
 @needs_8
 @pytest.mark.parametrize("family", ["gpt", "moe", "wresnet", "llama", "topk-moe", "gpt-dropout"])
-def test_pipelined_step_matches_single_device_and_plan(family, small_plan, tmp_path):
+def test_pipelined_step_matches_single_device_and_plan(family, small_plan, tmp_path, reference):
     plan = small_plan(family)
     assert len(plan.stages) >= 2 and len({s.logical_mesh for s in plan.stages}) >= 2, plan.stages
     result = run_local(plan, steps=2)
 
-    ref = reference_step(plan)
+    ref = reference(plan)
     check = check_numerics(result.losses[0], result.grads, ref)
     assert check["numerics_ok"], check
     assert all(math.isfinite(x) for x in result.losses)
@@ -128,12 +127,12 @@ def test_hlo_collectives_of_a_contraction_sharded_on_its_summed_dim():
 
 @needs_8
 @pytest.mark.parametrize("family", ["gpt", "wresnet-26"])
-def test_zero_bubble_runs_the_same_step_in_the_simulated_order(family, small_plan):
+def test_zero_bubble_runs_the_same_step_in_the_simulated_order(family, small_plan, reference):
     """ZB-H1 and ZB-H2 on the local runtime: the backward split into B and W (the weight
     gradients run later, from what B kept) trains the same step as one device, and
     each mesh runs its passes in the order the simulator schedules them."""
     plan = small_plan(family)
-    ref = reference_step(plan)
+    ref = reference(plan)
     train = plan_training_graph(plan, planning_graph(plan.model))
     for schedule in ("zb-h1", "zb-h2"):
         result = run_local(plan, steps=1, schedule=schedule)
@@ -176,14 +175,14 @@ def test_gpipe_runs_the_same_step_and_imagined_chunks_are_refused(small_plan):
 
 @needs_8
 @pytest.mark.parametrize("family", ["gpt", "wresnet-26"])
-def test_interleaved_plan_runs_the_same_step_in_the_simulated_order(family, small_plan):
+def test_interleaved_plan_runs_the_same_step_in_the_simulated_order(family, small_plan, reference):
     """A plan the planner cut into 2 chunks per mesh (stage j on mesh j mod S): the local
     runtime lowers every chunk on its mesh, trains the single-device step, and each
     mesh runs its chunks' passes in the order the simulator schedules them."""
     plan = small_plan(family, schedule="interleaved", chunk_options=(2,))
     assert plan.chunks == 2 and len(plan.stages) == 2 * plan.num_meshes
     result = run_local(plan, steps=1)
-    check = check_numerics(result.losses[0], result.grads, reference_step(plan))
+    check = check_numerics(result.losses[0], result.grads, reference(plan))
     assert check["numerics_ok"], check
     program = build_program(plan)
     assert program.schedule == "interleaved" and program.chunks == 2
@@ -204,7 +203,7 @@ def test_interleaved_plan_runs_the_same_step_in_the_simulated_order(family, smal
 
 @needs_8
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
-def test_a_weight_read_by_three_layers_trains_the_single_device_step(schedule, shared_weight_graph):
+def test_a_weight_read_by_three_layers_trains_the_single_device_step(schedule, shared_weight_graph, reference):
     """Weight `s` read by layers 0, 1 and 3 (owner stage 0): its gradient reaches the
     owner along a chain, stage 3 -> 1 -> 0, so stage 1 must receive stage 3's part before
     it sends its own (it sent first, and lost it: gradient error 0.34). Interleaved on 2
@@ -225,12 +224,12 @@ def test_a_weight_read_by_three_layers_trains_the_single_device_step(schedule, s
     chain = sorted((t.src_stage, t.dst_stage) for t in plan.transfers if t.per_iteration)
     assert chain == [(1, 0), (3, 1)]
     result = run_local(plan, steps=1)
-    check = check_numerics(result.losses[0], result.grads, reference_step(plan))
+    check = check_numerics(result.losses[0], result.grads, reference(plan))
     assert check["numerics_ok"], check
 
 
 @needs_8
-def test_half_precision_step_is_checked_against_its_own_rounding_noise():
+def test_half_precision_step_is_checked_against_its_own_rounding_noise(reference):
     """A float16 GPT (the models' default dtype) passes against one device, with the
     tolerance set by a float16-ulp probe; the probe sees noise where a float32-ulp one
     rounded away; summed instead of averaged microbatch gradients still fail."""
@@ -243,7 +242,7 @@ def test_half_precision_step_is_checked_against_its_own_rounding_noise():
                          views_of=lambda sh: views[sh.size], max_stages=3)
     assert plan.model.dtype == "float16" and len(plan.stages) >= 2
     result = run_local(plan, steps=1)
-    ref = reference_step(plan)
+    ref = reference(plan)
     assert ref.half_precision and ref.noise_grad_err > 1e-4, ref.noise_grad_err
     check = check_numerics(result.losses[0], result.grads, ref)
     assert check["numerics_ok"], check

@@ -79,7 +79,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from alpasim.graphs import OpGraph, build_training_graph, in_weight_pass
+from alpasim.graphs import OpGraph, build_training_graph, in_weight_pass, with_loss_kernel
 from alpasim.solvers import PER_MICROBATCH_GRAD_SYNC, IntraOpPlan, PipelinePlan, ShardingSpec
 
 from ._lowering import eval_op, random_leaves
@@ -254,10 +254,12 @@ class StageInputs:
 
 def plan_training_graph(plan: PipelinePlan, graph: OpGraph) -> OpGraph:
     """The training graph of `plan` (`graph` is `planning_graph(plan.model)`): its remat,
-    its recompute policy and its precision recipe where it records them (older plans:
-    the builder's defaults)."""
-    return build_training_graph(graph, remat=plan.model.remat, recompute=plan.model.recompute,
-                                precision=plan.model.precision).graph
+    its recompute policy, its precision recipe and its loss kernel where it records them
+    (older plans: the builder's defaults), so a re-pricing (`predict_run`) prices the
+    graph the planner priced; the kernel changes no value the backend computes."""
+    train = build_training_graph(graph, remat=plan.model.remat, recompute=plan.model.recompute,
+                                 precision=plan.model.precision).graph
+    return with_loss_kernel(train, plan.model.loss_kernel)
 
 
 def stage_inputs(plan: PipelinePlan, graph: OpGraph, seed: int = 0) -> StageInputs:

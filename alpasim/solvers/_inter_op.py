@@ -260,13 +260,13 @@ def plan_pipeline(model: str | ModelSource, cluster: Cluster, *, microbatches: i
                                         or interleaved[1].latency_s < best.dp.latency_s):
             plan = _assemble_plan(source, dtype, cluster, interleaved[0], candidates,
                                   dataclasses.replace(search, seconds=time.perf_counter() - t0), remat, method,
-                                  recipe, interleaved[1])
+                                  recipe, loss_kernel, interleaved[1])
             return dataclasses.replace(plan, notes=(*plan.notes, f"schedule interleaved: {said}"))
         auto_note = f"schedule 1f1b: {said}"
     if not best.dp.stages:
         raise _nothing_fits(name, cluster, candidates, best.graph.num_layers, max_stages,
                             capped=num_stages is None)
-    plan = _assemble_plan(source, dtype, cluster, best, candidates, search, remat, method, recipe)
+    plan = _assemble_plan(source, dtype, cluster, best, candidates, search, remat, method, recipe, loss_kernel)
     return dataclasses.replace(plan, notes=(*plan.notes, auto_note)) if schedule != "1f1b" else plan
 
 
@@ -441,7 +441,7 @@ def _least_first_stage(costs: StageCosts, last: int, shape: int, depth: int, mic
 
 def _assemble_plan(source: ModelSource, dtype: str, cluster: Cluster, best: Candidate,
                    candidates: Sequence[Candidate], search: SearchStats, remat: bool, method: str,
-                   recipe, interleaved: InterleavedChoice | None = None) -> PipelinePlan:
+                   recipe, loss_kernel: str, interleaved: InterleavedChoice | None = None) -> PipelinePlan:
     """The plan of `best`'s DP result, or of `interleaved` (its chunks on S meshes of one shape)."""
     costs, dp, b = best.costs, best.dp, best.microbatches
     if interleaved is None:
@@ -480,7 +480,7 @@ def _assemble_plan(source: ModelSource, dtype: str, cluster: Cluster, best: Cand
     batch = source.global_batch
     model = PlanModel(source.name, source.family, batch, best.graph.num_params(), flops, batch // b,
                       best.graph.num_layers, remat, best.graph.meta.get("recompute", "none"), recipe.name, dtype,
-                      recipe.bytes_per_param(dtype), source.record())
+                      recipe.bytes_per_param(dtype), source.record(), loss_kernel)
     cl = plan_cluster_info(cluster)
     transfers = stage_transfers(best.graph, costs.layer_graphs, chosen, [(s.first, s.last) for s in choices])
     schedule = "1f1b" if interleaved is None else "interleaved"

@@ -48,6 +48,7 @@ class PlanModel(Record):
     dtype: str | None = None
     bytes_per_param: float | None = None
     source: dict[str, Any] | None = None       # graphs.ModelSource.record(); None: `name` is a zoo spec
+    loss_kernel: str = "fused"                 # graphs.LOSS_KERNELS: how the cross-entropy was priced
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -131,6 +131,28 @@ def test_a_plan_larger_than_the_host_is_refused_in_one_line(tmp_path, cli):
     assert "GiB" in r.stderr and "host" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_the_backend_rebuilds_the_graph_with_the_loss_kernel_the_plan_was_priced_with():
+    """`plan_training_graph` (what `run` executes and `predict_run` re-prices) marks the
+    cross-entropy with the kernel the planner priced, read back from the plan file: a
+    Megatron plan's unfused fp32 loss is not re-priced as a fused one. A plan file from
+    before the field existed is read as the fused kernel it was priced with then."""
+    from alpasim.backends._executable import plan_training_graph
+    from alpasim.graphs import LOSS_LOGITS
+    from alpasim.solvers import plan_from_json, planning_graph
+
+    def kernels(plan) -> set:
+        graph = plan_training_graph(plan, planning_graph(plan.model))
+        return {op.attrs.get("kernel", "fused") for op in graph.ops if op.prim in LOSS_LOGITS}
+
+    plan = plan_pipeline(TINY_GPT, get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=2), microbatches=2,
+                         loss_kernel="unfused-fp32", pareto=False)
+    record = json.loads(json.dumps(plan.to_json()))
+    assert record["model"]["loss_kernel"] == "unfused-fp32"
+    assert kernels(plan_from_json(record)) == {"unfused-fp32"}
+    del record["model"]["loss_kernel"]
+    assert kernels(plan_from_json(record)) == {"fused"}
+
+
 def test_serial_executor_takes_the_sum_of_all_instruction_times():
     """One executor: every Run, GradSync and Send (until its tensor lands) runs alone,
     so the iteration is their sum whatever the schedule; each pays `dispatch_s`, and a

@@ -325,6 +325,7 @@ def test_the_parameter_gathers_and_the_loss_kernel_are_overrides_the_plan_record
     fused = sv.plan_model(MODEL, CLUSTER, "megatron", megatron=DP4, system="megatron-core-0.8", loss_kernel="fused",
                           **kw)
     assert fused.system["overridden"]["cross_entropy"] == "unfused-fp32"
+    assert (on.model.loss_kernel, fused.model.loss_kernel) == ("unfused-fp32", "fused")   # what the backend rebuilds
     assert fused.predicted.iteration_s < on.predicted.iteration_s
     args = ("plan", "--model", MODEL, "--cluster", "aws-p3.16xlarge", "--nodes", "2", "--devices-per-node", "2",
             "--method", "megatron", "--tp", "1", "--pp", "1", "--dp", "4", "--microbatch-size", "1",

@@ -236,7 +236,10 @@ def megatron_distopt_restriction(graph: OpGraph, mesh: LogicalMesh, cost_model: 
         elif op.prim in ("convert", "elementwise") and all(graph.tensors[t].role == "grad" for t in op.outputs):
             out[op.name] = _options(op, graph, mesh, cost_model)
         elif makes_weight_grad(op, graph.tensors):
-            scattered = [v for x in restrict[op.name] for v in _scatter_gradients(op, x, graph.tensors, mesh)
+            # A layout whose gradient cannot be scattered evenly over dp (GPT's position
+            # table, 4096 x 7168, over 48 ranks) keeps its once-an-iteration all-reduce;
+            # dropping it had left only layouts that gather the whole batch's cotangent.
+            scattered = [v for x in restrict[op.name] for v in _scatter_gradients(op, x, graph.tensors, mesh) or [x]
                          if all(c.kind != "reduce_scatter" or c.axes == (0,) for c in v.collectives)]
             out[op.name] = list(dict.fromkeys(scattered)) or restrict[op.name]
     return out, leaf_specs
@@ -373,9 +376,10 @@ def _shard_weight_update(graph: OpGraph, mesh: LogicalMesh, cost_model: CostMode
             # whatever layout the scattered gradient arrives in.
             out[op.name] = _options(op, graph, mesh, cost_model)
         elif makes_weight_grad(op, graph.tensors):
-            scattered = [v for s in out[op.name] for v in _scatter_gradients(op, s, graph.tensors, mesh,
-                                                                             per_microbatch=True)]
-            out[op.name] = list(dict.fromkeys(scattered)) or out[op.name]
+            # A layout whose gradient cannot be scattered evenly keeps its all-reduce.
+            scattered = [v for s in out[op.name]
+                         for v in _scatter_gradients(op, s, graph.tensors, mesh, per_microbatch=True) or [s]]
+            out[op.name] = list(dict.fromkeys(scattered))
     return out
 
 

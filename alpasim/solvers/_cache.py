@@ -35,8 +35,9 @@ from typing import Any
 # per kernel; 34: weight gradients reduced on the recipe's accumulator bytes (fp32
 # under mixed-fp32grad), the distributed optimizer's flat buffer reduce-scatters
 # gradients and gathers weights where an all-reduce stood, and the gathers' bytes by
-# axes (`LayerOption.gather_groups`); 35: a distributed optimizer's (or ZeRO's) weight
-# gradient that cannot be scattered evenly keeps its all-reduce layouts.
+# axes (`LayerOption.gather_groups`); 35: a distributed optimizer's weight gradient that
+# cannot be scattered evenly keeps its all-reduce layouts, priced as the flat buffer's
+# reduce-scatter.
 # The restriction
 # tables are code, not part of a key: a change to them bumps this.
 CACHE_VERSION = "stage-costs/35"

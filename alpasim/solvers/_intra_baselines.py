@@ -219,8 +219,10 @@ def megatron_distopt_restriction(graph: OpGraph, mesh: LogicalMesh, cost_model: 
     """(restrict, leaf_specs) for Megatron-LM with Megatron-core's distributed optimizer:
     its layouts, with each Adam step on a slice of the parameter's layout over the
     data-parallel axis (axis 0), each weight gradient reduce-scattered onto such a slice
-    once an iteration (it accumulates whole first, as Megatron's gradient buffer does)
-    and the casts into the accumulator in any layout. The reduce-scatter and the
+    once an iteration (it accumulates whole first, as Megatron's gradient buffer does),
+    or, in a layout where it cannot be scattered evenly, all-reduced once an iteration
+    (the flat buffer's scatter and gather: `_stage_costs._sync_terms`), and the casts
+    into the accumulator in any layout. The reduce-scatter and the
     updated weights' all-gather cost what the all-reduce did; the master weights and
     Adam moments take 1/dp. (A parameter with no dimension left to slice keeps
     Megatron's replicated step.)"""
@@ -376,10 +378,11 @@ def _shard_weight_update(graph: OpGraph, mesh: LogicalMesh, cost_model: CostMode
             # whatever layout the scattered gradient arrives in.
             out[op.name] = _options(op, graph, mesh, cost_model)
         elif makes_weight_grad(op, graph.tensors):
-            # A layout whose gradient cannot be scattered evenly keeps its all-reduce.
-            scattered = [v for s in out[op.name]
-                         for v in _scatter_gradients(op, s, graph.tensors, mesh, per_microbatch=True) or [s]]
-            out[op.name] = list(dict.fromkeys(scattered))
+            # Every layout here splits the same batch loops: a gradient scatters in all of
+            # them or in none (then it keeps its all-reduce).
+            scattered = [v for s in out[op.name] for v in _scatter_gradients(op, s, graph.tensors, mesh,
+                                                                             per_microbatch=True)]
+            out[op.name] = list(dict.fromkeys(scattered)) or out[op.name]
     return out
 
 

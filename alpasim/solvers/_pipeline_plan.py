@@ -48,7 +48,7 @@ class PlanModel(Record):
     dtype: str | None = None
     bytes_per_param: float | None = None
     source: dict[str, Any] | None = None       # graphs.ModelSource.record(); None: `name` is a zoo spec
-    loss_kernel: str = "fused"                 # graphs.LOSS_KERNELS: how the cross-entropy was priced
+    loss_kernel: str | None = None             # graphs.LOSS_KERNELS: how the cross-entropy was priced
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -245,6 +245,17 @@ class PipelinePlan(Record):
             if max(t.src_stage, t.dst_stage) >= n:
                 raise ValueError(f"transfers[{i}]: stages {t.src_stage} -> {t.dst_stage} are not two of the "
                                  f"plan's {n}")
+
+    @property
+    def loss_kernel(self) -> str:
+        """The cross-entropy kernel the plan was priced with (`graphs.LOSS_KERNELS`): its
+        model's record; for a plan file from before that field, what its system profile
+        priced (the kernel the profile ran, or the one priced instead where the cost
+        model could not); for one from before profiles, the fused kernel, then the only one."""
+        if self.model.loss_kernel is not None:
+            return self.model.loss_kernel
+        priced = {**self.system.get("settings", {}), **self.system.get("unpriced", {})}
+        return priced.get("cross_entropy", "fused")
 
     @property
     def num_meshes(self) -> int:

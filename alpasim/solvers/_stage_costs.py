@@ -209,11 +209,13 @@ def _sync_terms(restriction: str | None, layer: OpGraph, plan):
     on the accumulator's bytes, not the 16-bit gradient the ILP placed it on.
 
     Under the distributed optimizer a weight gradient still all-reduced over the
-    data-parallel axis, unless its parameter's step here is sliced (a loop-back gathers
-    it), is one of Megatron-core's flat buffer (`_intra_baselines.unsliced_params`;
-    megatron/core/distributed/param_and_grad_buffer.py): reduce-scattered (`grad_data`)
-    and its parameter all-gathered after the step (`param_data`, in the weights' dtype).
-    So priced; a contribution to a parameter another layer updates (a tied copy's) too."""
+    data-parallel axis is in Megatron-core's flat buffer
+    (megatron/core/distributed/param_and_grad_buffer.py), which reduce-scatters every
+    gradient (`grad_data`, padded to divide) and all-gathers the weights after the step
+    (`param_data`, in the weights' dtype). So priced: a reduce-scatter, and the gather
+    unless the parameter's step here is sliced, whose loop-back already gathers it
+    (`_intra_baselines.unsliced_params`); a contribution to a parameter another layer
+    updates (a tied copy's) too."""
     recipe, mesh = get_recipe(layer.meta.get("precision")), plan.mesh
     param_of_grad = params_of_grads(layer)
     sharded = optimizer_state_shards(restriction, mesh) > 1
@@ -232,11 +234,12 @@ def _sync_terms(restriction: str | None, layer: OpGraph, plan):
         dtype = layer.tensors[op.outputs[min(owners, default=0)]].dtype
         accumulated = c.nbytes * DTYPE_BYTES[recipe.grad_dtype(dtype)] / DTYPE_BYTES[dtype]
         key = (c.kind, tuple(c.axes))
-        if sharded and key == ("all_reduce", (0,)) and not set(owners.values()) & sliced:
+        if sharded and key == ("all_reduce", (0,)):
             key = ("reduce_scatter", (0,))
-            gather = Collective("all_gather", c.nbytes, (0,)).time_s(mesh)    # the weights, in their dtype
-            gather_s, sync_s = gather_s + gather, sync_s + gather
-            gathers[(0,)] = gathers.get((0,), 0.0) + c.nbytes
+            if not set(owners.values()) & sliced:                             # no loop-back gathers it
+                gather = Collective("all_gather", c.nbytes, (0,)).time_s(mesh)    # the weights, in their dtype
+                gather_s, sync_s = gather_s + gather, sync_s + gather
+                gathers[(0,)] = gathers.get((0,), 0.0) + c.nbytes
         t = Collective(key[0], accumulated, key[1]).time_s(mesh)
         grad_s += t
         sync_s += t - c.time_s(mesh)

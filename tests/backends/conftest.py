@@ -70,12 +70,13 @@ def reference():
     store.mkdir(exist_ok=True)
 
     def get(plan) -> Reference:
-        key = json.dumps([plan.model.to_json(), plan.microbatches], sort_keys=True)
+        # XLA's flags too: the serial lane compiles as users do, the parallel lane at O0.
+        key = json.dumps([plan.model.to_json(), plan.microbatches, os.environ.get("XLA_FLAGS", "")], sort_keys=True)
         path = store / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.npz"
         try:
             with np.load(path) as f:
-                meta = json.loads(str(f["__meta__"]))
-                return Reference(meta["loss"], {p: f[p] for p in meta["grads"]}, meta["half"],
+                meta = json.loads(str(f["meta"]))
+                return Reference(meta["loss"], {p: f[f"g{i}"] for i, p in enumerate(meta["grads"])}, meta["half"],
                                  meta["noise_loss_err"], meta["noise_grad_err"])
         except FileNotFoundError:
             pass
@@ -83,7 +84,8 @@ def reference():
         meta = {"loss": ref.loss, "grads": list(ref.grads), "half": ref.half_precision,
                 "noise_loss_err": ref.noise_loss_err, "noise_grad_err": ref.noise_grad_err}
         part = path.with_suffix(f".{os.getpid()}.npz")
-        np.savez(part, __meta__=json.dumps(meta), **ref.grads)
+        # Arrays by index: a parameter's name may be anything, savez's own keywords too.
+        np.savez(part, meta=json.dumps(meta), **{f"g{i}": g for i, g in enumerate(ref.grads.values())})
         part.replace(path)                 # whole or absent, for the other worker
         return ref
 

@@ -135,22 +135,27 @@ def test_the_backend_rebuilds_the_graph_with_the_loss_kernel_the_plan_was_priced
     """`plan_training_graph` (what `run` executes and `predict_run` re-prices) marks the
     cross-entropy with the kernel the planner priced, read back from the plan file: a
     Megatron plan's unfused fp32 loss is not re-priced as a fused one. A plan file from
-    before the field existed is read as the fused kernel it was priced with then."""
+    before the model recorded it takes its system profile's kernel; one from before
+    profiles, the fused kernel every plan was priced with then."""
     from alpasim.backends._executable import plan_training_graph
     from alpasim.graphs import LOSS_LOGITS
-    from alpasim.solvers import plan_from_json, planning_graph
+    from alpasim.solvers import MegatronConfig, plan_from_json, plan_model, planning_graph
 
-    def kernels(plan) -> set:
+    def kernels(record) -> set:
+        plan = plan_from_json(record)
         graph = plan_training_graph(plan, planning_graph(plan.model))
         return {op.attrs.get("kernel", "fused") for op in graph.ops if op.prim in LOSS_LOGITS}
 
-    plan = plan_pipeline(TINY_GPT, get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=2), microbatches=2,
-                         loss_kernel="unfused-fp32", pareto=False)
+    plan = plan_model(TINY_GPT, get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=2), "megatron",
+                      megatron=MegatronConfig(1, 1, 2, 2))
     record = json.loads(json.dumps(plan.to_json()))
-    assert record["model"]["loss_kernel"] == "unfused-fp32"
-    assert kernels(plan_from_json(record)) == {"unfused-fp32"}
+    assert record["model"]["loss_kernel"] == record["system"]["settings"]["cross_entropy"] == "unfused-fp32"
+    assert kernels(record) == {"unfused-fp32"}
     del record["model"]["loss_kernel"]
-    assert kernels(plan_from_json(record)) == {"fused"}
+    assert kernels(record) == {"unfused-fp32"}
+    record["system"] = {}
+    assert kernels(record) == {"fused"}
+    assert kernels({**record, "model": {**record["model"], "loss_kernel": "fused"}}) == {"fused"}
 
 
 def test_serial_executor_takes_the_sum_of_all_instruction_times():

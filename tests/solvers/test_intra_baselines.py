@@ -164,7 +164,7 @@ def test_heuristic_shards_largest_dims_and_costs_no_less_than_ilp(p3, gpt_layer)
 
 _HEURISTIC_SCRIPT = f"""
 from alpasim.costmodels import AnalyticCostModel, get_cluster
-from alpasim.graphs import build_training_graph, stage_graph, weight_grad_params
+from alpasim.graphs import build_training_graph, stage_graph
 from alpasim.solvers import LogicalMesh, heuristic_restriction
 c = get_cluster("aws-p3.16xlarge")
 g = stage_graph(build_training_graph("{MOE}").graph, 2, 2)
@@ -312,7 +312,7 @@ def test_a_gradient_that_cannot_be_scattered_evenly_keeps_its_all_reduce(p3):
     gradients scatter, or that have no partial sum at all, had been kept: the table's
     gradient was left to a layout that gathers the whole batch's cotangent over the
     data-parallel ranks every microbatch, 14.5 ms a microbatch in Megatron-core 32B's
-    first stage on H100. ZeRO's restriction keeps such layouts the same way.)"""
+    first stage on H100.)"""
     cluster, model = p3
     graph = build_training_graph("gpt3:hidden=64,layers=2,heads=4,seq=16,vocab=96,batch=6", precision="mixed").graph
     stage = stage_graph(graph, 0, 0)

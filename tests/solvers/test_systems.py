@@ -414,9 +414,10 @@ def test_a_flat_buffer_reduce_scatters_its_gradients_and_gathers_its_weights():
 
 def test_a_sliced_parameter_whose_gradient_is_all_reduced_is_gathered_once():
     """Under the distributed optimizer a bias can have its step sliced over dp (a
-    loop-back all-gather after it) while its gradient is still all-reduced (no free
-    dimension to scatter onto): that is not a flat-buffer gradient, and its weights
-    are gathered once, by the loop-back, not again."""
+    loop-back all-gather after it) while its layout all-reduces its gradient (no free
+    dimension to scatter onto): Megatron-core's flat buffer reduce-scatters it all the
+    same (padded), so it is priced as a reduce-scatter, and its weights are gathered
+    once, by the loop-back, not again."""
     from alpasim.solvers._stage_costs import _sync_terms
 
     cluster = get_cluster("dgx-a100", nodes=1, devices_per_node=8)
@@ -435,6 +436,10 @@ def test_a_sliced_parameter_whose_gradient_is_all_reduced_is_gathered_once():
     assert set(reduced) == {"layer1/fc1_bias:bias_grad"} and "layer1/b_fc1" in looped
     _, _, groups, _, gathers = _sync_terms("megatron_distopt", block, plan)
     assert dict(gathers)[(0,)] == pytest.approx(sum(looped.values()))
-    # The sliced one's gradient stays an all-reduce, of the fp32 accumulator.
-    assert dict(((k, a), b) for k, a, b in groups)[("all_reduce", (0,))] == pytest.approx(
-        2 * sum(reduced.values()))
+    # Its gradient is reduce-scattered with the others, on the fp32 accumulator: none is
+    # left an all-reduce over dp.
+    by_kind = dict(((k, a), b) for k, a, b in groups)
+    assert ("all_reduce", (0,)) not in by_kind
+    scattered = sum(p.collective.nbytes for p in per_iteration if p.op in {op.name for op in block.ops}
+                    and (p.collective.kind, p.collective.axes) == ("reduce_scatter", (0,)))
+    assert by_kind[("reduce_scatter", (0,))] == pytest.approx(2 * (scattered + sum(reduced.values())))

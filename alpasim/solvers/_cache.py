@@ -36,11 +36,12 @@ from typing import Any
 # under mixed-fp32grad), the distributed optimizer's flat buffer reduce-scatters
 # gradients and gathers weights where an all-reduce stood, and the gathers' bytes by
 # axes (`LayerOption.gather_groups`); 35: a distributed optimizer's weight gradient that
-# cannot be scattered evenly keeps its all-reduce layouts, priced as the flat buffer's
-# reduce-scatter.
+# cannot be scattered evenly keeps its all-reduce layouts; 36: every weight gradient a
+# distributed optimizer's layout all-reduces over dp priced as the flat buffer's
+# reduce-scatter (a sliced step's gather is its loop-back).
 # The restriction
 # tables are code, not part of a key: a change to them bumps this.
-CACHE_VERSION = "stage-costs/35"
+CACHE_VERSION = "stage-costs/36"
 
 
 def cache_dir() -> Path:

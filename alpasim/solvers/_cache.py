@@ -38,10 +38,11 @@ from typing import Any
 # axes (`LayerOption.gather_groups`); 35: a distributed optimizer's weight gradient that
 # cannot be scattered evenly keeps its all-reduce layouts; 36: every weight gradient a
 # distributed optimizer's layout all-reduces over dp priced as the flat buffer's
-# reduce-scatter (a sliced step's gather is its loop-back).
+# reduce-scatter (a sliced step's gather is its loop-back); 37: and one it sums over tp
+# too (a sequence-parallel norm's) as that scatter plus an all-reduce over tp.
 # The restriction
 # tables are code, not part of a key: a change to them bumps this.
-CACHE_VERSION = "stage-costs/36"
+CACHE_VERSION = "stage-costs/37"
 
 
 def cache_dir() -> Path:

@@ -209,11 +209,12 @@ def _sync_terms(restriction: str | None, layer: OpGraph, plan):
     on the accumulator's bytes, not the 16-bit gradient the ILP placed it on.
 
     Under the distributed optimizer a weight gradient still all-reduced over the
-    data-parallel axis is in Megatron-core's flat buffer
+    data-parallel axis (alone or with tp) is in Megatron-core's flat buffer
     (megatron/core/distributed/param_and_grad_buffer.py), which reduce-scatters every
     gradient (`grad_data`, padded to divide) and all-gathers the weights after the step
-    (`param_data`, in the weights' dtype). So priced: a reduce-scatter, and the gather
-    unless the parameter's step here is sliced, whose loop-back already gathers it
+    (`param_data`, in the weights' dtype). So priced: a reduce-scatter (and an
+    all-reduce over tp of what the layout sums there too), and the gather unless the
+    parameter's step here is sliced, whose loop-back already gathers it
     (`_intra_baselines.unsliced_params`); a contribution to a parameter another layer
     updates (a tied copy's) too."""
     recipe, mesh = get_recipe(layer.meta.get("precision")), plan.mesh
@@ -233,17 +234,22 @@ def _sync_terms(restriction: str | None, layer: OpGraph, plan):
         owners = grad_owners(op, param_of_grad)
         dtype = layer.tensors[op.outputs[min(owners, default=0)]].dtype
         accumulated = c.nbytes * DTYPE_BYTES[recipe.grad_dtype(dtype)] / DTYPE_BYTES[dtype]
-        key = (c.kind, tuple(c.axes))
-        if sharded and key == ("all_reduce", (0,)):
-            key = ("reduce_scatter", (0,))
+        keys = [(c.kind, tuple(c.axes))]
+        if sharded and c.kind == "all_reduce" and 0 in c.axes:
+            # The flat buffer's reduce-scatter over dp; a sum over tp besides (a sequence-
+            # parallel norm's gradient: Megatron-core's _allreduce_layernorm_grads) stays an
+            # all-reduce there.
+            rest = tuple(a for a in c.axes if a != 0)
+            keys = [("reduce_scatter", (0,))] + ([("all_reduce", rest)] if rest else [])
             if not set(owners.values()) & sliced:                             # no loop-back gathers it
                 gather = Collective("all_gather", c.nbytes, (0,)).time_s(mesh)    # the weights, in their dtype
                 gather_s, sync_s = gather_s + gather, sync_s + gather
                 gathers[(0,)] = gathers.get((0,), 0.0) + c.nbytes
-        t = Collective(key[0], accumulated, key[1]).time_s(mesh)
-        grad_s += t
-        sync_s += t - c.time_s(mesh)
-        groups[key] = groups.get(key, 0.0) + accumulated
+        sync_s -= c.time_s(mesh)
+        for key in keys:
+            t = Collective(key[0], accumulated, key[1]).time_s(mesh)
+            grad_s, sync_s = grad_s + t, sync_s + t
+            groups[key] = groups.get(key, 0.0) + accumulated
     return (sync_s, grad_s, tuple((k, axes, b) for (k, axes), b in sorted(groups.items())), gather_s,
             tuple(sorted(gathers.items())))
 

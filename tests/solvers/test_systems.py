@@ -443,3 +443,43 @@ def test_a_sliced_parameter_whose_gradient_is_all_reduced_is_gathered_once():
     scattered = sum(p.collective.nbytes for p in per_iteration if p.op in {op.name for op in block.ops}
                     and (p.collective.kind, p.collective.axes) == ("reduce_scatter", (0,)))
     assert by_kind[("reduce_scatter", (0,))] == pytest.approx(2 * (scattered + sum(reduced.values())))
+
+
+def test_a_sequence_parallel_norms_gradient_is_all_reduced_over_tp_and_scattered_over_dp():
+    """With sequence parallelism a norm's (and a row-parallel bias's) gradient is summed
+    over both axes; Megatron-core all-reduces it over tp (`_allreduce_layernorm_grads`)
+    and its flat buffer reduce-scatters it over dp, the loop-back gathering the sliced
+    step's weights: priced so, on the fp32 accumulator, with no all-reduce over dp left
+    and no second gather. The option's sync time is its plan's, each collective's
+    seconds exchanged for what it is priced as."""
+    from alpasim.solvers._resharding import Collective
+    from alpasim.solvers._stage_costs import _sync_terms
+
+    cluster = get_cluster("dgx-a100", nodes=1, devices_per_node=8)
+    block = layer_graphs(training_graph(forward_graph(
+        "gpt3:hidden=64,layers=2,heads=4,seq=32,vocab=96,batch=16,dtype=bfloat16"), remat=True))[1]
+    mesh = LogicalMesh.on_cluster(cluster, (4, 2))
+    model = AnalyticCostModel(cluster)
+    plan = solve_intra_op(block, mesh, model, with_compute=True, microbatches=1,
+                          **restricted_solve_kwargs("megatron_sp_distopt", block, mesh, model)).plan
+    grads = [p for p in plan.collectives if p.per_iteration and block.op_by_name.get(p.op) is not None
+             and block.op_by_name[p.op].phase == "backward"]
+    both = sum(p.collective.nbytes for p in grads if (p.collective.kind, p.collective.axes) == ("all_reduce", (0, 1)))
+    assert both > 0                                            # the norms' and biases' gradients
+    sync_s, grad_s, groups, gather_s, gathers = _sync_terms("megatron_sp_distopt", block, plan)
+    by = {(k, a): b for k, a, b in groups}
+    assert not [key for key in by if key[0] == "all_reduce" and 0 in key[1]]
+    assert by[("all_reduce", (1,))] == pytest.approx(2 * both)
+    assert by[("reduce_scatter", (0,))] == pytest.approx(2 * sum(p.collective.nbytes for p in grads))
+    looped = sum(p.collective.nbytes for p in plan.collectives if p.op.startswith("loop-back:")
+                 and p.collective.kind == "all_gather")
+    assert dict(gathers)[(0,)] == pytest.approx(looped)       # every step here sliced: gathered once
+    def priced(c) -> float:                                     # on the fp32 accumulator, bf16 placed
+        if c.kind != "all_reduce" or 0 not in c.axes:
+            return Collective(c.kind, 2 * c.nbytes, c.axes).time_s(mesh)
+        rest = tuple(a for a in c.axes if a != 0)
+        return Collective("reduce_scatter", 2 * c.nbytes, (0,)).time_s(mesh) + (
+            Collective("all_reduce", 2 * c.nbytes, rest).time_s(mesh) if rest else 0.0)
+
+    assert grad_s == pytest.approx(sum(priced(p.collective) for p in grads))
+    assert sync_s == pytest.approx(plan.sync_s + plan.update_s + grad_s - sum(p.collective.time_s(mesh) for p in grads))

@@ -153,6 +153,9 @@ def test_the_backend_rebuilds_the_graph_with_the_loss_kernel_the_plan_was_priced
     assert kernels(record) == {"unfused-fp32"}
     del record["model"]["loss_kernel"]
     assert kernels(record) == {"unfused-fp32"}
+    # A setting the cost model could not price was priced as the entry's `unpriced` value.
+    unpriced = {**record["system"], "unpriced": {"cross_entropy": "fused"}}
+    assert kernels({**record, "system": unpriced}) == {"fused"}
     record["system"] = {}
     assert kernels(record) == {"fused"}
     assert kernels({**record, "model": {**record["model"], "loss_kernel": "fused"}}) == {"fused"}

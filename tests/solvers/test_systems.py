@@ -412,6 +412,18 @@ def test_a_flat_buffer_reduce_scatters_its_gradients_and_gathers_its_weights():
         plain.sync_s - plain.grad_sync_s, rel=1e-2)
 
 
+def _bf16_block_plan(restriction: str):
+    """A bf16 GPT block, a dp 4 x tp 2 mesh of an A100 node, and the block's plan under
+    `restriction`, priced for one microbatch."""
+    cluster = get_cluster("dgx-a100", nodes=1, devices_per_node=8)
+    block = layer_graphs(training_graph(forward_graph(
+        "gpt3:hidden=64,layers=2,heads=4,seq=32,vocab=96,batch=16,dtype=bfloat16"), remat=True))[1]
+    mesh = LogicalMesh.on_cluster(cluster, (4, 2))
+    model = AnalyticCostModel(cluster)
+    return block, mesh, solve_intra_op(block, mesh, model, with_compute=True, microbatches=1,
+                                       **restricted_solve_kwargs(restriction, block, mesh, model)).plan
+
+
 def test_a_sliced_parameter_whose_gradient_is_all_reduced_is_gathered_once():
     """Under the distributed optimizer a bias can have its step sliced over dp (a
     loop-back all-gather after it) while its layout all-reduces its gradient (no free
@@ -420,13 +432,7 @@ def test_a_sliced_parameter_whose_gradient_is_all_reduced_is_gathered_once():
     once, by the loop-back, not again."""
     from alpasim.solvers._stage_costs import _sync_terms
 
-    cluster = get_cluster("dgx-a100", nodes=1, devices_per_node=8)
-    block = layer_graphs(training_graph(forward_graph(
-        "gpt3:hidden=64,layers=2,heads=4,seq=32,vocab=96,batch=16,dtype=bfloat16"), remat=True))[1]
-    mesh = LogicalMesh.on_cluster(cluster, (4, 2))
-    model = AnalyticCostModel(cluster)
-    plan = solve_intra_op(block, mesh, model, with_compute=True, microbatches=1,
-                          **restricted_solve_kwargs("megatron_distopt", block, mesh, model)).plan
+    block, mesh, plan = _bf16_block_plan("megatron_distopt")
     per_iteration = [p for p in plan.collectives if p.per_iteration]
     looped = {p.op.removeprefix("loop-back:"): p.collective.nbytes for p in per_iteration
               if p.op.startswith("loop-back:") and p.collective.kind == "all_gather" and p.collective.axes == (0,)}
@@ -455,13 +461,7 @@ def test_a_sequence_parallel_norms_gradient_is_all_reduced_over_tp_and_scattered
     from alpasim.solvers._resharding import Collective
     from alpasim.solvers._stage_costs import _sync_terms
 
-    cluster = get_cluster("dgx-a100", nodes=1, devices_per_node=8)
-    block = layer_graphs(training_graph(forward_graph(
-        "gpt3:hidden=64,layers=2,heads=4,seq=32,vocab=96,batch=16,dtype=bfloat16"), remat=True))[1]
-    mesh = LogicalMesh.on_cluster(cluster, (4, 2))
-    model = AnalyticCostModel(cluster)
-    plan = solve_intra_op(block, mesh, model, with_compute=True, microbatches=1,
-                          **restricted_solve_kwargs("megatron_sp_distopt", block, mesh, model)).plan
+    block, mesh, plan = _bf16_block_plan("megatron_sp_distopt")
     grads = [p for p in plan.collectives if p.per_iteration and block.op_by_name.get(p.op) is not None
              and block.op_by_name[p.op].phase == "backward"]
     both = sum(p.collective.nbytes for p in grads if (p.collective.kind, p.collective.axes) == ("all_reduce", (0, 1)))

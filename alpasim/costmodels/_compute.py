@@ -106,7 +106,7 @@ def traffic_bytes(op: Op, tensors: Mapping[str, Tensor]) -> int:
         return tensors[ids].nbytes + 2 * tensors[op.outputs[0]].nbytes
     if op.prim == "slice":
         return 2 * tensors[op.outputs[0]].nbytes
-    if op.prim in LOSS_LOGITS and unfused_loss(op):
+    if unfused_loss(op):
         return loss_bytes(op, tensors)
     return op_bytes(op, tensors)
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from alpasim.graphs import RECOMPUTABLE_PRIMS, OpGraph
+from alpasim.graphs import LOSS_LOGITS, RECOMPUTABLE_PRIMS, OpGraph
 
 # What the backward may recompute is fusible; so are reductions, the gradient kernels
 # of the normalisation and softmax ops, and the loss.
@@ -51,7 +51,7 @@ VIEW_PRIMS = frozenset({"reshape"})
 def unfused_loss(op) -> bool:
     """A cross-entropy marked to run as Megatron's unfused fp32 kernels
     (`graphs.with_loss_kernel`): a kernel boundary, priced by `_compute.loss_bytes`."""
-    return op.param("kernel") == "unfused-fp32"
+    return op.prim in LOSS_LOGITS and op.param("kernel") == "unfused-fp32"
 
 
 @dataclass(frozen=True, slots=True)

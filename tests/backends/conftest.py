@@ -59,6 +59,7 @@ def reference():
     runtimes). Kept in the session root (tests/conftest.py), so the other pytest-xdist
     worker loads what one computed; most of a reference's time is compiling the whole
     model once more."""
+    import dataclasses
     import hashlib
     import json
 
@@ -76,13 +77,13 @@ def reference():
         try:
             with np.load(path) as f:
                 meta = json.loads(str(f["meta"]))
-                return Reference(meta["loss"], {p: f[f"g{i}"] for i, p in enumerate(meta["grads"])}, meta["half"],
-                                 meta["noise_loss_err"], meta["noise_grad_err"])
+                names = meta.pop("grads")
+                return Reference(**meta, grads={p: f[f"g{i}"] for i, p in enumerate(names)})
         except FileNotFoundError:
             pass
         ref = reference_step(plan)
-        meta = {"loss": ref.loss, "grads": list(ref.grads), "half": ref.half_precision,
-                "noise_loss_err": ref.noise_loss_err, "noise_grad_err": ref.noise_grad_err}
+        meta = {k.name: getattr(ref, k.name) for k in dataclasses.fields(ref)}
+        meta["grads"] = list(ref.grads)                    # the names; the arrays beside them
         part = path.with_suffix(f".{os.getpid()}.npz")
         # Arrays by index: a parameter's name may be anything, savez's own keywords too.
         np.savez(part, meta=json.dumps(meta), **{f"g{i}": g for i, g in enumerate(ref.grads.values())})

@@ -156,9 +156,10 @@ def test_the_backend_rebuilds_the_graph_with_the_loss_kernel_the_plan_was_priced
     # A setting the cost model could not price was priced as the entry's `unpriced` value.
     unpriced = {**record["system"], "unpriced": {"cross_entropy": "fused"}}
     assert kernels({**record, "system": unpriced}) == {"fused"}
+    # The model's record comes first: a plan priced fused under a profile that runs unfused.
+    assert kernels({**record, "model": {**record["model"], "loss_kernel": "fused"}}) == {"fused"}
     record["system"] = {}
     assert kernels(record) == {"fused"}
-    assert kernels({**record, "model": {**record["model"], "loss_kernel": "fused"}}) == {"fused"}
 
 
 def test_serial_executor_takes_the_sum_of_all_instruction_times():

@@ -446,7 +446,7 @@ def test_a_sliced_parameter_whose_gradient_is_all_reduced_is_gathered_once():
     # left an all-reduce over dp.
     by_kind = dict(((k, a), b) for k, a, b in groups)
     assert ("all_reduce", (0,)) not in by_kind
-    scattered = sum(p.collective.nbytes for p in per_iteration if p.op in {op.name for op in block.ops}
+    scattered = sum(p.collective.nbytes for p in per_iteration if p.op in block.op_by_name
                     and (p.collective.kind, p.collective.axes) == ("reduce_scatter", (0,)))
     assert by_kind[("reduce_scatter", (0,))] == pytest.approx(2 * (scattered + sum(reduced.values())))
 

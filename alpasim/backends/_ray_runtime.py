@@ -12,13 +12,17 @@ Times: each actor stamps its instructions with `time.time()` minus the driver's 
 start, so the merged `Timeline` has one time axis. That assumes one clock: true on one
 host, approximate (NTP skew) on a cluster.
 
-Timeouts: `timeout_s` bounds every wait: each `Recv` in an actor, the acceptance of
-its sends, the driver's small calls (loading the program, checkpoints) and, with
-`PING_TIMEOUT_S` of grace so that an actor's own timeout reports first, the driver's
-wait for a whole step (which catches a mesh stuck outside any wait). Only starting an
-actor has its own bound (`STARTUP_TIMEOUT_S`), since it includes importing JAX and
-compiling the stage. A timeout raises one `RayRuntimeError` naming the mesh, the
-instruction and the tensor; nothing hangs.
+Timeouts: `timeout_s` bounds every wait of a step: each `Recv` in an actor, the
+acceptance of its sends and, with `PING_TIMEOUT_S` of grace so that an actor's own
+timeout reports first, the driver's wait for a whole step (which catches a mesh stuck
+outside any wait). The driver's other calls, an actor's local work (loading its
+program, profiling, taking its peers' handles, checkpoints, a roll-back), are bounded
+by `timeout_s` or `CALL_TIMEOUT_S`, whichever is longer: a short `timeout_s`, set to
+catch a missing tensor quickly, must not fail a run whose checkpoint of large states,
+or a load on a busy machine, takes longer. Starting an actor has its own bound
+(`STARTUP_TIMEOUT_S`), since it includes importing JAX and compiling the stage. A
+timeout raises one `RayRuntimeError` naming the mesh, the instruction and the tensor;
+nothing hangs.
 
 CPU actors outlive a run: a run that completes hands them, their stages dropped, to an
 idle pool of this driver's Ray session, and the next run takes the ones whose Ray
@@ -62,6 +66,8 @@ from ._stages import partition
 # Importing JAX and lowering a stage (which re-solves its intra-op plan, at most
 # `_stages.RESOLVE_TIME_LIMIT_S`, and compiles three programs).
 STARTUP_TIMEOUT_S = 600.0
+# The driver's calls that wait on one actor's own work, never on another mesh.
+CALL_TIMEOUT_S = 120.0
 RESTARTS_PER_STEP = 2
 # Liveness pings, `where` queries and aborts: answered by an idle actor thread at once.
 PING_TIMEOUT_S = 10.0
@@ -242,6 +248,7 @@ class _Meshes:
     def __init__(self, ray, plan: PipelinePlan, program: Program, parts: list, tied: list[str], seed: int,
                  timeout_s: float, platform: str = "cpu") -> None:
         self.ray, self.plan, self.program, self.seed, self.timeout_s = ray, plan, program, seed, timeout_s
+        self.call_timeout_s = max(timeout_s, CALL_TIMEOUT_S)
         self.platform = platform
         self.payloads = _payloads(program, tied)
         self.owners = {p: part.index for part in parts for p in part.owned}
@@ -301,7 +308,7 @@ class _Meshes:
         self.get({k: self.starting.pop(k) for k in ks}, STARTUP_TIMEOUT_S, "start (import JAX, lower its stage)")
         calls = {k: self.actors[k].load_program.remote(self.program, self.payloads, self.owners, self.readers,
                                                        self.timeout_s) for k in ks}
-        for summaries in self.get(calls, self.timeout_s, "load its program").values():
+        for summaries in self.get(calls, self.call_timeout_s, "load its program").values():
             for summary in summaries:
                 self.stages[summary.index] = summary
 
@@ -309,15 +316,15 @@ class _Meshes:
         """Each plan stage timed alone, one actor at a time so they do not share the cores."""
         by_stage = {}
         for k, a in enumerate(self.actors):
-            by_stage.update(self.get({k: a.profile.remote(iters)}, self.timeout_s, "profile its stage")[k])
+            by_stage.update(self.get({k: a.profile.remote(iters)}, self.call_timeout_s, "profile its stage")[k])
         return [by_stage[j] for j in range(len(self.stages))]
 
     def set_peers(self) -> None:
-        self.get({k: a.set_peers.remote(self.actors) for k, a in enumerate(self.actors)}, self.timeout_s,
+        self.get({k: a.set_peers.remote(self.actors) for k, a in enumerate(self.actors)}, self.call_timeout_s,
                  "take its peers' handles")
 
     def fetch_state(self) -> list[dict]:
-        states = self.get({k: a.state_dict.remote() for k, a in enumerate(self.actors)}, self.timeout_s,
+        states = self.get({k: a.state_dict.remote() for k, a in enumerate(self.actors)}, self.call_timeout_s,
                           "return its checkpoint")
         return [states[k] for k in range(len(self.actors))]
 
@@ -361,7 +368,7 @@ class _Meshes:
                     self.restart(k, step)
                 self.set_peers()
                 self.get({k: a.load_state_dict.remote(self.checkpoint[k]) for k, a in enumerate(self.actors)},
-                         self.timeout_s, "roll back to the last checkpoint")
+                         self.call_timeout_s, "roll back to the last checkpoint")
                 restart_s = time.perf_counter() - start
                 self.restarts += [{"step": step, "mesh": k, "restart_s": restart_s} for k in dead]
         raise AssertionError("unreachable")

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import time
 
 import numpy as np
@@ -173,12 +172,11 @@ def test_ray_keeps_two_copies_of_a_weight_on_one_mesh_apart(ray_cluster, shared_
         _wait_until_dead(actor)
 
 
-@pytest.mark.serial      # its 2 s receive timeout also bounds the other calls: run on an idle machine
 @pytest.mark.timeout(HANG_S)
-def test_a_receive_whose_send_never_comes_fails_within_the_timeout(ray_cluster, small_plan, monkeypatch):
-    # Nothing here is timed but the wait: the actors compile at LLVM's O0, as the
-    # parallel lane's do (the Makefile), which starts them a few seconds sooner.
-    monkeypatch.setenv("XLA_FLAGS", f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0")
+def test_a_receive_whose_send_never_comes_fails_within_the_timeout(ray_cluster, small_plan):
+    # The 2 s bounds the step's waits only: loading the program, which a busy machine
+    # may slow past it, has its own (`_ray_runtime.CALL_TIMEOUT_S`), so this runs
+    # beside other tests.
     plan = small_plan("gpt")
     program = build_program(plan, plan.schedule)
     # Mesh 0 forgets to send microbatch 0's activation to mesh 1.

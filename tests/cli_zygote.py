@@ -16,11 +16,20 @@ Protocol, one JSON object a line on stdin: {"args", "env", "cwd", "stdout", "std
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 
+import scipy.sparse  # noqa: F401  (below)
+
 import alpasim.cli  # noqa: F401  (the point: imported once, before any fork)
+
+# What commands import lazily, after the fork, in most runs: typer's parameter adapters
+# (pydantic behind them; every command, 80 ms of CPU each) and scipy.sparse (every
+# command that builds an ILP, 150 ms). Neither starts a thread.
+with contextlib.suppress(ImportError):     # a private module of recent typers only
+    import typer._adapters  # noqa: F401
 
 
 def _child(request: dict) -> None:

@@ -21,13 +21,13 @@ import json
 import os
 import sys
 
-import scipy.sparse  # noqa: F401  (below)
-
 import alpasim.cli  # noqa: F401  (the point: imported once, before any fork)
 
-# What commands import lazily, after the fork, in most runs: typer's parameter adapters
-# (pydantic behind them; every command, 80 ms of CPU each) and scipy.sparse (every
-# command that builds an ILP, 150 ms). Neither starts a thread.
+# What commands import lazily, after the fork, in most runs: scipy.sparse (every command
+# that builds an ILP, 150 ms of CPU each) and typer's parameter adapters (pydantic behind
+# them; every command, 80 ms). Neither starts a thread.
+import scipy.sparse  # noqa: F401
+
 with contextlib.suppress(ImportError):     # a private module of recent typers only
     import typer._adapters  # noqa: F401
 

@@ -2,8 +2,9 @@
 
 The model is a GPT written directly in JAX (`tests/graphs/test_jax_import.py`: tied
 head, causal attention, GeLU MLP). Independent figures: the single-device step of the
-same graph (`reference_step`, through the `reference` fixture); the graph the plan embeds against the file it came
-from (by digest). The plan file is moved away from the graph file before it runs.
+same graph (`reference_step`, through the `reference` fixture); the graph the plan
+embeds against the file it came from (by digest). The plan file is moved away from the
+graph file before it runs.
 """
 
 from __future__ import annotations

@@ -474,6 +474,7 @@ def test_a_sequence_parallel_norms_gradient_is_all_reduced_over_tp_and_scattered
     looped = sum(p.collective.nbytes for p in plan.collectives if p.op.startswith("loop-back:")
                  and p.collective.kind == "all_gather")
     assert dict(gathers)[(0,)] == pytest.approx(looped)       # every step here sliced: gathered once
+
     def priced(c) -> float:                                     # on the fp32 accumulator, bf16 placed
         if c.kind != "all_reduce" or 0 not in c.axes:
             return Collective(c.kind, 2 * c.nbytes, c.axes).time_s(mesh)

@@ -90,6 +90,14 @@ def _isolate(root: Path) -> None:
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
     os.environ["HF_HUB_OFFLINE"] = "1"
+    # OpenBLAS (numpy's, scipy's) starts a thread per core in every process that imports
+    # it, and its threads spin while they wait for work: 0.125 CPU-s of each `alpasim
+    # models --json` (15.33 CPU-s against 16.83 over 12 runs each, interleaved), in a
+    # suite that starts dozens of processes (commands, CLI zygotes, Ray's workers and
+    # actors) on two busy cores. Nothing here multiplies matrices big enough for a
+    # second thread to pay; JAX's programs run on XLA's own threads. (pytest's own
+    # process imported numpy already; its workers and every child inherit this.)
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     tempfile.tempdir = None               # recomputed from TMPDIR at the next use
 
 

@@ -96,7 +96,8 @@ def _isolate(root: Path) -> None:
     # suite that starts dozens of processes (commands, CLI zygotes, Ray's workers and
     # actors) on two busy cores. Nothing here multiplies matrices big enough for a
     # second thread to pay; JAX's programs run on XLA's own threads. (pytest's own
-    # process imported numpy already; its workers and every child inherit this.)
+    # process has numpy already, from jaxtyping's pytest plugin; its workers and every
+    # child inherit this.)
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     tempfile.tempdir = None               # recomputed from TMPDIR at the next use
 

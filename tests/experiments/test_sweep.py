@@ -153,8 +153,9 @@ def test_sweep_clusters_per_axis():
 
 def test_cli_sweep_json(tmp_path, cli):
     # A cache of its own: progress lines are printed for the points a sweep plans, and
-    # the module's cache may hold these already (the Ray test's in-process sweep of the
-    # same points, where the scheduler runs it first on this worker).
+    # the module's cache may hold these already: the Ray test's in-process sweep plans
+    # the same points, and where the scheduler's ray scope ends with that test and this
+    # module follows it on the same worker, the module's `cache_dir` is the same one.
     proc = cli("sweep", "--model", TINY, "--gpus", "2", "--devices-per-node", "1,2",
                "--methods", "alpa,intra-only", "--out-dir", str(tmp_path), "--workers", "1", "--json",
                "--out", str(tmp_path / "report.json"), env={"ALPASIM_CACHE_DIR": str(tmp_path / "cache")})

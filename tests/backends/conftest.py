@@ -78,17 +78,17 @@ def reference():
         path = store / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.npz"
         try:
             with np.load(path) as f:
-                meta = json.loads(str(f["meta"]))
-                names = meta.pop("grads")
-                return Reference(**meta, grads={p: f[f"g{i}"] for i, p in enumerate(names)})
+                names = json.loads(str(f["names"]))
+                return Reference(**json.loads(str(f["meta"])), grads={p: f[f"g{i}"] for i, p in enumerate(names)})
         except FileNotFoundError:
             pass
         ref = reference_step(plan)
-        meta = {k.name: getattr(ref, k.name) for k in dataclasses.fields(ref)}
-        meta["grads"] = list(ref.grads)                    # the names; the arrays beside them
+        meta = {k.name: getattr(ref, k.name) for k in dataclasses.fields(ref) if k.name != "grads"}
         part = path.with_suffix(f".{os.getpid()}.npz")
-        # Arrays by index: a parameter's name may be anything, savez's own keywords too.
-        np.savez(part, meta=json.dumps(meta), **{f"g{i}": g for i, g in enumerate(ref.grads.values())})
+        # Arrays by index, their names beside them: a parameter's name may be anything,
+        # savez's own keywords too.
+        np.savez(part, meta=json.dumps(meta), names=json.dumps(list(ref.grads)),
+                 **{f"g{i}": g for i, g in enumerate(ref.grads.values())})
         part.replace(path)                 # whole or absent, for the other worker
         return ref
 

@@ -321,13 +321,17 @@ def linen_lm_problem(model, batch_size: int, seq: int):
 class LlamaReference:
     """The built-in `llama` / `topk-moe` families' pieces written in jax.numpy, as an
     independent check of the graphs: RMSNorm, half-split RoPE, grouped-query attention
-    on one layer's weights (`w` keyed by the names under `layer{i}/`) and SwiGLU."""
+    on one layer's weights (`w` keyed by the names under `layer{i}/`) and SwiGLU.
+
+    Both sides run as one jitted program each: op by op, every jax.numpy call of the
+    reference and every op of the graph compiles a program of its own (145 of them in
+    the top-k MoE test, most of its time)."""
 
     def __init__(self, spec: str, seed: int):
         """The built-in graph of model `spec` on random weights (`seed`): its loss
-        lowered to JAX (`self.got`), the weights (`self.params`), the embedded tokens the
-        reference starts from (`self.x`) and the labels."""
-        import jax.numpy as jnp
+        lowered to JAX (`self.got`), the weights (`self.params`), the token ids whose
+        embeddings the reference starts from, and the labels."""
+        import jax
 
         from alpasim.backends import lower_graph, random_leaves
         from alpasim.graphs import forward_graph, resolve_model
@@ -336,9 +340,10 @@ class LlamaReference:
         fwd = forward_graph(spec)
         leaves = random_leaves(fwd, seed=seed, scale=0.5)
         (loss,) = fwd.outputs
-        self.cfg, self.got, self.labels = cfg, float(lower_graph(fwd)(leaves)[loss]), leaves["labels"]
-        self.params = {t.name: jnp.asarray(leaves[t.name]) for t in fwd.params}
-        self.x = self.params["embed/wte"][leaves["token_ids"]]
+        self.cfg, self.labels = cfg, leaves["labels"]
+        self.got = float(jax.jit(lower_graph(fwd, [loss]))(leaves)[loss])
+        self.params = {t.name: leaves[t.name] for t in fwd.params}
+        self.token_ids = leaves["token_ids"]
         self.seq, self.d = cfg.seq, cfg.hidden // cfg.heads
         inv = 1.0 / cfg.rope_theta ** (np.arange(self.d // 2) * 2.0 / self.d)
         angles = np.outer(np.arange(cfg.seq), inv)
@@ -375,13 +380,17 @@ class LlamaReference:
         import jax
         return (jax.nn.silu(x @ gate) * (x @ up)) @ down
 
-    def loss(self, x):
-        """The mean cross-entropy of the head on the last layer's output `x`."""
+    def loss(self, layers) -> float:
+        """The mean cross-entropy of the head on `layers(x, weights)`, where x is the
+        embedded tokens and weights(i) gives layer i's (`w` above)."""
         import jax
         import jax.numpy as jnp
-        logits = self.norm(x, self.params["head/final_norm/scale"]) @ self.params["head/w_head"]
-        logp = jax.nn.log_softmax(logits, -1)
-        return -float(jnp.take_along_axis(logp, self.labels[..., None], -1).mean())
 
-    def layer_weights(self, i):
-        return {k.split("/", 1)[1]: v for k, v in self.params.items() if k.startswith(f"layer{i}/")}
+        def loss_of(params):
+            def weights(i):
+                return {k.split("/", 1)[1]: v for k, v in params.items() if k.startswith(f"layer{i}/")}
+            x = layers(params["embed/wte"][self.token_ids], weights)
+            logits = self.norm(x, params["head/final_norm/scale"]) @ params["head/w_head"]
+            logp = jax.nn.log_softmax(logits, -1)
+            return -jnp.take_along_axis(logp, self.labels[..., None], -1).mean()
+        return float(jax.jit(loss_of)(self.params))

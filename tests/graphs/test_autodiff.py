@@ -157,9 +157,10 @@ def _reference_gpt_loss(P: dict, ids, labels, layers: int, heads: int):
 def test_gpt_loss_matches_a_plain_jnp_gpt():
     fwd = forward_graph(FAMILIES["gpt3"])
     leaves = random_leaves(fwd, seed=3, scale=0.2)
-    got = lower_graph(fwd, fwd.outputs)(leaves)[fwd.outputs[0]]
+    got = jax.jit(lower_graph(fwd, fwd.outputs))(leaves)[fwd.outputs[0]]
     params = {t.name: leaves[t.name] for t in fwd.params}
-    want = _reference_gpt_loss(params, leaves["token_ids"], leaves["labels"], GPT["layers"], GPT["heads"])
+    want = jax.jit(_reference_gpt_loss, static_argnums=(3, 4))(params, leaves["token_ids"], leaves["labels"],
+                                                                GPT["layers"], GPT["heads"])
     assert abs(float(want) - math.log(GPT["vocab"])) < 1.0  # a sane untrained loss
     np.testing.assert_allclose(got, want, rtol=1e-5)
 
@@ -178,7 +179,7 @@ def test_mixed_precision_training_graph_runs():
     fp32 = forward_graph(FAMILIES["gpt3"])
     fp32_leaves = {k: v.astype(np.float32) if str(v.dtype) == "bfloat16" else v
                    for k, v in leaves.items() if k in fp32.tensors}
-    want = lower_graph(fp32, fp32.outputs)(fp32_leaves)[fp32.outputs[0]]
+    want = jax.jit(lower_graph(fp32, fp32.outputs))(fp32_leaves)[fp32.outputs[0]]
     np.testing.assert_allclose(values[train.outputs[0]], want, rtol=2e-2)
 
 

@@ -10,6 +10,8 @@ for a microbatch's rows as for the whole batch's.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -55,6 +57,7 @@ def test_selective_recomputation_draws_the_probabilities_mask_again_and_keeps_th
     assert sum(kept.values()) == 34 * S * B * H
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))   # one program, not one per jax.numpy call
 def _mask(rows, shape, rate=0.1, seed=7):
     return LOWERINGS["dropout_mask"]({"shape": shape, "rate": rate, "seed": seed}, rows)
 
@@ -95,13 +98,14 @@ def test_the_graph_drops_the_rate_and_scales_what_it_keeps():
     spec = "gpt3:hidden=64,layers=2,heads=4,seq=32,vocab=128,batch=4,dtype=fp32"
     g = forward_graph(spec + ",dropout=0.5")
     leaves = random_leaves(g, seed=1)
-    out = lower_graph(g)(leaves)
+    out = jax.jit(lower_graph(g))(leaves)
     probs, dropped, mask = (np.asarray(out[f"layer0/{t}"]) for t in ("softmax", "probs_dropout",
                                                                        "probs_dropout_mask"))
     np.testing.assert_allclose(dropped, np.where(mask, probs / 0.5, 0.0), rtol=1e-6)
     assert abs(mask.mean() - 0.5) < 0.02
     plain = forward_graph(spec)
-    loss = lower_graph(plain)({k: v for k, v in leaves.items() if k in plain.tensors})[plain.outputs[0]]
+    loss = jax.jit(lower_graph(plain, plain.outputs))({k: v for k, v in leaves.items() if k in plain.tensors})[
+        plain.outputs[0]]
     assert abs(float(out[g.outputs[0]]) - float(loss)) > 1e-4
 
 

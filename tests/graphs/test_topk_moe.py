@@ -91,20 +91,23 @@ def test_forward_equals_a_dense_evaluation_of_the_chosen_experts():
     from alpasim.backends import topk_gating
 
     ref = LlamaReference(TINY, seed=4)
-    cfg, x = ref.cfg, ref.x
-    for i in range(cfg.layers):
-        w = ref.layer_weights(i)
-        x = ref.attention_block(x, w)
-        y = ref.norm(x, w["ffn_norm/scale"])
-        if i < cfg.dense_layers:
-            x = x + ref.swiglu(y, w["w_gate_proj"], w["w_up_proj"], w["w_down_proj"])
-            continue
-        tokens = y.reshape(-1, cfg.tokens_per_group, cfg.hidden)
-        combine, _ = topk_gating(jax.nn.softmax(tokens @ w["w_router"], -1), cfg.top_k, cfg.capacity,
-                                 bool(cfg.normalize_topk))
-        weight = combine.sum(-1)                                             # (G, S, E): 0 where not routed
-        experts = jnp.stack([ref.swiglu(tokens, w["w_expert_gate"][e], w["w_expert_up"][e], w["w_expert_down"][e])
-                             for e in range(cfg.experts)], 2)               # (G, S, E, h)
-        routed = (weight[..., None] * experts).sum(2).reshape(y.shape)
-        x = x + routed + ref.swiglu(y, w["shared_w_gate_proj"], w["shared_w_up_proj"], w["shared_w_down_proj"])
-    assert ref.got == pytest.approx(ref.loss(x), rel=1e-5)
+    cfg = ref.cfg
+
+    def layers(x, weights):
+        for i in range(cfg.layers):
+            w = weights(i)
+            x = ref.attention_block(x, w)
+            y = ref.norm(x, w["ffn_norm/scale"])
+            if i < cfg.dense_layers:
+                x = x + ref.swiglu(y, w["w_gate_proj"], w["w_up_proj"], w["w_down_proj"])
+                continue
+            tokens = y.reshape(-1, cfg.tokens_per_group, cfg.hidden)
+            combine, _ = topk_gating(jax.nn.softmax(tokens @ w["w_router"], -1), cfg.top_k, cfg.capacity,
+                                     bool(cfg.normalize_topk))
+            weight = combine.sum(-1)                                         # (G, S, E): 0 where not routed
+            experts = jnp.stack([ref.swiglu(tokens, w["w_expert_gate"][e], w["w_expert_up"][e],
+                                            w["w_expert_down"][e]) for e in range(cfg.experts)], 2)  # (G, S, E, h)
+            routed = (weight[..., None] * experts).sum(2).reshape(y.shape)
+            x = x + routed + ref.swiglu(y, w["shared_w_gate_proj"], w["shared_w_up_proj"], w["shared_w_down_proj"])
+        return x
+    assert ref.got == pytest.approx(ref.loss(layers), rel=1e-5)

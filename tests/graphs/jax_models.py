@@ -324,8 +324,7 @@ class LlamaReference:
     on one layer's weights (`w` keyed by the names under `layer{i}/`) and SwiGLU.
 
     Both sides run as one jitted program each: op by op, every jax.numpy call of the
-    reference and every op of the graph compiles a program of its own (145 of them in
-    the top-k MoE test, most of its time)."""
+    reference and every op of the graph would compile a program of its own."""
 
     def __init__(self, spec: str, seed: int):
         """The built-in graph of model `spec` on random weights (`seed`): its loss

@@ -10,8 +10,6 @@ for a microbatch's rows as for the whole batch's.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -57,9 +55,11 @@ def test_selective_recomputation_draws_the_probabilities_mask_again_and_keeps_th
     assert sum(kept.values()) == 34 * S * B * H
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))   # one program, not one per jax.numpy call
-def _mask(rows, shape, rate=0.1, seed=7):
+def _mask_of(rows, shape, rate=0.1, seed=7):
     return LOWERINGS["dropout_mask"]({"shape": shape, "rate": rate, "seed": seed}, rows)
+
+
+_mask = jax.jit(_mask_of, static_argnums=(1, 2, 3))   # one program, not one per jax.numpy call
 
 
 def test_the_mask_keeps_one_minus_the_rate_and_differs_by_row_and_seed():
@@ -77,7 +77,7 @@ def test_a_microbatch_and_any_sharding_draw_the_whole_batchs_bits():
     whole = np.asarray(_mask(rows, (8, 4, 16, 16)))
     np.testing.assert_array_equal(np.asarray(_mask(rows[2:4], (2, 4, 16, 16))), whole[2:4])
     mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("x", "y"))
-    sharded = jax.jit(lambda r: _mask(r, (8, 4, 16, 16)),
+    sharded = jax.jit(lambda r: _mask_of(r, (8, 4, 16, 16)),
                       out_shardings=NamedSharding(mesh, PartitionSpec("x", "y")))(rows)
     np.testing.assert_array_equal(np.asarray(sharded), whole)
 
@@ -104,8 +104,8 @@ def test_the_graph_drops_the_rate_and_scales_what_it_keeps():
     np.testing.assert_allclose(dropped, np.where(mask, probs / 0.5, 0.0), rtol=1e-6)
     assert abs(mask.mean() - 0.5) < 0.02
     plain = forward_graph(spec)
-    loss = jax.jit(lower_graph(plain, plain.outputs))({k: v for k, v in leaves.items() if k in plain.tensors})[
-        plain.outputs[0]]
+    plain_leaves = {k: v for k, v in leaves.items() if k in plain.tensors}
+    loss = jax.jit(lower_graph(plain, plain.outputs))(plain_leaves)[plain.outputs[0]]
     assert abs(float(out[g.outputs[0]]) - float(loss)) > 1e-4
 
 

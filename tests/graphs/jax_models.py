@@ -379,16 +379,21 @@ class LlamaReference:
         import jax
         return (jax.nn.silu(x @ gate) * (x @ up)) @ down
 
+    @staticmethod
+    def layer_weights(params: dict, i: int) -> dict:
+        """Layer i's weights (`w` above) among `params`."""
+        return {k.split("/", 1)[1]: v for k, v in params.items() if k.startswith(f"layer{i}/")}
+
     def loss(self, layers) -> float:
         """The mean cross-entropy of the head on `layers(x, weights)`, where x is the
-        embedded tokens and weights(i) gives layer i's (`w` above)."""
+        embedded tokens and weights(i) gives layer i's (`layer_weights`)."""
+        import functools
+
         import jax
         import jax.numpy as jnp
 
         def loss_of(params):
-            def weights(i):
-                return {k.split("/", 1)[1]: v for k, v in params.items() if k.startswith(f"layer{i}/")}
-            x = layers(params["embed/wte"][self.token_ids], weights)
+            x = layers(params["embed/wte"][self.token_ids], functools.partial(self.layer_weights, params))
             logits = self.norm(x, params["head/final_norm/scale"]) @ params["head/w_head"]
             logp = jax.nn.log_softmax(logits, -1)
             return -jnp.take_along_axis(logp, self.labels[..., None], -1).mean()

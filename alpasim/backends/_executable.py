@@ -254,12 +254,12 @@ class StageInputs:
 
 def plan_training_graph(plan: PipelinePlan, graph: OpGraph) -> OpGraph:
     """The training graph of `plan` (`graph` is `planning_graph(plan.model)`): its remat,
-    its recompute policy, its precision recipe where it records them (older plans: the
+    its recompute policy and kernels, its precision recipe where it records them (older plans: the
     builder's defaults) and its loss kernel (`PipelinePlan.loss_kernel`), so a re-pricing
     (`predict_run`) prices the graph the planner priced; the kernel changes no value the
     backend computes."""
     train = build_training_graph(graph, remat=plan.model.remat, recompute=plan.model.recompute,
-                                 precision=plan.model.precision).graph
+                                 precision=plan.model.precision, kernels=plan.model.kernels).graph
     return with_loss_kernel(train, plan.loss_kernel)
 
 

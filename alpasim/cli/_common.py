@@ -59,6 +59,10 @@ GatherOverlapOpt = Annotated[Optional[bool], typer.Option(
 CrossEntropyOpt = Annotated[Optional[str], typer.Option(
     "--cross-entropy", help="How the loss kernel runs: fused (one pass over the logits each way) or unfused-fp32 "
     "(Megatron's vocab-parallel loss on logits.float(), a kernel per step); default: as the method's system ran.")]
+KernelsOpt = Annotated[Optional[str], typer.Option(
+    "--kernels", help="How norms, activations and RoPE run: per-op (each op its own kernel, keeping what its "
+    "backward reads, as XLA runs a JAX model) or fused (hand-fused kernels that save their inputs and recompute "
+    "the rest in the backward, as Transformer Engine's); default: as the method's system ran.")]
 SystemOpt = Annotated[Optional[str], typer.Option("--system", help="Price the plan as this system ran (a profile "
                                                   "of `alpasim methods`: overlap, recomputation, optimizer "
                                                   "sharding; default: the method's own).")]

@@ -18,7 +18,7 @@ from alpasim.experiments import simulation_report
 
 from ._common import (
     AttentionOpt, BucketOpt, ClusterOpt, CostModelOpt, CrossEntropyOpt, DpnOpt, GatherOverlapOpt, GbpsOpt, JsonOpt,
-    MemOpt, NodesOpt, OverlapOpt, PrecisionOpt, SystemOpt, TpOverlapOpt, app, bucket_bytes, check_precision, check_recompute, emit_json, err, fail, fmt_bytes,
+    KernelsOpt, MemOpt, NodesOpt, OverlapOpt, PrecisionOpt, SystemOpt, TpOverlapOpt, app, bucket_bytes, check_precision, check_recompute, emit_json, err, fail, fmt_bytes,
     fmt_count, load_cluster, load_cost_model, out, parse_microbatches, plan_map, RayAddressOpt, RayOpt, TaskProgress,
     writable_file, writing,
 )
@@ -116,6 +116,7 @@ def plan(
     tp_comm_overlap: TpOverlapOpt = None,
     param_gather_overlap: GatherOverlapOpt = None,
     cross_entropy: CrossEntropyOpt = None,
+    kernels: KernelsOpt = None,
     system: SystemOpt = None,
     attention: AttentionOpt = None,
     bucket_mb: BucketOpt = None,
@@ -148,6 +149,8 @@ def plan(
         check_recompute(recompute, search=True)
     if cross_entropy is not None and cross_entropy not in gr.LOSS_KERNELS:
         fail(f"--cross-entropy must be one of {', '.join(gr.LOSS_KERNELS)}, got {cross_entropy!r}")
+    if kernels is not None and kernels not in gr.KERNEL_STASHES:
+        fail(f"--kernels must be one of {', '.join(gr.KERNEL_STASHES)}, got {kernels!r}")
     if recompute == "none" and remat is None:
         remat = False                # asked for: nothing recomputed, whatever the system's default
     buckets = bucket_bytes(False, bucket_mb)
@@ -189,7 +192,8 @@ def plan(
                   ray_address=ray_address, epsilon=epsilon, cost_model=model_costs, precision=precision,
                   bucket_bytes=buckets, system=system, overlap=overlap, attention=attention,
                   **{k: v for k, v in (("remat", remat), ("recompute", recompute), ("tp_overlap", tp_comm_overlap),
-                                       ("gather_overlap", param_gather_overlap), ("loss_kernel", cross_entropy))
+                                       ("gather_overlap", param_gather_overlap), ("loss_kernel", cross_entropy),
+                                       ("kernels", kernels))
                      if v is not None},
                   **({"schedule": schedule, "chunk_options": chunk_options}
                      if (name == "alpa" and schedule != "1f1b") or (interleaves and schedule == "interleaved")

@@ -50,6 +50,7 @@ from ._precision import get_recipe as get_recipe
 from ._precision import with_loss_kernel as with_loss_kernel
 from ._prims_nn import LOSS_LOGITS as LOSS_LOGITS
 from ._recompute import RECOMPUTABLE_PRIMS as RECOMPUTABLE_PRIMS
+from ._recompute import KERNEL_STASHES as KERNEL_STASHES
 from ._recompute import RECOMPUTE_POLICIES as RECOMPUTE_POLICIES
 from ._recompute import recompute_fusible as recompute_fusible
 from ._recompute import expanding_contraction as expanding_contraction

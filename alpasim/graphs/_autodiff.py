@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from ._builder import GraphBuilder
 from ._precision import PrecisionRecipe, get_recipe
 from ._primitives import parse_einsum
-from ._recompute import RECOMPUTE_POLICIES, recompute_fusible
+from ._recompute import KERNEL_STASHES, RECOMPUTE_POLICIES, recompute_fusible
 from ._types import Op, OpGraph, Tensor
 
 HALF = frozenset({"float16", "bfloat16"})
@@ -417,14 +417,17 @@ def _needs_grad(fwd: OpGraph) -> set[str]:
 
 def training_graph(forward: OpGraph, *, remat: bool = False, optimizer: AdamConfig | None = None,
                    name: str | None = None, precision: str | PrecisionRecipe | None = None,
-                   recompute: str = "none") -> OpGraph:
+                   recompute: str = "none", kernels: str = "per-op") -> OpGraph:
     """Forward graph with a scalar loss -> forward + backward + Adam update graph.
 
     `recompute`: "none" keeps every forward value a backward reads (eager frameworks,
     Megatron-LM); "fusible" keeps each layer's minimum cut and recomputes cheap ops in
     the backward (`_recompute`, as a fusing compiler does); "selective" also recomputes
     attention's QK^T and softmax, so no (s, s) tensor is stashed (Korthikanti et al.
-    2022's selective recomputation).
+    2022's selective recomputation). `kernels` ("per-op" or "fused",
+    `_recompute.KERNEL_STASHES`): whether elementwise and normalisation chains run op by
+    op, each keeping what its backward reads, or as hand-fused kernels that recompute
+    their intermediates from their saved inputs ("fusible" already recomputes more).
 
     `precision` names the recipe (`_precision`, default mixed-fp32grad): under it a
     half-precision parameter's gradient is cast to fp32 as the backward produces it,
@@ -439,6 +442,8 @@ def training_graph(forward: OpGraph, *, remat: bool = False, optimizer: AdamConf
                              f"dtype=float32")
     if recompute not in RECOMPUTE_POLICIES:
         raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_POLICIES)}, got {recompute!r}")
+    if kernels not in KERNEL_STASHES:
+        raise ValueError(f"kernels must be one of {', '.join(KERNEL_STASHES)}, got {kernels!r}")
     if len(forward.outputs) != 1 or forward.tensors[forward.outputs[0]].rank != 0:
         raise ValueError(f"graph {forward.name!r}: a training graph needs exactly one scalar output (the loss), "
                          f"got outputs {list(forward.outputs)}")
@@ -503,7 +508,12 @@ def training_graph(forward: OpGraph, *, remat: bool = False, optimizer: AdamConf
                         ct[t] = b.one("convert", [ct[t]], name=f"{t}:grad_cast", dtype=want)
 
     graph = _append_updates(b, forward, ct, optimizer, loss, recipe, carried)
-    return graph if recompute == "none" else recompute_fusible(graph, selective=recompute == "selective")
+    graph.meta["kernels"] = kernels
+    if recompute == "fusible":
+        return recompute_fusible(graph)
+    if recompute == "selective" or kernels == "fused":
+        return recompute_fusible(graph, selective=recompute == "selective", kernels=kernels)
+    return graph
 
 
 # An op's output k that is parameter p's gradient (or a contribution to it) carries the

@@ -58,7 +58,8 @@ class BuiltGraph:
 
 def build_training_graph(model: str | OpGraph, *, layers: int | None = None, remat: bool = False,
                          delta: float = 0.25, optimizer: AdamConfig | None = None,
-                         precision: str | None = None, recompute: str = "none") -> BuiltGraph:
+                         precision: str | None = None, recompute: str = "none",
+                         kernels: str = "per-op") -> BuiltGraph:
     """Forward graph -> (clustered) -> forward + backward + update graph, under the
     precision recipe `precision` (`_precision`; default mixed-fp32grad)."""
     fwd = model if isinstance(model, OpGraph) else load_forward(model)
@@ -67,7 +68,8 @@ def build_training_graph(model: str | OpGraph, *, layers: int | None = None, rem
         fwd, clustering = assign_layers(fwd, layers, delta)
     elif any(op.layer < 0 for op in fwd.ops):
         fwd = fwd.replace(ops=[op.replace(layer=0) if op.layer < 0 else op for op in fwd.ops])
-    graph = training_graph(fwd, remat=remat, optimizer=optimizer, precision=precision, recompute=recompute)
+    graph = training_graph(fwd, remat=remat, optimizer=optimizer, precision=precision, recompute=recompute,
+                           kernels=kernels)
     graph.meta["remat"] = remat
     graph.meta["recompute"] = recompute
     return BuiltGraph(graph, fwd, clustering)

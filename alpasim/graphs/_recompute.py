@@ -11,7 +11,8 @@ backward's fused kernels, where recomputing an elementwise chain costs no extra 
 traffic.
 
 `recompute_fusible(graph)` does that per layer, as a minimum cut (`selective=True` is
-the "selective" policy: the same cut over attention's score path alone; see there):
+the "selective" policy: the same cut over attention's score path alone; see there;
+`kernels="fused"` is what hand-fused kernels recompute, below):
 
 * **Recomputable**: a forward value of the layer made by an elementwise, layout,
   normalisation or softmax op (`RECOMPUTABLE_PRIMS`) from values that are themselves
@@ -31,6 +32,26 @@ The result is a training graph like any other: liveness, fusion pricing, the sol
 and the JAX runtime read it as it is, so what is priced is what runs. Full
 rematerialisation (`remat=True`) already recomputes whole layers; this pass then only
 touches what remat keeps (the language-model head).
+
+**Kernels** (`KERNEL_STASHES`). A graph written op by op (Llama's RMSNorm as a cast, a
+mean of squares, an rsqrt and three products; SwiGLU as a sigmoid and two products;
+RoPE as broadcast tables and a rotation) stashes every intermediate an op's backward
+reads when each op is its own kernel ("per-op": JAX's autodiff keeps them as residuals,
+and XLA's fusion does not change what a program's outputs are). The systems that train
+such models on GPUs run those chains as hand-fused kernels instead, and a fused
+kernel's backward recomputes its intermediates from the inputs it saved ("fused"):
+Transformer Engine's RMSNorm and LayerNorm save their input and the inverse standard
+deviation (`transformer_engine/pytorch/module/layernorm_linear.py`, `rmsnorm_fwd`
+returns `rsigma`, saved for `rmsnorm_bwd`), Megatron-core's fused bias-SwiGLU saves its
+input (`megatron/core/fusions/fused_bias_swiglu.py`, `SwiGLUFunction.forward` saves
+`input` alone), and fused RoPE saves only the frequencies
+(`megatron/core/models/common/embeddings/rope_utils.py`, `fused_apply_rotary_pos_emb`).
+What a GEMM, attention, normalisation or softmax kernel's backward reads stays saved,
+as each such module saves its own inputs (the column-parallel linear after a norm saves
+the norm's output; the second MLP GEMM saves SwiGLU's output). So under "fused" a value
+is recomputable only where every backward reader of it is an elementwise op of the
+chain; a hidden-state dropout's mask is never redrawn (Megatron's fused
+bias-dropout-add saves it), only selective recomputation redraws attention's.
 """
 
 from __future__ import annotations
@@ -38,6 +59,8 @@ from __future__ import annotations
 from ._types import Op, OpGraph, Tensor
 
 RECOMPUTE_POLICIES = ("none", "fusible", "selective")
+# How elementwise and normalisation chains run (module doc, "Kernels").
+KERNEL_STASHES = ("per-op", "fused")
 RECOMPUTABLE_PRIMS = frozenset({
     "elementwise", "broadcast", "reshape", "transpose", "convert", "bias_add", "slice", "pad", "concatenate",
     "iota", "full", "layer_norm", "softmax", "dropout_mask",
@@ -55,8 +78,13 @@ def expanding_contraction(op: Op, tensors) -> bool:
             and tensors[op.outputs[0]].size > sum(tensors[t].size for t in op.inputs))
 
 
-def recompute_fusible(graph: OpGraph, selective: bool = False) -> OpGraph:
+def recompute_fusible(graph: OpGraph, selective: bool = False, kernels: str | None = None) -> OpGraph:
     """`graph` (a training graph) with each layer's stash cut to its minimum (module doc).
+
+    `kernels="fused"` cuts over what hand-fused kernels recompute (module doc,
+    "Kernels"): with `selective`, attention's core as well; without, that alone (the
+    "none" policy run as fused kernels). Unset, `selective=False` is the "fusible"
+    policy.
 
     `selective` instead recomputes only attention's core: expanding contractions
     (`expanding_contraction`) and the cheap ops downstream of them (the softmax, its
@@ -94,13 +122,25 @@ def recompute_fusible(graph: OpGraph, selective: bool = False) -> OpGraph:
                 u in core for c in consumers[op.outputs[0]] for u in c.inputs):
             core.update(op.outputs)
 
+    if kernels not in (None, *KERNEL_STASHES):
+        raise ValueError(f"kernels must be one of {', '.join(KERNEL_STASHES)}, got {kernels!r}")
+    fused = kernels == "fused"
+    # Under fused kernels: what a kernel other than an elementwise chain's reads in the
+    # backward (a GEMM's input, a norm's, attention's) is saved by that kernel.
+    saved = {t for op in graph.ops if op.phase == "backward" and op.prim not in RECOMPUTABLE_PRIMS
+             for t in op.inputs if t in fwd_of} if fused else set()
+
     def recomputable(t: str, layer: int) -> bool:
         p = fwd_of.get(t)
-        # Selective: the core, and values of no inputs (a `full` of zeros) that a
-        # recomputed core op reads: made again rather than kept.
-        cheap = p is not None and (t in core or not p.inputs and p.prim in RECOMPUTABLE_PRIMS if selective
-                                   else p.prim in RECOMPUTABLE_PRIMS)
-        return cheap and p.layer == layer and t not in kept_elsewhere
+        if p is None or p.layer != layer or t in kept_elsewhere:
+            return False
+        if selective and (t in core or not p.inputs and p.prim in RECOMPUTABLE_PRIMS):
+            # Selective: the core, and values of no inputs (a `full` of zeros) that a
+            # recomputed core op reads: made again rather than kept.
+            return True
+        if fused:
+            return p.prim in RECOMPUTABLE_PRIMS and p.prim != "dropout_mask" and t not in saved
+        return not selective and p.prim in RECOMPUTABLE_PRIMS
 
     def free(t: str) -> bool:
         return t not in producer or producer[t].prim == "constant" or t in kept_elsewhere
@@ -141,11 +181,12 @@ def recompute_fusible(graph: OpGraph, selective: bool = False) -> OpGraph:
         recompute = {t for t in seen if ("out", t) not in reach and t not in kept}
         if recompute & needed:
             plans[layer] = recompute
-    policy = "selective" if selective else "fusible"
-    return _rewrite(graph, plans, fwd_of, policy) if plans else graph
+    policy = "selective" if selective else "none" if fused else "fusible"
+    return _rewrite(graph, plans, fwd_of, policy, kernels) if plans else graph
 
 
-def _rewrite(graph: OpGraph, plans: dict[int, set[str]], fwd_of: dict[str, Op], policy: str) -> OpGraph:
+def _rewrite(graph: OpGraph, plans: dict[int, set[str]], fwd_of: dict[str, Op], policy: str,
+             kernels: str | None) -> OpGraph:
     tensors = dict(graph.tensors)
     copies: dict[tuple[int, str], str] = {}
     ops: list[Op] = []
@@ -176,5 +217,5 @@ def _rewrite(graph: OpGraph, plans: dict[int, set[str]], fwd_of: dict[str, Op], 
         if op.phase == "backward" and op.layer in plans and any(t in plans[op.layer] for t in op.inputs):
             op = op.replace(inputs=tuple(value(t, op.layer) for t in op.inputs))
         ops.append(op)
-    meta = {**graph.meta, "recompute": policy}
+    meta = {**graph.meta, "recompute": policy, **({"kernels": kernels} if kernels else {})}
     return graph.replace(tensors=tensors, ops=ops, meta=meta)

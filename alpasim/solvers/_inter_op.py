@@ -143,13 +143,14 @@ GRAPH_MEMO_ENTRIES = 8
 
 
 def _training_graph(source: ModelSource, size: int, dtype: str, relabel, layers: int | None, remat: bool,
-                    precision: str, recompute: str, loss_kernel: str = "fused") -> OpGraph:
+                    precision: str, recompute: str, loss_kernel: str = "fused", kernels: str = "per-op") -> OpGraph:
     """The training graph of one microbatch of `size` samples, labelled as the search
     asks (`relabel`, else `layers` clusters, else planning units); memoised for zoo
     models (a saved graph has no hashable config to key it by)."""
     key = None
     if source.config is not None:
-        key = (source.name, source.config, size, dtype, relabel, layers, remat, precision, recompute, loss_kernel)
+        key = (source.name, source.config, size, dtype, relabel, layers, remat, precision, recompute, loss_kernel,
+               kernels)
         try:
             if key in _GRAPH_MEMO:
                 return _GRAPH_MEMO[key]
@@ -162,8 +163,8 @@ def _training_graph(source: ModelSource, size: int, dtype: str, relabel, layers:
         fwd = planning_units(fwd)
     else:
         fwd = assign_layers(fwd, layers)[0]
-    graph = with_loss_kernel(build_training_graph(fwd, remat=remat, precision=precision, recompute=recompute).graph,
-                             loss_kernel)
+    graph = with_loss_kernel(build_training_graph(fwd, remat=remat, precision=precision, recompute=recompute,
+                                                  kernels=kernels).graph, loss_kernel)
     if key is not None:
         if len(_GRAPH_MEMO) >= GRAPH_MEMO_ENTRIES:
             _GRAPH_MEMO.pop(next(iter(_GRAPH_MEMO)))
@@ -200,7 +201,7 @@ def plan_pipeline(model: str | ModelSource, cluster: Cluster, *, microbatches: i
                   microbatch_multiple: int = 1, recompute: str = "none",
                   bucket_bytes: float | None = DEFAULT_BUCKET_BYTES, schedule: str = "1f1b",
                   chunk_options: Sequence[int] = DEFAULT_CHUNK_OPTIONS, tp_overlap: bool = False,
-                  gather_overlap: bool = False, loss_kernel: str = "fused") -> PipelinePlan:
+                  gather_overlap: bool = False, loss_kernel: str = "fused", kernels: str = "per-op") -> PipelinePlan:
     """Plan `model` on `cluster`; `recompute` is the training graph's policy for what
     the backward recomputes (`graphs.training_graph`); `layers` re-clusters the forward ops into that many
     layers with the eq. 6 DP instead of the zoo's blocks (planning units).
@@ -223,7 +224,8 @@ def plan_pipeline(model: str | ModelSource, cluster: Cluster, *, microbatches: i
     (`costmodels._overlap`; None: after it, the paper's accounting). `tp_overlap`: GEMMs'
     collectives beside them (`_tp_overlap`). `gather_overlap`: the distributed
     optimizer's all-gathers in the next forward (`costmodels._overlap`). `loss_kernel`:
-    the cross-entropy's kernel (`graphs.with_loss_kernel`).
+    the cross-entropy's kernel (`graphs.with_loss_kernel`). `kernels`: elementwise and
+    normalisation chains op by op or as hand-fused kernels (`graphs.training_graph`).
 
     `schedule`: "1f1b" (the paper's DP), "interleaved" (the fastest interleaved plan,
     `_interleave`, with a chunk count from `chunk_options`, at any microbatch count
@@ -240,7 +242,7 @@ def plan_pipeline(model: str | ModelSource, cluster: Cluster, *, microbatches: i
         layers = default_graph_layers(source.graph)   # an imported graph is one layer until clustered
     options = _microbatch_options(source, microbatches, microbatch_multiple)
     evaluate = _Evaluator(source, cluster, dtype, recipe.name, dict(
-        relabel=relabel, layers=layers, remat=remat, recompute=recompute, loss_kernel=loss_kernel,
+        relabel=relabel, layers=layers, remat=remat, recompute=recompute, loss_kernel=loss_kernel, kernels=kernels,
         max_stages=max_stages, map_fn=map_fn, cache=cache or DiskCache(enabled=False), progress=progress,
         restriction=restriction, shape_ok=shape_ok, views_of=views_of, pareto=pareto, cost_model=cost_model,
         bucket_bytes=bucket_bytes, tp_overlap=tp_overlap,
@@ -317,7 +319,7 @@ class _Evaluator:
             return self.evaluated[b]
         kw, cluster, progress = self.kw, self.cluster, self.kw["progress"]
         graph = _training_graph(self.source, self.source.global_batch // b, self.dtype, kw["relabel"], kw["layers"],
-                                kw["remat"], self.recipe, kw["recompute"], kw["loss_kernel"])
+                                kw["remat"], self.recipe, kw["recompute"], kw["loss_kernel"], kw["kernels"])
         report = (lambda done, total: progress(f"B={b}", done, total)) if progress else None
         costs = build_stage_costs(graph, cluster, b, max_stages=min(kw["max_stages"], graph.num_layers,
                                                                     cluster.num_devices),
@@ -480,7 +482,8 @@ def _assemble_plan(source: ModelSource, dtype: str, cluster: Cluster, best: Cand
     batch = source.global_batch
     model = PlanModel(source.name, source.family, batch, best.graph.num_params(), flops, batch // b,
                       best.graph.num_layers, remat, best.graph.meta.get("recompute", "none"), recipe.name, dtype,
-                      recipe.bytes_per_param(dtype), source.record(), loss_kernel)
+                      recipe.bytes_per_param(dtype), source.record(), loss_kernel,
+                      kernels=best.graph.meta.get("kernels", "per-op"))
     cl = plan_cluster_info(cluster)
     transfers = stage_transfers(best.graph, costs.layer_graphs, chosen, [(s.first, s.last) for s in choices])
     schedule = "1f1b" if interleaved is None else "interleaved"

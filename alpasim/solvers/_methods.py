@@ -53,7 +53,7 @@ from ._systems import GradBuckets, OptionConflict, SystemRecord, get_system, res
 # Options every method takes (`plan_pipeline` keywords), and those only some do.
 COMMON_OPTIONS = frozenset({"microbatches", "remat", "recompute", "precision", "cost_model", "epsilon", "cache",
                             "map_fn", "progress", "price_boundaries", "pareto", "bucket_bytes", "schedule",
-                            "chunk_options", "tp_overlap", "gather_overlap", "loss_kernel"})
+                            "chunk_options", "tp_overlap", "gather_overlap", "loss_kernel", "kernels"})
 METHOD_OPTIONS = ("layers", "max_stages", "megatron", "distributed_optimizer", "sequence_parallel")
 
 
@@ -299,10 +299,10 @@ def system_options(m: Method, system: str | None, overlap: bool | None, distribu
     configuration's distributed optimizer (None: Megatron-core's grid searches it).
 
     `bucket_bytes=None` among `options` (the planner's old spelling of "no overlap")
-    counts as `overlap=False`; `tp_overlap`, `gather_overlap` and `loss_kernel` among
-    them override the profile's `tp_comm_overlap`, `param_gather_overlap` and
-    `cross_entropy`. A searched recomputation leaves `remat`/`recompute` to the search
-    (`plan_model`'s, or Megatron-core's grid)."""
+    counts as `overlap=False`; `tp_overlap`, `gather_overlap`, `loss_kernel` and
+    `kernels` among them override the profile's `tp_comm_overlap`,
+    `param_gather_overlap`, `cross_entropy` and `kernels`. A searched recomputation
+    leaves `remat`/`recompute` to the search (`plan_model`'s, or Megatron-core's grid)."""
     profile = get_system(system or m.system)
     options = dict(options)
     if overlap is None and "bucket_bytes" in options and options["bucket_bytes"] is None:
@@ -315,7 +315,8 @@ def system_options(m: Method, system: str | None, overlap: bool | None, distribu
     sharding = None if distributed_optimizer is None else _sharding(distributed_optimizer)
     record = resolve(profile, grad_overlap=overlap, recompute=recompute, optimizer_sharding=sharding,
                      attention=attention, tp_comm_overlap=options.pop("tp_overlap", None),
-                     param_gather_overlap=gather_given, cross_entropy=options.pop("loss_kernel", None))
+                     param_gather_overlap=gather_given, cross_entropy=options.pop("loss_kernel", None),
+                     kernels=options.pop("kernels", None))
     distributed_optimizer = _profile_distributed_optimizer(m, megatron, distributed_optimizer, record.settings)
     blocked = _gather_overlap_blocked(m, record.settings, distributed_optimizer)
     if record.settings["param_gather_overlap"] and blocked:
@@ -329,6 +330,7 @@ def system_options(m: Method, system: str | None, overlap: bool | None, distribu
     options["tp_overlap"] = settings["tp_comm_overlap"]
     options["gather_overlap"] = settings["param_gather_overlap"]
     options["loss_kernel"] = settings["cross_entropy"]
+    options["kernels"] = settings["kernels"]
     if settings["recompute"] == "searched":
         options.pop("remat", None)
         options.pop("recompute", None)

@@ -49,6 +49,7 @@ class PlanModel(Record):
     bytes_per_param: float | None = None
     source: dict[str, Any] | None = None       # graphs.ModelSource.record(); None: `name` is a zoo spec
     loss_kernel: str | None = None             # graphs.LOSS_KERNELS: how the cross-entropy was priced
+    kernels: str = "per-op"                    # graphs.KERNEL_STASHES: elementwise chains op by op or fused
     extra: dict[str, Any] = field(default_factory=dict)
 
 

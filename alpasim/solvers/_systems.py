@@ -28,6 +28,12 @@ Entries:
 * `cross_entropy`: "fused" (one pass over the logits each way) or "unfused-fp32"
   (Megatron-LM's vocab-parallel loss on `logits.float()`, a kernel per step,
   `graphs.with_loss_kernel`).
+* `kernels`: "per-op" (each op of the graph its own kernel, keeping what its backward
+  reads: JAX's autodiff under XLA) or "fused" (norms, activations and RoPE as
+  hand-fused kernels that save their inputs and recompute their intermediates in the
+  backward: Apex, Megatron's fusions, Transformer Engine; `graphs.training_graph`).
+  It changes the stash of a model written op by op (Llama's RMSNorm and SwiGLU), not
+  that of one whose norms and activations are single ops (the zoo's GPT).
 
 Beside the entries, a profile may size its overlapped gradient buckets (`GradBuckets`:
 Megatron-core's grow with the data-parallel degree); without one, a bucket is PyTorch
@@ -42,7 +48,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from alpasim.graphs import LOSS_KERNELS
+from alpasim.graphs import KERNEL_STASHES, LOSS_KERNELS
 
 # Each entry's values; a bool entry is on or off.
 ALLOWED: Mapping[str, tuple[Any, ...]] = MappingProxyType({
@@ -53,6 +59,7 @@ ALLOWED: Mapping[str, tuple[Any, ...]] = MappingProxyType({
     "optimizer_sharding": ("none", "data-parallel", "searched"),
     "recompute": ("full", "selective", "fusible", "none", "searched"),
     "cross_entropy": LOSS_KERNELS,
+    "kernels": KERNEL_STASHES,
 })
 ENTRIES = tuple(ALLOWED)
 # The values the cost model prices (all of them now). Any other value is recorded in
@@ -109,6 +116,7 @@ class SystemProfile:
     optimizer_sharding: str
     recompute: str
     cross_entropy: str
+    kernels: str
     sources: Mapping[str, str]
     buckets: GradBuckets | None = None
 
@@ -187,6 +195,9 @@ _AFTER_BACKWARD_2021 = (f"{_MEGATRON_2021}: megatron/training.py train_step call
                         "forward_backward_func returns (LocalDDP, no buckets)")
 _MEGATRON_LOSS = ("megatron/core/tensor_parallel/cross_entropy.py (mpu/cross_entropy.py before core): "
                   "vocab_parallel_cross_entropy(logits.float(), labels), a PyTorch kernel per step")
+_MEGATRON_FUSED = ("megatron/model/fused_layer_norm.py (Apex's FusedLayerNormAffineFunction saves input, mean "
+                   "and invvar), fused_bias_gelu.py (saves input and bias), fused_softmax.py (saves the softmax "
+                   "output)")
 _EXPLICIT_MEGATRON = ("megatron/model/transformer.py ParallelAttention (v2-v3): baddbmm writes the (b*np, sq, sk) "
                       "scores, FusedScaleMaskSoftmax, bmm with V")
 
@@ -194,7 +205,7 @@ SYSTEMS: Mapping[str, SystemProfile] = MappingProxyType({p.name: p for p in (
     SystemProfile(
         "alpa-osdi22", "Alpa as published (Zheng et al., OSDI'22)",
         grad_overlap=False, param_gather_overlap=False, tp_comm_overlap=False, attention="explicit",
-        optimizer_sharding="searched", recompute="full", cross_entropy="fused",
+        optimizer_sharding="searched", recompute="full", cross_entropy="fused", kernels="per-op",
         sources={
             "grad_overlap": "alpa/pipeline_parallel/apply_grad.py: gradients accumulate over the microbatches and "
                             "their all-reduce runs in the apply-gradient stage after the last backward",
@@ -204,11 +215,13 @@ SYSTEMS: Mapping[str, SystemProfile] = MappingProxyType({p.name: p for p in (
             "optimizer_sharding": "OSDI'22 sec. 4: the ILP chooses every tensor's layout, optimizer states too",
             "recompute": "benchmark/alpa suites: GPT and MoE cases run with use_remat=True",
             "cross_entropy": "alpa/model/model_util.py cross_entropy_loss: a log-softmax XLA fuses into the step",
+            "kernels": "JAX's autodiff keeps every residual the backward reads as a forward output; XLA's "
+                       "fusion runs them in fewer kernels but does not drop them",
         }),
     SystemProfile(
         "megatron-lm-2021", "Megatron-LM as of 2021 (Narayanan et al., SC'21), Alpa's baseline",
         grad_overlap=False, param_gather_overlap=False, tp_comm_overlap=False, attention="explicit",
-        optimizer_sharding="none", recompute="full", cross_entropy="unfused-fp32",
+        optimizer_sharding="none", recompute="full", cross_entropy="unfused-fp32", kernels="fused",
         sources={
             "grad_overlap": _AFTER_BACKWARD_2021,
             "param_gather_overlap": f"{_MEGATRON_2021}: no distributed optimizer before v3.0 (2022)",
@@ -217,11 +230,12 @@ SYSTEMS: Mapping[str, SystemProfile] = MappingProxyType({p.name: p for p in (
             "optimizer_sharding": f"{_MEGATRON_2021}: every data-parallel rank keeps all Adam states",
             "recompute": "SC'21 sec. 5: all runs use activation recomputation (--checkpoint-activations)",
             "cross_entropy": _MEGATRON_LOSS,
+            "kernels": _MEGATRON_FUSED,
         }),
     SystemProfile(
         "megatron-lm-2022", "Megatron-LM v3 (Korthikanti et al. 2022): sequence parallelism, selective recompute",
         grad_overlap=False, param_gather_overlap=False, tp_comm_overlap=False, attention="explicit",
-        optimizer_sharding="none", recompute="selective", cross_entropy="unfused-fp32",
+        optimizer_sharding="none", recompute="selective", cross_entropy="unfused-fp32", kernels="fused",
         sources={
             "grad_overlap": "Megatron-LM v3.0 megatron/training.py: grads all-reduced after the backward unless "
                             "--overlap-grad-reduce (added 2023)",
@@ -231,11 +245,12 @@ SYSTEMS: Mapping[str, SystemProfile] = MappingProxyType({p.name: p for p in (
             "optimizer_sharding": "Korthikanti et al. Table 5 runs: data parallel 1, no distributed optimizer",
             "recompute": "Korthikanti et al. sec. 5: selective recomputation of attention's core",
             "cross_entropy": _MEGATRON_LOSS,
+            "kernels": _MEGATRON_FUSED,
         }),
     SystemProfile(
         "megatron-core-0.8", "Megatron-core r0.8 (2024) with its README's overlap flags",
         grad_overlap=True, param_gather_overlap=True, tp_comm_overlap=True, attention="fused",
-        optimizer_sharding="data-parallel", recompute="searched", cross_entropy="unfused-fp32",
+        optimizer_sharding="data-parallel", recompute="searched", cross_entropy="unfused-fp32", kernels="fused",
         sources={
             "grad_overlap": "NVIDIA/Megatron-LM README (r0.8 weak scaling): --overlap-grad-reduce",
             "param_gather_overlap": "same README: --overlap-param-gather",
@@ -248,11 +263,14 @@ SYSTEMS: Mapping[str, SystemProfile] = MappingProxyType({p.name: p for p in (
             "recompute": "README does not say; the method's grid searches none, selective and full",
             "cross_entropy": f"{_MEGATRON_LOSS} (--cross-entropy-loss-fusion, core r0.7, is not among the README's "
                              "flags)",
+            "kernels": "Transformer Engine's TELayerNormColumnParallelLinear (its RMSNorm and LayerNorm save the "
+                       "input and rsigma), megatron/core/fusions/fused_bias_swiglu.py and fused_bias_gelu.py "
+                       "(each saves its input), fused RoPE (--apply-rope-fusion: saves the frequencies only)",
         }, buckets=MEGATRON_CORE_BUCKETS),
     SystemProfile(
         "megatron-deepspeed", "Megatron-DeepSpeed as BLOOM-176B ran it (2022)",
         grad_overlap=False, param_gather_overlap=False, tp_comm_overlap=False, attention="explicit",
-        optimizer_sharding="data-parallel", recompute="full", cross_entropy="unfused-fp32",
+        optimizer_sharding="data-parallel", recompute="full", cross_entropy="unfused-fp32", kernels="fused",
         sources={
             "grad_overlap": "deepspeed/runtime/pipe/schedule.py TrainSchedule: ReduceGrads after the last "
                             "backward, then OptimizerStep",
@@ -263,11 +281,12 @@ SYSTEMS: Mapping[str, SystemProfile] = MappingProxyType({p.name: p for p in (
             "optimizer_sharding": "bigscience tr11 slurm script: ZeRO stage 1 (BF16 optimizer)",
             "recompute": "bigscience tr11 slurm script: --checkpoint-activations",
             "cross_entropy": f"{_MEGATRON_LOSS}, Megatron-DeepSpeed's copy of it",
+            "kernels": f"{_MEGATRON_FUSED}; Megatron-DeepSpeed keeps Megatron's kernels",
         }),
     SystemProfile(
         "deepspeed", "DeepSpeed ZeRO-1/2 and DeepSpeed-MoE (2021-22 defaults)",
         grad_overlap=False, param_gather_overlap=False, tp_comm_overlap=False, attention="explicit",
-        optimizer_sharding="data-parallel", recompute="full", cross_entropy="unfused-fp32",
+        optimizer_sharding="data-parallel", recompute="full", cross_entropy="unfused-fp32", kernels="fused",
         sources={
             "grad_overlap": "deepspeed/runtime/zero/config.py: overlap_comm defaults to false below stage 3",
             "param_gather_overlap": "deepspeed/runtime/zero/stage_1_and_2.py: all-gather after the step",
@@ -276,11 +295,12 @@ SYSTEMS: Mapping[str, SystemProfile] = MappingProxyType({p.name: p for p in (
             "optimizer_sharding": "ZeRO (Rajbhandari et al., SC'20): states partitioned over data parallelism",
             "recompute": "DeepSpeed-Megatron examples: --checkpoint-activations",
             "cross_entropy": f"{_MEGATRON_LOSS}: its examples train Megatron's GPT",
+            "kernels": f"{_MEGATRON_FUSED}: its examples train Megatron's GPT",
         }),
     SystemProfile(
         "llama3", "Meta's Llama 3 405B pre-training stack (2024)",
         grad_overlap=True, param_gather_overlap=True, tp_comm_overlap=False, attention="fused",
-        optimizer_sharding="data-parallel", recompute="none", cross_entropy="fused",
+        optimizer_sharding="data-parallel", recompute="none", cross_entropy="fused", kernels="fused",
         sources={
             "grad_overlap": "Llama 3 paper sec. 3.3.2: FSDP-style sharding over data parallelism, gradients "
                             "reduce-scattered as the backward produces them",
@@ -291,6 +311,9 @@ SYSTEMS: Mapping[str, SystemProfile] = MappingProxyType({p.name: p for p in (
             "optimizer_sharding": "Table 4 notes: data parallelism shards optimizer states and gradients",
             "recompute": "sec. 3.3.2: no activation checkpointing at 8K context",
             "cross_entropy": "assumed: the paper does not describe its loss kernel; priced as one fused pass",
+            "kernels": "assumed: the paper does not name its kernels; sec. 3.3.2 trains 8K sequences without "
+                       "checkpointing after memory profiling, and fused RMSNorm, SwiGLU and RoPE kernels are "
+                       "what every 2024 H100 stack runs (Transformer Engine, Megatron-core, torchtitan)",
         }),
 )})
 

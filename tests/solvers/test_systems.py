@@ -337,6 +337,22 @@ def test_the_parameter_gathers_and_the_loss_kernel_are_overrides_the_plan_record
     assert bad.returncode != 0 and bad.stderr.count("\n") == 1 and "unfused-fp32" in bad.stderr
 
 
+def test_a_llama_under_fused_kernels_stashes_less_and_the_plan_records_them(cli):
+    """Megatron-core runs RMSNorm, SwiGLU and RoPE as fused kernels that save their
+    inputs: a Llama priced as it ran stashes far less than op by op (the zoo's Llama is
+    written op by op), and the plan records the kernels its backend rebuilds; per-op is
+    an override. A kernel of no name is refused in one line."""
+    model = "llama:hidden=256,layers=2,heads=4,kv_heads=2,ffn=512,seq=256,vocab=512,batch=8"
+    kw = dict(megatron=sv.MegatronConfig(2, 1, 2, 1), system="megatron-core-0.8", remat=False, recompute="none")
+    fused = sv.plan_model(model, CLUSTER, "megatron", **kw)
+    per_op = sv.plan_model(model, CLUSTER, "megatron", kernels="per-op", **kw)
+    assert (fused.model.kernels, per_op.model.kernels) == ("fused", "per-op")
+    assert "kernels" not in fused.system["overridden"] and per_op.system["overridden"]["kernels"] == "fused"
+    assert fused.stages[0].memory["stash_bytes"] < 0.75 * per_op.stages[0].memory["stash_bytes"]
+    bad = cli("plan", "--model", model, "--kernels", "xla")
+    assert bad.returncode != 0 and bad.stderr.count("\n") == 1 and "per-op, fused" in bad.stderr
+
+
 def test_a_parameter_gather_overlap_that_cannot_apply_is_refused_or_priced_off(cli):
     """Megatron-core refuses `--overlap-param-gather` without the distributed optimizer
     or without `--overlap-grad-reduce` (its validate_args): asked for, it is refused in

@@ -50,7 +50,8 @@ from ._stage_costs import (
 )
 from ._boundary import stage_boundary_s
 from ._interleave import (DEFAULT_CHUNK_OPTIONS, InterleavedChoice, interleaved_cannot_exist, interleaved_dp,
-                          mesh_shapes)
+                          mesh_memory_terms, mesh_shapes)
+from ._pipeline_orders import interleaved_order
 from ._stage_dp import DPResult, StageBoundary, StageChoice, bubble_fraction, equal_layer_dp, stage_dp
 from ._submesh import place_submeshes
 
@@ -568,7 +569,39 @@ def _best_interleaved(candidates: Sequence[Candidate], cluster: Cluster, name: s
     asked = f"no interleaved plan of {name} with {', '.join(map(str, chunk_options))} chunks per mesh"
     raise PlanInfeasible(f"{asked} can exist: {why}" if why else
                          f"{asked} fits {cluster.num_devices} x {cluster.device.name} "
-                         f"({format_bytes(cluster.device.memory_bytes)} per device)", float("nan"))
+                         f"({format_bytes(cluster.device.memory_bytes)} per device)"
+                         + _interleaved_shortfall(candidates, cluster, chunk_options, max_stages, epsilon),
+                         float("nan"))
+
+
+def _interleaved_shortfall(candidates: Sequence[Candidate], cluster: Cluster, chunk_options: Sequence[int],
+                           max_stages: int, epsilon: float) -> str:
+    """What breaks the budget when no interleaved plan fits: the fastest slicing of
+    each microbatch count, shape and chunk count priced with no memory limit, and of
+    those the one that needs least, by term on its fullest mesh ("" when none can be
+    sliced at all)."""
+    least = None
+    for c in candidates:
+        for h, shape, meshes in mesh_shapes(c.costs.shapes, cluster, max_stages):
+            try:
+                place_submeshes([shape] * meshes, cluster.nodes, cluster.devices_per_node)
+            except ValueError:
+                continue                # not a slicing the search could place
+            for v in chunk_options:
+                r = interleaved_dp(c.costs.cost, h, meshes, v, c.microbatches, epsilon=epsilon,
+                                   chunk_memory=lambda st, d, costs=c.costs: chunk_memory(costs, st, d),
+                                   memory_limit=math.inf)
+                if r is not None and (least is None or max(r.mesh_bytes) < max(least[1].mesh_bytes)):
+                    least = (c, r, shape, meshes)
+    if least is None:
+        return ""
+    c, r, shape, meshes = least
+    orders = [interleaved_order(meshes, c.microbatches, k, r.chunks) for k in range(meshes)]
+    terms = mesh_memory_terms(orders, [chunk_memory(c.costs, st, d) for st, d in zip(r.stages, r.depths)])
+    k = max(range(meshes), key=lambda i: sum(terms[i].values()))
+    said = ", ".join(f"{format_bytes(v)} of {name}" for name, v in terms[k].items() if v > 0)
+    return (f"; the fastest slicing that comes closest ({r.chunks} chunks on {meshes} meshes of {shape.size} "
+            f"devices, B={c.microbatches}) needs {format_bytes(sum(terms[k].values()))} on mesh {k}: {said}")
 
 
 def search_interleaved(c: Candidate, cluster: Cluster, chunk_options: Sequence[int], *, max_stages: int,

@@ -168,13 +168,20 @@ def mesh_memory_bytes(orders: Sequence[Order], chunks: Sequence[StageMemory]) ->
     """Per mesh (chunk c of mesh k is `chunks[c S + k]`): its chunks' states, the largest
     buffer, and the larger of its order's peak activations (`order_peak_bytes`) and the
     largest optimizer step's working set (no activations are live then)."""
+    return [sum(terms.values()) for terms in mesh_memory_terms(orders, chunks)]
+
+
+def mesh_memory_terms(orders: Sequence[Order], chunks: Sequence[StageMemory]) -> list[dict[str, float]]:
+    """`mesh_memory_bytes` by term, per mesh: "states" (parameters, gradients and
+    optimizer states of its chunks), "buffers", and "activations" (the order's peak, or
+    the optimizer step's working set where that is larger)."""
     S = len(orders)
     out = []
     for k, order in enumerate(orders):
         own = chunks[k::S]
         peak = order_peak_bytes(order, [m.stash_bytes for m in own], [m.activation_bytes for m in own])
-        out.append(sum(m.persistent_bytes for m in own) + max(m.buffer_bytes for m in own)
-                   + max(peak, max(m.update_bytes for m in own)))
+        out.append({"states": sum(m.persistent_bytes for m in own), "buffers": max(m.buffer_bytes for m in own),
+                    "activations": max(peak, max(m.update_bytes for m in own))})
     return out
 
 

@@ -4,6 +4,8 @@ refusing it where the memory its order holds does not fit."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -92,11 +94,22 @@ def test_the_planner_interleaves_where_it_pays_and_not_where_memory_forbids():
     assert forced.predicted.iteration_s > kept.predicted.iteration_s
 
 
+def _shortfall(note: str) -> tuple[float, float, float]:
+    """(needed, states, activations) bytes from a refusal's "needs X on mesh k: ..."."""
+    units = {"B": 1, "KiB": 2 ** 10, "MiB": 2 ** 20, "GiB": GIB, "TiB": 2 ** 40}
+    found = re.search(r"needs ([\d.]+) (\w+) on mesh \d+: ([\d.]+) (\w+) of states, (?:[\d.]+ \w+ of buffers, )?"
+                      r"([\d.]+) (\w+) of activations", note)
+    assert found, note
+    g = found.groups()
+    return tuple(float(g[i]) * units[g[i + 1]] for i in (0, 2, 4))
+
+
 def test_megatron_runs_interleaved_1f1b_at_its_own_degrees(cli):
     """Megatron-LM's interleaved schedule (Narayanan et al. 2021, sec. 2.2) at an explicit
     configuration: pp meshes of tp x dp devices, pp x v chunks of equal blocks dealt
     round-robin, and with few microbatches a smaller bubble than its 1F1B plan, by about
-    the closed form's (pp - 1) / v. A configuration that cannot interleave is refused
+    the closed form's (pp - 1) / v. With just too little memory the plan is infeasible
+    and says what it needs, by term; a configuration that cannot interleave is refused
     in one line."""
     from alpasim import solvers as sv
 
@@ -119,6 +132,13 @@ def test_megatron_runs_interleaved_1f1b_at_its_own_degrees(cli):
                      "--tp", "2", "--pp", "4", "--dp", "1", "--microbatch-size", "2", "--schedule", "interleaved",
                      "--chunks", "2")
     assert shown["chunks"] == 2 and shown["predicted"]["iteration_s"] == pytest.approx(woven.predicted.iteration_s)
+    # Just too little memory: the refusal names what the plan needs, by term.
+    tight = cluster.with_overrides(memory_gb=woven.predicted.peak_memory_bytes * 0.99 / GIB)
+    short = sv.plan_model(model, tight, "megatron", megatron=config, schedule="interleaved", chunk_options=(2,))
+    assert not short.feasible
+    need, states, acts = _shortfall(short.notes[0])
+    assert need == pytest.approx(woven.predicted.peak_memory_bytes, rel=2e-3)
+    assert states + acts == pytest.approx(need, rel=2e-3) and states > 0 and acts > 0
     refused = cli("plan", "--model", model, "--cluster", "dgx-a100", "--nodes", "1", "--method", "megatron",
                   "--tp", "8", "--pp", "1", "--dp", "1", "--microbatch-size", "2", "--schedule", "interleaved")
     assert refused.returncode == 2 and refused.lines == [

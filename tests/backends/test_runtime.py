@@ -46,10 +46,16 @@ needs_8 = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs XLA_FLAGS=--x
 pytestmark = pytest.mark.slow
 
 
+# Llama runs as Megatron's fused kernels would (no remat; RMSNorm, SwiGLU and RoPE
+# recomputed from their saved inputs): the stage memory check then holds the smaller
+# stash the plan priced to what XLA allocates for the rewritten backward.
+FAMILY_OPTIONS = {"llama": dict(remat=False, kernels="fused")}
+
+
 @needs_8
 @pytest.mark.parametrize("family", ["gpt", "moe", "wresnet", "llama", "topk-moe", "gpt-dropout"])
 def test_pipelined_step_matches_single_device_and_plan(family, small_plan, tmp_path, reference):
-    plan = small_plan(family)
+    plan = small_plan(family, **FAMILY_OPTIONS.get(family, {}))
     assert len(plan.stages) >= 2 and len({s.logical_mesh for s in plan.stages}) >= 2, plan.stages
     result = run_local(plan, steps=2)
 

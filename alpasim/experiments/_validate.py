@@ -20,6 +20,7 @@ from typing import Any
 
 from alpasim import simulator as sim
 from alpasim import solvers as sv
+from alpasim.units import format_bytes
 
 from ._published_runs import PUBLISHED_RUNS, PublishedRun
 
@@ -38,6 +39,7 @@ class ValidationRow:
     reason: str = ""                     # why it is not priced (not expressible, or does not fit)
     system: dict[str, Any] | None = None
     peak_bytes: float | None = None      # the plan's predicted peak memory per device (priced rows)
+    needed_bytes: float | None = None    # out of memory: the least its layouts need per device, where known
 
     @property
     def priced(self) -> bool:
@@ -58,6 +60,7 @@ class ValidationRow:
                 "differs": list(r.differs), "plan_s": self.plan_s, "priced_as": self.system,
                 # No source publishes a row's peak memory: the prediction stands beside the device's.
                 "predicted_peak_bytes": self.peak_bytes, "measured_peak_bytes": None,
+                "needed_memory_bytes": self.needed_bytes,
                 "device_memory_bytes": r.cluster.device.memory_bytes}
 
 
@@ -86,7 +89,7 @@ def price_run(run: PublishedRun, cache: sv.DiskCache | None = None) -> Validatio
         return ValidationRow(run, measured, None, time.perf_counter() - t0, "not expressible", str(e))
     if not plan.feasible:
         return ValidationRow(run, measured, None, time.perf_counter() - t0, "out of memory", "; ".join(plan.notes),
-                             plan.system)
+                             plan.system, needed_bytes=plan.predicted.needed_memory_bytes)
     timeline = sim.simulate(plan, plan.schedule, chunks=plan.chunks)
     return ValidationRow(run, measured, timeline.iteration_s, time.perf_counter() - t0, system=plan.system,
                          peak_bytes=plan.predicted.peak_memory_bytes)
@@ -124,7 +127,11 @@ def verdict(row: dict[str, Any]) -> str:
     """What a report row says in a table: its signed error, or why it has none."""
     if row["status"] == "priced":
         return f"{100 * row['error']:+.1f} %"
-    return "predicted out of memory (it ran)" if row["status"] == "out of memory" else row["reason"]
+    if row["status"] != "out of memory":
+        return row["reason"]
+    need = row.get("needed_memory_bytes")
+    return "predicted out of memory (it ran)" + (
+        f": needs {format_bytes(need)} of {format_bytes(row['device_memory_bytes'])}" if need else "")
 
 
 def summary_lines(report: dict[str, Any]) -> list[str]:

@@ -567,19 +567,19 @@ def _best_interleaved(candidates: Sequence[Candidate], cluster: Cluster, name: s
     why = interleaved_cannot_exist(candidates[0].graph.num_layers, candidates[0].costs.shapes, cluster, max_stages,
                                    chunk_options)
     asked = f"no interleaved plan of {name} with {', '.join(map(str, chunk_options))} chunks per mesh"
-    raise PlanInfeasible(f"{asked} can exist: {why}" if why else
-                         f"{asked} fits {cluster.num_devices} x {cluster.device.name} "
-                         f"({format_bytes(cluster.device.memory_bytes)} per device)"
-                         + _interleaved_shortfall(candidates, cluster, chunk_options, max_stages, epsilon),
-                         float("nan"))
+    if why:
+        raise PlanInfeasible(f"{asked} can exist: {why}", float("nan"))
+    said, need = _interleaved_shortfall(candidates, cluster, chunk_options, max_stages, epsilon)
+    raise PlanInfeasible(f"{asked} fits {cluster.num_devices} x {cluster.device.name} "
+                         f"({format_bytes(cluster.device.memory_bytes)} per device){said}", need)
 
 
 def _interleaved_shortfall(candidates: Sequence[Candidate], cluster: Cluster, chunk_options: Sequence[int],
-                           max_stages: int, epsilon: float) -> str:
+                           max_stages: int, epsilon: float) -> tuple[str, float]:
     """What breaks the budget when no interleaved plan fits: the fastest slicing of
     each microbatch count, shape and chunk count priced with no memory limit, and of
-    those the one that needs least, by term on its fullest mesh ("" when none can be
-    sliced at all)."""
+    those the one that needs least, by term on its fullest mesh, and its bytes ("" and
+    nan when none can be sliced at all)."""
     least = None
     for c in candidates:
         for h, shape, meshes in mesh_shapes(c.costs.shapes, cluster, max_stages):
@@ -594,14 +594,15 @@ def _interleaved_shortfall(candidates: Sequence[Candidate], cluster: Cluster, ch
                 if r is not None and (least is None or max(r.mesh_bytes) < max(least[1].mesh_bytes)):
                     least = (c, r, shape, meshes)
     if least is None:
-        return ""
+        return "", float("nan")
     c, r, shape, meshes = least
     orders = [interleaved_order(meshes, c.microbatches, k, r.chunks) for k in range(meshes)]
     terms = mesh_memory_terms(orders, [chunk_memory(c.costs, st, d) for st, d in zip(r.stages, r.depths)])
     k = max(range(meshes), key=lambda i: sum(terms[i].values()))
     said = ", ".join(f"{format_bytes(v)} of {name}" for name, v in terms[k].items() if v > 0)
+    need = sum(terms[k].values())
     return (f"; the fastest slicing that comes closest ({r.chunks} chunks on {meshes} meshes of {shape.size} "
-            f"devices, B={c.microbatches}) needs {format_bytes(sum(terms[k].values()))} on mesh {k}: {said}")
+            f"devices, B={c.microbatches}) needs {format_bytes(need)} on mesh {k}: {said}"), need
 
 
 def search_interleaved(c: Candidate, cluster: Cluster, chunk_options: Sequence[int], *, max_stages: int,

@@ -264,7 +264,7 @@ def _plan_method(m: Method, model: ModelLike, cluster: Cluster, *, layers: int |
         if e.capped is not None and "max_stages" in m.accepts:
             reason += (f"; pipelines deeper than --max-stages {e.capped[0]} were not searched: raise it (up to "
                        f"{e.capped[1]}) to try them")
-        return infeasible_plan(source, cluster, m.name, reason)
+        return infeasible_plan(source, cluster, m.name, reason, needed_bytes=e.min_memory_bytes)
 
 
 # The `bucket_bytes` option's value for "the system profile's buckets" (the default).
@@ -578,7 +578,8 @@ def megatron_plan(model: ModelLike, cluster: Cluster, config: MegatronConfig, me
                              views_of=views_of, num_stages=config.pp, max_stages=config.pp, relabel=zoo_blocks,
                              **search, **kw)
     except PlanInfeasible as e:
-        return infeasible_plan(source, cluster, method, str(e), SearchStats(megatron=_config_json(config)))
+        return infeasible_plan(source, cluster, method, str(e), SearchStats(megatron=_config_json(config)),
+                               needed_bytes=e.min_memory_bytes)
     notes = plan.notes + (("tp_comm_overlap priced off: Megatron overlaps tensor-parallel communication only "
                            "with sequence parallelism at tp > 1",) if dropped and config.tp > 1 else ())
     return dataclasses.replace(plan, search=dataclasses.replace(plan.search, megatron=_config_json(config)),
@@ -659,11 +660,13 @@ def _config_json(config: MegatronConfig) -> dict:
 
 
 def infeasible_plan(source: ModelSource, cluster: Cluster, method: str, reason: str,
-                    search: SearchStats | None = None) -> PipelinePlan:
-    """A plan that records why nothing fits (out of memory, usually)."""
+                    search: SearchStats | None = None, needed_bytes: float | None = None) -> PipelinePlan:
+    """A plan that records why nothing fits (out of memory, usually), and the least
+    memory per device its layouts need where the planner knows it (`needed_bytes`)."""
     model = PlanModel(source.name, source.family, source.global_batch)
-    return PipelinePlan(model, plan_cluster_info(cluster), method, False, 0, (), Prediction(),
-                        search or SearchStats(), notes=(reason,))
+    needed = float(needed_bytes) if needed_bytes is not None and math.isfinite(needed_bytes) else None
+    return PipelinePlan(model, plan_cluster_info(cluster), method, False, 0, (),
+                        Prediction(needed_memory_bytes=needed), search or SearchStats(), notes=(reason,))
 
 
 def throughput_pflops(plan: PipelinePlan) -> float | None:

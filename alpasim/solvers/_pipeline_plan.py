@@ -71,7 +71,9 @@ class PlanCluster(Record):
 
 @dataclass(frozen=True, slots=True)
 class Prediction(Record):
-    """The planner's prediction for one iteration; all None (null) for an infeasible plan."""
+    """The planner's prediction for one iteration; all None (null) for an infeasible plan
+    but `needed_memory_bytes`: there, where the planner knows it, the least memory per
+    device its layouts need (what breaks the budget; the plan's notes say by term)."""
 
     omit_none: ClassVar[bool] = False
 
@@ -80,6 +82,7 @@ class Prediction(Record):
     throughput_pflops: float | None = None
     peak_memory_bytes: float | None = None
     bubble_fraction: float | None = None
+    needed_memory_bytes: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -73,6 +73,9 @@ def test_a_row_that_does_not_fit_is_a_failed_prediction_not_a_gap():
     assert priced["status"] == "out of memory" and priced["predicted_s"] is None
     assert priced["predicted_peak_bytes"] is None
     assert (report["out_of_memory_rows"], report["priced_rows"], report["mape_percent"]) == (1, 0, None)
+    # What breaks the budget: the least any layout needs, more than the 24 GiB there is.
+    need = priced["needed_memory_bytes"]
+    assert need > 24 * 2 ** 30 and ex.validation_verdict(priced).endswith("GiB of 24.00 GiB")
 
 
 def test_cli_validate_prints_the_table_and_refuses_an_unknown_row(cli):

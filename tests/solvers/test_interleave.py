@@ -137,6 +137,8 @@ def test_megatron_runs_interleaved_1f1b_at_its_own_degrees(cli):
     short = sv.plan_model(model, tight, "megatron", megatron=config, schedule="interleaved", chunk_options=(2,))
     assert not short.feasible
     need, states, acts = _shortfall(short.notes[0])
+    assert short.predicted.iteration_s is None
+    assert short.predicted.needed_memory_bytes == pytest.approx(need, rel=2e-3)
     assert need == pytest.approx(woven.predicted.peak_memory_bytes, rel=2e-3)
     assert states + acts == pytest.approx(need, rel=2e-3) and states > 0 and acts > 0
     refused = cli("plan", "--model", model, "--cluster", "dgx-a100", "--nodes", "1", "--method", "megatron",

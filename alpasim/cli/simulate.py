@@ -33,6 +33,10 @@ def simulate(
     cost_model: CostModelOpt = None,
     no_overlap: Annotated[bool, typer.Option("--no-overlap", help="Run the plan's gradient buckets after the "
                                              "last backward instead of overlapped with it.")] = False,
+    p2p: Annotated[Optional[str], typer.Option("--p2p", help="Pipeline sends: overlapped (a stage runs on while "
+                                               "its output is on the wire) or blocking (it waits until the "
+                                               "output has landed, as DeepSpeed's and Megatron's pipelines do); "
+                                               "default: as the plan's system ran.")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Simulate one training iteration of a plan: iteration time, bubbles, memory, traffic.
@@ -47,6 +51,8 @@ def simulate(
         fail(f"--cross-mesh {cross_mesh!r}: choose one of {', '.join(sim.CROSS_MESH_METHODS)}")
     if chunks is not None and chunks < 1:
         fail(f"--chunks must be at least 1, got {chunks}")
+    if p2p is not None and p2p not in ("overlapped", "blocking"):
+        fail(f"--p2p {p2p!r}: choose overlapped or blocking")
     for path, option in ((trace, "--trace"), (gantt, "--gantt"), (memory_png, "--memory-png")):
         writable_file(path, option)
     p = sv.load_plan(plan_file)
@@ -72,7 +78,8 @@ def simulate(
                           f"{priced_by.name if priced_by else 'the analytic model'}); only cross-mesh "
                           f"links use {cost_model}")
     report = simulation_report(p, schedule, chunks=chunks, cross_mesh=cross_mesh, trace=trace, gantt=gantt,
-                               memory_png=memory_png, cluster=cluster, overlap=not no_overlap)
+                               memory_png=memory_png, cluster=cluster, overlap=not no_overlap,
+                               blocking_sends=None if p2p is None else p2p == "blocking")
     if model_note is not None:
         report["notes"] = [*report["notes"], model_note]
     if as_json:

@@ -26,13 +26,14 @@ from alpasim.solvers import (CACHE_VERSION, SYSTEM_BUCKETS, DiskCache, MegatronC
                              worker_pool)
 
 # 3: the DP prices stage-boundary transfers; 5: DP baselines' microbatches split over their devices
-RESULT_VERSION = "points/13"  # 7: each method priced as its system profile ran (overlap per system);
+RESULT_VERSION = "points/14"  # 7: each method priced as its system profile ran (overlap per system);
 #                              8: the parameter gathers overlapped where the system ran them so;
 #                              9: the vocab-parallel loss, and Megatron's unfused fp32 loss priced;
 #                             10: a flat buffer's overlapped gathers priced on its weights' bytes;
 #                             11: gradients reduced in fp32 (the accumulator); a flat buffer scatters and gathers;
 #                             12: an unevenly divisible gradient keeps its all-reduce under a sharded optimizer;
-#                             13: norms, SwiGLU and RoPE as fused kernels under the Megatron and Llama 3 profiles
+#                             13: norms, SwiGLU and RoPE as fused kernels under the Megatron and Llama 3 profiles;
+#                             14: pipeline sends block the stage where the system's do (Alpa, Megatron, DeepSpeed)
 DEFAULT_CLUSTER = "aws-p3.16xlarge"
 
 

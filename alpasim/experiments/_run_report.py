@@ -19,11 +19,13 @@ from ._errors import ReportError
 def simulation_report(p: sv.PipelinePlan, schedule: str | None = None, *, chunks: int = 2,
                       cross_mesh: str = "local_all_gather", trace: Path | None = None, gantt: Path | None = None,
                       memory_png: Path | None = None, cluster: cm.Cluster | None = None,
-                      overlap: bool = True) -> dict[str, Any]:
+                      overlap: bool = True, blocking_sends: bool | None = None) -> dict[str, Any]:
     """Simulate one iteration of a plan under `schedule` (default the plan's own) on
     `cluster` (default the plan's own; `overlap=False` runs its gradient buckets after
-    the backward); the timeline metrics as one JSON-ready dict."""
-    tl = sim.simulate(p, schedule, chunks=chunks, cross_mesh=cross_mesh, cluster=cluster, overlap=overlap)
+    the backward; `blocking_sends` as `simulator.simulate`, default the plan's system's);
+    the timeline metrics as one JSON-ready dict."""
+    tl = sim.simulate(p, schedule, chunks=chunks, cross_mesh=cross_mesh, cluster=cluster, overlap=overlap,
+                      blocking_sends=blocking_sends)
     report = tl.to_json()
     report["plan_chunks"] = p.chunks
     report["outputs"] = write_outputs((("trace", trace, tl.chrome_trace), ("gantt", gantt, tl.gantt_png),

@@ -13,7 +13,9 @@ follow static lists without a driver). Semantics:
   point-to-point copy of the tensor's route (`_routes`) in the fluid network
   (`_network`: max-min fair sharing of every NVLink port and network card, so
   concurrent messages through one card slow each other down). The tensor has arrived
-  when its last flow ends.
+  when its last flow ends. Under a system whose sends block (`blocking_sends`, the
+  profile's `p2p`: DeepSpeed's and Megatron's pipelines) the mesh waits for that
+  before its next instruction.
 - `Recv` blocks until the tensor has arrived, then runs the receiver-side local
   all-gathers (their ring time). Time blocked while the data was on the wire is
   communication; time blocked before the sender even sent it is idle.
@@ -114,8 +116,10 @@ class _Channel:
 
 class _Engine:
     def __init__(self, plan: PipelinePlan, program: Program, routes: list[Route], links: LinkTable | None,
-                 free: bool, executors: int | None = None, dispatch_s: float = 0.0, overlap: bool = True) -> None:
+                 free: bool, executors: int | None = None, dispatch_s: float = 0.0, overlap: bool = True,
+                 blocking_sends: bool = False) -> None:
         self.plan, self.program, self.routes, self.free = plan, program, routes, free
+        self.blocking_sends = blocking_sends
         self.env = simpy.Environment()
         self.executor = simpy.Resource(self.env, capacity=executors) if executors else None
         self.dispatch_s = dispatch_s
@@ -314,8 +318,13 @@ class _Engine:
                 if buf:
                     self._sample(k, -buf)
             elif kind is Send:
-                if self.executor is None:
+                if self.executor is None and not self.blocking_sends:
                     self._send(ins)
+                elif self.executor is None:     # the system's send blocks its stream until the copy lands
+                    ch = self._send(ins)
+                    if ch.arrived_at is None:
+                        ch.landed = env.event()
+                        yield ch.landed
                 else:  # the sender's driver blocks until the copy has landed
                     req = yield from self._acquire()
                     if self.dispatch_s > 0:
@@ -389,7 +398,7 @@ class _Engine:
 def simulate(plan: PipelinePlan, schedule: str | Program | None = None, *, chunks: int = 2,
              cluster: Cluster | None = None, cross_mesh: str = "local_all_gather",
              free_communication: bool = False, executors: int | None = None, dispatch_s: float = 0.0,
-             overlap: bool = True) -> Timeline:
+             overlap: bool = True, blocking_sends: bool | None = None) -> Timeline:
     """Simulate one training iteration of `plan` under `schedule` and return its `Timeline`.
 
     `schedule` is a name in `SCHEDULES` ("1f1b", "gpipe", "interleaved" with `chunks`
@@ -400,6 +409,9 @@ def simulate(plan: PipelinePlan, schedule: str | Program | None = None, *, chunk
     `executors` (e.g. 1 for a one-process runtime) and `dispatch_s` model how a runtime
     shares its compute among the meshes (module doc). `overlap=False` runs a plan's
     gradient buckets after the backward as one sync, as a plan made without them does.
+    `blocking_sends`: a mesh's stream waits for each pipeline send to land before it
+    runs on (the system's point-to-point calls block: DeepSpeed's and Megatron's); None:
+    as the plan's system profile ran (its `p2p` entry; overlapped for plans without one).
     """
     if executors is not None and executors < 1:
         raise ValueError(f"executors must be >= 1 (or None for free-running meshes), got {executors!r}")
@@ -417,7 +429,10 @@ def simulate(plan: PipelinePlan, schedule: str | Program | None = None, *, chunk
             raise ValueError(f"plan cluster {plan.cluster.name!r} is no preset and the plan records no "
                              "'spec'; pass a cluster or use free communication")
     routes, links = route_transfers(program, plan, cluster, cross_mesh)
-    engine = _Engine(plan, program, routes, links, free_communication, executors, dispatch_s, overlap)
+    if blocking_sends is None:
+        blocking_sends = (plan.system or {}).get("settings", {}).get("p2p") == "blocking"
+    engine = _Engine(plan, program, routes, links, free_communication, executors, dispatch_s, overlap,
+                     blocking_sends)
     ends = engine.run()
     meshes = tuple(MeshInfo(k, tuple(st.devices),
                             tuple(sorted({cluster.node_of(d) for d in st.devices})) if cluster else (),

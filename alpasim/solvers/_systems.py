@@ -34,6 +34,10 @@ Entries:
   backward: Apex, Megatron's fusions, Transformer Engine; `graphs.training_graph`).
   It changes the stash of a model written op by op (Llama's RMSNorm and SwiGLU), not
   that of one whose norms and activations are single ops (the zoo's GPT).
+* `p2p`: "overlapped" (a pipeline stage runs on while its sends are on the wire) or
+  "blocking" (each send holds the stage's stream until it lands, as a synchronous
+  `torch.distributed.send` or a waited batch of isend/irecv does; the simulator's
+  `blocking_sends`).
 
 Beside the entries, a profile may size its overlapped gradient buckets (`GradBuckets`:
 Megatron-core's grow with the data-parallel degree); without one, a bucket is PyTorch
@@ -60,6 +64,7 @@ ALLOWED: Mapping[str, tuple[Any, ...]] = MappingProxyType({
     "recompute": ("full", "selective", "fusible", "none", "searched"),
     "cross_entropy": LOSS_KERNELS,
     "kernels": KERNEL_STASHES,
+    "p2p": ("overlapped", "blocking"),
 })
 ENTRIES = tuple(ALLOWED)
 # The values the cost model prices (all of them now). Any other value is recorded in
@@ -117,6 +122,7 @@ class SystemProfile:
     recompute: str
     cross_entropy: str
     kernels: str
+    p2p: str
     sources: Mapping[str, str]
     buckets: GradBuckets | None = None
 
@@ -198,6 +204,11 @@ _MEGATRON_LOSS = ("megatron/core/tensor_parallel/cross_entropy.py (mpu/cross_ent
 _MEGATRON_FUSED = ("megatron/model/fused_layer_norm.py (Apex's FusedLayerNormAffineFunction saves input, mean "
                    "and invvar), fused_bias_gelu.py (saves input and bias), fused_softmax.py (saves the softmax "
                    "output)")
+_MEGATRON_P2P = ("megatron/p2p_communication.py (core/pipeline_parallel/p2p_communication.py later) "
+                 "_communicate: torch.distributed.batch_isend_irecv, then req.wait() on each before the schedule "
+                 "runs on (and a torch.cuda.synchronize() in the 2021-22 code)")
+_DEEPSPEED_P2P = ("deepspeed/runtime/pipe/p2p.py send and recv: torch.distributed.send/recv ('Doesnt support "
+                  "async_op true'), run in order by the pipeline engine's instruction loop")
 _EXPLICIT_MEGATRON = ("megatron/model/transformer.py ParallelAttention (v2-v3): baddbmm writes the (b*np, sq, sk) "
                       "scores, FusedScaleMaskSoftmax, bmm with V")
 
@@ -206,7 +217,7 @@ SYSTEMS: Mapping[str, SystemProfile] = MappingProxyType({p.name: p for p in (
         "alpa-osdi22", "Alpa as published (Zheng et al., OSDI'22)",
         grad_overlap=False, param_gather_overlap=False, tp_comm_overlap=False, attention="explicit",
         optimizer_sharding="searched", recompute="full", cross_entropy="fused", kernels="per-op",
-        sources={
+        p2p="blocking", sources={
             "grad_overlap": "alpa/pipeline_parallel/apply_grad.py: gradients accumulate over the microbatches and "
                             "their all-reduce runs in the apply-gradient stage after the last backward",
             "param_gather_overlap": "no sharded optimizer step of its own: the ILP's layouts run the update",
@@ -217,12 +228,15 @@ SYSTEMS: Mapping[str, SystemProfile] = MappingProxyType({p.name: p for p in (
             "cross_entropy": "alpa/model/model_util.py cross_entropy_loss: a log-softmax XLA fuses into the step",
             "kernels": "JAX's autodiff keeps every residual the backward reads as a forward output; XLA's "
                        "fusion runs them in fewer kernels but does not drop them",
+            "p2p": "alpa-projects/alpa #773 (2022-12, after OSDI'22) first overlapped pipeline communication "
+                   "with computation, behind global_config.enable_overlapping, off by default "
+                   "(xla_nccl_collective_group.py: use_default_stream = not enable_overlapping)",
         }),
     SystemProfile(
         "megatron-lm-2021", "Megatron-LM as of 2021 (Narayanan et al., SC'21), Alpa's baseline",
         grad_overlap=False, param_gather_overlap=False, tp_comm_overlap=False, attention="explicit",
         optimizer_sharding="none", recompute="full", cross_entropy="unfused-fp32", kernels="fused",
-        sources={
+        p2p="blocking", sources={
             "grad_overlap": _AFTER_BACKWARD_2021,
             "param_gather_overlap": f"{_MEGATRON_2021}: no distributed optimizer before v3.0 (2022)",
             "tp_comm_overlap": f"{_MEGATRON_2021}: mpu/mappings.py all-reduces in line with the GEMMs",
@@ -231,12 +245,13 @@ SYSTEMS: Mapping[str, SystemProfile] = MappingProxyType({p.name: p for p in (
             "recompute": "SC'21 sec. 5: all runs use activation recomputation (--checkpoint-activations)",
             "cross_entropy": _MEGATRON_LOSS,
             "kernels": _MEGATRON_FUSED,
+            "p2p": _MEGATRON_P2P,
         }),
     SystemProfile(
         "megatron-lm-2022", "Megatron-LM v3 (Korthikanti et al. 2022): sequence parallelism, selective recompute",
         grad_overlap=False, param_gather_overlap=False, tp_comm_overlap=False, attention="explicit",
         optimizer_sharding="none", recompute="selective", cross_entropy="unfused-fp32", kernels="fused",
-        sources={
+        p2p="blocking", sources={
             "grad_overlap": "Megatron-LM v3.0 megatron/training.py: grads all-reduced after the backward unless "
                             "--overlap-grad-reduce (added 2023)",
             "param_gather_overlap": "Megatron-LM v3.0: no --overlap-param-gather (added 2023)",
@@ -246,12 +261,13 @@ SYSTEMS: Mapping[str, SystemProfile] = MappingProxyType({p.name: p for p in (
             "recompute": "Korthikanti et al. sec. 5: selective recomputation of attention's core",
             "cross_entropy": _MEGATRON_LOSS,
             "kernels": _MEGATRON_FUSED,
+            "p2p": _MEGATRON_P2P,
         }),
     SystemProfile(
         "megatron-core-0.8", "Megatron-core r0.8 (2024) with its README's overlap flags",
         grad_overlap=True, param_gather_overlap=True, tp_comm_overlap=True, attention="fused",
         optimizer_sharding="data-parallel", recompute="searched", cross_entropy="unfused-fp32", kernels="fused",
-        sources={
+        p2p="blocking", sources={
             "grad_overlap": "NVIDIA/Megatron-LM README (r0.8 weak scaling): --overlap-grad-reduce",
             "param_gather_overlap": "same README: --overlap-param-gather",
             "tp_comm_overlap": "same README: --tp-comm-overlap (Transformer Engine userbuffers: "
@@ -266,12 +282,16 @@ SYSTEMS: Mapping[str, SystemProfile] = MappingProxyType({p.name: p for p in (
             "kernels": "Transformer Engine's TELayerNormColumnParallelLinear (its RMSNorm and LayerNorm save the "
                        "input and rsigma), megatron/core/fusions/fused_bias_swiglu.py and fused_bias_gelu.py "
                        "(each saves its input), fused RoPE (--apply-rope-fusion: saves the frequencies only)",
+            "p2p": "megatron/core/pipeline_parallel/schedules.py, forward_backward_pipelining_without_interleaving: "
+                   "send_forward, send_backward and their pairs wait on their requests (p2p_communication."
+                   "_communicate, wait_on_reqs); --overlap-p2p-communication applies to interleaving only and is "
+                   "not among the README's flags",
         }, buckets=MEGATRON_CORE_BUCKETS),
     SystemProfile(
         "megatron-deepspeed", "Megatron-DeepSpeed as BLOOM-176B ran it (2022)",
         grad_overlap=False, param_gather_overlap=False, tp_comm_overlap=False, attention="explicit",
         optimizer_sharding="data-parallel", recompute="full", cross_entropy="unfused-fp32", kernels="fused",
-        sources={
+        p2p="blocking", sources={
             "grad_overlap": "deepspeed/runtime/pipe/schedule.py TrainSchedule: ReduceGrads after the last "
                             "backward, then OptimizerStep",
             "param_gather_overlap": "deepspeed/runtime/bf16_optimizer.py: the updated shards are all-gathered "
@@ -282,12 +302,13 @@ SYSTEMS: Mapping[str, SystemProfile] = MappingProxyType({p.name: p for p in (
             "recompute": "bigscience tr11 slurm script: --checkpoint-activations",
             "cross_entropy": f"{_MEGATRON_LOSS}, Megatron-DeepSpeed's copy of it",
             "kernels": f"{_MEGATRON_FUSED}; Megatron-DeepSpeed keeps Megatron's kernels",
+            "p2p": _DEEPSPEED_P2P,
         }),
     SystemProfile(
         "deepspeed", "DeepSpeed ZeRO-1/2 and DeepSpeed-MoE (2021-22 defaults)",
         grad_overlap=False, param_gather_overlap=False, tp_comm_overlap=False, attention="explicit",
         optimizer_sharding="data-parallel", recompute="full", cross_entropy="unfused-fp32", kernels="fused",
-        sources={
+        p2p="blocking", sources={
             "grad_overlap": "deepspeed/runtime/zero/config.py: overlap_comm defaults to false below stage 3",
             "param_gather_overlap": "deepspeed/runtime/zero/stage_1_and_2.py: all-gather after the step",
             "tp_comm_overlap": "no tensor parallelism of its own",
@@ -296,12 +317,13 @@ SYSTEMS: Mapping[str, SystemProfile] = MappingProxyType({p.name: p for p in (
             "recompute": "DeepSpeed-Megatron examples: --checkpoint-activations",
             "cross_entropy": f"{_MEGATRON_LOSS}: its examples train Megatron's GPT",
             "kernels": f"{_MEGATRON_FUSED}: its examples train Megatron's GPT",
+            "p2p": _DEEPSPEED_P2P,
         }),
     SystemProfile(
         "llama3", "Meta's Llama 3 405B pre-training stack (2024)",
         grad_overlap=True, param_gather_overlap=True, tp_comm_overlap=False, attention="fused",
         optimizer_sharding="data-parallel", recompute="none", cross_entropy="fused", kernels="fused",
-        sources={
+        p2p="overlapped", sources={
             "grad_overlap": "Llama 3 paper sec. 3.3.2: FSDP-style sharding over data parallelism, gradients "
                             "reduce-scattered as the backward produces them",
             "param_gather_overlap": "same section: parameters gathered once per step and not resharded after "
@@ -314,6 +336,7 @@ SYSTEMS: Mapping[str, SystemProfile] = MappingProxyType({p.name: p for p in (
             "kernels": "assumed: the paper does not name its kernels; sec. 3.3.2 trains 8K sequences without "
                        "checkpointing after memory profiling, and fused RMSNorm, SwiGLU and RoPE kernels are "
                        "what every 2024 H100 stack runs (Transformer Engine, Megatron-core, torchtitan)",
+            "p2p": "sec. 3.3.2: asynchronous point-to-point communication in the pipeline",
         }),
 )})
 

@@ -84,6 +84,7 @@ def test_plans_without_the_forward_backward_split_still_simulate(plan_file, tmp_
     (["--schedule", "zigzag"], "1f1b, gpipe, interleaved"),
     (["--cross-mesh", "pigeon"], "local_all_gather"),
     (["--chunks", "0"], "--chunks"),
+    (["--p2p", "eventually"], "overlapped or blocking"),
 ])
 def test_bad_options_are_one_line(plan_file, args, fragment, cli):
     proc = cli("simulate", str(plan_file), *args)

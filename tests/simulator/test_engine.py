@@ -41,10 +41,11 @@ def one_f_one_b_orders(S, B):
     return orders
 
 
-def recurrence_s(orders, fwd, bwd, delay=lambda i, j: 0.0):
+def recurrence_s(orders, fwd, bwd, delay=lambda i, j: 0.0, blocking=False):
     """Start-time recurrence: an op starts when its stage is free and its input exists
     (forward m of stage i needs forward m of i-1, backward m needs backward m of i+1),
-    the input arriving `delay(src, dst)` after it was produced."""
+    the input arriving `delay(src, dst)` after it was produced. `blocking`: a stage that
+    sends its output is free again only once it has arrived."""
     S = len(orders)
     end, pos, free = {}, [0] * S, [0.0] * S
     while any(p < len(o) for p, o in zip(pos, orders)):
@@ -59,6 +60,9 @@ def recurrence_s(orders, fwd, bwd, delay=lambda i, j: 0.0):
                         break
                     ready = end[phase, src, m] + delay(src, i)
                 free[i] = end[phase, i, m] = max(free[i], ready) + (fwd[i] if phase == "forward" else bwd[i])
+                dst = i + 1 if phase == "forward" else i - 1
+                if blocking and 0 <= dst < S:
+                    free[i] += delay(i, dst)
                 pos[i] += 1
                 moved = True
         assert moved, "the oracle's orders deadlock"
@@ -204,6 +208,12 @@ def test_without_contention_messages_add_alpha_plus_bytes_over_bandwidth():
     tl = simulate(plan, "1f1b")
     assert tl.iteration_s == pytest.approx(recurrence_s(one_f_one_b_orders(S, B), [0.01] * S, [0.02] * S, delay),
                                            rel=1e-12)
+    # Where the system's sends block (DeepSpeed's, Megatron's), a stage runs on only once
+    # its output has landed.
+    blocked = simulate(plan, "1f1b", blocking_sends=True)
+    assert blocked.iteration_s == pytest.approx(
+        recurrence_s(one_f_one_b_orders(S, B), [0.01] * S, [0.02] * S, delay, blocking=True), rel=1e-12)
+    assert blocked.iteration_s > tl.iteration_s
     assert tl.cross_mesh_bytes == pytest.approx(2 * (S - 1) * B * nbytes)
     assert tl.inter_node_bytes == pytest.approx(2 * B * nbytes)  # only the boundary 1 -> 2 crosses nodes
 

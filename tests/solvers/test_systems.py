@@ -353,6 +353,21 @@ def test_a_llama_under_fused_kernels_stashes_less_and_the_plan_records_them(cli)
     assert bad.returncode != 0 and bad.stderr.count("\n") == 1 and "per-op, fused" in bad.stderr
 
 
+def test_a_plan_is_simulated_with_its_systems_point_to_point_calls():
+    """Megatron-LM's pipeline waits on its sends; a plan priced as it ran is simulated
+    so (slower than with its sends overlapped), and as another system ran, not."""
+    from alpasim.simulator import simulate
+
+    kw = dict(megatron=sv.MegatronConfig(1, 2, 2, 1), remat=True)
+    plan = sv.plan_model(MODEL, CLUSTER, "megatron", **kw)
+    assert plan.system["settings"]["p2p"] == "blocking"
+    blocked, free = simulate(plan), simulate(plan, blocking_sends=False)
+    assert blocked.iteration_s == simulate(plan, blocking_sends=True).iteration_s > free.iteration_s
+    llama = sv.plan_model(MODEL, CLUSTER, "megatron", system="llama3", **kw)
+    assert llama.system["settings"]["p2p"] == "overlapped"
+    assert simulate(llama).iteration_s == simulate(llama, blocking_sends=False).iteration_s
+
+
 def test_a_parameter_gather_overlap_that_cannot_apply_is_refused_or_priced_off(cli):
     """Megatron-core refuses `--overlap-param-gather` without the distributed optimizer
     or without `--overlap-grad-reduce` (its validate_args): asked for, it is refused in

@@ -123,7 +123,9 @@ def predict_run(plan: PipelinePlan, *, cost_model: CostModel | None = None, runt
         raise ValueError(f"runtime {runtime!r}: choose one of {RUNTIMES}")
     if stage_times is not None and len(stage_times) != len(plan.stages):
         raise ValueError(f"{len(stage_times)} stage profiles for a plan of {len(plan.stages)} stages")
-    analytic = simulate(plan, plan.schedule).iteration_s
+    # Our runtimes, not the system the plan was priced as: their sends do not hold the
+    # sender's program (`_ray_worker`), as the analytic prediction always assumed.
+    analytic = simulate(plan, plan.schedule, blocking_sends=False).iteration_s
     out = {"runtime": runtime, "predicted_step_s_analytic": analytic, "predicted_step_s": analytic,
            "predicted_step_s_profiled": None, "predicted_step_s_stage_profiled": None, "stage_profile": None}
     meta = dict(getattr(cost_model, "meta", {}) or {})

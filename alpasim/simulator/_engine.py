@@ -71,7 +71,7 @@ from collections.abc import Iterator
 import simpy
 
 from alpasim.costmodels import Cluster, UnknownPresetError, get_cluster
-from alpasim.solvers import PipelinePlan, PipelineStage
+from alpasim.solvers import SYSTEMS, PipelinePlan, PipelineStage
 
 from ._network import FluidNetwork
 from ._phases import split_backward, stage_phase_s
@@ -321,10 +321,12 @@ class _Engine:
                 if self.executor is None and not self.blocking_sends:
                     self._send(ins)
                 elif self.executor is None:     # the system's send blocks its stream until the copy lands
-                    ch = self._send(ins)
+                    t0, ch = env.now, self._send(ins)
                     if ch.arrived_at is None:
                         ch.landed = env.event()
                         yield ch.landed
+                        self.events.append(Event(track, "send", k, ins.microbatch, t0, env.now,
+                                                 self.routes[ins.transfer].wire_bytes, transfers[ins.transfer].tensor))
                 else:  # the sender's driver blocks until the copy has landed
                     req = yield from self._acquire()
                     if self.dispatch_s > 0:
@@ -395,6 +397,17 @@ class _Engine:
         return self.end  # type: ignore[return-value]
 
 
+def sends_block(plan: PipelinePlan) -> bool:
+    """Whether `plan`'s system held a pipeline stage until its sends landed (its
+    profile's `p2p`; a plan file recording no such entry: as its named profile says,
+    else overlapped)."""
+    system = plan.system or {}
+    p2p = system.get("settings", {}).get("p2p")
+    if p2p is None and system.get("name") in SYSTEMS:
+        p2p = SYSTEMS[system["name"]].p2p
+    return p2p == "blocking"
+
+
 def simulate(plan: PipelinePlan, schedule: str | Program | None = None, *, chunks: int = 2,
              cluster: Cluster | None = None, cross_mesh: str = "local_all_gather",
              free_communication: bool = False, executors: int | None = None, dispatch_s: float = 0.0,
@@ -430,7 +443,7 @@ def simulate(plan: PipelinePlan, schedule: str | Program | None = None, *, chunk
                              "'spec'; pass a cluster or use free communication")
     routes, links = route_transfers(program, plan, cluster, cross_mesh)
     if blocking_sends is None:
-        blocking_sends = (plan.system or {}).get("settings", {}).get("p2p") == "blocking"
+        blocking_sends = sends_block(plan)
     engine = _Engine(plan, program, routes, links, free_communication, executors, dispatch_s, overlap,
                      blocking_sends)
     ends = engine.run()

@@ -8,7 +8,8 @@ tracks ("node0 nic0 out") carry `send` (one message's flow on that port).
 Metric definitions (S meshes, iteration time T):
 
     busy_s   compute + sync time of a mesh (work the planner's t_i counts)
-    comm_s   time a mesh is blocked on communication: waiting for data in flight
+    comm_s   time a mesh is blocked on communication: waiting for data in flight (or,
+             where the system's sends block, for its own output to land)
              plus local all-gathers
     idle_s   T - busy_s - comm_s (pipeline bubbles and waiting for senders)
     bubble_fraction = 1 - sum_k busy_k / (S T)
@@ -86,7 +87,9 @@ class Timeline:
         if self._stats is None:
             acc = [{"compute_s": 0.0, "sync_s": 0.0, "comm_s": 0.0} for _ in self.meshes]
             index = {f"mesh{k}": k for k in range(self.num_meshes)}
-            key = {"compute": "compute_s", "sync": "sync_s", "recv": "comm_s", "allgather": "comm_s"}
+            # A mesh's own "send" events are the time a blocking send held it (`blocking_sends`).
+            key = {"compute": "compute_s", "sync": "sync_s", "recv": "comm_s", "send": "comm_s",
+                   "allgather": "comm_s"}
             for e in self.events:
                 k = index.get(e.track)
                 if k is not None and e.kind in key:

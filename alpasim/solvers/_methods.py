@@ -661,10 +661,13 @@ def _config_json(config: MegatronConfig) -> dict:
 
 def infeasible_plan(source: ModelSource, cluster: Cluster, method: str, reason: str,
                     search: SearchStats | None = None, needed_bytes: float | None = None) -> PipelinePlan:
-    """A plan that records why nothing fits (out of memory, usually), and the least
-    memory per device its layouts need where the planner knows it (`needed_bytes`)."""
+    """A plan that records why nothing fits (out of memory, usually), and the memory per
+    device its layouts need where the planner knows it to be more than the device has
+    (`needed_bytes`: the 1F1B search's lower bound, or what the interleaved slicing that
+    comes closest needs; a bound at or below the device's memory says nothing)."""
     model = PlanModel(source.name, source.family, source.global_batch)
-    needed = float(needed_bytes) if needed_bytes is not None and math.isfinite(needed_bytes) else None
+    needed = float(needed_bytes) if needed_bytes is not None and math.isfinite(needed_bytes) \
+        and needed_bytes > cluster.device.memory_bytes else None
     return PipelinePlan(model, plan_cluster_info(cluster), method, False, 0, (),
                         Prediction(needed_memory_bytes=needed), search or SearchStats(), notes=(reason,))
 

@@ -72,8 +72,9 @@ class PlanCluster(Record):
 @dataclass(frozen=True, slots=True)
 class Prediction(Record):
     """The planner's prediction for one iteration; all None (null) for an infeasible plan
-    but `needed_memory_bytes`: there, where the planner knows it, the least memory per
-    device its layouts need (what breaks the budget; the plan's notes say by term)."""
+    but `needed_memory_bytes`: there, where the planner knows it to exceed the device's,
+    the memory per device its layouts need (the 1F1B search's lower bound, or what the
+    interleaved slicing that comes closest needs; the plan's notes say by term)."""
 
     omit_none: ClassVar[bool] = False
 

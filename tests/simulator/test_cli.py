@@ -80,6 +80,20 @@ def test_plans_without_the_forward_backward_split_still_simulate(plan_file, tmp_
     assert json.loads(proc.stdout)["iteration_s"] == pytest.approx(11 * 0.03)
 
 
+def test_sends_block_as_the_plan_says_unless_told(tmp_path, cli):
+    """A synthetic plan records no system: its sends are overlapped, `--p2p blocking`
+    holds each stage until its output lands (longer, and counted as communication)."""
+    cluster = get_cluster("aws-p3.16xlarge", nodes=2, devices_per_node=1)
+    plan = synthetic_plan([0.01] * 2, [0.02] * 2, 4, cluster=cluster, hidden_shape=(256, 1024))
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    runs = {p2p: json.loads(cli("simulate", str(path), "--json", *(("--p2p", p2p) if p2p else ())).stdout)
+            for p2p in (None, "overlapped", "blocking")}
+    assert runs[None]["iteration_s"] == runs["overlapped"]["iteration_s"] < runs["blocking"]["iteration_s"]
+    assert (runs[None]["blocking_sends"], runs["blocking"]["blocking_sends"]) == (False, True)
+    assert runs["blocking"]["meshes"][0]["comm_s"] > runs["overlapped"]["meshes"][0]["comm_s"]
+
+
 @pytest.mark.parametrize("args, fragment", [
     (["--schedule", "zigzag"], "1f1b, gpipe, interleaved"),
     (["--cross-mesh", "pigeon"], "local_all_gather"),

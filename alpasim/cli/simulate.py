@@ -51,8 +51,8 @@ def simulate(
         fail(f"--cross-mesh {cross_mesh!r}: choose one of {', '.join(sim.CROSS_MESH_METHODS)}")
     if chunks is not None and chunks < 1:
         fail(f"--chunks must be at least 1, got {chunks}")
-    if p2p is not None and p2p not in ("overlapped", "blocking"):
-        fail(f"--p2p {p2p!r}: choose overlapped or blocking")
+    if p2p is not None and p2p not in sv.P2P_MODES:
+        fail(f"--p2p {p2p!r}: choose {' or '.join(sv.P2P_MODES)}")
     for path, option in ((trace, "--trace"), (gantt, "--gantt"), (memory_png, "--memory-png")):
         writable_file(path, option)
     p = sv.load_plan(plan_file)

@@ -28,7 +28,6 @@ def simulation_report(p: sv.PipelinePlan, schedule: str | None = None, *, chunks
                       blocking_sends=blocking_sends)
     report = tl.to_json()
     report["plan_chunks"] = p.chunks
-    report["blocking_sends"] = sim.sends_block(p) if blocking_sends is None else blocking_sends
     report["outputs"] = write_outputs((("trace", trace, tl.chrome_trace), ("gantt", gantt, tl.gantt_png),
                                         ("memory_png", memory_png, tl.memory_png)))
     return report

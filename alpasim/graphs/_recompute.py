@@ -182,11 +182,10 @@ def recompute_fusible(graph: OpGraph, selective: bool = False, kernels: str | No
         if recompute & needed:
             plans[layer] = recompute
     policy = "selective" if selective else "none" if fused else "fusible"
-    return _rewrite(graph, plans, fwd_of, policy, kernels) if plans else graph
+    return _rewrite(graph, plans, fwd_of, policy) if plans else graph
 
 
-def _rewrite(graph: OpGraph, plans: dict[int, set[str]], fwd_of: dict[str, Op], policy: str,
-             kernels: str | None) -> OpGraph:
+def _rewrite(graph: OpGraph, plans: dict[int, set[str]], fwd_of: dict[str, Op], policy: str) -> OpGraph:
     tensors = dict(graph.tensors)
     copies: dict[tuple[int, str], str] = {}
     ops: list[Op] = []
@@ -217,5 +216,5 @@ def _rewrite(graph: OpGraph, plans: dict[int, set[str]], fwd_of: dict[str, Op], 
         if op.phase == "backward" and op.layer in plans and any(t in plans[op.layer] for t in op.inputs):
             op = op.replace(inputs=tuple(value(t, op.layer) for t in op.inputs))
         ops.append(op)
-    meta = {**graph.meta, "recompute": policy, **({"kernels": kernels} if kernels else {})}
+    meta = {**graph.meta, "recompute": policy}
     return graph.replace(tensors=tensors, ops=ops, meta=meta)

@@ -1,7 +1,6 @@
 """Simulator: pipeline schedules as per-mesh programs, a SimPy engine and timelines."""
 
 from ._engine import plan_cluster as plan_cluster
-from ._engine import sends_block as sends_block
 from ._engine import simulate as simulate
 from ._phases import PassTimes as PassTimes
 from ._phases import split_backward as split_backward

@@ -189,6 +189,12 @@ class _Engine:
             if event is not None:
                 event.succeed()
 
+    def _landing(self, ch: _Channel) -> Iterator[simpy.Event]:
+        """Wait until the tensor of `ch` (just sent) has arrived."""
+        if ch.arrived_at is None:
+            ch.landed = self.env.event()
+            yield ch.landed
+
     def _send(self, ins: Send) -> _Channel:
         ch = self._channel((ins.transfer, ins.microbatch))
         ch.sent_at = self.env.now
@@ -318,24 +324,20 @@ class _Engine:
                 if buf:
                     self._sample(k, -buf)
             elif kind is Send:
-                if self.executor is None and not self.blocking_sends:
-                    self._send(ins)
-                elif self.executor is None:     # the system's send blocks its stream until the copy lands
-                    t0, ch = env.now, self._send(ins)
-                    if ch.arrived_at is None:
-                        ch.landed = env.event()
-                        yield ch.landed
-                        self.events.append(Event(track, "send", k, ins.microbatch, t0, env.now,
-                                                 self.routes[ins.transfer].wire_bytes, transfers[ins.transfer].tensor))
-                else:  # the sender's driver blocks until the copy has landed
+                if self.executor is not None:   # the sender's driver blocks until the copy has landed
                     req = yield from self._acquire()
                     if self.dispatch_s > 0:
                         yield env.timeout(self.dispatch_s)
-                    ch = self._send(ins)
-                    if ch.arrived_at is None:
-                        ch.landed = env.event()
-                        yield ch.landed
+                    yield from self._landing(self._send(ins))
                     self._release(req)
+                elif self.blocking_sends:       # the system's send holds its stream until the copy lands
+                    t0 = env.now
+                    yield from self._landing(self._send(ins))
+                    if env.now > t0:
+                        self.events.append(Event(track, "send", k, ins.microbatch, t0, env.now,
+                                                 self.routes[ins.transfer].wire_bytes, transfers[ins.transfer].tensor))
+                else:
+                    self._send(ins)
             elif kind is Recv:
                 ch = self._channel((ins.transfer, ins.microbatch))
                 t0 = env.now
@@ -397,7 +399,7 @@ class _Engine:
         return self.end  # type: ignore[return-value]
 
 
-def sends_block(plan: PipelinePlan) -> bool:
+def _sends_block(plan: PipelinePlan) -> bool:
     """Whether `plan`'s system held a pipeline stage until its sends landed (its
     profile's `p2p`; a plan file recording no such entry: as its named profile says,
     else overlapped)."""
@@ -443,7 +445,7 @@ def simulate(plan: PipelinePlan, schedule: str | Program | None = None, *, chunk
                              "'spec'; pass a cluster or use free communication")
     routes, links = route_transfers(program, plan, cluster, cross_mesh)
     if blocking_sends is None:
-        blocking_sends = sends_block(plan)
+        blocking_sends = _sends_block(plan)
     engine = _Engine(plan, program, routes, links, free_communication, executors, dispatch_s, overlap,
                      blocking_sends)
     ends = engine.run()
@@ -461,4 +463,4 @@ def simulate(plan: PipelinePlan, schedule: str | Program | None = None, *, chunk
     return Timeline(program.schedule, program.microbatches, program.chunks, cross_mesh, meshes, max(ends),
                     engine.events, engine.memory, tuple((links.names[i], links.nodes[i]) for i in used),
                     engine.cross_bytes, engine.inter_bytes, plan.predicted.iteration_s,
-                    free_communication, notes, time.perf_counter() - t0)
+                    free_communication, notes, time.perf_counter() - t0, blocking_sends)

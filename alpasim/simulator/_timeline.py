@@ -75,6 +75,7 @@ class Timeline:
     free_communication: bool = False
     notes: tuple[str, ...] = ()
     wall_s: float = 0.0                      # how long the simulation itself took
+    blocking_sends: bool = False             # each pipeline send held its mesh until it landed
     _stats: list[dict[str, Any]] | None = field(default=None, init=False, repr=False, compare=False)
 
     # ----------------------------------------------------------------- metrics
@@ -149,6 +150,7 @@ class Timeline:
         d: dict[str, Any] = {
             "schedule": self.schedule, "microbatches": self.microbatches, "chunks": self.chunks,
             "cross_mesh": self.cross_mesh, "free_communication": self.free_communication,
+            "blocking_sends": self.blocking_sends,
             "iteration_s": self.iteration_s, "predicted_iteration_s": self.predicted_iteration_s,
             "bubble_fraction": self.bubble_fraction, "peak_memory_bytes": self.peak_memory_bytes,
             "meshes": self.mesh_stats(),

@@ -119,6 +119,7 @@ from ._methods import plan_model as plan_model
 from ._methods import plan_with_method as plan_with_method
 from ._methods import throughput_pflops as throughput_pflops
 from ._systems import ENTRIES as SYSTEM_ENTRIES
+from ._systems import P2P_MODES as P2P_MODES
 from ._systems import SYSTEMS as SYSTEMS
 from ._systems import SystemProfile as SystemProfile
 from ._systems import OptionConflict as OptionConflict

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -555,13 +555,14 @@ def _best_interleaved(candidates: Sequence[Candidate], cluster: Cluster, name: s
                       schedule: str, *, max_stages: int, epsilon: float, price_boundaries: bool):
     """(candidate, `InterleavedChoice`) of the fastest interleaved plan at any microbatch
     count searched, or None; when `schedule` is "interleaved", none is a
-    `PlanInfeasible` saying whether no such plan can exist or none fits."""
-    best = None
-    for c in candidates:      # each microbatch count's graph has its own cut sizes
-        boundary = stage_boundary_s(c.graph, cluster) if price_boundaries else None
-        r = search_interleaved(c, cluster, chunk_options, max_stages=max_stages, epsilon=epsilon, boundary=boundary)
-        if r is not None and (best is None or r.latency_s < best[1].latency_s):
-            best = (c, r)
+    `PlanInfeasible` saying whether no such plan can exist or none fits, and then what
+    the slicing that comes closest needs (`_shortfall`)."""
+    # Each microbatch count's graph has its own cut sizes.
+    searched = [(c, stage_boundary_s(c.graph, cluster) if price_boundaries else None) for c in candidates]
+    fits = [(c, r) for c, boundary in searched
+            for r in interleaved_choices(c, cluster, chunk_options, max_stages=max_stages, epsilon=epsilon,
+                                         boundary=boundary, memory_limit=cluster.device.memory_bytes)]
+    best = min(fits, key=lambda x: x[1].latency_s, default=None)
     if best is not None or schedule != "interleaved":
         return best
     why = interleaved_cannot_exist(candidates[0].graph.num_layers, candidates[0].costs.shapes, cluster, max_stages,
@@ -569,48 +570,35 @@ def _best_interleaved(candidates: Sequence[Candidate], cluster: Cluster, name: s
     asked = f"no interleaved plan of {name} with {', '.join(map(str, chunk_options))} chunks per mesh"
     if why:
         raise PlanInfeasible(f"{asked} can exist: {why}", float("nan"))
-    said, need = _interleaved_shortfall(candidates, cluster, chunk_options, max_stages, epsilon)
+    unlimited = [(c, r) for c, boundary in searched
+                 for r in interleaved_choices(c, cluster, chunk_options, max_stages=max_stages, epsilon=epsilon,
+                                              boundary=boundary, memory_limit=math.inf)]
+    said, need = _shortfall(*min(unlimited, key=lambda x: max(x[1].mesh_bytes))) if unlimited else ("", math.nan)
     raise PlanInfeasible(f"{asked} fits {cluster.num_devices} x {cluster.device.name} "
                          f"({format_bytes(cluster.device.memory_bytes)} per device){said}", need)
 
 
-def _interleaved_shortfall(candidates: Sequence[Candidate], cluster: Cluster, chunk_options: Sequence[int],
-                           max_stages: int, epsilon: float) -> tuple[str, float]:
-    """What breaks the budget when no interleaved plan fits: the fastest slicing of
-    each microbatch count, shape and chunk count priced with no memory limit, and of
-    those the one that needs least, by term on its fullest mesh, and its bytes ("" and
-    nan when none can be sliced at all)."""
-    least = None
-    for c in candidates:
-        for h, shape, meshes in mesh_shapes(c.costs.shapes, cluster, max_stages):
-            try:
-                place_submeshes([shape] * meshes, cluster.nodes, cluster.devices_per_node)
-            except ValueError:
-                continue                # not a slicing the search could place
-            for v in chunk_options:
-                r = interleaved_dp(c.costs.cost, h, meshes, v, c.microbatches, epsilon=epsilon,
-                                   chunk_memory=lambda st, d, costs=c.costs: chunk_memory(costs, st, d),
-                                   memory_limit=math.inf)
-                if r is not None and (least is None or max(r.mesh_bytes) < max(least[1].mesh_bytes)):
-                    least = (c, r, shape, meshes)
-    if least is None:
-        return "", float("nan")
-    c, r, shape, meshes = least
+def _shortfall(c: Candidate, r: InterleavedChoice) -> tuple[str, float]:
+    """What breaks the budget in interleaved slicing `r` of candidate `c` (priced with
+    no memory limit): its fullest mesh's bytes, by term, as a clause of a refusal, and
+    those bytes."""
+    meshes = len(r.stages) // r.chunks
     orders = [interleaved_order(meshes, c.microbatches, k, r.chunks) for k in range(meshes)]
-    terms = mesh_memory_terms(orders, [chunk_memory(c.costs, st, d) for st, d in zip(r.stages, r.depths)])
-    k = max(range(meshes), key=lambda i: sum(terms[i].values()))
-    said = ", ".join(f"{format_bytes(v)} of {name}" for name, v in terms[k].items() if v > 0)
-    need = sum(terms[k].values())
-    return (f"; the fastest slicing that comes closest ({r.chunks} chunks on {meshes} meshes of {shape.size} "
-            f"devices, B={c.microbatches}) needs {format_bytes(need)} on mesh {k}: {said}"), need
+    k = max(range(meshes), key=r.mesh_bytes.__getitem__)
+    terms = mesh_memory_terms(orders, [chunk_memory(c.costs, st, d) for st, d in zip(r.stages, r.depths)])[k]
+    said = ", ".join(f"{format_bytes(v)} of {term}" for term, v in terms.items() if v > 0)
+    return (f"; the fastest slicing that comes closest ({r.chunks} chunks on {meshes} meshes of "
+            f"{c.costs.shapes[r.shape].size} devices, B={c.microbatches}) needs {format_bytes(r.mesh_bytes[k])} "
+            f"on mesh {k}: {said}"), r.mesh_bytes[k]
 
 
-def search_interleaved(c: Candidate, cluster: Cluster, chunk_options: Sequence[int], *, max_stages: int,
-                       epsilon: float, boundary: StageBoundary | None) -> InterleavedChoice | None:
-    """The fastest interleaved plan of candidate `c` (`_interleave`): every submesh shape
-    that tiles the cluster into 2..max_stages meshes, every chunk count in `chunk_options`."""
+def interleaved_choices(c: Candidate, cluster: Cluster, chunk_options: Sequence[int], *, max_stages: int,
+                        epsilon: float, boundary: StageBoundary | None,
+                        memory_limit: float) -> Iterator[InterleavedChoice]:
+    """The fastest interleaved plan of candidate `c` (`_interleave`) whose meshes fit
+    `memory_limit`, for every submesh shape that tiles the cluster into 2..max_stages
+    meshes and every chunk count in `chunk_options` where there is one."""
     costs = c.costs
-    best = None
     for h, shape, meshes in mesh_shapes(costs.shapes, cluster, max_stages):
         try:
             placed = place_submeshes([shape] * meshes, cluster.nodes, cluster.devices_per_node)
@@ -624,12 +612,10 @@ def search_interleaved(c: Candidate, cluster: Cluster, chunk_options: Sequence[i
 
         for v in chunk_options:
             r = interleaved_dp(costs.cost, h, meshes, v, c.microbatches,
-                               chunk_memory=lambda st, d: chunk_memory(costs, st, d),
-                               memory_limit=cluster.device.memory_bytes,
+                               chunk_memory=lambda st, d: chunk_memory(costs, st, d), memory_limit=memory_limit,
                                boundary=crossing if boundary is not None else None, epsilon=epsilon)
-            if r is not None and (best is None or r.latency_s < best.latency_s):
-                best = r
-    return best
+            if r is not None:
+                yield r
 
 
 def stage_memory_of(costs: StageCosts, first: int, last: int, view: int, opts: Sequence[LayerOption],

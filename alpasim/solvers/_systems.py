@@ -54,6 +54,8 @@ from typing import Any
 
 from alpasim.graphs import KERNEL_STASHES, LOSS_KERNELS
 
+# How a pipeline stage's sends run (the `p2p` entry; `simulator.simulate`'s blocking_sends).
+P2P_MODES = ("overlapped", "blocking")
 # Each entry's values; a bool entry is on or off.
 ALLOWED: Mapping[str, tuple[Any, ...]] = MappingProxyType({
     "grad_overlap": (False, True),
@@ -64,7 +66,7 @@ ALLOWED: Mapping[str, tuple[Any, ...]] = MappingProxyType({
     "recompute": ("full", "selective", "fusible", "none", "searched"),
     "cross_entropy": LOSS_KERNELS,
     "kernels": KERNEL_STASHES,
-    "p2p": ("overlapped", "blocking"),
+    "p2p": P2P_MODES,
 })
 ENTRIES = tuple(ALLOWED)
 # The values the cost model prices (all of them now). Any other value is recorded in

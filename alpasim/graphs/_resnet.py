@@ -21,9 +21,11 @@ from ._builder import GraphBuilder
 from ._types import OpGraph
 
 # Bottleneck blocks per stage: ResNet-50/101/152 (He et al. 2016, Table 1), and the
-# 26-layer variant with two blocks a stage (1 + 3 x 8 + 1 layers), a small network of
-# the same structure for tests that compile it.
-STAGE_BLOCKS = {26: (2, 2, 2, 2), 50: (3, 4, 6, 3), 101: (3, 4, 23, 3), 152: (3, 8, 36, 3)}
+# 26-layer variant with two blocks a stage (1 + 3 x 8 + 1 layers) and a 17-layer one
+# (two blocks in the first stage, one in each other: every kind of block, a projection
+# shortcut with and without a stride and an identity shortcut, at least once), small
+# networks of the same structure for tests that compile them.
+STAGE_BLOCKS = {17: (2, 1, 1, 1), 26: (2, 2, 2, 2), 50: (3, 4, 6, 3), 101: (3, 4, 23, 3), 152: (3, 8, 36, 3)}
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,11 +11,14 @@ MODELS = {
     "gpt-dropout": "gpt3:hidden=64,layers=2,heads=4,seq=16,vocab=128,batch=8,dtype=fp32,dropout=0.5",
     "moe": "moe:hidden=64,layers=2,heads=4,seq=16,vocab=128,batch=8,experts=4,group_size=32,dtype=fp32",
     "wresnet": "wresnet:channels=8,width=1,image=64,classes=16,batch=8",
-    # Half the blocks (ResNet-26), for the tests of schedules: half the programs to
-    # compile. Its first stage lands on a 2x2 mesh, where the stage-memory check does
-    # not hold yet (`test_memory.py::test_wresnet_first_stage_on_2x2`), so the tests of
-    # that check keep the 50-layer network, whose first stage sits on 1x2.
-    "wresnet-26": "wresnet:channels=8,width=1,image=64,classes=16,batch=8,depth=26",
+    # Five of the sixteen blocks (ResNet-17: every kind of block once), for the tests of
+    # schedules: a third of the programs to compile. The stage-memory check is not
+    # asserted on it: its first stage (the stem and two blocks) measures 1.15x the plan,
+    # its backward's temporaries above the priced working set, and on a 2x2 mesh
+    # XLA:CPU keeps collective results the model does not price
+    # (`test_memory.py::test_wresnet_first_stage_on_2x2`); the tests of that check keep
+    # the 50-layer network, whose stages hold it.
+    "wresnet-17": "wresnet:channels=8,width=1,image=64,classes=16,batch=8,depth=17",
     "llama": "llama:hidden=64,layers=2,heads=4,kv_heads=2,ffn=96,seq=16,vocab=128,batch=8,dtype=fp32,attention=fused",
     # One dense block and one routed block, each kind once (with a second routed block,
     # the pipelined-step test took a third longer).

@@ -132,7 +132,7 @@ def test_hlo_collectives_of_a_contraction_sharded_on_its_summed_dim():
 
 
 @needs_8
-@pytest.mark.parametrize("family", ["gpt", "wresnet-26"])
+@pytest.mark.parametrize("family", ["gpt", "wresnet-17"])
 def test_zero_bubble_runs_the_same_step_in_the_simulated_order(family, small_plan, reference):
     """ZB-H1 and ZB-H2 on the local runtime: the backward split into B and W (the weight
     gradients run later, from what B kept) trains the same step as one device, and
@@ -180,7 +180,7 @@ def test_gpipe_runs_the_same_step_and_imagined_chunks_are_refused(small_plan):
 
 
 @needs_8
-@pytest.mark.parametrize("family", ["gpt", "wresnet-26"])
+@pytest.mark.parametrize("family", ["gpt", "wresnet-17"])
 def test_interleaved_plan_runs_the_same_step_in_the_simulated_order(family, small_plan, reference):
     """A plan the planner cut into 2 chunks per mesh (stage j on mesh j mod S): the local
     runtime lowers every chunk on its mesh, trains the single-device step, and each
@@ -198,9 +198,7 @@ def test_interleaved_plan_runs_the_same_step_in_the_simulated_order(family, smal
                if e.track == f"mesh{k}" and e.kind == "compute"]
         assert ran == planned and {c for _, _, c in ran} == {0, 1}, k
     # Each chunk's memory as XLA compiled it, against the plan's (its own stash x in
-    # flight). Not Wide-ResNet's: its chunks sit on 2x2 meshes, where XLA:CPU keeps
-    # collective results the model does not price (1.21x on the first chunk; the root
-    # cause is `test_memory.py::test_wresnet_first_stage_on_2x2`'s).
+    # flight). Not Wide-ResNet-17's, which the check does not hold on (`conftest.MODELS`).
     if family == "gpt":
         for st, stage in zip(plan.stages, result.stages, strict=True):
             assert stage_memory(stage, st.inflight_microbatches).total_bytes == pytest.approx(st.memory_bytes,

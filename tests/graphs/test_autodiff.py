@@ -24,7 +24,7 @@ GPT = dict(hidden=16, layers=2, heads=2, seq=8, vocab=32, batch=2)
 FAMILIES = {
     "gpt3": "gpt3:hidden=16,layers=2,heads=2,seq=8,vocab=32,batch=2,dtype=fp32",
     "moe": "moe:hidden=16,layers=2,heads=2,experts=4,seq=8,vocab=32,batch=2,group_size=8,dtype=fp32",
-    "wresnet": "wresnet:channels=2,width=1,image=32,classes=8,batch=4,dtype=fp32,depth=26",
+    "wresnet": "wresnet:channels=2,width=1,image=32,classes=8,batch=4,dtype=fp32,depth=17",
 }
 ADAM = AdamConfig(lr=1e-2, weight_decay=0.01)
 RTOL = {"gpt3": 1e-4, "moe": 1e-4, "wresnet": 1e-3}  # batch norm over few samples amplifies rounding

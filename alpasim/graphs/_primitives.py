@@ -55,9 +55,11 @@ def infer_outputs(prim: str, params: dict[str, Any], inputs: Sequence[Tensor]) -
 
 
 def op_flops(op: Op, tensors: dict[str, Tensor]) -> float:
-    """FLOPs of one application of `op` (see the module docstring for the counting)."""
-    p = primitive(op.prim)
-    return float(p.flops(op.attrs, [tensors[t] for t in op.inputs], [tensors[t] for t in op.outputs]))
+    """FLOPs of one application of `op` (see the module docstring for the counting).
+    Like its dimension map, a function of the primitive, its parameters and the
+    operands' shapes and dtypes, asked for by every stage's pricing: each distinct one
+    is counted once."""
+    return _kept(_FLOPS, op, tensors, lambda p, ins, outs: float(p.flops(op.attrs, ins, outs)))
 
 
 def op_bytes(op: Op, tensors: dict[str, Tensor]) -> int:
@@ -70,27 +72,35 @@ def op_dims(op: Op, tensors: dict[str, Tensor]) -> DimMap:
     operands' shapes, which repeat across a model's layers and are asked for again by
     every pass of the planner (strategies, baselines' restrictions, batch letters), so
     each distinct one is built once."""
+    return _kept(_DIMS, op, tensors, lambda p, ins, outs: p.dims(op.attrs, ins, outs))
+
+
+def _kept(kept: dict, op: Op, tensors: dict[str, Tensor], compute):
+    """`compute(primitive, inputs, outputs)`, kept in `kept` under the op's primitive,
+    parameters and operands' shapes and dtypes (computed afresh where a parameter is
+    not hashable, or is an imported constant's data)."""
     ins, outs = [tensors[t] for t in op.inputs], [tensors[t] for t in op.outputs]
     if op.prim in _NOT_KEPT:
-        return primitive(op.prim).dims(op.attrs, ins, outs)
-    key = (op.prim, op.params, tuple(t.shape for t in ins), tuple(t.shape for t in outs))
+        return compute(primitive(op.prim), ins, outs)
+    key = (op.prim, op.params, tuple((t.shape, t.dtype) for t in ins), tuple((t.shape, t.dtype) for t in outs))
     try:
-        return _DIMS[key]
+        return kept[key]
     except KeyError:
         pass
     except TypeError:                  # a parameter value that is not hashable: not kept
-        return primitive(op.prim).dims(op.attrs, ins, outs)
-    if len(_DIMS) >= _DIMS_KEPT:
-        _DIMS.clear()
-    dims = _DIMS[key] = primitive(op.prim).dims(op.attrs, ins, outs)
-    return dims
+        return compute(primitive(op.prim), ins, outs)
+    if len(kept) >= _KEPT:
+        kept.clear()
+    value = kept[key] = compute(primitive(op.prim), ins, outs)
+    return value
 
 
 _DIMS: dict[tuple, DimMap] = {}
+_FLOPS: dict[tuple, float] = {}
 # An imported constant's parameters hold its data (megabytes of base64): as a key it would
 # outlive its graph, and its map (one letter run) is cheap to build anyway.
 _NOT_KEPT = frozenset({"constant"})
-_DIMS_KEPT = 100_000          # distinct (primitive, parameters, shapes); a zoo model has hundreds
+_KEPT = 100_000               # distinct (primitive, parameters, shapes); a zoo model has hundreds
 
 
 def op_kind(op: Op) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -11,12 +12,14 @@ from ._types import Tensor
 
 
 # ----------------------------------------------------------------------- einsum
-def parse_einsum(equation: str) -> tuple[list[str], str]:
-    """Split `"bsh,hf->bsf"` into (["bsh", "hf"], "bsf"); explicit outputs only."""
+@functools.lru_cache(maxsize=4096)
+def parse_einsum(equation: str) -> tuple[tuple[str, ...], str]:
+    """Split `"bsh,hf->bsf"` into (("bsh", "hf"), "bsf"); explicit outputs only. Kept:
+    a model's few equations are parsed again for every op's size, FLOPs and map."""
     need("->" in equation, f"einsum equation {equation!r} needs an explicit '->' output")
     lhs, out = equation.replace(" ", "").split("->")
-    ins = lhs.split(",")
-    for term in ins + [out]:
+    ins = tuple(lhs.split(","))
+    for term in (*ins, out):
         need(all(c in LETTERS for c in term), f"einsum equation {equation!r}: letters only")
         need(len(set(term)) == len(term), f"einsum equation {equation!r}: repeated letter in {term!r}")
     need(set(out) <= set("".join(ins)), f"einsum equation {equation!r}: output letter not in inputs")

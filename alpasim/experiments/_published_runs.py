@@ -151,7 +151,11 @@ def _llama3(gpus: int, cp: int, dp: int, seq: int, tflops: float) -> PublishedRu
         f"llama3-405b:seq={seq},batch={batch}", 8, 16, dp, 1, "none", sequence_parallel=True,
         distributed_optimizer=True, chunks=2, cp=cp, measured_tflops=tflops,
         flops_per_iteration=llama_model_flops(batch, seq, 126, 16384, 128, 8, 53248, 128256),
-        assumed=("microbatch size 1 and 2 chunks per stage (the paper publishes neither)",),
+        assumed=("microbatch size 1 (not published)",
+                 "2 chunks per stage and Megatron's microbatch groups of pp: the paper tunes the group size "
+                 "(unpublished) and its layout implies 8 chunks (its first chunk holds only the embedding, "
+                 "so a chunk is one block: 126 blocks, the embedding and the head over 16 ranks), which the "
+                 "planner cannot cut yet"),
         differs=("the paper's first and last stages hold one layer fewer; 126 blocks over 16 stages here",
                  "RoCE priced as the DGX preset's InfiniBand links (400 Gb/s per GPU, the same rate)"))
 

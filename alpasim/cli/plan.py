@@ -106,6 +106,10 @@ def plan(
                                                     "over the tensor-parallel group, partial sums "
                                                     "reduce-scattered (the explicit configuration, or every "
                                                     "one of the grid).")] = False,
+    ends_as_layers: Annotated[bool, typer.Option("--ends-as-layers", help="The explicit Megatron configuration "
+                                                 "counts the embedding and the loss head as pipeline layers of "
+                                                 "their own (Megatron-core's --account-for-embedding-in-pipeline-"
+                                                 "split and --account-for-loss-in-pipeline-split).")] = False,
     cost_model: CostModelOpt = None,
     precision: PrecisionOpt = gr.DEFAULT_RECIPE,
     recompute: Annotated[Optional[str], typer.Option("--recompute", help="What the backward recomputes besides "
@@ -185,7 +189,10 @@ def plan(
         fail("--distributed-optimizer only applies to --method megatron or megatron-core")
     if sequence_parallel and "sequence_parallel" not in m.accepts:
         fail("--sequence-parallel only applies to --method megatron or megatron-core")
-    config = sv.MegatronConfig(tp, pp, dp, microbatch_size) if given else None
+    if ends_as_layers and not given:
+        fail("--ends-as-layers applies to an explicit Megatron configuration (--tp, --pp, --dp and "
+             "--microbatch-size)")
+    config = sv.MegatronConfig(tp, pp, dp, microbatch_size, ends_as_layers=ends_as_layers) if given else None
     p = make_plan(model, c, name, microbatches=microbatches, layers=layers, max_stages=max_stages, megatron=config,
                   distributed_optimizer=distributed_optimizer,
                   sequence_parallel=sequence_parallel or None, cache=not no_cache, workers=workers, ray=ray,
@@ -224,6 +231,7 @@ def plan(
             f"; tp={config['tp']} pp={config['pp']} dp={config['dp']} microbatch size "
             f"{config['microbatch_size']}" + (", sequence parallel" if config.get("sequence_parallel") else "")
             + (", distributed optimizer" if config.get("distributed_optimizer") else "")
+            + (", embedding and head as layers" if config.get("ends_as_layers") else "")
             + (f", recompute {p.model.recompute}, remat {'on' if p.model.remat else 'off'}"
                if name == "megatron_core" else "")
             if config else ""))

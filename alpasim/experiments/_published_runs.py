@@ -55,6 +55,7 @@ class PublishedRun:
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
     chunks: int = 1                  # interleaved 1F1B's model chunks per pipeline stage
+    ends_as_layers: bool = False     # the embedding and the head pipeline layers of their own
     cp: int = 1                      # context parallelism
     precision: str = "mixed-fp32grad"
     measured_s: float | None = None
@@ -146,17 +147,22 @@ def _llama3_cluster(gpus: int) -> Cluster:
 
 def _llama3(gpus: int, cp: int, dp: int, seq: int, tflops: float) -> PublishedRun:
     batch = 16 * 2 ** 20 // seq        # 16M tokens per batch
+    # The paper (sec. 3.3.2) takes a block from the first and the last stage, so that "the
+    # first model chunk on the first stage has only the embedding, and the last model
+    # chunk on the last stage has only output projection and loss calculation": a chunk
+    # is one layer of 126 blocks, the embedding and the head, 128 over 16 ranks, 8 each.
     return PublishedRun(
         f"llama3-405b-{gpus}-cp{cp}", LLAMA3, "llama3", "H100", _llama3_cluster(gpus),
         f"llama3-405b:seq={seq},batch={batch}", 8, 16, dp, 1, "none", sequence_parallel=True,
-        distributed_optimizer=True, chunks=2, cp=cp, measured_tflops=tflops,
+        distributed_optimizer=True, chunks=8, ends_as_layers=True, cp=cp, measured_tflops=tflops,
         flops_per_iteration=llama_model_flops(batch, seq, 126, 16384, 128, 8, 53248, 128256),
         assumed=("microbatch size 1 (not published)",
-                 "2 chunks per stage and Megatron's microbatch groups of pp: the paper tunes the group size "
-                 "(unpublished) and its layout implies 8 chunks (its first chunk holds only the embedding, "
-                 "so a chunk is one block: 126 blocks, the embedding and the head over 16 ranks), which the "
-                 "planner cannot cut yet"),
-        differs=("the paper's first and last stages hold one layer fewer; 126 blocks over 16 stages here",
+                 "8 chunks per stage, read from the paper's layout (its first chunk holds only the embedding, "
+                 "its last only the head and loss)",
+                 "Megatron's microbatch groups of pp: the paper tunes the group size (unpublished); Megatron-core "
+                 "allows none below pp"),
+        differs=("fp32 gradients whole on each device, where the paper shards gradients over data parallelism "
+                 "(not modelled for pipelines yet)",
                  "RoCE priced as the DGX preset's InfiniBand links (400 Gb/s per GPU, the same rate)"))
 
 

@@ -78,7 +78,8 @@ def price_run(run: PublishedRun, cache: sv.DiskCache | None = None) -> Validatio
     reason = _not_expressible(run)
     if reason:
         return ValidationRow(run, measured, None, 0.0, "not expressible", reason)
-    config = sv.MegatronConfig(run.tp, run.pp, run.dp, run.microbatch_size, sequence_parallel=run.sequence_parallel)
+    config = sv.MegatronConfig(run.tp, run.pp, run.dp, run.microbatch_size, sequence_parallel=run.sequence_parallel,
+                               ends_as_layers=run.ends_as_layers)
     remat, recompute = sv.RECOMPUTE_OPTIONS[run.recompute]
     chunked = {"schedule": "interleaved", "chunk_options": (run.chunks,)} if run.chunks > 1 else {}
     try:

@@ -133,11 +133,16 @@ def interleaved_dp(cost: np.ndarray, shape: int, meshes: int, chunks: int, micro
     finite = _bottleneck_candidates(table, None)
     if not len(finite):
         return None
-    floor, _, _ = _solve_fixed(table, np.ones(1, int), n, n, finite[-1])
+    floor, loosest, _ = _solve_fixed(table, np.ones(1, int), n, n, finite[-1])
     if not math.isfinite(floor):
         return None
     found: dict[tuple[StageChoice, ...], float] = {}     # solution -> proxy, the best few
-    for low, t_max in bottleneck_windows(finite, epsilon):
+    # As many chunks as layers (Llama 3's one block a chunk): one slicing, no windows to scan.
+    windows = [] if n == num_layers else bottleneck_windows(finite, epsilon)
+    if n == num_layers:
+        stages = tuple(StageChoice(c.first, c.last, shape, c.cost_s) for c in loosest)
+        found[stages] = interleaved_proxy_s([c.cost_s for c in stages], S, v, B)
+    for low, t_max in windows:
         worst = max(found.values()) if len(found) >= CHECKED_SOLUTIONS else INF
         if floor / v + (B - 1 / v) * max(floor / S, low) >= worst:
             break

@@ -171,12 +171,17 @@ class MegatronConfig:
     # Sequence parallelism (Korthikanti et al. 2022): norms and residual adds split the
     # sequence over the tensor-parallel group (`_intra_baselines.megatron_restriction`).
     sequence_parallel: bool = False
+    # The embedding and the loss head counted as layers of the pipeline split, each a
+    # planning unit of its own (Megatron-core's --account-for-embedding-in-pipeline-split
+    # and --account-for-loss-in-pipeline-split: "num_layers += 1" for each, in
+    # transformer_block.py's layer offsets); else they join the first and last block.
+    ends_as_layers: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "microbatch_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"Megatron {name} must be a positive integer, got {getattr(self, name)!r}")
-        for name in ("distributed_optimizer", "sequence_parallel"):
+        for name in ("distributed_optimizer", "sequence_parallel", "ends_as_layers"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Megatron {name} must be true or false, got {getattr(self, name)!r}")
 
@@ -188,7 +193,8 @@ class MegatronConfig:
 
     def __str__(self) -> str:
         return (f"tp={self.tp} pp={self.pp} dp={self.dp} mbs={self.microbatch_size}"
-                + (" sp" if self.sequence_parallel else "") + (" dist-opt" if self.distributed_optimizer else ""))
+                + (" sp" if self.sequence_parallel else "") + (" dist-opt" if self.distributed_optimizer else "")
+                + (" ends-as-layers" if self.ends_as_layers else ""))
 
 
 def plan_model(model: ModelLike, cluster: Cluster, method: str = "alpa", *, layers: int | None = None,
@@ -575,8 +581,8 @@ def megatron_plan(model: ModelLike, cluster: Cluster, config: MegatronConfig, me
                                                    kw.get("precision"))}
     try:
         plan = plan_pipeline(source, cluster, microbatches=b, method=method, shape_ok=lambda sh: sh.size == size,
-                             views_of=views_of, num_stages=config.pp, max_stages=config.pp, relabel=zoo_blocks,
-                             **search, **kw)
+                             views_of=views_of, num_stages=config.pp, max_stages=config.pp,
+                             relabel=None if config.ends_as_layers else zoo_blocks, **search, **kw)
     except PlanInfeasible as e:
         return infeasible_plan(source, cluster, method, str(e), SearchStats(megatron=_config_json(config)),
                                needed_bytes=e.min_memory_bytes)

@@ -145,9 +145,9 @@ def check_megatron(source: ModelSource, cluster: Cluster, config) -> None:
                          f"{n} devices")
     if config.tp > cluster.devices_per_node:
         raise ValueError(f"Megatron {config}: tensor parallelism beyond one node ({cluster.devices_per_node} devices)")
-    blocks = _zoo_facts(source).blocks
-    if config.pp > blocks:
-        raise ValueError(f"Megatron {config}: {config.pp} pipeline stages, but {source.name} has {blocks} blocks "
+    layers, what = megatron_layers(source, config)
+    if config.pp > layers:
+        raise ValueError(f"Megatron {config}: {config.pp} pipeline stages, but {source.name} has {what} "
                          f"(at least one a stage)")
     if cfg.batch % (config.microbatch_size * config.dp):
         raise ValueError(f"Megatron {config}: the global batch {cfg.batch} is not a multiple of mbs x dp")
@@ -172,9 +172,19 @@ def check_megatron_interleaved(source: ModelSource, config, chunk_options: Seque
     """`ValueError` when Megatron-LM's interleaved 1F1B cannot run `config`: it needs at
     least 2 pipeline stages and a model chunk of at least one block for each of the
     pp x v virtual stages, for some v of `chunk_options` (Narayanan et al. 2021, sec. 2.2)."""
-    blocks = _zoo_facts(source).blocks
+    layers, what = megatron_layers(source, config)
     if config.pp < 2:
         raise ValueError(f"Megatron {config}: interleaving needs at least 2 pipeline stages")
-    if not any(config.pp * v <= blocks for v in chunk_options):
+    if not any(config.pp * v <= layers for v in chunk_options):
         raise ValueError(f"Megatron {config}: {config.pp} stages x {min(chunk_options)} chunks is more virtual "
-                         f"stages than {source.name}'s {blocks} blocks")
+                         f"stages than {source.name}'s {what}")
+
+
+def megatron_layers(source: ModelSource, config) -> tuple[int, str]:
+    """The layers a Megatron `config` splits over its pipeline, and a phrase for them:
+    the blocks, with the embedding and the head joining the end blocks, or, where the
+    configuration counts them as layers (`ends_as_layers`), two more."""
+    blocks = _zoo_facts(source).blocks
+    if getattr(config, "ends_as_layers", False):
+        return blocks + 2, f"{blocks + 2} layers ({blocks} blocks, the embedding and the head)"
+    return blocks, f"{blocks} blocks"

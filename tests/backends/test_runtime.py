@@ -206,6 +206,27 @@ def test_interleaved_plan_runs_the_same_step_in_the_simulated_order(family, smal
 
 
 @needs_8
+def test_a_megatron_plan_with_the_embedding_and_head_as_chunks_trains_the_single_device_step(reference):
+    """Megatron-core's interleaved layout with the embedding and the head as pipeline
+    layers of their own (`MegatronConfig.ends_as_layers`, Llama 3's): GPT's 2 blocks,
+    the embedding and the head are 4 chunks over 2 meshes, the first a lookup alone and
+    the last the head alone. The local runtime lowers each chunk on its mesh and trains
+    the single-device step."""
+    from alpasim import solvers as sv
+    from alpasim.costmodels import get_cluster
+
+    model = "gpt3:hidden=64,layers=2,heads=4,seq=16,vocab=128,batch=8,dtype=fp32"
+    plan = sv.plan_model(model, get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=4), "megatron",
+                         megatron=sv.MegatronConfig(2, 2, 1, 2, ends_as_layers=True), schedule="interleaved",
+                         chunk_options=(2,))
+    assert [s.layers for s in plan.stages] == [(0, 0), (1, 1), (2, 2), (3, 3)]
+    result = run_local(plan, steps=1)
+    check = check_numerics(result.losses[0], result.grads, reference(plan))
+    assert check["numerics_ok"], check
+    assert {e.chunk for e in result.timeline.events if e.kind == "compute"} == {0, 1}
+
+
+@needs_8
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
 def test_a_weight_read_by_three_layers_trains_the_single_device_step(schedule, shared_weight_graph, reference):
     """Weight `s` read by layers 0, 1 and 3 (owner stage 0): its gradient reaches the

@@ -145,3 +145,42 @@ def test_megatron_runs_interleaved_1f1b_at_its_own_degrees(cli):
                   "--tp", "8", "--pp", "1", "--dp", "1", "--microbatch-size", "2", "--schedule", "interleaved")
     assert refused.returncode == 2 and refused.lines == [
         "alpasim: error: Megatron tp=8 pp=1 dp=1 mbs=2: interleaving needs at least 2 pipeline stages"]
+
+
+def test_megatron_counts_the_embedding_and_the_head_as_layers_where_asked(cli):
+    """Megatron-core's --account-for-embedding-in-pipeline-split and
+    --account-for-loss-in-pipeline-split (Llama 3's layout, whose first chunk holds only
+    the embedding and whose last only the head and loss): a GPT of 2 blocks is 4 layers
+    then, so pp 2 x 2 chunks cut it one layer a chunk, the embedding alone first and the
+    head alone last; counted with the end blocks, as Megatron-LM does by default, 2
+    blocks cannot make 4 virtual stages and the refusal names the blocks; past 4 layers
+    it names the layers."""
+    from alpasim import solvers as sv
+    from alpasim.solvers._inter_op import planning_graph
+
+    cluster = get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=4)
+    model = "gpt3:hidden=64,layers=2,heads=4,seq=16,vocab=128,batch=8,dtype=fp32"
+    ends = sv.MegatronConfig(2, 2, 1, 2, ends_as_layers=True)
+    plan = sv.plan_model(model, cluster, "megatron", megatron=ends, schedule="interleaved", chunk_options=(2,))
+    assert plan.feasible and plan.chunks == 2 and plan.search.megatron["ends_as_layers"] is True
+    assert [s.layers for s in plan.stages] == [(0, 0), (1, 1), (2, 2), (3, 3)]
+    graph = planning_graph(plan.model)
+    first = {tag for op in graph.ops if op.layer == 0 for tag in op.tags}
+    last = {tag for op in graph.ops if op.layer == 3 for tag in op.tags}
+    assert "embedding" in first and "head" in last and "embedding" not in last
+    # The embedding's chunk is a lookup: far less work than a block's.
+    assert plan.stages[0].forward_s < plan.stages[1].forward_s / 2
+    with pytest.raises(ValueError, match="2 stages x 2 chunks is more virtual stages than .*'s 2 blocks$"):
+        sv.plan_model(model, cluster, "megatron", megatron=sv.MegatronConfig(2, 2, 1, 2), schedule="interleaved",
+                      chunk_options=(2,))
+    with pytest.raises(ValueError, match=r"'s 4 layers \(2 blocks, the embedding and the head\)$"):
+        sv.plan_model(model, cluster, "megatron", megatron=ends, schedule="interleaved", chunk_options=(3,))
+    args = ("plan", "--model", model, "--cluster", "aws-p3.16xlarge", "--nodes", "1", "--devices-per-node", "4",
+            "--method", "megatron", "--tp", "2", "--pp", "2", "--dp", "1", "--microbatch-size", "2")
+    shown = cli.json(*args, "--schedule", "interleaved", "--chunks", "2", "--ends-as-layers")
+    assert shown["search"]["megatron"]["ends_as_layers"] is True
+    assert [s["layers"] for s in shown["stages"]] == [[0, 0], [1, 1], [2, 2], [3, 3]]
+    refused = cli("plan", "--model", model, "--method", "megatron", "--ends-as-layers")
+    assert refused.returncode == 2 and refused.lines == [
+        "alpasim: error: --ends-as-layers applies to an explicit Megatron configuration (--tp, --pp, --dp and "
+        "--microbatch-size)"]

@@ -53,12 +53,15 @@ def cut_bytes(graph: OpGraph) -> tuple[np.ndarray, np.ndarray]:
     return forward, backward
 
 
-def stage_boundary_s(graph: OpGraph, cluster: Cluster) -> StageBoundary:
+def stage_boundary_s(graph: OpGraph, cluster: Cluster, nodes: int = 1) -> StageBoundary:
     """Seconds per microbatch a stage starting at layer k spends receiving activations and
     returning their gradients: over the intra-node link when its predecessor shares its
-    node, over one node's network cards otherwise. Zero for the first layer."""
+    node, over the network cards otherwise: one node's, or, for stages of `nodes` whole
+    nodes each, all of theirs at once (each node exchanges its devices' share with the
+    matching node of the neighbour: a 512-GPU Llama 3 stage moves its 64 sequences'
+    activations over 64 nodes' cards, not one's). Zero for the first layer."""
     forward, backward = cut_bytes(graph)
-    cards = min(cluster.nics_per_node, cluster.devices_per_node)
+    cards = min(cluster.nics_per_node, cluster.devices_per_node) * max(1, nodes)
 
     def seconds(bytes_per_s: float, latency_s: float) -> np.ndarray:
         out = (forward + backward) / bytes_per_s + latency_s * ((forward > 0).astype(float) + (backward > 0))

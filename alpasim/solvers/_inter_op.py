@@ -12,6 +12,7 @@ others are reported as runner-ups with their predicted times.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -558,7 +559,8 @@ def _best_interleaved(candidates: Sequence[Candidate], cluster: Cluster, name: s
     `PlanInfeasible` saying whether no such plan can exist or none fits, and then what
     the slicing that comes closest needs (`_shortfall`)."""
     # Each microbatch count's graph has its own cut sizes.
-    searched = [(c, stage_boundary_s(c.graph, cluster) if price_boundaries else None) for c in candidates]
+    searched = [(c, functools.partial(stage_boundary_s, c.graph, cluster) if price_boundaries else None)
+                for c in candidates]
     fits = [(c, r) for c, boundary in searched
             for r in interleaved_choices(c, cluster, chunk_options, max_stages=max_stages, epsilon=epsilon,
                                          boundary=boundary, memory_limit=cluster.device.memory_bytes)]
@@ -593,11 +595,12 @@ def _shortfall(c: Candidate, r: InterleavedChoice) -> tuple[str, float]:
 
 
 def interleaved_choices(c: Candidate, cluster: Cluster, chunk_options: Sequence[int], *, max_stages: int,
-                        epsilon: float, boundary: StageBoundary | None,
+                        epsilon: float, boundary: Callable[..., StageBoundary] | None,
                         memory_limit: float) -> Iterator[InterleavedChoice]:
     """The fastest interleaved plan of candidate `c` (`_interleave`) whose meshes fit
     `memory_limit`, for every submesh shape that tiles the cluster into 2..max_stages
-    meshes and every chunk count in `chunk_options` where there is one."""
+    meshes and every chunk count in `chunk_options` where there is one; `boundary(nodes=n)`
+    prices the crossings between meshes of n nodes each (`stage_boundary_s`), or None."""
     costs = c.costs
     for h, shape, meshes in mesh_shapes(costs.shapes, cluster, max_stages):
         try:
@@ -605,10 +608,12 @@ def interleaved_choices(c: Candidate, cluster: Cluster, chunk_options: Sequence[
         except ValueError:
             continue
         node = [cluster.node_of(d[0]) for d in placed]
+        # Meshes of whole nodes cross over all their nodes' cards.
+        priced = boundary(nodes=max(1, shape.size // cluster.devices_per_node)) if boundary is not None else None
 
-        def crossing(j: int, layer: int, node=node, meshes=meshes) -> float:
+        def crossing(j: int, layer: int, node=node, meshes=meshes, priced=priced) -> float:
             same = node[j % meshes] == node[(j - 1) % meshes]
-            return float((boundary.intra if same else boundary.inter)[layer])
+            return float((priced.intra if same else priced.inter)[layer])
 
         for v in chunk_options:
             r = interleaved_dp(costs.cost, h, meshes, v, c.microbatches,

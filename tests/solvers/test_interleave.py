@@ -184,3 +184,29 @@ def test_megatron_counts_the_embedding_and_the_head_as_layers_where_asked(cli):
     assert refused.returncode == 2 and refused.lines == [
         "alpasim: error: --ends-as-layers applies to an explicit Megatron configuration (--tp, --pp, --dp and "
         "--microbatch-size)"]
+
+
+def test_meshes_of_whole_nodes_price_their_crossings_over_all_their_cards(monkeypatch):
+    """The interleaved search prices the crossings between meshes of 2 whole nodes each
+    with both nodes' cards (`stage_boundary_s(..., nodes=2)`), as the stage boundary's
+    own test holds it; a plan's makespan with them is below the one-node price's."""
+    from alpasim import solvers as sv
+    from alpasim.solvers import _inter_op
+
+    asked = []
+    real = _inter_op.stage_boundary_s
+
+    def spy(graph, cluster, nodes=1):
+        asked.append(nodes)
+        return real(graph, cluster, nodes)
+
+    monkeypatch.setattr(_inter_op, "stage_boundary_s", spy)
+    cluster = get_cluster("dgx-h100", nodes=4)
+    config = sv.MegatronConfig(8, 2, 2, 1, ends_as_layers=True)
+    model = "gpt3:hidden=512,layers=2,heads=8,seq=1024,vocab=1024,batch=8"
+    plan = sv.plan_model(model, cluster, "megatron", megatron=config, schedule="interleaved", chunk_options=(2,))
+    assert plan.feasible and plan.chunks == 2 and 2 in asked
+    wide = plan.predicted.iteration_s
+    monkeypatch.setattr(_inter_op, "stage_boundary_s", lambda graph, cluster, nodes=1: real(graph, cluster))
+    narrow = sv.plan_model(model, cluster, "megatron", megatron=config, schedule="interleaved", chunk_options=(2,))
+    assert narrow.predicted.iteration_s > wide

@@ -53,6 +53,7 @@ class ValidationRow:
         r = self.run
         return {"id": r.id, "source": r.source, "system": r.system, "generation": r.generation, "gpus": r.gpus,
                 "model": r.model, "tp": r.tp, "pp": r.pp, "dp": r.dp, "cp": r.cp, "chunks": r.chunks,
+                "ends_as_layers": r.ends_as_layers,
                 "microbatch_size": r.microbatch_size, "recompute": r.recompute,
                 "sequence_parallel": r.sequence_parallel, "distributed_optimizer": r.distributed_optimizer,
                 "measured_s": self.measured_s, "predicted_s": self.predicted_s, "error": self.error,

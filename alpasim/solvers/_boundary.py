@@ -59,7 +59,8 @@ def stage_boundary_s(graph: OpGraph, cluster: Cluster, nodes: int = 1) -> StageB
     node, over the network cards otherwise: one node's, or, for stages of `nodes` whole
     nodes each, all of theirs at once (each node exchanges its devices' share with the
     matching node of the neighbour: a 512-GPU Llama 3 stage moves its 64 sequences'
-    activations over 64 nodes' cards, not one's). Zero for the first layer."""
+    activations over 64 nodes' cards, not one's; a layout that needs the whole tensor on
+    every node would move more). Zero for the first layer."""
     forward, backward = cut_bytes(graph)
     cards = min(cluster.nics_per_node, cluster.devices_per_node) * max(1, nodes)
 
@@ -68,10 +69,13 @@ def stage_boundary_s(graph: OpGraph, cluster: Cluster, nodes: int = 1) -> StageB
         out[0] = 0.0
         return out
 
-    # Between neighbouring nodes (stages are placed side by side): one node's cards at
-    # once, or the spine uplink when the neighbour sits on the next leaf (`Cluster.route`).
+    # Between neighbouring stages (placed side by side): their nodes' cards at once, or
+    # the spine uplinks of the leaves the stage spans when the neighbour's first node
+    # sits on another leaf (`Cluster.route`).
     across = cluster.inter_node.bytes_per_s * cards
-    if cluster.nodes > 1 and cluster.leaf_of(0) != cluster.leaf_of(1):
-        across = min(across, cluster.spine_uplink().bytes_per_s)
+    span = max(1, nodes)
+    if cluster.nodes > span and cluster.leaf_of(0) != cluster.leaf_of(span):
+        leaves = max(1, span // cluster.spine.nodes_per_leaf)
+        across = min(across, cluster.spine_uplink().bytes_per_s * leaves)
     return StageBoundary(seconds(cluster.intra_node.bytes_per_s, cluster.intra_node.latency_s),
                          seconds(across, cluster.inter_node.latency_s))

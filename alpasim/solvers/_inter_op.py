@@ -332,7 +332,10 @@ class _Evaluator:
         self.jobs += costs.ilp_jobs
         self.hits += costs.cache_hits
         sizes = [sh.size for sh in costs.shapes]
-        boundary = stage_boundary_s(graph, cluster) if kw["price_boundaries"] else None
+        # Every stage spans at least this many whole nodes (all of a Megatron layout's
+        # meshes the same; a search with meshes inside a node prices one node's cards).
+        spanned = min(max(1, size // cluster.devices_per_node) for size in sizes)
+        boundary = stage_boundary_s(graph, cluster, nodes=spanned) if kw["price_boundaries"] else None
         per_node = cluster.devices_per_node if kw["price_boundaries"] else None
         if kw["equal_layers"]:
             dp = equal_layer_dp(costs.cost, sizes, cluster.num_devices, b, epsilon=kw["epsilon"],

@@ -559,7 +559,8 @@ def zoo_blocks(fwd: OpGraph) -> OpGraph:
 def megatron_plan(model: ModelLike, cluster: Cluster, config: MegatronConfig, method: str = "megatron",
                   **kw) -> PipelinePlan:
     """One Megatron-LM configuration: `pp` stages of equal blocks (embedding with the
-    first, head with the last), each on `dp x tp` devices viewed as a (dp, tp) mesh
+    first, head with the last, or layers of their own under `config.ends_as_layers`),
+    each on `dp x tp` devices viewed as a (dp, tp) mesh
     with Megatron's layouts (`megatron_restriction`), B = batch / (mbs x dp)."""
     source = _zoo_source(model)
     check_megatron(source, cluster, config)

@@ -19,7 +19,8 @@ its real cause, instead of a search that runs for a minute and then blames memor
 - **Interleaved 1F1B** needs S >= 2 meshes of one submesh shape, S at most
   `max_stages`, and S x v chunks out of the model's layers.
 - **An explicit Megatron-LM configuration**: tp x pp x dp is the device count, tensor
-  parallelism stays inside a node, pp at most the model's blocks, and the global batch
+  parallelism stays inside a node, pp at most the model's blocks (two more where the
+  embedding and the head are layers of their own), and the global batch
   a multiple of microbatch size x dp.
 """
 
@@ -170,8 +171,8 @@ def preflight(source: ModelSource, cluster: Cluster, *, precision: str | None = 
 
 def check_megatron_interleaved(source: ModelSource, config, chunk_options: Sequence[int]) -> None:
     """`ValueError` when Megatron-LM's interleaved 1F1B cannot run `config`: it needs at
-    least 2 pipeline stages and a model chunk of at least one block for each of the
-    pp x v virtual stages, for some v of `chunk_options` (Narayanan et al. 2021, sec. 2.2)."""
+    least 2 pipeline stages and a model chunk of at least one layer (a block, or the
+    embedding or the head under `ends_as_layers`) for each of the pp x v virtual stages, for some v of `chunk_options` (Narayanan et al. 2021, sec. 2.2)."""
     layers, what = megatron_layers(source, config)
     if config.pp < 2:
         raise ValueError(f"Megatron {config}: interleaving needs at least 2 pipeline stages")

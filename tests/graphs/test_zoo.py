@@ -272,10 +272,10 @@ def test_gradient_primitive_in_a_forward_graph_is_a_clear_error():
                                   "topk-moe:hidden=64,layers=3,heads=4,kv_heads=2,experts=4,top_k=2,expert_ffn=48,"
                                   "dense_layers=1,dense_ffn=96,seq=16,vocab=128,batch=2,group_size=16"])
 def test_an_ops_dimension_map_is_built_once_per_distinct_op_and_equals_a_fresh_one(spec):
-    """`op_dims` keeps each distinct (primitive, parameters, shapes) map: every op of a
-    training graph gets the map its primitive builds afresh, the layers' identical ops
-    share one, and an op of other shapes gets its own."""
-    from alpasim.graphs import build_training_graph, op_dims
+    """`op_dims` keeps each distinct (primitive, parameters, shapes, dtypes) map: every
+    op of a training graph gets the map its primitive builds afresh, the layers'
+    identical ops share one, and an op of other shapes or dtypes gets its own."""
+    from alpasim.graphs import build_training_graph, op_dims, op_flops
     from alpasim.graphs._primitives import primitive
 
     g = build_training_graph(spec).graph
@@ -285,8 +285,10 @@ def test_an_ops_dimension_map_is_built_once_per_distinct_op_and_equals_a_fresh_o
         fresh = primitive(op.prim).dims(op.attrs, [g.tensors[t] for t in op.inputs],
                                         [g.tensors[t] for t in op.outputs])
         assert dims == fresh, op
-        key = (op.prim, op.params, tuple(g.tensors[t].shape for t in op.inputs),
-               tuple(g.tensors[t].shape for t in op.outputs))
+        ins, outs = [g.tensors[t] for t in op.inputs], [g.tensors[t] for t in op.outputs]
+        assert op_flops(op, g.tensors) == float(primitive(op.prim).flops(op.attrs, ins, outs)), op
+        key = (op.prim, op.params, tuple((g.tensors[t].shape, g.tensors[t].dtype) for t in op.inputs),
+               tuple((g.tensors[t].shape, g.tensors[t].dtype) for t in op.outputs))
         assert seen.setdefault(key, dims) is dims, op
     assert len(seen) < len(g.ops)
 

@@ -56,3 +56,26 @@ def test_stages_of_whole_nodes_cross_over_all_their_cards(gpt):
     assert four.inter[2] == pytest.approx(2 * stream / (inter.bytes_per_s * cards * 4) + 2 * inter.latency_s)
     assert one.inter[2] - 2 * inter.latency_s == pytest.approx(4 * (four.inter[2] - 2 * inter.latency_s))
     np.testing.assert_array_equal(four.intra, one.intra)
+
+
+def test_stages_spanning_a_leaf_cross_over_the_spine_uplinks_of_their_leaves(gpt):
+    """Two-node leaves, 4:1 oversubscribed: a stage of 4 nodes crosses to its neighbour's
+    first node on another leaf, so the two leaves' uplinks bound it (each a leaf's cards
+    over 4), not its 4 nodes' cards; a stage of one node inside a leaf of two keeps its
+    card rate."""
+    import dataclasses
+
+    from alpasim.costmodels import SpineTier
+
+    base = get_cluster("dgx-h100", nodes=8)
+    cluster = dataclasses.replace(base, spine=SpineTier(2, 4.0))
+    stream = B * S * H * 2
+    inter = cluster.inter_node
+    cards = min(cluster.nics_per_node, cluster.devices_per_node)
+    four = stage_boundary_s(gpt, cluster, nodes=4)
+    uplink = cluster.spine_uplink().bytes_per_s
+    assert uplink == pytest.approx(2 * cards * inter.bytes_per_s / 4)
+    assert four.inter[2] == pytest.approx(2 * stream / (2 * uplink) + 2 * inter.latency_s)
+    assert four.inter[2] > stage_boundary_s(gpt, base, nodes=4).inter[2]
+    one = stage_boundary_s(gpt, cluster)
+    assert one.inter[2] == pytest.approx(2 * stream / (inter.bytes_per_s * cards) + 2 * inter.latency_s)

@@ -247,9 +247,8 @@ def plan_pipeline(model: str | ModelSource, cluster: Cluster, *, microbatches: i
         relabel=relabel, layers=layers, remat=remat, recompute=recompute, loss_kernel=loss_kernel, kernels=kernels,
         max_stages=max_stages, map_fn=map_fn, cache=cache or DiskCache(enabled=False), progress=progress,
         restriction=restriction, shape_ok=shape_ok, views_of=views_of, pareto=pareto, cost_model=cost_model,
-        bucket_bytes=bucket_bytes, tp_overlap=tp_overlap,
-        gather_overlap=gather_overlap, price_boundaries=price_boundaries,
-        equal_layers=equal_layers, num_stages=num_stages, epsilon=epsilon))
+        bucket_bytes=bucket_bytes, tp_overlap=tp_overlap, gather_overlap=gather_overlap,
+        price_boundaries=price_boundaries, equal_layers=equal_layers, num_stages=num_stages, epsilon=epsilon))
     best = _hill_climb(options, evaluate, global_batch)
     candidates = evaluate.candidates
     search = SearchStats(time.perf_counter() - t0, evaluate.jobs, evaluate.hits,

@@ -62,7 +62,8 @@ def stage_boundary_s(graph: OpGraph, cluster: Cluster, nodes: int = 1) -> StageB
     activations over 64 nodes' cards, not one's; a layout that needs the whole tensor on
     every node would move more). Zero for the first layer."""
     forward, backward = cut_bytes(graph)
-    cards = min(cluster.nics_per_node, cluster.devices_per_node) * max(1, nodes)
+    span = max(1, nodes)
+    cards = min(cluster.nics_per_node, cluster.devices_per_node) * span
 
     def seconds(bytes_per_s: float, latency_s: float) -> np.ndarray:
         out = (forward + backward) / bytes_per_s + latency_s * ((forward > 0).astype(float) + (backward > 0))
@@ -73,9 +74,14 @@ def stage_boundary_s(graph: OpGraph, cluster: Cluster, nodes: int = 1) -> StageB
     # the spine uplinks of the leaves the stage spans when the neighbour's first node
     # sits on another leaf (`Cluster.route`).
     across = cluster.inter_node.bytes_per_s * cards
-    span = max(1, nodes)
     if cluster.nodes > span and cluster.leaf_of(0) != cluster.leaf_of(span):
         leaves = max(1, span // cluster.spine.nodes_per_leaf)
         across = min(across, cluster.spine_uplink().bytes_per_s * leaves)
     return StageBoundary(seconds(cluster.intra_node.bytes_per_s, cluster.intra_node.latency_s),
                          seconds(across, cluster.inter_node.latency_s))
+
+
+def whole_nodes(devices: int, cluster: Cluster) -> int:
+    """The whole nodes a mesh of `devices` spans (1 for a mesh inside a node): the nodes
+    whose cards carry its crossings (`stage_boundary_s`)."""
+    return max(1, devices // cluster.devices_per_node)

@@ -49,7 +49,7 @@ from ._stage_costs import (
     layer_tensor_specs,
     stage_sync,
 )
-from ._boundary import stage_boundary_s
+from ._boundary import stage_boundary_s, whole_nodes
 from ._interleave import (DEFAULT_CHUNK_OPTIONS, InterleavedChoice, interleaved_cannot_exist, interleaved_dp,
                           mesh_memory_terms, mesh_shapes)
 from ._pipeline_orders import interleaved_order
@@ -331,10 +331,10 @@ class _Evaluator:
         self.jobs += costs.ilp_jobs
         self.hits += costs.cache_hits
         sizes = [sh.size for sh in costs.shapes]
-        # Every stage spans at least this many whole nodes (all of a Megatron layout's
-        # meshes the same; a search with meshes inside a node prices one node's cards).
-        spanned = min(max(1, size // cluster.devices_per_node) for size in sizes)
-        boundary = stage_boundary_s(graph, cluster, nodes=spanned) if kw["price_boundaries"] else None
+        # Every stage spans at least the smallest mesh's whole nodes (all of a Megatron
+        # layout's meshes the same; a search with meshes inside a node prices one node's cards).
+        boundary = stage_boundary_s(graph, cluster, nodes=min(whole_nodes(size, cluster) for size in sizes)) \
+            if kw["price_boundaries"] else None
         per_node = cluster.devices_per_node if kw["price_boundaries"] else None
         if kw["equal_layers"]:
             dp = equal_layer_dp(costs.cost, sizes, cluster.num_devices, b, epsilon=kw["epsilon"],
@@ -560,9 +560,10 @@ def _best_interleaved(candidates: Sequence[Candidate], cluster: Cluster, name: s
     count searched, or None; when `schedule` is "interleaved", none is a
     `PlanInfeasible` saying whether no such plan can exist or none fits, and then what
     the slicing that comes closest needs (`_shortfall`)."""
-    # Each microbatch count's graph has its own cut sizes.
-    searched = [(c, functools.partial(stage_boundary_s, c.graph, cluster) if price_boundaries else None)
-                for c in candidates]
+    # Each microbatch count's graph has its own cut sizes, priced once per node count for
+    # both passes below.
+    searched = [(c, functools.cache(functools.partial(stage_boundary_s, c.graph, cluster)) if price_boundaries
+                 else None) for c in candidates]
     fits = [(c, r) for c, boundary in searched
             for r in interleaved_choices(c, cluster, chunk_options, max_stages=max_stages, epsilon=epsilon,
                                          boundary=boundary, memory_limit=cluster.device.memory_bytes)]
@@ -611,7 +612,7 @@ def interleaved_choices(c: Candidate, cluster: Cluster, chunk_options: Sequence[
             continue
         node = [cluster.node_of(d[0]) for d in placed]
         # Meshes of whole nodes cross over all their nodes' cards.
-        priced = boundary(nodes=max(1, shape.size // cluster.devices_per_node)) if boundary is not None else None
+        priced = boundary(nodes=whole_nodes(shape.size, cluster)) if boundary is not None else None
 
         def crossing(j: int, layer: int, node=node, meshes=meshes, priced=priced) -> float:
             same = node[j % meshes] == node[(j - 1) % meshes]

@@ -137,19 +137,17 @@ def interleaved_dp(cost: np.ndarray, shape: int, meshes: int, chunks: int, micro
     if not math.isfinite(floor):
         return None
     found: dict[tuple[StageChoice, ...], float] = {}     # solution -> proxy, the best few
-    # As many chunks as layers (Llama 3's one block a chunk): one slicing, no windows to scan.
-    windows = [] if n == num_layers else bottleneck_windows(finite, epsilon)
-    if n == num_layers:
-        stages = tuple(StageChoice(c.first, c.last, shape, c.cost_s) for c in loosest)
-        found[stages] = interleaved_proxy_s([c.cost_s for c in stages], S, v, B)
-    for low, t_max in windows:
+    if n == num_layers:        # a chunk a layer (Llama 3's): one slicing, no windows to scan
+        only = _on_shape(loosest, shape)
+        found[only] = interleaved_proxy_s([c.cost_s for c in only], S, v, B)
+    for low, t_max in bottleneck_windows(finite, epsilon) if n < num_layers else ():
         worst = max(found.values()) if len(found) >= CHECKED_SOLUTIONS else INF
         if floor / v + (B - 1 / v) * max(floor / S, low) >= worst:
             break
         _, stages, _ = _solve_fixed(table, np.ones(1, int), n, n, t_max)
         if stages is None:
             continue
-        stages = tuple(StageChoice(c.first, c.last, shape, c.cost_s) for c in stages)   # the table's one shape is h
+        stages = _on_shape(stages, shape)
         if stages in found:
             continue
         found[stages] = interleaved_proxy_s([c.cost_s for c in stages], S, v, B)
@@ -167,6 +165,12 @@ def interleaved_dp(cost: np.ndarray, shape: int, meshes: int, chunks: int, micro
             best_choice = InterleavedChoice(v, shape, stages, tuple(depths), tuple(inflight), latency,
                                             tuple(by_mesh))
     return best_choice
+
+
+def _on_shape(stages: Sequence[StageChoice], shape: int) -> tuple[StageChoice, ...]:
+    """A slicing of the one-shape table as choices on submesh shape `shape` (the table's
+    one shape is `shape`)."""
+    return tuple(StageChoice(c.first, c.last, shape, c.cost_s) for c in stages)
 
 
 def mesh_memory_bytes(orders: Sequence[Order], chunks: Sequence[StageMemory]) -> list[float]:

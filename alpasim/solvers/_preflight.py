@@ -186,6 +186,6 @@ def megatron_layers(source: ModelSource, config) -> tuple[int, str]:
     the blocks, with the embedding and the head joining the end blocks, or, where the
     configuration counts them as layers (`ends_as_layers`), two more."""
     blocks = _zoo_facts(source).blocks
-    if getattr(config, "ends_as_layers", False):
+    if config.ends_as_layers:
         return blocks + 2, f"{blocks + 2} layers ({blocks} blocks, the embedding and the head)"
     return blocks, f"{blocks} blocks"

@@ -30,6 +30,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from alpasim._gc import relax_gc
 from alpasim.simulator import Program, Recv, Send
 from alpasim.solvers import IntraOpPlan, PipelinePlan, planning_graph
 
@@ -73,6 +74,7 @@ class MeshWorker:
     """The actor class (wrapped with `ray.remote` by the driver; no Ray at import)."""
 
     def __init__(self, plan: PipelinePlan, k: int, seed: int) -> None:
+        relax_gc()                      # a process of its own that traces and lowers
         self.cond = threading.Condition()
         self.mailbox: dict[tuple[int, Any], list] = {}    # (epoch, key) -> [(kind, name, numpy)]
         self.epoch = -1                 # attempt numbers increase across runs (`_ray_runtime._EPOCHS`)

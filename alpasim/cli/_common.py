@@ -23,6 +23,7 @@ from alpasim import costmodels as cm
 from alpasim import experiments as ex
 from alpasim import graphs as gr
 from alpasim import solvers as sv
+from alpasim._gc import relax_gc
 from alpasim.units import format_bytes
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -368,6 +369,7 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 def main() -> None:
     """Console-script entry point: user errors become one line and exit status 2."""
+    relax_gc()
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
     try:

@@ -47,9 +47,9 @@ def start_plan(tmp_path: Path, cli) -> tuple[subprocess.Popen, list[int]]:
     proc = cli.popen("plan", "--model", "gpt3-2.6b", "--nodes", "1", "--workers", "2", "--json",
                      env={"ALPASIM_CACHE_DIR": str(tmp_path / "cache")})
     deadline = time.monotonic() + 60
-    while len(children(proc.pid)) < 2 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    time.sleep(2.0)                    # into the ILP solves, some results cached already
+    while ((len(children(proc.pid)) < 2 or not any((tmp_path / "cache").rglob("*.json")))
+           and proc.poll() is None and time.monotonic() < deadline):
+        time.sleep(0.05)               # into the ILP solves, some results cached already
     workers = children(proc.pid)
     assert len(workers) >= 2 and proc.poll() is None, proc.stderr.read() if proc.poll() is not None else workers
     return proc, workers

@@ -54,23 +54,25 @@ demo: $(STAMP)
 # tiny, so compiling them is most of their cost, and O0 compiles a third faster. It
 # changes only the machine code XLA emits, not the HLO, its sharding, collectives or
 # buffer assignment, which are what those tests check; nothing there is timed. The
-# serial lane, which times programs, compiles as users do. (XLA:CPU's legacy fusion
-# emitters, --xla_cpu_use_fusion_emitters=false, compile faster still, but at O0 they
+# serial lane, which times programs, compiles at the level users do. (XLA:CPU's legacy
+# fusion emitters, --xla_cpu_use_fusion_emitters=false, compile faster still, but at O0 they
 # give Wide-ResNet's stem/conv_bn_bias a gradient ten times its norm off: not a flag
 # for a lane that checks numerics.)
 TEST_WORKERS ?= 2
 FAST_XLA := XLA_FLAGS=--xla_backend_optimization_level=0
 # The tests run on jemalloc, the allocator Ray ships for its own processes (its wheel's
-# ray/core/libjemalloc.so), as JAX's CPU performance notes advise tcmalloc: XLA's
-# compiler (MLIR, LLVM) allocates and frees millions of small objects, and glibc's
-# malloc was 13 % of the parallel lane's CPU time (perf). Preloaded, the lane took 472
-# CPU-s against 505 and 242 s against 252 on the 2-core machine. Nothing a test checks
-# reads the allocator (XLA's memory figures come from its buffer assignment); the
-# suite runs as it did where that file is missing. `alpasim` itself runs on what it is
-# given: docs/running.md shows how to give it jemalloc. (Looked up by the shell
-# when a recipe runs: make's own file lookups may predate the venv.)
-JEMALLOC := je=$$(echo $(CURDIR)/$(VENV)/lib/python3*/site-packages/ray/core/libjemalloc.so); \
-	if [ -f "$$je" ]; then export LD_PRELOAD="$$je$${LD_PRELOAD:+:$$LD_PRELOAD}"; fi
+# ray/core/libjemalloc.so): XLA's compiler (MLIR, LLVM) allocates and frees millions of
+# small objects, and glibc's malloc was 13 % of the parallel lane's CPU time (perf).
+# Preloaded, the lane took 472 CPU-s against 505 and 242 s against 252 on the 2-core
+# machine. Nothing a test checks reads the allocator (XLA's memory figures come from
+# its buffer assignment); the suite runs as it did where that file is missing, and, as
+# Ray does, a preload the caller set (a sanitizer's runtime, another allocator) is left
+# alone. `alpasim` itself runs on what it is given: docs/running.md shows how to give
+# it jemalloc. (Looked up by the shell when a recipe runs: make's own file lookups may
+# predate the venv.)
+JEMALLOC := if [ -z "$${LD_PRELOAD-}" ]; then \
+	for je in $(CURDIR)/$(VENV)/lib/python3*/site-packages/ray/core/libjemalloc.so; do \
+	if [ -f "$$je" ]; then export LD_PRELOAD="$$je"; break; fi; done; fi
 PYTEST := $(BIN)/python -m pytest -q
 
 # pytest keeps each test module's assert-rewritten code as a pyc beside it, unless

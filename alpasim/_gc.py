@@ -12,7 +12,9 @@ apart, and CPython still defers each until a quarter of the long-lived heap is n
 the suite this left 8.7 CPU-s of collecting (2,669 young, 15 full) and cut its wall
 time by 10 s of 267; the plan took 16.8 s.
 
-Only entry points call `relax_gc` (the command, the Ray mesh actors, the test
+(Those are CPython 3.11-3.13's generational rules. 3.14's collector is incremental:
+there the first threshold still spaces the collections and the second sets how much of
+the old heap each one scans.) Only entry points call `relax_gc` (the command, the Ray mesh actors, the test
 session): a library imported by someone else's program leaves their collector alone.
 """
 

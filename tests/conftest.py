@@ -50,8 +50,6 @@ from pathlib import Path
 
 import pytest
 
-from alpasim._gc import relax_gc
-
 ROOT_VAR = "ALPASIM_TEST_ROOT"
 
 
@@ -106,7 +104,10 @@ def _isolate(root: Path) -> None:
 
 ROOT, _OWNED = _session_root()
 _isolate(ROOT)
-relax_gc()   # as the command does (alpasim/_gc.py): the two workers collected 31.6 CPU-s at the default, 8.7 so
+
+from alpasim._gc import relax_gc  # noqa: E402  (after the environment is the session's)
+
+relax_gc()   # as the command does (alpasim/_gc.py): 8.7 CPU-s of collecting in the two workers, not 31.6
 
 from hypothesis import settings  # noqa: E402  (after HOME moved)
 

@@ -21,6 +21,7 @@ dropped instead of being taken for the new one.
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from collections.abc import Mapping
@@ -98,10 +99,14 @@ class MeshWorker:
 
     def release(self) -> None:
         """Drop the stages (their arrays and programs), the peers and anything delivered:
-        before an actor waits idle, and before it takes another mesh."""
+        before an actor waits idle, and before it takes another mesh. A collection then
+        frees whatever of them sat in reference cycles: the actor's collector runs full
+        collections rarely (`relax_gc`), and a kept actor's next stages must not share
+        its devices' memory with the last run's."""
         self.stages, self.peers, self.program = {}, [], None
         with self.cond:
             self.mailbox.clear()
+        gc.collect()
 
     def ready(self) -> int:
         return self.k

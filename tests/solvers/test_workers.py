@@ -43,15 +43,17 @@ def alive(pid: int) -> bool:
 
 def start_plan(tmp_path: Path, cli) -> tuple[subprocess.Popen, list[int]]:
     """`alpasim plan` of a model that plans for about 20 s, once its two pool workers
-    are busy with ILPs."""
+    run and the planner has cached its first result (the pool's first job, its longest,
+    handed back), so a signal lands in the middle of the ILP solves."""
     proc = cli.popen("plan", "--model", "gpt3-2.6b", "--nodes", "1", "--workers", "2", "--json",
                      env={"ALPASIM_CACHE_DIR": str(tmp_path / "cache")})
     deadline = time.monotonic() + 60
-    while ((len(children(proc.pid)) < 2 or not any((tmp_path / "cache").rglob("*.json")))
-           and proc.poll() is None and time.monotonic() < deadline):
-        time.sleep(0.05)               # into the ILP solves, some results cached already
+    cached = lambda: any((tmp_path / "cache").rglob("*.json"))  # noqa: E731
+    while not (cached() and len(children(proc.pid)) >= 2) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
     workers = children(proc.pid)
     assert len(workers) >= 2 and proc.poll() is None, proc.stderr.read() if proc.poll() is not None else workers
+    assert cached(), "no stage cost cached within 60 s"
     return proc, workers
 
 

@@ -12,6 +12,8 @@ import os
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from alpasim._gc import relax_gc
+
 # Generous: one job is a handful of ILP solves.
 RAY_TASK_TIMEOUT_S = 600.0
 
@@ -40,7 +42,7 @@ def ray_map_fn(address: str | None = None, workers: int | None = None, *,
     in_flight = workers if address else None
 
     def map_fn(fn: Callable[[Any], Any], items: Iterable[Any]) -> Iterator[Any]:
-        remote = ray.remote(fn)
+        remote = ray.remote(_with_relaxed_gc(fn))
         items = list(items)
         limit = len(items) if in_flight is None else max(1, in_flight)
         refs = [remote.remote(item) for item in items[:limit]]
@@ -51,6 +53,16 @@ def ray_map_fn(address: str | None = None, workers: int | None = None, *,
             refs[i] = None          # let Ray free the result
 
     return map_fn
+
+
+def _with_relaxed_gc(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """`fn`, run in a Ray worker whose collector is set as the command's (`relax_gc`):
+    a job is a handful of layer ILPs, as in the local pool's forked workers."""
+    def job(item: Any) -> Any:
+        relax_gc()
+        return fn(item)
+
+    return job
 
 
 def ray_shutdown() -> None:

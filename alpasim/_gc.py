@@ -14,8 +14,10 @@ time by 10 s of 267; the plan took 16.8 s.
 
 (Those are CPython 3.11-3.13's generational rules. 3.14's collector is incremental:
 there the first threshold still spaces the collections and the second sets how much of
-the old heap each one scans.) Only entry points call `relax_gc` (the command, the Ray mesh actors, the test
-session): a library imported by someone else's program leaves their collector alone.
+the old heap each one scans.) Only entry points call `relax_gc` (the command, its
+planning jobs on Ray, the test session): a library imported by someone else's program
+leaves their collector alone. The Ray mesh actors keep the defaults: a released
+stage's cycles, device buffers included, must go before the actor takes the next one.
 """
 
 from __future__ import annotations

@@ -21,7 +21,6 @@ dropped instead of being taken for the new one.
 
 from __future__ import annotations
 
-import gc
 import threading
 import time
 from collections.abc import Mapping
@@ -31,7 +30,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from alpasim._gc import relax_gc
 from alpasim.simulator import Program, Recv, Send
 from alpasim.solvers import IntraOpPlan, PipelinePlan, planning_graph
 
@@ -75,7 +73,6 @@ class MeshWorker:
     """The actor class (wrapped with `ray.remote` by the driver; no Ray at import)."""
 
     def __init__(self, plan: PipelinePlan, k: int, seed: int) -> None:
-        relax_gc()                      # a process of its own that traces and lowers
         self.cond = threading.Condition()
         self.mailbox: dict[tuple[int, Any], list] = {}    # (epoch, key) -> [(kind, name, numpy)]
         self.epoch = -1                 # attempt numbers increase across runs (`_ray_runtime._EPOCHS`)
@@ -99,14 +96,13 @@ class MeshWorker:
 
     def release(self) -> None:
         """Drop the stages (their arrays and programs), the peers and anything delivered:
-        before an actor waits idle, and before it takes another mesh. A collection then
-        frees whatever of them sat in reference cycles: the actor's collector runs full
-        collections rarely (`relax_gc`), and a kept actor's next stages must not share
-        its devices' memory with the last run's."""
+        before an actor waits idle, and before it takes another mesh. (The actor keeps
+        Python's default collector settings, not the command's `relax_gc`: whatever of
+        a released stage sits in reference cycles, device buffers included, is then
+        collected soon, without a full collection per run.)"""
         self.stages, self.peers, self.program = {}, [], None
         with self.cond:
             self.mailbox.clear()
-        gc.collect()
 
     def ready(self) -> int:
         return self.k

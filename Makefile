@@ -62,8 +62,8 @@ TEST_WORKERS ?= 2
 FAST_XLA := XLA_FLAGS=--xla_backend_optimization_level=0
 # The tests run on jemalloc, the allocator Ray ships for its own processes (its wheel's
 # ray/core/libjemalloc.so): XLA's compiler (MLIR, LLVM) allocates and frees millions of
-# small objects, and glibc's malloc was 13 % of the parallel lane's CPU time (perf).
-# Preloaded, the lane took 472 CPU-s against 505 and 242 s against 252 on the 2-core
+# small objects, and glibc's malloc and free were 10 % of the parallel lane's CPU time
+# (perf). Preloaded, the lane took 242 s (472 busy CPU-s) against 252 s on the 2-core
 # machine. Nothing a test checks reads the allocator (XLA's memory figures come from
 # its buffer assignment); the suite runs as it did where that file is missing, and, as
 # Ray does, a preload the caller set (a sanitizer's runtime, another allocator) is left

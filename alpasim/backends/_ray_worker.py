@@ -96,10 +96,7 @@ class MeshWorker:
 
     def release(self) -> None:
         """Drop the stages (their arrays and programs), the peers and anything delivered:
-        before an actor waits idle, and before it takes another mesh. (The actor keeps
-        Python's default collector settings, not the command's `relax_gc`: whatever of
-        a released stage sits in reference cycles, device buffers included, is then
-        collected soon, without a full collection per run.)"""
+        before an actor waits idle, and before it takes another mesh."""
         self.stages, self.peers, self.program = {}, [], None
         with self.cond:
             self.mailbox.clear()

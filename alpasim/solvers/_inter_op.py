@@ -333,7 +333,7 @@ class _Evaluator:
         sizes = [sh.size for sh in costs.shapes]
         # Every stage spans at least the smallest mesh's whole nodes (all of a Megatron
         # layout's meshes the same; a search with meshes inside a node prices one node's cards).
-        boundary = stage_boundary_s(graph, cluster, nodes=min(whole_nodes(size, cluster) for size in sizes)) \
+        boundary = stage_boundary_s(graph, cluster, nodes=whole_nodes(min(sizes), cluster)) \
             if kw["price_boundaries"] else None
         per_node = cluster.devices_per_node if kw["price_boundaries"] else None
         if kw["equal_layers"]:

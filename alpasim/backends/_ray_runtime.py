@@ -2,7 +2,8 @@
 
 `run_ray(plan)` builds the same `Program` as `run_local` and starts one `MeshWorker`
 actor per mesh (`_ray_worker`); each lowers its own stage (under interleaving, each
-of its mesh's chunks) on the devices its process sees. The driver sends every actor its instruction list once, before the first step
+of its mesh's chunks) on its own devices (on virtual CPU devices, the plan's device ids,
+so the stage's programs are `run_local`'s: `_ray_worker.stage_devices`). The driver sends every actor its instruction list once, before the first step
 (Alpa's MPMD design: after that the meshes follow their lists without coordination),
 together with the peers' handles; per step it only calls `step` on all actors at once
 and collects losses, step 1's gradients and per-instruction times. Boundary tensors go
@@ -154,20 +155,22 @@ def actor_platform(ray, plan: PipelinePlan, platform: str) -> str:
     return "gpu"
 
 
-def _actor_options(mesh_size: int, platform: str = "cpu") -> dict[str, Any]:
-    """Ray options of one mesh's actor: a process of its own that sees `mesh_size` devices.
+def _actor_options(devices: int, platform: str = "cpu") -> dict[str, Any]:
+    """Ray options of one mesh's actor: a process of its own that sees `devices` devices.
 
-    On "gpu" the actor asks Ray for `mesh_size` GPUs (Ray sets CUDA_VISIBLE_DEVICES to
-    them, so JAX's devices in the actor are exactly its mesh) and one CPU. On "cpu" the
-    devices are virtual CPU devices: the actor reserves no CPU (the meshes share the
-    host's cores, as in the local runtime) and sets XLA's device count in its
-    environment. The driver's own XLA flags reach every actor (`_xla_flags`).
+    On "gpu" the actor asks Ray for `devices` GPUs, its mesh's (Ray sets
+    CUDA_VISIBLE_DEVICES to them, so JAX's devices in the actor are exactly its mesh),
+    and one CPU. On "cpu" the devices are virtual CPU devices, as many as the whole plan
+    has (`_Meshes.fit`), of which the actor's stages take the plan's own device ids
+    (`_ray_worker.stage_devices`); it reserves no CPU (the meshes share the host's
+    cores, as in the local runtime) and sets XLA's device count in its environment. The
+    driver's own XLA flags reach every actor (`_xla_flags`).
     """
     if platform == "gpu":
         env = {"JAX_PLATFORMS": "cuda", **_xla_flags(None)}
-        return {"num_cpus": 1, "num_gpus": mesh_size, "max_concurrency": MAX_CONCURRENCY,
+        return {"num_cpus": 1, "num_gpus": devices, "max_concurrency": MAX_CONCURRENCY,
                 "runtime_env": {"env_vars": env}}
-    env = {**_xla_flags(mesh_size), "JAX_PLATFORMS": "cpu"}
+    env = {**_xla_flags(devices), "JAX_PLATFORMS": "cpu"}
     return {"num_cpus": 0, "max_concurrency": MAX_CONCURRENCY, "runtime_env": {"env_vars": env}}
 
 
@@ -277,8 +280,12 @@ class _Meshes:
     # ------------------------------------------------------------- actors
     def fit(self, k: int) -> dict[str, Any]:
         """What an actor must have to serve mesh `k`: its Ray options (platform, device
-        count, the XLA flags in its environment)."""
-        return _actor_options(len(self.plan.stages[k].devices), self.platform)
+        count, the XLA flags in its environment). On GPUs the count is the mesh's; on
+        virtual CPU devices it is the plan's, the same for every mesh, so any idle actor
+        of a plan with as many devices serves any of this plan's meshes."""
+        if self.platform == "gpu":
+            return _actor_options(len(self.plan.stages[k].devices), "gpu")
+        return _actor_options(1 + max(d for st in self.plan.stages for d in st.devices), "cpu")
 
     def spawn(self, k: int, idle: list | None = None):
         """Mesh `k`'s actor: an idle one that fits and still answers (taken out of `idle`;

@@ -1,7 +1,7 @@
 """One mesh of a Ray run: an actor that owns a stage and follows its instruction list.
 
-The actor builds its stage from the plan alone (`lower_stage` on the process's own
-`jax.devices()`), receives its instruction list once (`load_program`), then runs one
+The actor builds its stage from the plan alone (`lower_stage` on its devices:
+`stage_devices`), receives its instruction list once (`load_program`), then runs one
 iteration per `step` call. It executes instructions exactly as the local runtime
 does (`_runtime._Walker`, subclassed) except at the edges:
 
@@ -67,6 +67,20 @@ class RemoteStage:
     compiled: dict[str, HloText]
     params_bytes: float
     memory: StageMemory | None = None       # `stage_memory` of the actor's compiled stage
+    device_ids: tuple[int, ...] = ()        # the ids, in the actor's process, of its mesh's devices
+
+
+def stage_devices(plan: PipelinePlan, j: int) -> list[jax.Device]:
+    """Plan stage j's devices in this actor. On virtual CPU devices the actor sees as
+    many as the plan has (`_ray_runtime._actor_options`) and takes the stage's own
+    device ids, as `run_local` does: the stage compiles to the very program the local
+    runtime compiles for it (same HLO, same device assignment), so the two runtimes run
+    the same code and a persistent XLA compilation cache serves both. On GPUs the
+    process sees exactly its mesh's devices (Ray's CUDA_VISIBLE_DEVICES), in order."""
+    devices = jax.devices()
+    if devices[0].platform != "cpu":
+        return devices
+    return [devices[d] for d in plan.stages[j].devices]
 
 
 class MeshWorker:
@@ -89,7 +103,7 @@ class MeshWorker:
         self.graph = planning_graph(plan.model)
         # The plan stages this mesh runs: one, or its chunks under interleaving.
         own = range(k, len(plan.stages), plan.num_meshes)
-        self.stages = {j: lower_stage(plan, self.graph, j, jax.devices(), seed=seed) for j in own}
+        self.stages = {j: lower_stage(plan, self.graph, j, stage_devices(plan, j), seed=seed) for j in own}
         self.inflight = {j: plan.stages[j].inflight_microbatches for j in own}
         self.at: Any = None                               # the instruction being run, for `where`
         return k
@@ -112,7 +126,8 @@ class MeshWorker:
         self.owners, self.readers = owners, readers
         return [RemoteStage(j, s.part, s.mesh.abstract_mesh, s.intra_plan,
                             {name: HloText(c.as_text()) for name, c in s.compiled.items()},
-                            params_bytes_per_device(s), stage_memory(s, self.inflight[j]))
+                            params_bytes_per_device(s), stage_memory(s, self.inflight[j]),
+                            tuple(int(d.id) for d in s.mesh.devices.flat))
                 for j, s in self.stages.items()]
 
     def profile(self, iters: int) -> dict[int, StageTimes]:

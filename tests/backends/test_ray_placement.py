@@ -48,7 +48,7 @@ def test_actor_options_per_platform(monkeypatch):
                                               "JAX_PLATFORMS": "cpu"}
 
 
-def test_the_drivers_xla_flags_reach_every_actor_with_the_meshs_device_count(monkeypatch):
+def test_the_drivers_xla_flags_reach_every_actor_with_its_device_count(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/d --xla_force_host_platform_device_count=8 "
                                     "--xla_backend_optimization_level=0")
     cpu = _actor_options(2, "cpu")["runtime_env"]["env_vars"]

@@ -3,22 +3,22 @@ program that never sends.
 
 One Ray cluster for the run of `ray` tests (`ray_cluster`: 2 CPUs; the mesh actors
 reserve none). Each run has one actor per mesh, a process of its own with as many
-virtual CPU devices as its mesh has, started for it or kept from the previous run where
-the devices fit; the
-plans are the `small_plan` fixture's (3 stages, 1x2 and 2x2 meshes).
+virtual CPU devices as the plan has (its stages on the plan's device ids), started for it
+or kept from the previous run where the devices fit; the plans are the `small_plan`
+fixture's (3 stages, 1x2 and 2x2 meshes).
 
-Agreement with `run_local`: both runtimes execute the same compiled stage programs on
-meshes of the same shape with the same data, and Ray moves tensors losslessly (host
-numpy), so the losses and gradients should be the same floats; we allow 1e-6
-relative (norm-wise for gradients), far below `check_numerics`'s 1e-5 / 1e-4 against
-the single device, in case XLA partitions a reduction differently in a process that
-sees fewer devices. Measured: bitwise equal.
+Agreement with `run_local`: both runtimes execute the same compiled stage programs (the
+same HLO, checked) on the same devices with the same data, and Ray moves tensors
+losslessly (host numpy), so the losses and gradients should be the same floats; we
+allow 1e-6 relative (norm-wise for gradients), far below `check_numerics`'s 1e-5 / 1e-4
+against the single device. Measured: bitwise equal.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import time
 
 import numpy as np
@@ -45,6 +45,14 @@ def gpt_local(small_plan):
     return run_local(small_plan("gpt"), steps=STEPS)
 
 
+def _program(compiled) -> str:
+    """A compiled program's HLO text without its debug information (the Python stack
+    that traced each op, which differs between the driver and an actor)."""
+    blocks = [b for b in compiled.as_text().split("\n\n")
+              if b.split("\n", 1)[0] not in ("FileNames", "FunctionNames", "FileLocations", "StackFrames")]
+    return re.sub(r", metadata=\{[^}]*\}", "", "\n\n".join(blocks))
+
+
 def _rel_err(got: dict, want: dict) -> float:
     return max(np.linalg.norm(got[p] - w) / max(np.linalg.norm(w), 1e-30) for p, w in want.items())
 
@@ -66,8 +74,12 @@ def test_ray_matches_local_and_single_device(family, ray_cluster, small_plan, gp
     assert check["numerics_ok"], check
     assert all(math.isfinite(x) for x in result.losses) and result.restarts == []
 
-    # The same stages, so the same collectives in their HLO (fetched from the actors).
+    # The same stages, so the same collectives in their HLO (fetched from the actors):
+    # the very programs, since an actor lowers its stage on the plan's device ids.
+    assert [s.device_ids for s in result.stages] == [tuple(st.devices) for st in plan.stages]
     assert compare_collectives(result.stages) == compare_collectives(local.stages)
+    for remote, here in zip(result.stages, local.stages, strict=True):
+        assert {n: _program(c) for n, c in remote.compiled.items()} == {n: _program(c) for n, c in here.compiled.items()}
 
     tl, B = result.timeline, plan.microbatches
     for k in range(len(plan.stages)):

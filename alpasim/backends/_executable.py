@@ -185,6 +185,13 @@ class StageExecutable:
             acc = jax.device_put(acc.sum(axis=0), self.shardings[f"{param}:grad"])
         return acc
 
+    def host_grad(self, param: str) -> np.ndarray:
+        """`grad(param)` on the host, reduced there: what a run reports. An eager device
+        sum would compile a program per accumulator shape (16 of them, about 25 ms each,
+        in a small MoE plan's first step) for a value that is copied to the host anyway."""
+        acc = np.asarray(self.acc[param])
+        return acc.sum(axis=0) if self.unreduced(param) else acc
+
     def add_grad(self, param: str, value: jax.Array) -> None:
         """Add another stage's accumulated gradient of a tied parameter into this one's
         (into the first partial of an unreduced accumulator)."""

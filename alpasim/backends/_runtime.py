@@ -270,7 +270,7 @@ class _Walker:
             for j in self.chunks_of(k):
                 stage = self.stages[j]
                 if self.step == 0:
-                    self.grads.update({p: np.asarray(stage.grad(p)) for p in stage.part.owned})
+                    self.grads.update({p: stage.host_grad(p) for p in stage.part.owned})
                 stage.update()
                 jax.block_until_ready((stage.params, stage.states))
             self.record(f"mesh{k}", "sync", k, -1, start, name="update")

@@ -19,6 +19,7 @@ the dtypes its graph declares, and a result whose shape disagrees with the graph
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -478,6 +479,23 @@ def _max_pool(p, x):
     return _max_pool_fn(p, x)
 
 
+def _window_pixels(x, offset, strides, count, low):
+    """`_pick` of x padded with -inf by `low` rows and columns, without the padded copy:
+    the in-range pixels picked from x, the rest padded in at the pooled size."""
+    (i, j), (sh, sw), (oh, ow), (pt, pl) = offset, strides, count, low
+    n, h, w, c = x.shape
+    first = [-(-max(low_ - k, 0) // s) for k, s, low_ in ((i, sh, pt), (j, sw, pl))]   # first in-range window
+    last = [min(o - 1, (size - 1 + low_ - k) // s) for k, s, o, size, low_ in ((i, sh, oh, h, pt), (j, sw, ow, w, pl))]
+    a0, b0 = first
+    a1, b1 = last
+    if a1 < a0 or b1 < b0:           # every window reads padding at this offset
+        return jnp.full((n, oh, ow, c), -np.inf, x.dtype)
+    start = (a0 * sh + i - pt, b0 * sw + j - pl)
+    v = lax.slice(x, (0, start[0], start[1], 0), (n, start[0] + (a1 - a0) * sh + 1, start[1] + (b1 - b0) * sw + 1, c),
+                  (1, sh, sw, 1))
+    return lax.pad(v, np.array(-np.inf, x.dtype), ((0, 0, 0), (a0, oh - 1 - a1, 0), (b0, ow - 1 - b1, 0), (0, 0, 0)))
+
+
 @_lowers("max_pool_grad")
 def _max_pool_grad(p, dy, x):
     """Max pooling's cotangent as masks, one window offset at a time.
@@ -490,23 +508,34 @@ def _max_pool_grad(p, dy, x):
     and result accounts for. Here the scratch is the padded cotangent alone: for each
     of the window's offsets, the outputs whose first maximum sits there, scattered
     back by a strided pad (interior padding = stride - 1).
+
+    "Sits there" is bitwise equality with the window's maximum, so the maximum is taken
+    over the very pixel arrays it is compared with (`_window_pixels`: slices of x, the
+    padding added at the pooled size, with no padded copy of x), not by a reduce-window.
+    With y = reduce_window(x) and the pixels sliced from a padded copy, XLA computed
+    the two in different kinds of fusion, each recomputing x from its batch norm and
+    ReLU, and nothing makes two fusions round alike: under XLA:CPU's legacy emitters
+    at -O0 one pixel in twenty of Wide-ResNet's stem got a wrong cotangent (the stem's
+    gradients 12x their norm off), though the op alone was right. XLA offers no way
+    to make a value one buffer that every fusion reads; computing both sides alike is
+    what the tests check, under both emitter families.
     """
     (kh, kw), (sh, sw) = p["window"], p["strides"]
     (pt, pb), (pl, pr) = map(tuple, p.get("padding", ((0, 0), (0, 0))))
     n, h, w, c = x.shape
-    y = _max_pool_fn(p, x)
-    _, oh, ow, _ = y.shape
-    xp = lax.pad(x, np.array(-np.inf, x.dtype), ((0, 0, 0), (pt, pb, 0), (pl, pr, 0), (0, 0, 0)))
+    _, oh, ow, _ = dy.shape
+    padded = (n, pt + h + pb, pl + w + pr, c)
+    pixels = {(i, j): _window_pixels(x, (i, j), (sh, sw), (oh, ow), (pt, pl)) for i in range(kh) for j in range(kw)}
+    y = functools.reduce(jnp.maximum, pixels.values())
     g = dy.astype(x.dtype)
     zero = np.array(0, x.dtype)
     taken = jnp.zeros(y.shape, bool)
-    dxp = jnp.zeros(xp.shape, x.dtype)
-    for i in range(kh):
-        for j in range(kw):
-            first = (_pick(xp, (i, j), (sh, sw), (oh, ow)) == y) & ~taken
-            taken = taken | first
-            # Output (a, b) reads padded position (i + a*sh, j + b*sw) at this offset.
-            dxp = dxp + _spread(jnp.where(first, g, zero), (i, j), (sh, sw), xp.shape[1:3])
+    dxp = jnp.zeros(padded, x.dtype)
+    for offset, v in pixels.items():
+        first = (v == y) & ~taken
+        taken = taken | first
+        # Output (a, b) reads padded position (i + a*sh, j + b*sw) at this offset.
+        dxp = dxp + _spread(jnp.where(first, g, zero), offset, (sh, sw), padded[1:3])
     return lax.slice(dxp, (0, pt, pl, 0), (n, pt + h, pl + w, c))
 
 

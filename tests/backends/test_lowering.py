@@ -15,6 +15,8 @@ import sys
 import jax
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from alpasim.backends import (LOWERINGS, LoweringError, graph_leaves, lower_graph, random_leaves, top2_gating,
                               topk_gating)
@@ -385,6 +387,29 @@ def test_max_pool_grad_sends_each_cotangent_to_its_windows_first_maximum(strides
         return jax.lax.reduce_window(v, -np.inf, jax.lax.max, (1, 3, 3, 1), (1, *strides, 1), pads)
 
     dy = np.random.default_rng(1).normal(size=jax.eval_shape(pool, x).shape).astype(np.float32)
+    got = jax.jit(functools.partial(LOWERINGS["max_pool_grad"], p))(dy, x)
+    want = jax.jit(lambda v, d: jax.vjp(pool, v)[1](d)[0])(x, dy)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 3), st.integers(1, 3), st.integers(1, 3), st.integers(0, 2),
+       st.integers(0, 2), st.integers(1, 6), st.integers(1, 6), st.integers(0, 2**16))
+def test_max_pool_grad_matches_jax_on_any_geometry(kh, kw, sh, sw, pt, pl, h, w, seed):
+    """Any window, stride, padding (low and high, up to the window less one) and image,
+    down to images the window reaches past on both sides: the written-out cotangent
+    equals JAX's transpose, ties included (small integers)."""
+    pad = ((min(pt, kh - 1), min(pt, kh - 1)), (min(pl, kw - 1), 0))
+    if h + sum(pad[0]) < kh or w + sum(pad[1]) < kw:
+        return                                          # no window fits
+    p = {"window": (kh, kw), "strides": (sh, sw), "padding": pad}
+    rng = np.random.default_rng(seed)
+    x = rng.integers(-2, 3, size=(2, h, w, 2)).astype(np.float32)
+
+    def pool(v):
+        return jax.lax.reduce_window(v, -np.inf, jax.lax.max, (1, kh, kw, 1), (1, sh, sw, 1), ((0, 0), *pad, (0, 0)))
+
+    dy = rng.normal(size=jax.eval_shape(pool, x).shape).astype(np.float32)
     got = jax.jit(functools.partial(LOWERINGS["max_pool_grad"], p))(dy, x)
     want = jax.jit(lambda v, d: jax.vjp(pool, v)[1](d)[0])(x, dy)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)

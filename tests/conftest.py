@@ -21,7 +21,8 @@ is imported, into one session root:
   in the root.
 
 XLA: eight virtual CPU devices, added to any `XLA_FLAGS` given (`make test`'s parallel
-lane gives LLVM's optimisation level 0 there: see the Makefile).
+lane gives LLVM's optimisation level 0 and XLA:CPU's legacy fusion emitters there: see
+the Makefile).
 
 `make test` makes the root (`ALPASIM_TEST_ROOT`) and hands it to both of its pytest runs,
 so the serial and the parallel lane share the stage cache (XLA's entries differ: XLA's

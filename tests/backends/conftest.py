@@ -78,7 +78,8 @@ def reference():
     store.mkdir(exist_ok=True)
 
     def get(plan) -> Reference:
-        # XLA's flags too: the serial lane compiles as users do, the parallel lane at O0.
+        # XLA's flags too: the serial lane compiles as users do, the parallel lane at O0
+        # with legacy emitters.
         key = json.dumps([plan.model.to_json(), plan.microbatches, os.environ.get("XLA_FLAGS", "")], sort_keys=True)
         path = store / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.npz"
         try:

@@ -66,7 +66,10 @@ def test_run_json_reports_numerics_timing_and_collectives(tmp_path, cli):
     path = tmp_path / "plan.json"
     small_plan(TINY_GPT).save(path)
     trace = tmp_path / "trace.json"
-    r = cli("run", str(path), "--steps", "2", "--json", "--trace", str(trace))
+    # As a user runs it: XLA's own optimisation level and fusion emitters, not the
+    # parallel lane's (the Makefile), so the numerics users get are checked here too.
+    r = cli("run", str(path), "--steps", "2", "--json", "--trace", str(trace),
+            env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout)
     assert got["numerics_ok"] is True

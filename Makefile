@@ -55,18 +55,22 @@ demo: $(STAMP)
 # tests' programs are tiny, so compiling them is most of their cost, and the two
 # together take a third of the users' time (a 3-stage Wide-ResNet plan's programs:
 # 3.8 s of compiling, against 7.4 s at O0 alone and 11.6 s at the users' level).
-# Neither changes the sharding, the collectives or what a test checks: O0 changes only
+# Neither changes the sharding or the collectives the tests check: O0 changes only
 # machine code; the legacy emitters fuse a little differently (a small GPT stage's
-# backward: 84 fusions, not 97; its temporaries 80 bytes apart). Nothing there is
-# timed. What users compile is checked too: the serial lane compiles at their level,
-# and the parallel lane's `alpasim run` numerics test runs with XLA's defaults. An XLA
+# backward: 84 fusions, not 97; its temporaries 80 bytes apart), and the lane's
+# numerics hold under them (they exposed one fault of ours, since fixed:
+# `_lowering._max_pool_grad`). Nothing there is timed. What users compile is checked
+# too: the serial lane compiles at their level, and two `alpasim run` numerics tests
+# of the parallel lane (a GPT, a Wide-ResNet: tests/backends/test_run_cli.py) run with
+# XLA's defaults. An XLA
 # that no longer knows the emitter flag (it aborts on unknown flags) runs the lane
 # without it.
 TEST_WORKERS ?= 2
 FAST_XLA := fast=--xla_backend_optimization_level=0; \
 	if XLA_FLAGS="$$fast --xla_cpu_use_fusion_emitters=false" JAX_PLATFORMS=cpu \
 	   $(BIN)/python -c 'import jax; jax.devices()' >/dev/null 2>&1; then \
-	fast="$$fast --xla_cpu_use_fusion_emitters=false"; fi
+	fast="$$fast --xla_cpu_use_fusion_emitters=false"; fi; \
+	echo "make: the parallel lane compiles with XLA_FLAGS=$$fast"
 # The tests run on jemalloc, the allocator Ray ships for its own processes (its wheel's
 # ray/core/libjemalloc.so): XLA's compiler (MLIR, LLVM) allocates and frees millions of
 # small objects, and glibc's malloc and free were 10 % of the parallel lane's CPU time

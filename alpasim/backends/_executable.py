@@ -188,9 +188,12 @@ class StageExecutable:
     def host_grad(self, param: str) -> np.ndarray:
         """`grad(param)` on the host, reduced there: what a run reports. An eager device
         sum would compile a program per accumulator shape (16 of them, about 25 ms each,
-        in a small MoE plan's first step) for a value that is copied to the host anyway."""
+        in a small MoE plan's first step) for a value that is copied to the host anyway.
+        The partials are added in float32 at least and rounded once, as XLA's sum does."""
         acc = np.asarray(self.acc[param])
-        return acc.sum(axis=0) if self.unreduced(param) else acc
+        if not self.unreduced(param):
+            return acc
+        return acc.sum(axis=0, dtype=np.promote_types(acc.dtype, np.float32)).astype(acc.dtype)
 
     def add_grad(self, param: str, value: jax.Array) -> None:
         """Add another stage's accumulated gradient of a tied parameter into this one's

@@ -516,9 +516,12 @@ def _max_pool_grad(p, dy, x):
     the two in different kinds of fusion, each recomputing x from its batch norm and
     ReLU, and nothing makes two fusions round alike: under XLA:CPU's legacy emitters
     at -O0 one pixel in twenty of Wide-ResNet's stem got a wrong cotangent (the stem's
-    gradients 12x their norm off), though the op alone was right. XLA offers no way
-    to make a value one buffer that every fusion reads; computing both sides alike is
-    what the tests check, under both emitter families.
+    gradients 12x their norm off), though the op alone was right. An optimization
+    barrier on x does not make x one buffer there (XLA:CPU expands the barrier away
+    before fusing; tried, the gradients stayed wrong), so both sides are computed
+    alike instead. `tests/graphs/test_autodiff.py`'s Wide-ResNet, whose pooled x is a
+    fused producer inside one program, failed before and passes now, under either
+    emitter family.
     """
     (kh, kw), (sh, sw) = p["window"], p["strides"]
     (pt, pb), (pl, pr) = map(tuple, p.get("padding", ((0, 0), (0, 0))))

@@ -28,7 +28,7 @@ nothing hangs.
 CPU actors outlive a run: a run that completes hands them, their stages dropped, to an
 idle pool of this driver's Ray session, and the next run takes the ones whose Ray
 options fit its meshes (`assign` lowers the new stages in the warm process) and stops
-the rest, so idle actors never hold more than one run's devices (GPU actors are always
+the rest, so the idle pool never holds more actors than one run had (GPU actors are always
 stopped: JAX holds most of a GPU's memory while its process lives). Alpa does the same: a
 `PhysicalDeviceMesh`'s workers start once, at `alpa.init`, and run every executable
 compiled for it. Starting an actor costs a process, importing JAX and alpasim (about
@@ -160,8 +160,8 @@ def _actor_options(devices: int, platform: str = "cpu") -> dict[str, Any]:
 
     On "gpu" the actor asks Ray for `devices` GPUs, its mesh's (Ray sets
     CUDA_VISIBLE_DEVICES to them, so JAX's devices in the actor are exactly its mesh),
-    and one CPU. On "cpu" the devices are virtual CPU devices, as many as the whole plan
-    has (`_Meshes.fit`), of which the actor's stages take the plan's own device ids
+    and one CPU. On "cpu" the devices are virtual CPU devices, ids 0 to the plan's
+    largest (`_Meshes.fit`), of which the actor's stages take the plan's own device ids
     (`_ray_worker.stage_devices`); it reserves no CPU (the meshes share the host's
     cores, as in the local runtime) and sets XLA's device count in its environment. The
     driver's own XLA flags reach every actor (`_xla_flags`).
@@ -177,8 +177,8 @@ def _actor_options(devices: int, platform: str = "cpu") -> dict[str, Any]:
 def _xla_flags(cpu_devices: int | None) -> dict[str, str]:
     """`XLA_FLAGS` for an actor: the driver's flags, so a flag its user set (a dump
     directory, an optimisation level) holds on every mesh, with the virtual device count
-    replaced by the mesh's (`cpu_devices`; None on GPUs: no count). Empty when there
-    is nothing to set."""
+    replaced by the actor's (`cpu_devices`, the plan's: `_Meshes.fit`; None on GPUs: no
+    count). Empty when there is nothing to set."""
     kept = [f for f in os.environ.get("XLA_FLAGS", "").split()
             if not f.startswith("--xla_force_host_platform_device_count")]
     if cpu_devices is not None:

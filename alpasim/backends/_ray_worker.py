@@ -71,8 +71,8 @@ class RemoteStage:
 
 
 def stage_devices(plan: PipelinePlan, j: int) -> list[jax.Device]:
-    """Plan stage j's devices in this actor. On virtual CPU devices the actor sees as
-    many as the plan has (`_ray_runtime._actor_options`) and takes the stage's own
+    """Plan stage j's devices in this actor. On virtual CPU devices the actor sees ids 0
+    to the plan's largest (`_ray_runtime._actor_options`) and takes the stage's own
     device ids, as `run_local` does: the stage compiles to the very program the local
     runtime compiles for it (same HLO, same device assignment), so the two runtimes run
     the same code and a persistent XLA compilation cache serves both. On GPUs the
@@ -80,7 +80,8 @@ def stage_devices(plan: PipelinePlan, j: int) -> list[jax.Device]:
     devices = jax.devices()
     if devices[0].platform != "cpu":
         return devices
-    return [devices[d] for d in plan.stages[j].devices]
+    by_id = {d.id: d for d in devices}
+    return [by_id[d] for d in plan.stages[j].devices]
 
 
 class MeshWorker:

@@ -95,6 +95,12 @@ def test_data_parallel_gradients_are_reduced_once_per_iteration(reference):
     # Pure data parallelism: every device holds every parameter's whole gradient.
     assert m.grads_bytes == sum(stage.params[p].size * stage.acc[p].dtype.itemsize for p in stage.ops.grads)
     assert check_numerics(result.losses[0], result.grads, reference(plan))["numerics_ok"]
+    # The reported gradient of an unreduced accumulator, summed on the host, is the device's sum.
+    rng = np.random.default_rng(0)
+    for p in unreduced[:2]:
+        acc = stage.acc[p]
+        stage.acc[p] = jax.device_put(rng.standard_normal(acc.shape).astype(acc.dtype), acc.sharding)
+        np.testing.assert_allclose(stage.host_grad(p), np.asarray(stage.grad(p)), rtol=1e-6, atol=1e-6)
 
 
 @needs_8

@@ -36,6 +36,10 @@ from alpasim.solvers import plan_pipeline
 
 
 TINY_GPT = "gpt3:hidden=64,layers=2,heads=4,seq=16,vocab=128,batch=8,dtype=fp32"
+WRESNET_17 = "wresnet:channels=8,width=1,image=64,classes=16,batch=8,depth=17"
+# XLA's own optimisation level and fusion emitters, as a user's run compiles (the
+# parallel lane compiles otherwise: the Makefile); the device count is the tests'.
+USERS_XLA = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
 SMALL_GPT = "gpt3:hidden=256,layers=4,heads=8,seq=64,vocab=512,batch=16,dtype=fp32"
 VIEWS = {2: [(1, 2)], 4: [(2, 2)]}
 PROFILED_BAND = (0.25, 3.0)
@@ -66,10 +70,8 @@ def test_run_json_reports_numerics_timing_and_collectives(tmp_path, cli):
     path = tmp_path / "plan.json"
     small_plan(TINY_GPT).save(path)
     trace = tmp_path / "trace.json"
-    # As a user runs it: XLA's own optimisation level and fusion emitters, not the
-    # parallel lane's (the Makefile), so the numerics users get are checked here too.
-    r = cli("run", str(path), "--steps", "2", "--json", "--trace", str(trace),
-            env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+    # As a user runs it (USERS_XLA), so the numerics users get are checked here too.
+    r = cli("run", str(path), "--steps", "2", "--json", "--trace", str(trace), env=USERS_XLA)
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout)
     assert got["numerics_ok"] is True
@@ -110,6 +112,16 @@ def test_run_bad_plan_file_is_one_line_and_exit_2(tmp_path, content, cli):
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_a_wide_resnet_compiled_as_users_compile_it_trains_the_single_device_step(tmp_path, cli):
+    """Convolutions, batch norm and max pooling (every kind of ResNet block once) under
+    XLA's defaults (USERS_XLA): the pipelined step equals one device's."""
+    path = tmp_path / "plan.json"
+    small_plan(WRESNET_17).save(path)
+    got = cli.json("run", str(path), "--steps", "1", "--profile-iters", "0", env=USERS_XLA)
+    assert got["numerics_ok"] is True and len(got["stages"]) >= 2, got
+
+
 def test_run_without_stage_profiling_and_a_bad_iteration_count(tmp_path, cli):
     path = tmp_path / "plan.json"
     small_plan(TINY_GPT).save(path)

@@ -28,7 +28,13 @@ from alpasim.units import format_bytes
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Plan, simulate and run Alpa-style parallel training.")
+# Written to a file or a pipe, rich lays tables out for 80 columns and folds every long
+# cell over many lines (`alpasim validate > table.txt` printed one row over 25); there
+# a table takes the width its content needs, up to WIDE_COLUMNS, unless COLUMNS is set.
+WIDE_COLUMNS = 200
 out = Console()
+if not out.is_terminal and "COLUMNS" not in os.environ:
+    out = Console(width=WIDE_COLUMNS)
 err = Console(stderr=True)
 
 USER_ERRORS = (gr.UnknownModelError, gr.ModelSpecError, gr.GraphFormatError, gr.GraphError, gr.BatchError,

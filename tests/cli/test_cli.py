@@ -246,3 +246,14 @@ def test_long_commands_show_progress_on_stderr_with_json_too(cli):
     proc = cli("intra", "--model", small, "--mesh", "1x2", "--json")
     assert proc.returncode == 0 and json.loads(proc.stdout)["status"] == "optimal"
     assert "alpasim: intra: layers" in proc.stderr and "alpasim: intra: megatron for comparison" in proc.stderr
+
+
+def test_a_table_written_to_a_file_keeps_each_row_on_one_line(cli):
+    """Piped, a table takes the width its rows need (rich's default folds them at 80
+    columns); COLUMNS, where given, still sets the width."""
+    wide = cli("models")
+    (row,) = [ln for ln in wide.stdout.splitlines() if "gpt3-350m" in ln]
+    assert "dropout=" in row and len(row) > 80, wide.stdout
+    narrow = cli("models", env={"COLUMNS": "80"}, fresh=True)    # COLUMNS is read at import
+    (row,) = [ln for ln in narrow.stdout.splitlines() if "gpt3-350m" in ln]
+    assert "dropout=" not in row and len(row) <= 80, narrow.stdout

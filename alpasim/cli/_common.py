@@ -33,7 +33,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 # a table takes the width its content needs, up to WIDE_COLUMNS, unless COLUMNS is set.
 WIDE_COLUMNS = 200
 out = Console()
-if not out.is_terminal and "COLUMNS" not in os.environ:
+if not out.is_terminal and not os.environ.get("COLUMNS"):
     out = Console(width=WIDE_COLUMNS)
 err = Console(stderr=True)
 

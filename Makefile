@@ -62,9 +62,8 @@ demo: $(STAMP)
 # `_lowering._max_pool_grad`). Nothing there is timed. What users compile is checked
 # too: the serial lane compiles at their level, and two `alpasim run` numerics tests
 # of the parallel lane (a GPT, a Wide-ResNet: tests/backends/test_run_cli.py) run with
-# XLA's defaults. An XLA
-# that no longer knows the emitter flag (it aborts on unknown flags) runs the lane
-# without it.
+# XLA's defaults. An XLA that no longer knows the emitter flag (it aborts on unknown
+# flags) runs the lane without it.
 TEST_WORKERS ?= 2
 FAST_XLA := fast=--xla_backend_optimization_level=0; \
 	if XLA_FLAGS="$$fast --xla_cpu_use_fusion_emitters=false" JAX_PLATFORMS=cpu \

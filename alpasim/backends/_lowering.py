@@ -479,20 +479,22 @@ def _max_pool(p, x):
     return _max_pool_fn(p, x)
 
 
+def _window_rows(k: int, stride: int, windows: int, size: int, low: int) -> tuple[int, int]:
+    """(first, last) window whose pixel at offset k along one axis lies inside the
+    image of `size` padded by `low` before it; last < first where none does."""
+    return -(-max(low - k, 0) // stride), min(windows - 1, (size - 1 + low - k) // stride)
+
+
 def _window_pixels(x, offset, strides, count, low):
     """`_pick` of x padded with -inf by `low` rows and columns, without the padded copy:
     the in-range pixels picked from x, the rest padded in at the pooled size."""
     (i, j), (sh, sw), (oh, ow), (pt, pl) = offset, strides, count, low
     n, h, w, c = x.shape
-    first = [-(-max(low_ - k, 0) // s) for k, s, low_ in ((i, sh, pt), (j, sw, pl))]   # first in-range window
-    last = [min(o - 1, (size - 1 + low_ - k) // s) for k, s, o, size, low_ in ((i, sh, oh, h, pt), (j, sw, ow, w, pl))]
-    a0, b0 = first
-    a1, b1 = last
+    a0, a1 = _window_rows(i, sh, oh, h, pt)
+    b0, b1 = _window_rows(j, sw, ow, w, pl)
     if a1 < a0 or b1 < b0:           # every window reads padding at this offset
         return jnp.full((n, oh, ow, c), -np.inf, x.dtype)
-    start = (a0 * sh + i - pt, b0 * sw + j - pl)
-    v = lax.slice(x, (0, start[0], start[1], 0), (n, start[0] + (a1 - a0) * sh + 1, start[1] + (b1 - b0) * sw + 1, c),
-                  (1, sh, sw, 1))
+    v = _pick(x, (a0 * sh + i - pt, b0 * sw + j - pl), strides, (a1 - a0 + 1, b1 - b0 + 1))
     return lax.pad(v, np.array(-np.inf, x.dtype), ((0, 0, 0), (a0, oh - 1 - a1, 0), (b0, ow - 1 - b1, 0), (0, 0, 0)))
 
 

@@ -34,7 +34,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 WIDE_COLUMNS = 200
 out = Console()
 if not out.is_terminal and not os.environ.get("COLUMNS"):
-    out = Console(width=WIDE_COLUMNS)
+    out.width = WIDE_COLUMNS
 err = Console(stderr=True)
 
 USER_ERRORS = (gr.UnknownModelError, gr.ModelSpecError, gr.GraphFormatError, gr.GraphError, gr.BatchError,

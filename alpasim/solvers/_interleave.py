@@ -137,11 +137,12 @@ def interleaved_dp(cost: np.ndarray, shape: int, meshes: int, chunks: int, micro
     if not math.isfinite(floor):
         return None
     found: dict[tuple[StageChoice, ...], float] = {}     # solution -> proxy, the best few
-    windows = bottleneck_windows(finite, epsilon)
     if n == num_layers:        # a chunk a layer (Llama 3's): one slicing, no windows to scan
         only = _on_shape(loosest, shape)
         found[only] = interleaved_proxy_s([c.cost_s for c in only], S, v, B)
         windows = ()
+    else:
+        windows = bottleneck_windows(finite, epsilon)
     for low, t_max in windows:
         worst = max(found.values()) if len(found) >= CHECKED_SOLUTIONS else INF
         if floor / v + (B - 1 / v) * max(floor / S, low) >= worst:

@@ -112,7 +112,6 @@ def test_run_bad_plan_file_is_one_line_and_exit_2(tmp_path, content, cli):
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 def test_a_wide_resnet_compiled_as_users_compile_it_trains_the_single_device_step(tmp_path, cli):
     """Convolutions, batch norm and max pooling (every kind of ResNet block once) under
     XLA's defaults (USERS_XLA): the pipelined step equals one device's."""
@@ -122,6 +121,7 @@ def test_a_wide_resnet_compiled_as_users_compile_it_trains_the_single_device_ste
     assert got["numerics_ok"] is True and len(got["stages"]) >= 2, got
 
 
+@pytest.mark.slow
 def test_run_without_stage_profiling_and_a_bad_iteration_count(tmp_path, cli):
     path = tmp_path / "plan.json"
     small_plan(TINY_GPT).save(path)

@@ -39,10 +39,11 @@ from typing import Any
 # cannot be scattered evenly keeps its all-reduce layouts; 36: every weight gradient a
 # distributed optimizer's layout all-reduces over dp priced as the flat buffer's
 # reduce-scatter (a sliced step's gather is its loop-back); 37: and one it sums over tp
-# too (a sequence-parallel norm's) as that scatter plus an all-reduce over tp.
+# too (a sequence-parallel norm's) as that scatter plus an all-reduce over tp; 38:
+# Megatron's stage inputs split on their batch over dp (`_megatron_inputs`).
 # The restriction
 # tables are code, not part of a key: a change to them bumps this.
-CACHE_VERSION = "stage-costs/37"
+CACHE_VERSION = "stage-costs/38"
 
 
 def cache_dir() -> Path:

@@ -150,9 +150,10 @@ def megatron_restriction(graph: OpGraph, mesh: LogicalMesh, cost_model: CostMode
     the stashed sequence shard again, as Megatron-LM does.
     """
     batch = batch_letters(graph)
-    leaf_specs = _megatron_params(graph, mesh)
+    params = _megatron_params(graph, mesh)
+    leaf_specs = {**_megatron_inputs(graph, mesh, sequence_parallel), **params}
     seq = sequence_letters(graph) if sequence_parallel and mesh.shape[1] > 1 else {}
-    split = _propagated_letters(graph, {(t, d) for t, specs in leaf_specs.items()
+    split = _propagated_letters(graph, {(t, d) for t, specs in params.items()
                                         for d, axes in enumerate(specs[0].dims) if 1 in axes}) if seq else {}
     restrict: dict[str, list[Strategy]] = {}
     param_of_grad = params_of_grads(graph)
@@ -307,6 +308,33 @@ def _one_more_axis(spec: ShardingSpec, base: ShardingSpec, axis: int) -> bool:
 
 def _replicated_params(graph: OpGraph) -> dict[str, list[ShardingSpec]]:
     return {t.name: [ShardingSpec.replicated(t.rank)] for t in graph.params}
+
+
+def _megatron_inputs(graph: OpGraph, mesh: LogicalMesh, sequence_parallel: bool) -> dict[str, list[ShardingSpec]]:
+    """A stage's inputs (token ids, labels, the hidden states and cotangents that cross
+    pipeline stages) split over the data-parallel axis on their batch dimension, as
+    Megatron-LM's data loader and point-to-point sends hold them
+    (`p2p_communication` sends each data-parallel rank's own microbatch). Left free, the
+    ILP could take a cotangent with its sequence on the data-parallel axis (slicing
+    costs the same on either dimension), and the stage before had to send each device
+    pieces of 16 others' sequences. With sequence parallelism a hidden state may also
+    have its sequence on the tensor-parallel axis, as Megatron sends it."""
+    if mesh.shape[0] == 1:
+        return {}
+    params = {t.name for t in graph.params}
+    out = {}
+    for t in graph.inputs:
+        tensor = graph.tensors[t]
+        if t in params or tensor.rank == 0:
+            continue
+        rest = ((),) * (tensor.rank - 1)
+        specs = [ShardingSpec(((0,),) + rest)]
+        if sequence_parallel and tensor.rank > 2 and mesh.shape[1] > 1:
+            specs.insert(0, ShardingSpec(((0,), (1,)) + rest[1:]))
+        specs = [x for x in specs if spec_fits(x, tensor.shape, mesh)]
+        if specs:
+            out[t] = specs
+    return out
 
 
 def _megatron_params(graph: OpGraph, mesh: LogicalMesh) -> dict[str, list[ShardingSpec]]:

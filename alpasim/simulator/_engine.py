@@ -73,6 +73,7 @@ import simpy
 from alpasim.costmodels import Cluster, UnknownPresetError, get_cluster
 from alpasim.solvers import SYSTEMS, PipelinePlan, PipelineStage
 
+from ._lanes import LaneEvents, LaneFold, fold_lanes
 from ._network import FluidNetwork
 from ._phases import split_backward, stage_phase_s
 from ._program import DIRECTION, LAST_USE, Free, GradSync, Program, Recv, Run, Send, Update
@@ -117,8 +118,12 @@ class _Channel:
 class _Engine:
     def __init__(self, plan: PipelinePlan, program: Program, routes: list[Route], links: LinkTable | None,
                  free: bool, executors: int | None = None, dispatch_s: float = 0.0, overlap: bool = True,
-                 blocking_sends: bool = False) -> None:
-        self.plan, self.program, self.routes, self.free = plan, program, routes, free
+                 blocking_sends: bool = False, fold: LaneFold | None = None) -> None:
+        self.plan, self.program, self.free = plan, program, free
+        # A network of K identical lanes runs lane 0 only (`_lanes`); `orbit` still
+        # records each link's traffic in every lane.
+        self.routes = list(fold.routes) if fold is not None else routes
+        self.orbit = fold.orbit if fold is not None else None
         self.blocking_sends = blocking_sends
         self.env = simpy.Environment()
         self.executor = simpy.Resource(self.env, capacity=executors) if executors else None
@@ -142,11 +147,13 @@ class _Engine:
             self.act_bytes.append([st.activation_bytes * scale for st in own])
             self.stash_bytes.append([p.stash_bytes * scale for p in passes])
             self.weight_stash_bytes.append([p.weight_stash_bytes * scale for p in passes])
-        self.alpha = [max((c.latency_s for c in r.copies), default=0.0) for r in routes]
-        self.net = FluidNetwork(links.capacities) if links is not None and not free and links.names else None
+        self.alpha = [max((c.latency_s for c in r.copies), default=0.0) for r in self.routes]
+        capacities = fold.capacities if fold is not None else links.capacities if links is not None else ()
+        self.net = FluidNetwork(capacities) if links is not None and not free and links.names else None
         self.link_names = links.names if links is not None else []
         self.channels: dict[tuple[int, int], _Channel] = {}
-        self.events: list[Event] = []
+        self.events = LaneEvents()
+        self.lane_tracks: dict[int, tuple[str, ...]] = {}
         # Per mesh: its chunks' states, gradient syncs and optimizer steps (one after another).
         self.params_bytes = [_mesh_state_bytes(own) for own in self.mesh_stages]
         self.sync_s = [sum(st.sync_s for st in own) for own in self.mesh_stages]
@@ -235,13 +242,24 @@ class _Engine:
         ch, copy, ins, start = self.flows.pop(fid)
         name = self.program.transfers[ins.transfer].tensor
         for link in copy.links:
-            self.used_links.add(link)
-            self.events.append(Event(self.link_names[link], "send", ins.src_stage, ins.microbatch, start, now,
-                                     copy.nbytes, name))
+            event = Event(self.link_names[link], "send", ins.src_stage, ins.microbatch, start, now, copy.nbytes, name)
+            if self.orbit is None:
+                self.used_links.add(link)
+                self.events.append(event)
+            else:
+                self.events.fan_out(event, self._lane_tracks(link))
         ch.pending -= 1
         if ch.pending == 0:
             self._arrive(ch)
         self._schedule(changed)
+
+    def _lane_tracks(self, link: int) -> tuple[str, ...]:
+        """The names of lane-0 `link` in every lane (`_lanes`), marked used."""
+        tracks = self.lane_tracks.get(link)
+        if tracks is None:
+            self.used_links.update(self.orbit[link])
+            tracks = self.lane_tracks[link] = tuple(self.link_names[i] for i in self.orbit[link])
+        return tracks
 
     # -------------------------------------------------------------- meshes
     def _acquire(self) -> Iterator[simpy.Event]:
@@ -446,8 +464,9 @@ def simulate(plan: PipelinePlan, schedule: str | Program | None = None, *, chunk
     routes, links = route_transfers(program, plan, cluster, cross_mesh)
     if blocking_sends is None:
         blocking_sends = _sends_block(plan)
+    fold = fold_lanes(routes, links.capacities) if links is not None and not free_communication else None
     engine = _Engine(plan, program, routes, links, free_communication, executors, dispatch_s, overlap,
-                     blocking_sends)
+                     blocking_sends, fold)
     ends = engine.run()
     meshes = tuple(MeshInfo(k, tuple(st.devices),
                             tuple(sorted({cluster.node_of(d) for d in st.devices})) if cluster else (),
@@ -463,4 +482,5 @@ def simulate(plan: PipelinePlan, schedule: str | Program | None = None, *, chunk
     return Timeline(program.schedule, program.microbatches, program.chunks, cross_mesh, meshes, max(ends),
                     engine.events, engine.memory, tuple((links.names[i], links.nodes[i]) for i in used),
                     engine.cross_bytes, engine.inter_bytes, plan.predicted.iteration_s,
-                    free_communication, notes, time.perf_counter() - t0, blocking_sends)
+                    free_communication, notes, time.perf_counter() - t0, blocking_sends,
+                    fold.lanes if fold is not None else 1)

@@ -76,6 +76,7 @@ class Timeline:
     notes: tuple[str, ...] = ()
     wall_s: float = 0.0                      # how long the simulation itself took
     blocking_sends: bool = False             # each pipeline send held its mesh until it landed
+    lanes: int = 1                           # identical network lanes simulated as one (`_lanes`)
     _stats: list[dict[str, Any]] | None = field(default=None, init=False, repr=False, compare=False)
 
     # ----------------------------------------------------------------- metrics
@@ -150,7 +151,7 @@ class Timeline:
         d: dict[str, Any] = {
             "schedule": self.schedule, "microbatches": self.microbatches, "chunks": self.chunks,
             "cross_mesh": self.cross_mesh, "free_communication": self.free_communication,
-            "blocking_sends": self.blocking_sends,
+            "blocking_sends": self.blocking_sends, "network_lanes": self.lanes,
             "iteration_s": self.iteration_s, "predicted_iteration_s": self.predicted_iteration_s,
             "bubble_fraction": self.bubble_fraction, "peak_memory_bytes": self.peak_memory_bytes,
             "meshes": self.mesh_stats(),

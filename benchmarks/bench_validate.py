@@ -34,7 +34,7 @@ def main() -> None:
     print(f"{'row':34s} {'GPUs':>6s} {'measured s':>11s} {'predicted s':>12s}  error")
     for r in report["rows"]:
         predicted = f"{r['predicted_s']:12.2f}" if r["status"] == "priced" else f"{'-':>12s}"
-        print(f"{r['id']:34s} {r['gpus']:6d} {r['measured_s']:11.2f} {predicted}  {ex.validation_verdict(r)[:90]}")
+        print(f"{r['id']:34s} {r['gpus']:6d} {r['measured_s']:11.2f} {predicted}  {ex.validation_verdict(r)[:130]}")
     for line in ex.validation_summary(report):
         print(line)
     print(f"priced in {wall:.1f} s = {in_ref(wall, ref)} ref (cold stage cache)")

@@ -9,10 +9,15 @@ measured, minus one (negative: optimistic). Every row has a status: "priced";
 beside the MAPE, never hidden in it); or "not expressible", a layout the planner
 cannot state yet, with the reason it gave. The MAPE is over the priced rows, with
 their count.
+
+A row predicted out of memory is also priced with the device's memory raised to what
+its layout needs (`lifted_s`, never in the MAPE): that separates a memory model that
+is wrong about the row from a time model that is, since the two fail differently.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -40,6 +45,8 @@ class ValidationRow:
     system: dict[str, Any] | None = None
     peak_bytes: float | None = None      # the plan's predicted peak memory per device (priced rows)
     needed_bytes: float | None = None    # out of memory: the least its layouts need per device, where known
+    lifted_s: float | None = None        # out of memory: predicted with the device holding `lifted_bytes`
+    lifted_bytes: float | None = None    # the memory it was priced with (whole GiB, at least `needed_bytes`)
 
     @property
     def priced(self) -> bool:
@@ -61,7 +68,9 @@ class ValidationRow:
                 "differs": list(r.differs), "plan_s": self.plan_s, "priced_as": self.system,
                 # No source publishes a row's peak memory: the prediction stands beside the device's.
                 "predicted_peak_bytes": self.peak_bytes, "measured_peak_bytes": None,
-                "needed_memory_bytes": self.needed_bytes,
+                "needed_memory_bytes": self.needed_bytes, "lifted_predicted_s": self.lifted_s,
+                "lifted_memory_bytes": self.lifted_bytes,
+                "lifted_error": None if self.lifted_s is None else self.lifted_s / self.measured_s - 1.0,
                 "device_memory_bytes": r.cluster.device.memory_bytes}
 
 
@@ -79,22 +88,47 @@ def price_run(run: PublishedRun, cache: sv.DiskCache | None = None) -> Validatio
     reason = _not_expressible(run)
     if reason:
         return ValidationRow(run, measured, None, 0.0, "not expressible", reason)
+    try:
+        plan = _plan(run, run.cluster, cache)
+    except (ValueError, sv.PlanInfeasible) as e:     # refused: the layout cannot be expressed
+        return ValidationRow(run, measured, None, time.perf_counter() - t0, "not expressible", str(e))
+    if not plan.feasible:
+        needed = plan.predicted.needed_memory_bytes
+        lifted_s, lifted_bytes = _lifted(run, needed, cache)
+        return ValidationRow(run, measured, None, time.perf_counter() - t0, "out of memory", "; ".join(plan.notes),
+                             plan.system, needed_bytes=needed, lifted_s=lifted_s, lifted_bytes=lifted_bytes)
+    timeline = sim.simulate(plan, plan.schedule, chunks=plan.chunks)
+    return ValidationRow(run, measured, timeline.iteration_s, time.perf_counter() - t0, system=plan.system,
+                         peak_bytes=plan.predicted.peak_memory_bytes)
+
+
+def _plan(run: PublishedRun, cluster, cache: sv.DiskCache | None) -> sv.PipelinePlan:
+    """`run`'s layout planned on `cluster` as its system ran."""
     config = sv.MegatronConfig(run.tp, run.pp, run.dp, run.microbatch_size, sequence_parallel=run.sequence_parallel,
                                ends_as_layers=run.ends_as_layers)
     remat, recompute = sv.RECOMPUTE_OPTIONS[run.recompute]
     chunked = {"schedule": "interleaved", "chunk_options": (run.chunks,)} if run.chunks > 1 else {}
-    try:
-        plan = sv.plan_model(run.model, run.cluster, "megatron", megatron=config, system=run.system,
-                             distributed_optimizer=run.distributed_optimizer, precision=run.precision, remat=remat,
-                             recompute=recompute, cache=cache, **chunked)
-    except (ValueError, sv.PlanInfeasible) as e:     # refused: the layout cannot be expressed
-        return ValidationRow(run, measured, None, time.perf_counter() - t0, "not expressible", str(e))
-    if not plan.feasible:
-        return ValidationRow(run, measured, None, time.perf_counter() - t0, "out of memory", "; ".join(plan.notes),
-                             plan.system, needed_bytes=plan.predicted.needed_memory_bytes)
-    timeline = sim.simulate(plan, plan.schedule, chunks=plan.chunks)
-    return ValidationRow(run, measured, timeline.iteration_s, time.perf_counter() - t0, system=plan.system,
-                         peak_bytes=plan.predicted.peak_memory_bytes)
+    return sv.plan_model(run.model, cluster, "megatron", megatron=config, system=run.system,
+                         distributed_optimizer=run.distributed_optimizer, precision=run.precision, remat=remat,
+                         recompute=recompute, cache=cache, **chunked)
+
+
+def _lifted(run: PublishedRun, needed: float | None, cache: sv.DiskCache | None,
+            tries: int = 4) -> tuple[float | None, float | None]:
+    """(seconds, memory): `run` simulated with each device holding `needed` bytes, rounded up to a whole
+    GiB (module doc). A refusal's need can be a lower bound (the 1F1B search's counts
+    the states, not the activations): a plan that still does not fit tries again with
+    10 % more, or what that refusal needs if more, `tries` times in all. (None, None)
+    when no need was said or none of them fits."""
+    if needed is None:
+        return None, None
+    for _ in range(tries):
+        gib = math.ceil(needed / 2 ** 30 - 1e-9)
+        plan = _plan(run, run.cluster.with_overrides(memory_gb=gib), cache)
+        if plan.feasible:
+            return sim.simulate(plan, plan.schedule, chunks=plan.chunks).iteration_s, float(gib * 2 ** 30)
+        needed = max(plan.predicted.needed_memory_bytes or 0.0, 1.1 * gib * 2 ** 30)
+    return None, None
 
 
 def mape(rows: Iterable[ValidationRow]) -> tuple[float | None, int]:
@@ -131,9 +165,11 @@ def verdict(row: dict[str, Any]) -> str:
         return f"{100 * row['error']:+.1f} %"
     if row["status"] != "out of memory":
         return row["reason"]
-    need = row.get("needed_memory_bytes")
+    need, lifted = row.get("needed_memory_bytes"), row.get("lifted_predicted_s")
     return "predicted out of memory (it ran)" + (
-        f": needs {format_bytes(need)} of {format_bytes(row['device_memory_bytes'])}" if need else "")
+        f": needs {format_bytes(need)} of {format_bytes(row['device_memory_bytes'])}" if need else "") + (
+        f"; with {format_bytes(row['lifted_memory_bytes'])} {lifted:.2f} s ({100 * row['lifted_error']:+.1f} %)"
+        if lifted is not None else "")
 
 
 def summary_lines(report: dict[str, Any]) -> list[str]:

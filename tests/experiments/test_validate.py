@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -75,7 +76,16 @@ def test_a_row_that_does_not_fit_is_a_failed_prediction_not_a_gap():
     assert (report["out_of_memory_rows"], report["priced_rows"], report["mape_percent"]) == (1, 0, None)
     # What breaks the budget: the least any layout needs, more than the 24 GiB there is.
     need = priced["needed_memory_bytes"]
-    assert need > 24 * 2 ** 30 and ex.validation_verdict(priced).endswith("GiB of 24.00 GiB")
+    assert need > 24 * 2 ** 30 and "GiB of 24.00 GiB; with " in ex.validation_verdict(priced)
+    # Beside it, the row's time with the memory it needs (whole GiB: the states' 47.13
+    # are a lower bound, so 10 % more each try), as a row of that device would be
+    # priced, and outside the MAPE.
+    lifted = priced["lifted_memory_bytes"] / 2 ** 30
+    assert lifted == int(lifted) and lifted >= math.ceil(need / 2 ** 30)
+    roomy = dataclasses.replace(row, cluster=row.cluster.with_overrides(memory_gb=lifted))
+    (fits,) = ex.validate([roomy], sv.DiskCache(enabled=False))["rows"]
+    assert fits["status"] == "priced" and priced["lifted_predicted_s"] == pytest.approx(fits["predicted_s"])
+    assert priced["lifted_error"] == pytest.approx(fits["error"])
 
 
 def test_cli_validate_prints_the_table_and_refuses_an_unknown_row(cli):

@@ -183,6 +183,10 @@ class LaneEvents(SequenceABC):
     def __len__(self) -> int:
         return self._count
 
+    def unfanned(self) -> Iterator[Event]:
+        """The events recorded once (every mesh track's), without the lanes' link events."""
+        return (item for item in self._items if isinstance(item, Event))
+
     def __iter__(self) -> Iterator[Event]:
         for item in self._items:
             if isinstance(item, Event):

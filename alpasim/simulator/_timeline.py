@@ -92,7 +92,7 @@ class Timeline:
             # A mesh's own "send" events are the time a blocking send held it (`blocking_sends`).
             key = {"compute": "compute_s", "sync": "sync_s", "recv": "comm_s", "send": "comm_s",
                    "allgather": "comm_s"}
-            for e in self.events:
+            for e in self._mesh_events():
                 k = index.get(e.track)
                 if k is not None and e.kind in key:
                     acc[k][key[e.kind]] += e.end_s - e.start_s
@@ -126,13 +126,19 @@ class Timeline:
                 out[d] = peak
         return out
 
+    def _mesh_events(self):
+        """The events, less the lanes' fanned-out link events where the engine folded
+        them (`_lanes.LaneEvents`): no mesh track is among those."""
+        unfanned = getattr(self.events, "unfanned", None)
+        return self.events if unfanned is None else unfanned()
+
     def count(self, kind: str) -> int:
         return sum(e.kind == kind for e in self.events)
 
     def idle_events(self) -> list[Event]:
         """The gaps between a mesh's own events, as `idle` events (for plots)."""
         per_mesh: dict[str, list[Event]] = {}
-        for e in self.events:
+        for e in self._mesh_events():
             if e.track.startswith("mesh"):
                 per_mesh.setdefault(e.track, []).append(e)
         out = []

@@ -337,8 +337,7 @@ def lower_stage(plan: PipelinePlan, graph: OpGraph, stage_index: int, devices: S
     if plan.stages[stage_index].layer_specs:    # the layouts the planner priced, as they are
         intra = functools.partial(stage_intra_plan, plan, train, stage_index)
         shardings, stash_sh, layer_sh = _layer_shardings(plan, train, ops, stage_index, mesh)
-        partials = {} if plan.method in PER_MICROBATCH_GRAD_SYNC else \
-            partial_gradients(ops, train, plan.stages[stage_index])
+        partials = {} if _scatters_every_microbatch(plan) else partial_gradients(ops, train, plan.stages[stage_index])
     else:                                       # a plan from before it carried them: solve the stage again
         intra = stage_intra_plan(plan, train, stage_index)
         shardings = _shardings(plan, train, ops, stage_index, intra, mesh)
@@ -726,3 +725,10 @@ def split_backward_ops(ops: StageOps, train: OpGraph) -> tuple[tuple, tuple, tup
 
     kept = tuple(dict.fromkeys(t for op in weight for t in reads(op) if t not in made and t not in params))
     return tuple(inputs), tuple(weight), kept
+
+
+def _scatters_every_microbatch(plan: PipelinePlan) -> bool:
+    """Whether `plan`'s layouts reduce-scatter the weight gradients every microbatch
+    (ZeRO's methods, and a Megatron configuration with sharded gradients): then no
+    partial sum is held over the microbatches (`solvers.PER_MICROBATCH_GRAD_SYNC`)."""
+    return plan.method in PER_MICROBATCH_GRAD_SYNC or bool((plan.search.megatron or {}).get("sharded_gradients"))

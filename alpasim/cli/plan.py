@@ -110,6 +110,10 @@ def plan(
                                                  "counts the embedding and the loss head as pipeline layers of "
                                                  "their own (Megatron-core's --account-for-embedding-in-pipeline-"
                                                  "split and --account-for-loss-in-pipeline-split).")] = False,
+    sharded_gradients: Annotated[bool, typer.Option("--sharded-gradients", help="The explicit Megatron "
+                                                    "configuration shards the gradients over dp too (ZeRO-2, as "
+                                                    "Llama 3's FSDP ran it: each microbatch's weight gradients "
+                                                    "reduce-scattered; implies the distributed optimizer).")] = False,
     cost_model: CostModelOpt = None,
     precision: PrecisionOpt = gr.DEFAULT_RECIPE,
     recompute: Annotated[Optional[str], typer.Option("--recompute", help="What the backward recomputes besides "
@@ -192,7 +196,14 @@ def plan(
     if ends_as_layers and not given:
         fail("--ends-as-layers applies to an explicit Megatron configuration (--tp, --pp, --dp and "
              "--microbatch-size)")
-    config = sv.MegatronConfig(tp, pp, dp, microbatch_size, ends_as_layers=ends_as_layers) if given else None
+    if sharded_gradients and not given:
+        fail("--sharded-gradients applies to an explicit Megatron configuration (--tp, --pp, --dp and "
+             "--microbatch-size)")
+    if sharded_gradients and distributed_optimizer is False:
+        fail("--sharded-gradients needs the distributed optimizer (drop --no-distributed-optimizer)")
+    config = sv.MegatronConfig(tp, pp, dp, microbatch_size, ends_as_layers=ends_as_layers,
+                               distributed_optimizer=sharded_gradients,
+                               sharded_gradients=sharded_gradients) if given else None
     p = make_plan(model, c, name, microbatches=microbatches, layers=layers, max_stages=max_stages, megatron=config,
                   distributed_optimizer=distributed_optimizer,
                   sequence_parallel=sequence_parallel or None, cache=not no_cache, workers=workers, ray=ray,
@@ -231,6 +242,7 @@ def plan(
             f"; tp={config['tp']} pp={config['pp']} dp={config['dp']} microbatch size "
             f"{config['microbatch_size']}" + (", sequence parallel" if config.get("sequence_parallel") else "")
             + (", distributed optimizer" if config.get("distributed_optimizer") else "")
+            + (", sharded gradients" if config.get("sharded_gradients") else "")
             + (", embedding and head as layers" if config.get("ends_as_layers") else "")
             + (f", recompute {p.model.recompute}, remat {'on' if p.model.remat else 'off'}"
                if name == "megatron_core" else "")

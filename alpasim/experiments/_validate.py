@@ -63,6 +63,7 @@ class ValidationRow:
                 "ends_as_layers": r.ends_as_layers,
                 "microbatch_size": r.microbatch_size, "recompute": r.recompute,
                 "sequence_parallel": r.sequence_parallel, "distributed_optimizer": r.distributed_optimizer,
+                "sharded_gradients": r.sharded_gradients,
                 "measured_s": self.measured_s, "predicted_s": self.predicted_s, "error": self.error,
                 "expressible": self.status != "not expressible", "status": self.status, "reason": self.reason, "assumed": list(r.assumed),
                 "differs": list(r.differs), "plan_s": self.plan_s, "priced_as": self.system,
@@ -105,7 +106,8 @@ def price_run(run: PublishedRun, cache: sv.DiskCache | None = None) -> Validatio
 def _plan(run: PublishedRun, cluster, cache: sv.DiskCache | None) -> sv.PipelinePlan:
     """`run`'s layout planned on `cluster` as its system ran."""
     config = sv.MegatronConfig(run.tp, run.pp, run.dp, run.microbatch_size, sequence_parallel=run.sequence_parallel,
-                               ends_as_layers=run.ends_as_layers)
+                               ends_as_layers=run.ends_as_layers, distributed_optimizer=run.distributed_optimizer,
+                               sharded_gradients=run.sharded_gradients)
     remat, recompute = sv.RECOMPUTE_OPTIONS[run.recompute]
     chunked = {"schedule": "interleaved", "chunk_options": (run.chunks,)} if run.chunks > 1 else {}
     return sv.plan_model(run.model, cluster, "megatron", megatron=config, system=run.system,

@@ -19,6 +19,11 @@ follow static lists without a driver). Semantics:
 - `Recv` blocks until the tensor has arrived, then runs the receiver-side local
   all-gathers (their ring time). Time blocked while the data was on the wire is
   communication; time blocked before the sender even sent it is idle.
+- A plan with sharded gradients (ZeRO-2, Llama 3's FSDP: `PipelineStage.grad_scatter_s`)
+  puts each backward's weight-gradient reduce-scatters on the mesh's gradient stream
+  as the backward ends (inline in it without overlap or with shared executors); the
+  planner's estimate of the stream's tail (`solvers.scatter_tail_s`, inside sync_s) is
+  replaced by waiting for the stream at `GradSync`.
 - `GradSync` takes the stage's sync_s (the planner's costed gradient all-reduce plus
   optimizer update, once per iteration; `Update` is a marker, already inside it).
   A plan whose stages carry gradient buckets (`costmodels._overlap`) runs them on a
@@ -71,7 +76,7 @@ from collections.abc import Iterator
 import simpy
 
 from alpasim.costmodels import Cluster, UnknownPresetError, get_cluster
-from alpasim.solvers import SYSTEMS, PipelinePlan, PipelineStage
+from alpasim.solvers import SYSTEMS, PipelinePlan, PipelineStage, scatter_tail_s
 
 from ._lanes import LaneEvents, LaneFold, fold_lanes
 from ._network import FluidNetwork
@@ -182,6 +187,14 @@ class _Engine:
             runs = {pc: own[c] for c, pc in last.items() if own[c].sync_buckets}
             self.bucket_runs.append(runs if overlap and executors is None else {})
         self.stream_done: list[simpy.Event | None] = [None] * program.num_meshes
+        # Sharded gradients (ZeRO-2, Llama 3's FSDP): each backward's weight-gradient
+        # reduce-scatters, per mesh and chunk, on the same stream when it overlaps, else
+        # inline; one microbatch's of them is the tail inside sync_s (`PipelineStage`).
+        self.stream_ok = overlap and executors is None
+        self.scatter_s = [[st.grad_scatter_s * (1.0 if plan.chunks > 1 else 1.0 / v) for st in
+                           (mesh if plan.chunks > 1 else mesh * v)] for mesh in self.mesh_stages]
+        self.scatter_tail = [sum(scatter_tail_s(st.grad_scatter_s, st.compute_s, B) for st in own)
+                             for own in self.mesh_stages]
 
     # ------------------------------------------------------------ messages
     def _channel(self, key: tuple[int, int]) -> _Channel:
@@ -294,6 +307,13 @@ class _Engine:
             yield env.timeout(seconds)
         done.succeed()
 
+    def _scatter_stream(self, seconds: float, after: simpy.Event | None, done: simpy.Event) -> Iterator[simpy.Event]:
+        """A backward's gradient scatters on the mesh's stream, after its work before."""
+        if after is not None and not after.processed:
+            yield after
+        yield self.env.timeout(seconds)
+        done.succeed()
+
     def _mesh(self, k: int) -> Iterator[simpy.Event]:
         env, track, held = self.env, f"mesh{k}", self.held[k]
         phase_chunks, act_chunks, stash_chunks = self.phase_s[k], self.act_bytes[k], self.stash_bytes[k]
@@ -313,6 +333,9 @@ class _Engine:
                 extra = act if ins.phase == "forward" else 0.0 if ins.phase == "backward_weight" else transient
                 self._sample(k, extra)
                 start, d = env.now, phase_s[ins.phase] + self.dispatch_s
+                scatter = self.scatter_s[k][c] if ins.phase in ("backward", "backward_weight") else 0.0
+                if scatter and not self.stream_ok:
+                    d, scatter = d + scatter, 0.0           # inline in the backward
                 bucketed = self.bucket_runs[k].get(pc)
                 if bucketed is not None:
                     # The buckets' offsets are into the whole backward; a split one makes
@@ -323,6 +346,9 @@ class _Engine:
                                                   after, self.stream_done[k]))
                 if d > 0:
                     yield env.timeout(d)
+                if scatter:
+                    after, self.stream_done[k] = self.stream_done[k], env.event()
+                    env.process(self._scatter_stream(scatter, after, self.stream_done[k]))
                 self._release(req)
                 done = transient if ins.phase == "forward" else extra    # F leaves its stash behind
                 if done:
@@ -382,7 +408,7 @@ class _Engine:
                 self._sample(k, -live.pop((ins.microbatch, ins.chunk), stash_chunks[ins.chunk]))
             elif kind is GradSync:
                 req = yield from self._acquire()
-                start, d = env.now, self.sync_s[k] + self.dispatch_s
+                start, d = env.now, self.sync_s[k] + self.dispatch_s - self.scatter_tail[k]
                 if self.stream_done[k] is not None:
                     yield self.stream_done[k]           # the buckets still running after the backward
                     # The buckets carried the reduction; with the gathers overlapping the

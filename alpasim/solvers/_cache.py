@@ -40,10 +40,11 @@ from typing import Any
 # distributed optimizer's layout all-reduces over dp priced as the flat buffer's
 # reduce-scatter (a sliced step's gather is its loop-back); 37: and one it sums over tp
 # too (a sequence-parallel norm's) as that scatter plus an all-reduce over tp; 38:
-# Megatron's stage inputs split on their batch over dp (`_megatron_inputs`).
+# Megatron's stage inputs split on their batch over dp (`_megatron_inputs`); 39: the
+# per-microbatch gradient scatters of sharded-gradient baselines (`LayerOption.grad_scatter_s`).
 # The restriction
 # tables are code, not part of a key: a change to them bumps this.
-CACHE_VERSION = "stage-costs/38"
+CACHE_VERSION = "stage-costs/39"
 
 
 def cache_dir() -> Path:

@@ -47,6 +47,7 @@ from ._stage_costs import (
     compose_stage,
     cost_model_key,
     layer_tensor_specs,
+    scatter_tail_s,
     stage_sync,
 )
 from ._boundary import stage_boundary_s, whole_nodes
@@ -511,7 +512,8 @@ def _plan_stage(costs: StageCosts, st: StageChoice, depth: int, inflight: int, d
     of it in flight; records each layer's option in `chosen`."""
     view, j, stage_opts = _stage_options(costs, st, depth)
     _, logical, _ = costs.meshes[view]
-    compute = sync = forward = grad_sync = weight_s = weight_bytes = 0.0
+    compute = sync = forward = grad_sync = weight_s = weight_bytes = scatter = 0.0
+    overlap = costs.bucket_bytes is not None
     param_specs: dict[str, str] = {}
     heavy: list[dict] = []
     kinds_shown: set[str] = set()
@@ -519,9 +521,10 @@ def _plan_stage(costs: StageCosts, st: StageChoice, depth: int, inflight: int, d
     for layer, o in zip(range(st.first, st.last + 1), stage_opts, strict=True):
         kind = costs.layer_kind[layer]
         chosen[layer] = o
-        compute += o.busy_s(costs.bucket_bytes is not None, costs.tp_overlap)
+        compute += o.busy_s(overlap, costs.tp_overlap)
         forward += o.forward_busy_s(costs.tp_overlap)
         sync += o.sync_s
+        scatter += o.grad_scatter_stream_s if overlap else 0.0
         grad_sync += o.grad_sync_s
         weight_s += o.weight_grad_s
         weight_bytes += o.weight_stash_bytes
@@ -538,13 +541,15 @@ def _plan_stage(costs: StageCosts, st: StageChoice, depth: int, inflight: int, d
     mem = stage_memory_of(costs, st.first, st.last, view, stage_opts, inflight)
     buckets, exposed, gather, moved = stage_sync(stage_opts, costs.meshes[view][2], costs.bucket_bytes,
                                                  costs.tp_overlap, costs.gather_overlap)
+    # A gradient-scatter stream's tail runs after the last backward (`grad_scatter_s`).
+    tail = scatter_tail_s(scatter, compute, costs.microbatches)
     return PipelineStage((st.first, st.last), tuple(devices), (shape.n, shape.m), tuple(logical),
-                         float(st.cost_s), mem.total_bytes, inflight, compute, sync,
+                         float(st.cost_s), mem.total_bytes, inflight, compute, sync + tail,
                          mem.persistent_bytes + mem.buffer_bytes, mem.activation_bytes, j,
                          param_specs, tuple(heavy), forward, compute - forward, mem.stash_bytes,
                          float(st.boundary_s), mem.to_json(),
                          tuple(layer_specs) if all(layer_specs) else (), grad_sync, buckets, exposed,
-                         min(weight_s, compute - forward), weight_bytes, gather, moved)
+                         min(weight_s, compute - forward), weight_bytes, gather, moved, scatter)
 
 
 def chunk_memory(costs: StageCosts, st: StageChoice, depth: int):

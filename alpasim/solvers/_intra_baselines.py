@@ -216,7 +216,7 @@ def _scatters_onto(op: Op, s: Strategy, tensors: Mapping[str, Tensor], letters: 
 
 
 def megatron_distopt_restriction(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel, *,
-                                 sequence_parallel: bool = False):
+                                 sequence_parallel: bool = False, per_microbatch: bool = False):
     """(restrict, leaf_specs) for Megatron-LM with Megatron-core's distributed optimizer:
     its layouts, with each Adam step on a slice of the parameter's layout over the
     data-parallel axis (axis 0), each weight gradient reduce-scattered onto such a slice
@@ -226,7 +226,12 @@ def megatron_distopt_restriction(graph: OpGraph, mesh: LogicalMesh, cost_model: 
     into the accumulator in any layout. The reduce-scatter and the
     updated weights' all-gather cost what the all-reduce did; the master weights and
     Adam moments take 1/dp. (A parameter with no dimension left to slice keeps
-    Megatron's replicated step.)"""
+    Megatron's replicated step.)
+
+    `per_microbatch`: the gradients are sharded too (ZeRO-2, as Llama 3's FSDP ran
+    beside Megatron-style tensor and pipeline parallelism): each microbatch's weight
+    gradient is reduce-scattered as the backward makes it, and the device accumulates
+    only its slice (`_scatter_gradients`), so the gradient accumulators take 1/dp."""
     restrict, leaf_specs = megatron_restriction(graph, mesh, cost_model, sequence_parallel=sequence_parallel)
     if mesh.shape[0] == 1:
         return restrict, leaf_specs
@@ -242,7 +247,8 @@ def megatron_distopt_restriction(graph: OpGraph, mesh: LogicalMesh, cost_model: 
             # A layout whose gradient cannot be scattered evenly over dp (GPT's position
             # table, 4096 x 7168, over 48 ranks) keeps its once-an-iteration all-reduce;
             # dropping it had left only layouts that gather the whole batch's cotangent.
-            scattered = [v for x in restrict[op.name] for v in _scatter_gradients(op, x, graph.tensors, mesh) or [x]
+            scattered = [v for x in restrict[op.name]
+                         for v in _scatter_gradients(op, x, graph.tensors, mesh, per_microbatch) or [x]
                          if all(c.kind != "reduce_scatter" or c.axes == (0,) for c in v.collectives)]
             out[op.name] = list(dict.fromkeys(scattered)) or restrict[op.name]
     return out, leaf_specs
@@ -605,6 +611,8 @@ BASELINES: Mapping[str, object] = {
     "megatron_distopt": megatron_distopt_restriction,
     "megatron_sp": functools.partial(megatron_restriction, sequence_parallel=True),
     "megatron_sp_distopt": functools.partial(megatron_distopt_restriction, sequence_parallel=True),
+    "megatron_zero2": functools.partial(megatron_distopt_restriction, per_microbatch=True),
+    "megatron_sp_zero2": functools.partial(megatron_distopt_restriction, sequence_parallel=True, per_microbatch=True),
     "zero2": zero2_restriction, "zero3": zero3_restriction, "heuristic": heuristic_restriction,
     "deepspeed_moe": deepspeed_moe_restriction,
 }
@@ -615,10 +623,18 @@ BASELINES: Mapping[str, object] = {
 # update by its restriction, not by the rewrite.
 REWRITE_ALLOWED: Mapping[str, bool] = {"data_parallel": False, "megatron": False, "megatron_distopt": False,
                                        "megatron_sp": False, "megatron_sp_distopt": False,
+                                       "megatron_zero2": False, "megatron_sp_zero2": False,
                                        "zero2": True, "zero3": True, "heuristic": False, "deepspeed_moe": True}
 # The baselines with Megatron-core's distributed optimizer (`optimizer_state_shards`).
-DISTRIBUTED_OPTIMIZER: frozenset[str] = frozenset({"megatron_distopt", "megatron_sp_distopt"})
+DISTRIBUTED_OPTIMIZER: frozenset[str] = frozenset({"megatron_distopt", "megatron_sp_distopt", "megatron_zero2",
+                                                   "megatron_sp_zero2"})
 # The baselines whose weight gradients are scattered every microbatch
 # (`_shard_weight_update`); every other plan reduces them once per iteration, after
 # accumulating each device's unreduced partials (executors follow: `backends._partial_grads`).
-PER_MICROBATCH_GRAD_SYNC: frozenset[str] = frozenset({"zero2", "zero3", "deepspeed_moe"})
+PER_MICROBATCH_GRAD_SYNC: frozenset[str] = frozenset({"zero2", "zero3", "deepspeed_moe", "megatron_zero2",
+                                                      "megatron_sp_zero2"})
+# Of those, the baselines whose per-microbatch gradient scatters move the recipe's
+# accumulator dtype (fp32 under mixed-fp32grad), not the gradient's: Llama 3
+# reduce-scatters its gradients in FP32 (its paper, sec. 3.3.2). DeepSpeed's ZeRO
+# reduces in the model's dtype unless told otherwise (`communication_data_type`).
+ACCUMULATOR_SCATTER: frozenset[str] = frozenset({"megatron_zero2", "megatron_sp_zero2"})

@@ -176,24 +176,33 @@ class MegatronConfig:
     # and --account-for-loss-in-pipeline-split: "num_layers += 1" for each, in
     # transformer_block.py's layer offsets); else they join the first and last block.
     ends_as_layers: bool = False
+    # The gradients sharded too (ZeRO-2; FSDP that keeps the gathered parameters, as
+    # Llama 3 ran it): each microbatch's weight gradients reduce-scattered over dp and
+    # added into the device's 1/dp shard (`_intra_baselines.megatron_distopt_restriction`
+    # with `per_microbatch`). Needs the distributed optimizer.
+    sharded_gradients: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "microbatch_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"Megatron {name} must be a positive integer, got {getattr(self, name)!r}")
-        for name in ("distributed_optimizer", "sequence_parallel", "ends_as_layers"):
+        for name in ("distributed_optimizer", "sequence_parallel", "ends_as_layers", "sharded_gradients"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Megatron {name} must be true or false, got {getattr(self, name)!r}")
+        if self.sharded_gradients and not self.distributed_optimizer:
+            raise ValueError("Megatron sharded_gradients needs the distributed optimizer (the states are sharded "
+                             "before the gradients are)")
 
     @property
     def restriction(self) -> str:
         """The intra-op baseline its stages are solved under (`_intra_baselines.BASELINES`)."""
         return "megatron" + ("_sp" if self.sequence_parallel else "") + \
-            ("_distopt" if self.distributed_optimizer else "")
+            ("_zero2" if self.sharded_gradients else "_distopt" if self.distributed_optimizer else "")
 
     def __str__(self) -> str:
         return (f"tp={self.tp} pp={self.pp} dp={self.dp} mbs={self.microbatch_size}"
                 + (" sp" if self.sequence_parallel else "") + (" dist-opt" if self.distributed_optimizer else "")
+                + (" sharded-grads" if self.sharded_gradients else "")
                 + (" ends-as-layers" if self.ends_as_layers else ""))
 
 
@@ -231,6 +240,8 @@ def plan_model(model: ModelLike, cluster: Cluster, method: str = "alpa", *, laye
         distributed_optimizer = True          # asked for in the configuration itself
     options, record, distributed_optimizer = system_options(m, system, overlap, distributed_optimizer, megatron,
                                                             options, attention=_attention_given(model, attention))
+    if megatron is not None and record.settings["optimizer_sharding"] == "data-parallel-gradients":
+        megatron = dataclasses.replace(megatron, distributed_optimizer=True, sharded_gradients=True)
     model, record = with_attention(model, record)
     kw = dict(layers=layers, max_stages=max_stages, megatron=megatron, distributed_optimizer=distributed_optimizer,
               sequence_parallel=sequence_parallel)
@@ -318,7 +329,8 @@ def system_options(m: Method, system: str | None, overlap: bool | None, distribu
     if gather_given and distributed_optimizer is None and "distributed_optimizer" in m.accepts \
             and "optimizer_sharding" in m.own_search and megatron is None:
         distributed_optimizer = True      # Megatron-core's grid, asked to overlap the gathers: they need it
-    sharding = None if distributed_optimizer is None else _sharding(distributed_optimizer)
+    sharding = None if distributed_optimizer is None else \
+        _sharding(distributed_optimizer, megatron is not None and megatron.sharded_gradients)
     record = resolve(profile, grad_overlap=overlap, recompute=recompute, optimizer_sharding=sharding,
                      attention=attention, tp_comm_overlap=options.pop("tp_overlap", None),
                      param_gather_overlap=gather_given, cross_entropy=options.pop("loss_kernel", None),
@@ -352,7 +364,7 @@ def _profile_distributed_optimizer(m: Method, megatron: MegatronConfig | None, g
     searches_sharding = "optimizer_sharding" in m.own_search and megatron is None
     if "distributed_optimizer" in m.accepts and given is None and not searches_sharding \
             and settings["optimizer_sharding"] != "searched":
-        return settings["optimizer_sharding"] == "data-parallel"
+        return settings["optimizer_sharding"] in ("data-parallel", "data-parallel-gradients")
     return given
 
 
@@ -430,9 +442,9 @@ def with_attention(model: ModelLike, record: SystemRecord) -> tuple[ModelLike, S
     return source, dataclasses.replace(record, unpriced={**record.unpriced, "attention": ran})
 
 
-def _sharding(distributed_optimizer: bool) -> str:
-    """The `optimizer_sharding` entry of a Megatron configuration's flag."""
-    return "data-parallel" if distributed_optimizer else "none"
+def _sharding(distributed_optimizer: bool, sharded_gradients: bool = False) -> str:
+    """The `optimizer_sharding` entry of a Megatron configuration's flags."""
+    return ("data-parallel-gradients" if sharded_gradients else "data-parallel") if distributed_optimizer else "none"
 
 
 def with_system(plan: PipelinePlan, record: SystemRecord) -> PipelinePlan:
@@ -440,7 +452,8 @@ def with_system(plan: PipelinePlan, record: SystemRecord) -> PipelinePlan:
     configuration decides its optimizer sharding where the grid searched it."""
     config = plan.search.megatron
     if config is not None and "optimizer_sharding" not in record.overridden:
-        settings = {**record.settings, "optimizer_sharding": _sharding(config.get("distributed_optimizer"))}
+        settings = {**record.settings, "optimizer_sharding": _sharding(config.get("distributed_optimizer"),
+                                                                       config.get("sharded_gradients", False))}
         record = dataclasses.replace(record, settings=settings)
         if settings["param_gather_overlap"] and not config.get("distributed_optimizer"):
             record = record.without("param_gather_overlap", "needs the distributed optimizer, which the "

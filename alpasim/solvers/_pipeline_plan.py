@@ -26,7 +26,7 @@ PLAN_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "zb-h2")
 # Per-stage numbers that are seconds or bytes: finite and never negative.
 _STAGE_AMOUNTS = ("time_s", "memory_bytes", "compute_s", "sync_s", "params_bytes", "activation_bytes", "forward_s",
                   "backward_s", "stash_bytes", "boundary_s", "grad_sync_s", "exposed_sync_s", "backward_weight_s",
-                  "weight_stash_bytes", "gather_exposed_s", "param_gather_s")
+                  "weight_stash_bytes", "gather_exposed_s", "param_gather_s", "grad_scatter_s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,6 +195,11 @@ class PipelineStage(Record):
     # split into their reduce-scatter and all-gather halves instead, `costmodels._overlap`).
     gather_exposed_s: float = 0.0
     param_gather_s: float = 0.0
+    # Per microbatch: the weight gradients' reduce-scatters of a sharded-gradient plan
+    # (ZeRO-2, Llama 3's FSDP) that run on the mesh's gradient stream beside the next
+    # work, one microbatch's of them inside sync_s (the stream's tail after the last
+    # backward); 0 where they run inline in the backward (`LayerOption.busy_s`).
+    grad_scatter_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.layers[0] > self.layers[1] or self.layers[0] < 0:

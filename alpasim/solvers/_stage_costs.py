@@ -54,7 +54,8 @@ from alpasim.graphs import (DTYPE_BYTES, OpGraph, get_recipe, in_weight_pass, is
                             stage_graph)
 
 from ._cache import CACHE_VERSION, DiskCache, digest
-from ._intra_baselines import (BASELINES, DISTRIBUTED_OPTIMIZER, REWRITE_ALLOWED, grad_owners,
+from ._intra_baselines import (ACCUMULATOR_SCATTER, BASELINES, DISTRIBUTED_OPTIMIZER, PER_MICROBATCH_GRAD_SYNC,
+                               REWRITE_ALLOWED, grad_owners,
                                optimizer_state_shards, params_of_grads, unsliced_params, unsliced_state_bytes)
 from ._intra_op import IntraOpInfeasible, min_memory_choice, solve_intra_op, solve_problem
 from ._mesh import LogicalMesh
@@ -138,6 +139,13 @@ class LayerOption:
     # parameter; their bytes by mesh axes, which the overlap re-prices in buckets.
     param_gather_s: float = 0.0
     gather_groups: tuple[tuple[tuple[int, ...], float], ...] = ()
+    # Of time_s, the weight gradients' reduce-scatters a sharded-gradient baseline runs
+    # every microbatch (`_intra_baselines.PER_MICROBATCH_GRAD_SYNC`), and the same at
+    # the bytes its system moves them in (`grad_scatters`): with gradient overlap they
+    # run on a stream of their own beside the next work (`busy_s`, the simulator's
+    # gradient stream), without it inline in the backward.
+    grad_scatter_s: float = 0.0
+    grad_scatter_stream_s: float = 0.0
 
     @property
     def tied_bytes(self) -> float:
@@ -147,9 +155,10 @@ class LayerOption:
         """Forward + backward per microbatch, less what overlap hides: with tensor-
         parallel overlap `tp_hidden_s` (its pairs include the backward's that `hidden_s`
         counts), else with gradient overlap `hidden_s`."""
+        scatter = self.grad_scatter_s - (0.0 if overlap else self.grad_scatter_stream_s)
         if tp_overlap:
-            return self.time_s - self.tp_hidden_s
-        return self.time_s - self.hidden_s if overlap else self.time_s
+            return self.time_s - self.tp_hidden_s - scatter
+        return (self.time_s - self.hidden_s if overlap else self.time_s) - scatter
 
     def forward_busy_s(self, tp_overlap: bool = False) -> float:
         """The forward per microbatch, less what tensor-parallel overlap hides of it."""
@@ -177,11 +186,13 @@ class LayerOption:
                 tuple((str(k), tuple(int(a) for a in axes), b) for k, axes, b in d.get("grad_groups", ())),
                 d.get("hidden_s", 0.0), d.get("weight_grad_s", 0.0), d.get("weight_stash_bytes", 0.0),
                 d.get("tp_hidden_s", 0.0), d.get("tp_hidden_forward_s", 0.0), d.get("param_gather_s", 0.0),
-                tuple((tuple(int(a) for a in axes), b) for axes, b in d.get("gather_groups", ())))
+                tuple((tuple(int(a) for a in axes), b) for axes, b in d.get("gather_groups", ())),
+                d.get("grad_scatter_s", 0.0), d.get("grad_scatter_stream_s", 0.0))
         numbers = [o.time_s, o.sync_s, o.persistent_bytes, o.activation_bytes, o.forward_s, o.params_bytes,
                    o.grads_bytes, o.optimizer_bytes, *o.tied, o.gather_bytes, o.update_bytes, o.grad_sync_s,
                    *(b for _, _, b in o.grad_groups), o.hidden_s, o.weight_grad_s, o.weight_stash_bytes,
-                   o.tp_hidden_s, o.tp_hidden_forward_s, o.param_gather_s, *(b for _, b in o.gather_groups)]
+                   o.tp_hidden_s, o.tp_hidden_forward_s, o.param_gather_s, *(b for _, b in o.gather_groups),
+                   o.grad_scatter_s, o.grad_scatter_stream_s]
         if o.stash_bytes is not None:
             numbers.append(o.stash_bytes)
         for x in numbers:
@@ -252,6 +263,42 @@ def _sync_terms(restriction: str | None, layer: OpGraph, plan):
             groups[key] = groups.get(key, 0.0) + accumulated
     return (sync_s, grad_s, tuple((k, axes, b) for (k, axes), b in sorted(groups.items())), gather_s,
             tuple(sorted(gathers.items())))
+
+
+def scatter_tail_s(scatter_s: float, busy_s: float, microbatches: int) -> float:
+    """What a gradient-scatter stream leaves after the last backward: each of the
+    `microbatches` backwards adds `scatter_s` to the stream as it ends, and the work
+    between two backwards (`busy_s`, a microbatch's forward and backward) runs beside
+    it. The last microbatch's scatters always run after, and where the stream is
+    slower than the compute it falls behind by the difference every microbatch."""
+    if scatter_s <= 0:
+        return 0.0
+    return scatter_s + max(0.0, (microbatches - 1) * (scatter_s - busy_s))
+
+
+def grad_scatters(restriction: str | None, layer: OpGraph, plan) -> tuple[float, float]:
+    """(seconds as the ILP priced them, seconds at the bytes the system moves) of the
+    weight gradients' reduce-scatters that `plan` runs every microbatch under a
+    sharded-gradient baseline (`_intra_baselines.PER_MICROBATCH_GRAD_SYNC`); (0, 0)
+    otherwise. Under `ACCUMULATOR_SCATTER` they move the recipe's accumulator (fp32
+    gradients, as Llama 3 reduce-scattered them), else the gradient's own dtype."""
+    if restriction not in PER_MICROBATCH_GRAD_SYNC:
+        return 0.0, 0.0
+    recipe, mesh = get_recipe(layer.meta.get("precision")), plan.mesh
+    param_of_grad = params_of_grads(layer)
+    priced = moved = 0.0
+    for p in plan.collectives:
+        op, c = layer.op_by_name.get(p.op), p.collective
+        if p.per_iteration or op is None or op.phase != "backward" or c.kind != "reduce_scatter":
+            continue
+        owners = grad_owners(op, param_of_grad)
+        if not owners:
+            continue
+        dtype = layer.tensors[op.outputs[min(owners)]].dtype
+        width = DTYPE_BYTES[recipe.grad_dtype(dtype)] / DTYPE_BYTES[dtype] if restriction in ACCUMULATOR_SCATTER else 1
+        priced += c.time_s(mesh)
+        moved += Collective(c.kind, c.nbytes * width, c.axes).time_s(mesh)
+    return priced, moved
 
 
 def weight_pass(layer: OpGraph, plan) -> tuple[float, float]:
@@ -427,7 +474,8 @@ def layer_options(layer: OpGraph, mesh: LogicalMesh, cluster: Cluster, microbatc
                            (t_param, t_grad, t_opt), gathered_param_bytes(layer, plan), mem.update_bytes,
                            tuple(str(plan.specs[t]) if t in plan.specs else "" for t in canonical_tensors(layer)),
                            grad_sync_s, grad_groups, hidden_collectives_s(layer, plan), *weight_pass(layer, plan),
-                           *tp_overlap_s(layer, plan), param_gather_s, gather_groups)
+                           *tp_overlap_s(layer, plan), param_gather_s, gather_groups,
+                           *grad_scatters(restriction, layer, plan))
 
     kw = restricted_solve_kwargs(restriction, layer, mesh, model)
     fast = solve_intra_op(layer, mesh, model, with_compute=True, microbatches=microbatches, mip_gap=PLANNING_MIP_GAP,
@@ -570,6 +618,7 @@ class StageCosts:
     bucket_bytes: float | None = None   # gradient buckets overlapping the backward (None: no overlap)
     tp_overlap: bool = False            # tensor-parallel collectives overlapped with GEMMs (`LayerOption.busy_s`)
     gather_overlap: bool = False        # buckets' parameter all-gathers in the next forward (`costmodels._overlap`)
+    microbatches: int = 1               # the iteration's (a gradient-scatter stream's tail, `scatter_tail_s`)
 
 
 def build_stage_costs(graph: OpGraph, cluster: Cluster, microbatches: int, *, max_stages: int | None = None,
@@ -643,7 +692,7 @@ def build_stage_costs(graph: OpGraph, cluster: Cluster, microbatches: int, *, ma
                       gather_overlap)
     least = min((o.persistent_bytes + o.activation_bytes for opts in options.values() for o in opts), default=INF)
     return StageCosts(*costs, shapes, meshes, kinds, layers, options, total, cache.hits, least, owners,
-                      bucket_bytes, tp_overlap, gather_overlap)
+                      bucket_bytes, tp_overlap, gather_overlap, microbatches)
 
 
 @dataclass(frozen=True, slots=True)
@@ -869,8 +918,11 @@ def _assemble(kinds: Sequence[str], options, meshes, shapes, memory: float, micr
     for l, m, j, o in _table_options(kinds, options, n_mesh, n_opt):
         # With overlap the gradient sync (and with gather overlap the parameter gathers)
         # is the range's exposed part (`_overlapped_sync`), not each layer's.
-        after = o.sync_s - (o.grad_sync_s if overlap else 0.0) - (o.param_gather_s if gather_overlap else 0.0)
-        time[l, m, j] = o.busy_s(overlap, tp_overlap) + after / microbatches
+        # A sharded-gradient scatter stream ends after the backward (`scatter_tail_s`).
+        busy = o.busy_s(overlap, tp_overlap)
+        after = o.sync_s - (o.grad_sync_s if overlap else 0.0) - (o.param_gather_s if gather_overlap else 0.0) \
+            + (scatter_tail_s(o.grad_scatter_stream_s, busy, microbatches) if overlap else 0.0)
+        time[l, m, j] = busy + after / microbatches
         pers[l, m, j] = o.persistent_bytes
         peak[l, m, j] = o.activation_bytes
         stash[l, m, j] = o.inflight_bytes

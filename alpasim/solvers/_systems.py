@@ -20,8 +20,11 @@ Entries:
 * `attention`: "explicit" (the (s, s) scores written to memory, a softmax kernel, a
   second batched GEMM) or "fused" (a FlashAttention-style kernel).
 * `optimizer_sharding`: "none", "data-parallel" (ZeRO-1: Adam states and master
-  weights on 1/dp of the data-parallel group each) or "searched" (the intra-op ILP
-  chooses, as Alpa's does).
+  weights on 1/dp of the data-parallel group each), "data-parallel-gradients"
+  (ZeRO-2, FSDP that keeps the gathered parameters: the gradients on 1/dp too, each
+  microbatch's weight gradients reduce-scattered as the backward makes them and
+  added into the device's shard) or "searched" (the intra-op ILP chooses, as Alpa's
+  does).
 * `recompute`: "full" (each layer's forward again in the backward), "selective"
   (attention's core only), "fusible" (`graphs.training_graph`'s policy), "none", or
   "searched" (the method's search chooses).
@@ -62,7 +65,7 @@ ALLOWED: Mapping[str, tuple[Any, ...]] = MappingProxyType({
     "param_gather_overlap": (False, True),
     "tp_comm_overlap": (False, True),
     "attention": ("explicit", "fused"),
-    "optimizer_sharding": ("none", "data-parallel", "searched"),
+    "optimizer_sharding": ("none", "data-parallel", "data-parallel-gradients", "searched"),
     "recompute": ("full", "selective", "fusible", "none", "searched"),
     "cross_entropy": LOSS_KERNELS,
     "kernels": KERNEL_STASHES,
@@ -324,7 +327,7 @@ SYSTEMS: Mapping[str, SystemProfile] = MappingProxyType({p.name: p for p in (
     SystemProfile(
         "llama3", "Meta's Llama 3 405B pre-training stack (2024)",
         grad_overlap=True, param_gather_overlap=True, tp_comm_overlap=False, attention="fused",
-        optimizer_sharding="data-parallel", recompute="none", cross_entropy="fused", kernels="fused",
+        optimizer_sharding="data-parallel-gradients", recompute="none", cross_entropy="fused", kernels="fused",
         p2p="overlapped", sources={
             "grad_overlap": "Llama 3 paper sec. 3.3.2: FSDP-style sharding over data parallelism, gradients "
                             "reduce-scattered as the backward produces them",
@@ -332,7 +335,10 @@ SYSTEMS: Mapping[str, SystemProfile] = MappingProxyType({p.name: p for p in (
                                     "the forward",
             "tp_comm_overlap": "not described in the paper; priced as not overlapped",
             "attention": "assumed: the paper does not name its kernel; every 2024 H100 run uses a fused one",
-            "optimizer_sharding": "Table 4 notes: data parallelism shards optimizer states and gradients",
+            "optimizer_sharding": "sec. 3.3.1 and Table 4's notes: FSDP shards the optimizer states and the "
+                                  "gradients over data parallelism, and keeps the model whole after the forward "
+                                  "(no reshard); sec. 3.3.2: gradients accumulated in FP32 over the microbatches "
+                                  "and reduce-scattered in FP32 across the data-parallel workers",
             "recompute": "sec. 3.3.2: no activation checkpointing at 8K context",
             "cross_entropy": "assumed: the paper does not describe its loss kernel; priced as one fused pass",
             "kernels": "assumed: the paper does not name its kernels; sec. 3.3.2 trains 8K sequences without "

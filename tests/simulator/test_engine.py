@@ -278,3 +278,27 @@ def test_plans_without_a_forward_backward_split_use_one_third_forward():
     assert runs == [(0, "backward", 2.0), (0, "forward", 1.0), (1, "backward", 2.0), (1, "forward", 1.0)]
     assert tl.iteration_s == pytest.approx(6.0)
     assert isinstance(GradSync(0), GradSync)
+
+
+@pytest.mark.parametrize("scatter", [0.5, 2.0])
+def test_sharded_gradient_scatters_run_on_the_stream_beside_the_next_microbatch(scatter):
+    """Each backward's gradient reduce-scatters (ZeRO-2, Llama 3's FSDP) go on the
+    mesh's stream as the backward ends, one after another: shorter than a microbatch's
+    work they hide behind it but for the last; longer, the stream falls behind by the
+    difference each microbatch. The planner's tail (`scatter_tail_s`, in sync_s) is
+    replaced by the stream's; without overlap the scatters run in the backward."""
+    from alpasim.solvers import scatter_tail_s
+
+    f, b, B, sync = 1.0, 2.0, 4, 0.25
+    base = synthetic_plan([f], [b], B, sync_s=sync)
+    tail = scatter_tail_s(scatter, f + b, B)
+    plan = dataclasses.replace(base, stages=(dataclasses.replace(base.stages[0], grad_scatter_s=scatter,
+                                                                  sync_s=sync + tail),))
+    stream_end = 0.0
+    for k in range(1, B + 1):                      # backward k ends at k (f + b)
+        stream_end = max(stream_end, k * (f + b)) + scatter
+    tl = simulate(plan, "1f1b", free_communication=True)
+    assert tl.iteration_s == pytest.approx(stream_end + sync)
+    assert B * (f + b) + tail == pytest.approx(stream_end)          # the planner's tail, exact on one stage
+    inline = simulate(plan, "1f1b", free_communication=True, overlap=False)
+    assert inline.iteration_s == pytest.approx(B * (f + b + scatter) + sync)

@@ -189,8 +189,9 @@ def _serial_step_s(plan: PipelinePlan, times: Sequence[tuple[float, float, float
     """The program's iteration with these (forward, backward, per-iteration update) seconds
     per stage, run by one shared executor paying `dispatch_s` a call (module doc, step 3);
     transfers priced on `cluster` (the profile's host), else on the plan's own cluster."""
+    # The measured backward holds a sharded-gradient plan's scatters already (no stream).
     stages = [dataclasses.replace(st, forward_s=f, backward_s=b, compute_s=f + b, sync_s=u,
-                                  time_s=f + b + u / plan.microbatches)
+                                  time_s=f + b + u / plan.microbatches, grad_scatter_s=0.0)
               for st, (f, b, u) in zip(plan.stages, times, strict=True)]
     priced = dataclasses.replace(plan, stages=stages)
     if cluster is not None:

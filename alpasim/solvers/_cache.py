@@ -41,10 +41,11 @@ from typing import Any
 # reduce-scatter (a sliced step's gather is its loop-back); 37: and one it sums over tp
 # too (a sequence-parallel norm's) as that scatter plus an all-reduce over tp; 38:
 # Megatron's stage inputs split on their batch over dp (`_megatron_inputs`); 39: the
-# per-microbatch gradient scatters of sharded-gradient baselines (`LayerOption.grad_scatter_s`).
+# per-microbatch gradient scatters of sharded-gradient baselines (`LayerOption.grad_scatter_s`);
+# 40: not the tied copies' gradient inputs, and no TE overlap of the weight gradients' scatters.
 # The restriction
 # tables are code, not part of a key: a change to them bumps this.
-CACHE_VERSION = "stage-costs/39"
+CACHE_VERSION = "stage-costs/40"
 
 
 def cache_dir() -> Path:

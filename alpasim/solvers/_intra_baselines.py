@@ -327,11 +327,11 @@ def _megatron_inputs(graph: OpGraph, mesh: LogicalMesh, sequence_parallel: bool)
     have its sequence on the tensor-parallel axis, as Megatron sends it."""
     if mesh.shape[0] == 1:
         return {}
-    params = {t.name for t in graph.params}
+    skip = {t.name for t in graph.params} | set(graph.meta.get("tied_grads", ()))   # a tied copy's gradient
     out = {}
     for t in graph.inputs:
         tensor = graph.tensors[t]
-        if t in params or tensor.rank == 0:
+        if t in skip or tensor.rank == 0:
             continue
         rest = ((),) * (tensor.rank - 1)
         specs = [ShardingSpec(((0,),) + rest)]

@@ -452,10 +452,13 @@ def with_system(plan: PipelinePlan, record: SystemRecord) -> PipelinePlan:
     configuration decides its optimizer sharding where the grid searched it."""
     config = plan.search.megatron
     if config is not None and "optimizer_sharding" not in record.overridden:
-        settings = {**record.settings, "optimizer_sharding": _sharding(config.get("distributed_optimizer"),
-                                                                       config.get("sharded_gradients", False))}
-        record = dataclasses.replace(record, settings=settings)
-        if settings["param_gather_overlap"] and not config.get("distributed_optimizer"):
+        chosen = _sharding(config.get("distributed_optimizer"), config.get("sharded_gradients", False))
+        if record.settings["optimizer_sharding"] == "data-parallel-gradients" and chosen == "data-parallel":
+            # Megatron-core's grid searches the distributed optimizer, not sharded gradients.
+            record = dataclasses.replace(record, unpriced={**record.unpriced, "optimizer_sharding": chosen})
+        else:
+            record = dataclasses.replace(record, settings={**record.settings, "optimizer_sharding": chosen})
+        if record.settings["param_gather_overlap"] and not config.get("distributed_optimizer"):
             record = record.without("param_gather_overlap", "needs the distributed optimizer, which the "
                                                             "configuration chosen does not use")
     return dataclasses.replace(plan, system=record.to_json(), notes=(*plan.notes, *record.notes()))

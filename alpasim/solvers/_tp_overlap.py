@@ -69,6 +69,11 @@ def tp_overlap_s(layer: OpGraph, plan) -> tuple[float, float]:
         key = pair.get(p.op)
         if p.per_iteration or key is None:
             continue
+        if len(key) == 2 and key[1] == "weight" and p.tensor is None:
+            # A weight gradient's own reduction every microbatch (sharded gradients:
+            # ZeRO-2 over dp) is no TE pair: it runs on the gradient stream
+            # (`LayerOption.grad_scatter_s`), not beside a GEMM.
+            continue
         ranks = plan.mesh.axis_size(p.collective.axes)
         if len(key) == 1:                                   # a forward GEMM, or one recomputed
             method, chunks = ("ring", ranks) if p.tensor is not None else ("pipeline", PIPELINE_SPLITS)

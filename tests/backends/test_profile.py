@@ -57,3 +57,19 @@ def test_profiled_predictions_are_positive_and_grow_with_size(quick_profile):
     for kind in COLLECTIVE_KINDS:
         times = [model.collective_time_s(kind, s, axes) for s in (1e4, 1e6, 1e8)]
         assert all(t > 0 for t in times) and times[-1] > times[0], (kind, times)
+
+
+def test_a_serial_step_from_measured_times_does_not_add_the_plans_gradient_scatters():
+    """A measured backward holds a sharded-gradient plan's scatters already: one shared
+    executor runs every instruction in turn, so the step is the sum of the measured
+    forward, backward and update times, whatever the plan priced on its stream."""
+    import dataclasses
+
+    from alpasim.backends._predict import _serial_step_s
+    from alpasim.simulator import synthetic_plan
+
+    cluster = get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=2)
+    plan = synthetic_plan([0.1, 0.1], [0.2, 0.2], 3, cluster=cluster)
+    plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(st, grad_scatter_s=5.0) for st in plan.stages))
+    step = _serial_step_s(plan, [(1.0, 2.0, 0.5), (1.0, 2.0, 0.5)], None, 0.0)
+    assert step == pytest.approx(2 * 3 * (1.0 + 2.0) + 2 * 0.5)

@@ -568,3 +568,38 @@ def test_cli_plans_sharded_gradients_for_an_explicit_configuration(cli):
     clash = cli(*args, "--sharded-gradients", "--no-distributed-optimizer")
     assert clash.returncode == 2 and clash.lines == [
         "alpasim: error: --sharded-gradients needs the distributed optimizer (drop --no-distributed-optimizer)"]
+
+
+def test_a_chosen_configuration_without_sharded_gradients_says_the_profile_was_not_priced():
+    """Megatron-core's grid searches the distributed optimizer, not sharded gradients:
+    a configuration it chose with the distributed optimizer, priced under Llama 3's
+    profile, records that the profile's sharding ran but ZeRO-1 was priced."""
+    from alpasim.solvers._methods import with_system
+
+    cluster = get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=4)
+    model = "gpt3:hidden=64,layers=2,heads=4,seq=16,vocab=128,batch=8,dtype=fp32"
+    plan = sv.plan_model(model, cluster, "megatron", megatron=sv.MegatronConfig(2, 1, 2, 2, distributed_optimizer=True))
+    record = systems.resolve(systems.get_system("llama3"))
+    shown = with_system(plan, record).system
+    assert shown["settings"]["optimizer_sharding"] == "data-parallel-gradients"
+    assert shown["unpriced"] == {"optimizer_sharding": "data-parallel"}
+    sharded = dataclasses.replace(plan, search=dataclasses.replace(
+        plan.search, megatron={**plan.search.megatron, "sharded_gradients": True}))
+    assert with_system(sharded, record).system["unpriced"] == {}
+
+
+def test_sharded_gradient_scatters_leave_the_backward_whole_under_tensor_parallel_overlap():
+    """With Transformer Engine's overlap on (Megatron-core's profile), a stage's busy
+    time per microbatch is the distributed optimizer's, scatters or not: they move to
+    the gradient stream, and TE's overlap pairs none of them with a GEMM (counted there
+    too, they were taken off twice)."""
+    cluster = get_cluster("dgx-h100", nodes=4)
+    model = "llama3-405b:hidden=2048,layers=2,heads=16,kv_heads=4,ffn=8192,seq=256,vocab=1024,batch=16"
+    plans = [sv.plan_model(model, cluster, "megatron", system="megatron-core-0.8", schedule="interleaved",
+                           chunk_options=(2,), cache=sv.DiskCache(enabled=False),
+                           megatron=sv.MegatronConfig(4, 2, 4, 1, sequence_parallel=True, ends_as_layers=True,
+                                                      distributed_optimizer=True, sharded_gradients=sharded))
+             for sharded in (False, True)]
+    assert plans[1].system["settings"]["tp_comm_overlap"] is True
+    for zero1, zero2 in zip(*(p.stages for p in plans), strict=True):
+        assert zero2.grad_scatter_s > 0 and zero2.compute_s == pytest.approx(zero1.compute_s, rel=1e-9)

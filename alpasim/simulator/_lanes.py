@@ -30,8 +30,9 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
+
+import networkx as nx
 
 from ._routes import Copy, Route
 from ._timeline import Event
@@ -102,22 +103,16 @@ def _lanes(moving: Sequence[Route], shared: set[int], k: int) -> dict[int, list[
     send's are different groups: a card's two directions are two links), and each group
     must have K components, numbered in the order of its first route's copies: lane i
     is every group's i-th component."""
-    parent: dict[int, int] = {}
-
-    def find(x: int) -> int:
-        while parent.setdefault(x, x) != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
+    joined = nx.Graph()
     for r in moving:
         for c in r.copies:
             own = [link for link in c.links if link not in shared]
             if not own:
                 return None
-            root = find(own[0])
-            for link in own[1:]:
-                parent[find(link)] = root
+            joined.add_node(own[0])
+            nx.add_path(joined, own)
+    component = {link: i for i, links in enumerate(nx.connected_components(joined)) for link in links}
+    find = component.__getitem__
     where: dict[int, list[int]] = {}                     # route id -> its copies' components
     touching: dict[int, list[int]] = {}                 # component -> the routes with a copy there
     for i, r in enumerate(moving):
@@ -159,7 +154,7 @@ def _signature(moving: Sequence[Route], lanes: dict[int, list[Copy]], lane: int,
     return tuple(signature), list(local)
 
 
-class LaneEvents(SequenceABC):
+class LaneEvents(Sequence):
     """A timeline's events with each lane-0 link event standing for its K lanes' (the
     same message on each lane's own link, at the same times), expanded as they are
     read: Llama 3's 16,384-GPU layout would otherwise hold tens of millions of them."""

@@ -5,9 +5,10 @@ dp 128, interleaved over 8 chunks a stage, 16 microbatches.
 Plans the row as its system ran (about ten seconds, not timed), then times one
 simulated iteration: the network folded into one of its identical lanes
 (`simulator._lanes`, the default) and, with `--unfolded`, every one of the 1,024
-copies of each tensor as a flow of its own (more than eight minutes on the 2-core
-development machine; both give the same iteration time). Prints the reference loop
-beside each figure (`_reference`).
+copies of each tensor as a flow of its own (it did not finish in 30 minutes on the
+2-core development machine; on `--row megatron-core-462b`, 384 lanes, both give the
+same iteration time, 14 times apart). Prints the reference loop beside each figure
+(`_reference`).
 
     .venv/bin/python benchmarks/bench_simulate_llama3.py [--unfolded] [--row llama3-405b-8192-cp1]
 """

@@ -53,9 +53,10 @@ gradient whose contraction the plan splits over mesh axes (the batch, under data
 parallelism) is accumulated unreduced, with a replica axis over those axes, and the
 update reduces it (all-reduce, or reduce-scatter under weight-update sharding) before
 Adam (`_partial_grads`); JAX's global view would otherwise reduce it inside every
-microbatch's backward. ZeRO plans scatter every microbatch, as they are priced
-(`solvers.PER_MICROBATCH_GRAD_SYNC`); a plan from before `layer_specs` keeps the
-per-microbatch reduction.
+microbatch's backward. ZeRO plans, and Megatron configurations with sharded
+gradients, scatter every microbatch, as they are priced (their
+`solvers.plan_restriction` is in `PER_MICROBATCH_GRAD_SYNC`); a plan from before
+`layer_specs` keeps the per-microbatch reduction.
 
 Gradient accumulation: each microbatch's loss cotangent is the graph's seed (1), the
 gradient is cast to the accumulation dtype and added with weight 1/B (B microbatches),
@@ -80,7 +81,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from alpasim.graphs import OpGraph, build_training_graph, in_weight_pass, with_loss_kernel
-from alpasim.solvers import PER_MICROBATCH_GRAD_SYNC, IntraOpPlan, PipelinePlan, ShardingSpec
+from alpasim.solvers import PER_MICROBATCH_GRAD_SYNC, IntraOpPlan, PipelinePlan, ShardingSpec, plan_restriction
 
 from ._lowering import eval_op, random_leaves
 from ._partial_grads import PartialGrad, eval_split, partial_gradients
@@ -337,7 +338,8 @@ def lower_stage(plan: PipelinePlan, graph: OpGraph, stage_index: int, devices: S
     if plan.stages[stage_index].layer_specs:    # the layouts the planner priced, as they are
         intra = functools.partial(stage_intra_plan, plan, train, stage_index)
         shardings, stash_sh, layer_sh = _layer_shardings(plan, train, ops, stage_index, mesh)
-        partials = {} if _scatters_every_microbatch(plan) else partial_gradients(ops, train, plan.stages[stage_index])
+        partials = {} if plan_restriction(plan) in PER_MICROBATCH_GRAD_SYNC else \
+            partial_gradients(ops, train, plan.stages[stage_index])
     else:                                       # a plan from before it carried them: solve the stage again
         intra = stage_intra_plan(plan, train, stage_index)
         shardings = _shardings(plan, train, ops, stage_index, intra, mesh)
@@ -726,9 +728,3 @@ def split_backward_ops(ops: StageOps, train: OpGraph) -> tuple[tuple, tuple, tup
     kept = tuple(dict.fromkeys(t for op in weight for t in reads(op) if t not in made and t not in params))
     return tuple(inputs), tuple(weight), kept
 
-
-def _scatters_every_microbatch(plan: PipelinePlan) -> bool:
-    """Whether `plan`'s layouts reduce-scatter the weight gradients every microbatch
-    (ZeRO's methods, and a Megatron configuration with sharded gradients): then no
-    partial sum is held over the microbatches (`solvers.PER_MICROBATCH_GRAD_SYNC`)."""
-    return plan.method in PER_MICROBATCH_GRAD_SYNC or bool((plan.search.megatron or {}).get("sharded_gradients"))

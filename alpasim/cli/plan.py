@@ -193,12 +193,9 @@ def plan(
         fail("--distributed-optimizer only applies to --method megatron or megatron-core")
     if sequence_parallel and "sequence_parallel" not in m.accepts:
         fail("--sequence-parallel only applies to --method megatron or megatron-core")
-    if ends_as_layers and not given:
-        fail("--ends-as-layers applies to an explicit Megatron configuration (--tp, --pp, --dp and "
-             "--microbatch-size)")
-    if sharded_gradients and not given:
-        fail("--sharded-gradients applies to an explicit Megatron configuration (--tp, --pp, --dp and "
-             "--microbatch-size)")
+    for flag, option in ((ends_as_layers, "--ends-as-layers"), (sharded_gradients, "--sharded-gradients")):
+        if flag and not given:
+            fail(f"{option} applies to an explicit Megatron configuration (--tp, --pp, --dp and --microbatch-size)")
     if sharded_gradients and distributed_optimizer is False:
         fail("--sharded-gradients needs the distributed optimizer (drop --no-distributed-optimizer)")
     config = sv.MegatronConfig(tp, pp, dp, microbatch_size, ends_as_layers=ends_as_layers,

@@ -146,9 +146,10 @@ class _Engine:
             own = mesh if plan.chunks > 1 else mesh * v
             scale = 1.0 if plan.chunks > 1 else 1.0 / v
             passes = [split_backward(st, B) for st in own]
+            # "scatter": a backward's sharded-gradient scatters (`PipelineStage.grad_scatter_s`).
             self.phase_s.append([{"forward": p.forward_s * scale, "backward": p.backward_s * scale,
-                                  "backward_input": p.input_s * scale, "backward_weight": p.weight_s * scale}
-                                 for p in passes])
+                                  "backward_input": p.input_s * scale, "backward_weight": p.weight_s * scale,
+                                  "scatter": st.grad_scatter_s * scale} for st, p in zip(own, passes)])
             self.act_bytes.append([st.activation_bytes * scale for st in own])
             self.stash_bytes.append([p.stash_bytes * scale for p in passes])
             self.weight_stash_bytes.append([p.weight_stash_bytes * scale for p in passes])
@@ -177,6 +178,7 @@ class _Engine:
         # mesh's own, so not with shared executors (one driver blocks on each). Per mesh:
         # instruction index -> the stage whose buckets start with that run (a chunk's
         # last backward, when the plan is cut into chunks; else the mesh's last).
+        self.stream_ok = overlap and executors is None
         self.bucket_runs: list[dict[int, PipelineStage]] = []
         for k, mesh in enumerate(program.meshes):
             last: dict[int, int] = {}
@@ -185,14 +187,11 @@ class _Engine:
                     last[ins.chunk if plan.chunks > 1 else 0] = pc
             own = self.mesh_stages[k]
             runs = {pc: own[c] for c, pc in last.items() if own[c].sync_buckets}
-            self.bucket_runs.append(runs if overlap and executors is None else {})
+            self.bucket_runs.append(runs if self.stream_ok else {})
         self.stream_done: list[simpy.Event | None] = [None] * program.num_meshes
         # Sharded gradients (ZeRO-2, Llama 3's FSDP): each backward's weight-gradient
-        # reduce-scatters, per mesh and chunk, on the same stream when it overlaps, else
-        # inline; one microbatch's of them is the tail inside sync_s (`PipelineStage`).
-        self.stream_ok = overlap and executors is None
-        self.scatter_s = [[st.grad_scatter_s * (1.0 if plan.chunks > 1 else 1.0 / v) for st in
-                           (mesh if plan.chunks > 1 else mesh * v)] for mesh in self.mesh_stages]
+        # reduce-scatters go on the same stream when it overlaps, else inline; the
+        # planner's estimate of the stream's tail is inside sync_s (`PipelineStage`).
         self.scatter_tail = [sum(scatter_tail_s(st.grad_scatter_s, st.compute_s, B) for st in own)
                              for own in self.mesh_stages]
 
@@ -256,22 +255,19 @@ class _Engine:
         name = self.program.transfers[ins.transfer].tensor
         for link in copy.links:
             event = Event(self.link_names[link], "send", ins.src_stage, ins.microbatch, start, now, copy.nbytes, name)
-            if self.orbit is None:
-                self.used_links.add(link)
-                self.events.append(event)
-            else:
-                self.events.fan_out(event, self._lane_tracks(link))
+            self.events.fan_out(event, self._lane_tracks(link))
         ch.pending -= 1
         if ch.pending == 0:
             self._arrive(ch)
         self._schedule(changed)
 
     def _lane_tracks(self, link: int) -> tuple[str, ...]:
-        """The names of lane-0 `link` in every lane (`_lanes`), marked used."""
+        """The names of `link` in every lane (`_lanes`; itself alone, unfolded), marked used."""
         tracks = self.lane_tracks.get(link)
         if tracks is None:
-            self.used_links.update(self.orbit[link])
-            tracks = self.lane_tracks[link] = tuple(self.link_names[i] for i in self.orbit[link])
+            lanes = (link,) if self.orbit is None else self.orbit[link]
+            self.used_links.update(lanes)
+            tracks = self.lane_tracks[link] = tuple(self.link_names[i] for i in lanes)
         return tracks
 
     # -------------------------------------------------------------- meshes
@@ -333,7 +329,7 @@ class _Engine:
                 extra = act if ins.phase == "forward" else 0.0 if ins.phase == "backward_weight" else transient
                 self._sample(k, extra)
                 start, d = env.now, phase_s[ins.phase] + self.dispatch_s
-                scatter = self.scatter_s[k][c] if ins.phase in ("backward", "backward_weight") else 0.0
+                scatter = phase_s["scatter"] if ins.phase in ("backward", "backward_weight") else 0.0
                 if scatter and not self.stream_ok:
                     d, scatter = d + scatter, 0.0           # inline in the backward
                 bucketed = self.bucket_runs[k].get(pc)

@@ -170,7 +170,11 @@ class LaneEvents(Sequence):
         self._flat = None
 
     def fan_out(self, event: Event, tracks: tuple[str, ...]) -> None:
-        """`event` once on each of `tracks` (its link in every lane)."""
+        """`event` once on each of `tracks` (its link in every lane; its own track alone
+        where nothing was folded)."""
+        if len(tracks) == 1:
+            self.append(event)
+            return
         self._items.append((event, tracks))
         self._count += len(tracks)
         self._flat = None

@@ -104,6 +104,7 @@ from ._cross_mesh import cross_mesh_plan as cross_mesh_plan
 from ._methods import COMMON_OPTIONS as COMMON_OPTIONS
 from ._methods import METHODS as METHODS
 from ._methods import RECOMPUTE_OPTIONS as RECOMPUTE_OPTIONS
+from ._methods import plan_restriction as plan_restriction
 from ._methods import RECOMPUTE_SEARCH as RECOMPUTE_SEARCH
 from ._methods import SYSTEM_BUCKETS as SYSTEM_BUCKETS
 from ._methods import MegatronConfig as MegatronConfig

@@ -46,6 +46,7 @@ from alpasim.graphs import (DTYPE_BYTES, ModelLike, ModelSource, ModelSpecError,
 from ._interleave import DEFAULT_CHUNK_OPTIONS
 from ._inter_op import DEFAULT_MAX_STAGES, PlanInfeasible, plan_pipeline, planning_units
 from ._preflight import check_megatron, preflight
+from ._intra_baselines import BASELINES
 from ._pipeline_plan import PipelinePlan, PlanModel, Prediction, SearchStats, plan_cluster_info
 from ._submesh import SubmeshShape
 from ._systems import GradBuckets, OptionConflict, SystemRecord, get_system, resolve
@@ -440,6 +441,16 @@ def with_attention(model: ModelLike, record: SystemRecord) -> tuple[ModelLike, S
     if ran is None or ran == kernel:               # no attention to speak of, or the profile's
         return source, record
     return source, dataclasses.replace(record, unpriced={**record.unpriced, "attention": ran})
+
+
+def plan_restriction(plan: PipelinePlan) -> str | None:
+    """The intra-op baseline `plan`'s stages were solved under (`_intra_baselines.
+    BASELINES`): its Megatron configuration's, else its method's own name where that
+    names one (ZeRO's, data parallelism), else None (a searched plan)."""
+    config = plan.search.megatron
+    if config is not None:
+        return MegatronConfig(**config).restriction
+    return plan.method if plan.method in BASELINES else None
 
 
 def _sharding(distributed_optimizer: bool, sharded_gradients: bool = False) -> str:

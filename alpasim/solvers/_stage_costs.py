@@ -27,7 +27,7 @@ options inside a stage (a finer knapsack could fit a little more in memory).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -243,8 +243,7 @@ def _sync_terms(restriction: str | None, layer: OpGraph, plan):
         if not p.per_iteration or op is None or op.phase != "backward":
             continue
         owners = grad_owners(op, param_of_grad)
-        dtype = layer.tensors[op.outputs[min(owners, default=0)]].dtype
-        accumulated = c.nbytes * DTYPE_BYTES[recipe.grad_dtype(dtype)] / DTYPE_BYTES[dtype]
+        accumulated = c.nbytes * _accumulator_width(layer, op, owners, recipe)
         keys = [(c.kind, tuple(c.axes))]
         if sharded and c.kind == "all_reduce" and 0 in c.axes:
             # The flat buffer's reduce-scatter over dp; a sum over tp besides (a sequence-
@@ -263,6 +262,13 @@ def _sync_terms(restriction: str | None, layer: OpGraph, plan):
             groups[key] = groups.get(key, 0.0) + accumulated
     return (sync_s, grad_s, tuple((k, axes, b) for (k, axes), b in sorted(groups.items())), gather_s,
             tuple(sorted(gathers.items())))
+
+
+def _accumulator_width(layer: OpGraph, op, owners: Mapping[int, str], recipe) -> float:
+    """How many times the bytes of the gradient `op` makes (its first gradient output,
+    `owners`) the recipe's accumulator holds: 2 for a 16-bit gradient summed in fp32."""
+    dtype = layer.tensors[op.outputs[min(owners, default=0)]].dtype
+    return DTYPE_BYTES[recipe.grad_dtype(dtype)] / DTYPE_BYTES[dtype]
 
 
 def scatter_tail_s(scatter_s: float, busy_s: float, microbatches: int) -> float:
@@ -294,8 +300,7 @@ def grad_scatters(restriction: str | None, layer: OpGraph, plan) -> tuple[float,
         owners = grad_owners(op, param_of_grad)
         if not owners:
             continue
-        dtype = layer.tensors[op.outputs[min(owners)]].dtype
-        width = DTYPE_BYTES[recipe.grad_dtype(dtype)] / DTYPE_BYTES[dtype] if restriction in ACCUMULATOR_SCATTER else 1
+        width = _accumulator_width(layer, op, owners, recipe) if restriction in ACCUMULATOR_SCATTER else 1.0
         priced += c.time_s(mesh)
         moved += Collective(c.kind, c.nbytes * width, c.axes).time_s(mesh)
     return priced, moved

@@ -30,7 +30,6 @@ def _finish_times(routes, capacities, starts):
     while heap:
         now, _, item = heapq.heappop(heap)
         if item[0] == "start":
-            changed = []
             for j, c in enumerate(routes[item[1]].copies):
                 fid = len(ids)
                 ids[fid] = (item[1], j)

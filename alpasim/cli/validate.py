@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -10,24 +12,41 @@ from rich.table import Table
 from alpasim import experiments as ex
 from alpasim import solvers as sv
 
-from ._common import JsonOpt, TaskProgress, app, emit_json, fail, fmt_bytes, out
+from ._common import JsonOpt, TaskProgress, app, emit_json, fail, fmt_bytes, out, writable_file, writing
 
 
 @app.command()
 def validate(
     rows: Annotated[Optional[str], typer.Option("--rows", help="Only the rows whose id contains this text "
                                                 "(e.g. korthikanti, h100 rows: megatron-core).")] = None,
+    runs_file: Annotated[Optional[Path], typer.Option(
+        "--runs", help="Price the rows of this runs file (schema alpasim.runs/1, e.g. a held-out set) instead of "
+                       "the built-in ones.")] = None,
+    save_runs: Annotated[Optional[Path], typer.Option(
+        "--save-runs", help="Write the rows chosen (built-in, or from --runs) as a runs file, a template with "
+                            "every field, and price nothing.")] = None,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Bypass the on-disk stage-cost cache.")] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Price every published run alpasim keeps (Korthikanti et al. 2022, BLOOM-176B,
-    Megatron-core on H100, Llama 3 405B) as its system ran, and print predicted against
+    Megatron-core on H100, Llama 3 405B), or the rows of a runs file (--runs: a
+    held-out set), as its system ran, and print predicted against
     measured seconds per iteration, with the mean absolute percentage error overall and
     per hardware generation, and each priced plan's peak memory per device (predicted:
     no source publishes a row's)."""
-    runs = [r for r in ex.PUBLISHED_RUNS if rows is None or rows.lower() in r.id]
+    try:
+        every = ex.PUBLISHED_RUNS if runs_file is None else ex.read_runs_file(runs_file)
+    except ex.RunsFileError as e:
+        fail(f"--runs {e}")
+    runs = [r for r in every if rows is None or rows.lower() in r.id.lower()]
     if not runs:
-        fail(f"--rows {rows!r} matches no row; the ids are {', '.join(r.id for r in ex.PUBLISHED_RUNS)}")
+        fail(f"--rows {rows!r} matches no row; the ids are {', '.join(r.id for r in every)}")
+    if save_runs is not None:
+        writable_file(save_runs, "--save-runs")
+        with writing(save_runs, "--save-runs"):
+            save_runs.write_text(json.dumps(ex.runs_to_json(runs), indent=2) + "\n")
+        out.print(f"wrote {len(runs)} runs to {save_runs}")
+        return
     with TaskProgress("validate: ") as progress:
         report = ex.validate(runs, sv.DiskCache(enabled=not no_cache), progress=progress.update)
     if as_json:

@@ -46,3 +46,7 @@ from ._validate import price_run as price_run
 from ._validate import summary_lines as validation_summary
 from ._validate import validate as validate
 from ._validate import verdict as validation_verdict
+from ._runs_file import RUNS_SCHEMA as RUNS_SCHEMA
+from ._runs_file import RunsFileError as RunsFileError
+from ._runs_file import read_runs_file as read_runs_file
+from ._runs_file import runs_to_json as runs_to_json

@@ -1,0 +1,104 @@
+"""Runs files (`alpasim validate --runs`): the format, its checks, and the command."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from alpasim import costmodels as cm
+from alpasim import experiments as ex
+from alpasim.experiments._published_runs import gpt_model_flops
+from alpasim.experiments._runs_file import runs_from_json
+
+TINY = {"id": "tiny", "system": "megatron-lm-2022", "cluster": "dgx-a100",
+        "model": "gpt3:hidden=1024,layers=4,heads=16,seq=1024,vocab=51200,batch=8",
+        "tp": 2, "pp": 2, "dp": 1, "microbatch_size": 1, "measured_tflops": 100.0}
+
+
+def _file(*rows) -> dict:
+    return {"schema": ex.RUNS_SCHEMA, "runs": list(rows)}
+
+
+def test_the_built_in_rows_survive_a_runs_file_exactly():
+    """Every published row, written as a runs file and read back through JSON text, is
+    the row it was: cluster (links, sweeps, spine), layout, flags, FLOP count."""
+    text = json.dumps(ex.runs_to_json(ex.PUBLISHED_RUNS))
+    assert runs_from_json(json.loads(text)) == ex.PUBLISHED_RUNS
+
+
+def test_a_row_gets_its_cluster_generation_and_flop_count():
+    (run,) = runs_from_json(_file(TINY))
+    # 4 GPUs of an 8-GPU preset: one node of 4, the rest of the preset kept.
+    assert (run.cluster.nodes, run.cluster.devices_per_node, run.gpus) == (1, 4, 4)
+    assert run.cluster.inter_node == cm.get_cluster("dgx-a100").inter_node
+    assert run.generation == "A100" and run.recompute == "none" and run.cp == 1
+    # Throughput becomes seconds by Megatron-LM's model-FLOP count of the spec.
+    flops = gpt_model_flops(8, 1024, 4, 1024, 51200)
+    assert run.flops_per_iteration == flops
+    assert run.measured_iteration_s == pytest.approx(flops / (100e12 * 4))
+    # A source's own count wins, and whole nodes of a preset are whole nodes.
+    (own,) = runs_from_json(_file({**TINY, "flops_per_iteration": 1e15, "tp": 8, "dp": 2}))
+    assert own.measured_iteration_s == pytest.approx(1e15 / (100e12 * 32))
+    assert (own.cluster.nodes, own.cluster.devices_per_node) == (4, 8)
+
+
+@pytest.mark.parametrize("change, says", [
+    ({"system": "megatron-9"}, "unknown system 'megatron-9'"),
+    ({"cluster": "dgx-b900"}, "dgx-b900"),
+    ({"model": "gpt5:hidden=2"}, "model 'gpt5:hidden=2'"),
+    ({"tp": 0}, "field 'tp' must be an integer >= 1"),
+    ({"tp": True}, "field 'tp' must be an integer >= 1"),
+    ({"sequence_parallel": "yes"}, "field 'sequence_parallel' must be true or false"),
+    ({"recompute": "some"}, "recompute must be one of full, selective, none"),
+    ({"precision": "fp4"}, "unknown precision 'fp4'"),
+    ({"measured_s": 1.0}, "exactly one of 'measured_s' and 'measured_tflops'"),
+    ({"measured_tflops": -3}, "field 'measured_tflops' must be a number > 0"),
+    ({"tp": 4, "pp": 3}, "12 GPUs are not whole nodes of 'dgx-a100'"),
+    ({"microbatch_size": 3}, "global batch 8 does not split into microbatches of 3"),
+    ({"sharded_gradients": True}, "sharded_gradients needs the distributed optimizer"),
+    ({"seconds": 1.0}, "unknown field 'seconds'"),
+    ({"assumed": "mbs 1"}, "field 'assumed' must be a list of strings"),
+])
+def test_a_bad_row_is_refused_naming_the_row_and_its_field(change, says):
+    with pytest.raises(ex.RunsFileError) as e:
+        runs_from_json(_file({**TINY, **change}), "held.json")
+    message = str(e.value)
+    assert message.startswith("held.json: runs[0] (tiny): ") and says in message and "\n" not in message
+
+
+def test_a_file_is_refused_whole_for_a_bad_shape_or_a_repeated_id():
+    cluster = cm.get_cluster("dgx-a100", nodes=1).to_json()
+    cases = [([], "expected a JSON object"), ({"runs": [TINY]}, "expected a JSON object"),
+             ({**_file(TINY), "more": 1}, "unknown field 'more'"), (_file(), "non-empty list"),
+             (_file(TINY, TINY), "runs\\[1\\]: id 'tiny' appears twice"),
+             (_file(TINY, 3), "runs\\[1\\]: a row must be"),
+             # A cluster JSON object must hold the row's GPUs exactly.
+             (_file({**TINY, "cluster": cluster}), "is 4 GPUs, but the cluster has 8")]
+    for data, says in cases:
+        with pytest.raises(ex.RunsFileError, match=says):
+            runs_from_json(copy.deepcopy(data))
+
+
+def test_cli_prices_a_runs_file_and_refuses_a_bad_one_before_pricing(cli, tmp_path):
+    good = tmp_path / "held.json"
+    good.write_text(json.dumps(_file(TINY, {**TINY, "id": "tiny-sp", "sequence_parallel": True})))
+    shown = cli("validate", "--runs", str(good), "--json")
+    assert shown.returncode == 0, shown.stderr
+    report = json.loads(shown.stdout)
+    assert [r["id"] for r in report["rows"]] == ["tiny", "tiny-sp"] and report["priced_rows"] == 2
+    assert all(r["generation"] == "A100" and r["error"] == pytest.approx(r["predicted_s"] / r["measured_s"] - 1)
+               for r in report["rows"])
+    # --save-runs writes the chosen rows back, and they read as they were.
+    saved = tmp_path / "saved.json"
+    assert cli("validate", "--runs", str(good), "--rows", "SP", "--save-runs", str(saved)).returncode == 0
+    assert [r.id for r in ex.read_runs_file(saved)] == ["tiny-sp"]
+    # A bad second row stops the command before the first is priced: one line, no table.
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(_file(TINY, {**TINY, "id": "t2", "system": "nope"})))
+    refused = cli("validate", "--runs", str(bad))
+    assert refused.returncode == 2 and refused.stdout == "" and refused.stderr.count("\n") == 1
+    assert "--runs " in refused.stderr and "runs[1] (t2): unknown system 'nope'" in refused.stderr
+    missing = cli("validate", "--runs", str(tmp_path / "none.json"))
+    assert missing.returncode == 2 and "no such file" in missing.stderr

@@ -116,6 +116,10 @@ def runnable_program(plan: PipelinePlan, schedule: str | None = None, program: P
     into input and weight gradients (zero bubble) runs as two programs per stage
     (`StageExecutable.backward_input` / `backward_weight`).
     """
+    cp = (plan.search.megatron or {}).get("cp", 1)
+    if cp > 1:   # the view's attention is each chunk's alone; the KV all-gather is priced, not lowered
+        raise ValueError(f"a context-parallel plan (cp {cp}) does not run on the backend yet: its KV "
+                         f"all-gather is priced, not lowered")
     program = program or build_program(plan, schedule or plan.schedule)
     if program.chunks != plan.chunks:
         raise ValueError(f"the {program.schedule!r} program runs {program.chunks} model chunks per mesh; the plan "

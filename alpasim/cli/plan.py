@@ -114,6 +114,10 @@ def plan(
                                                     "configuration shards the gradients over dp too (ZeRO-2, as "
                                                     "Llama 3's FSDP ran it: each microbatch's weight gradients "
                                                     "reduce-scattered; implies the distributed optimizer).")] = False,
+    cp: Annotated[Optional[int], typer.Option("--cp", help="The explicit Megatron configuration's context-"
+                                              "parallel degree (Llama models, fused attention): each sequence "
+                                              "split over cp ranks that all-gather K and V, as Llama 3 ran "
+                                              "it; tp x cp x pp x dp is the cluster.")] = None,
     cost_model: CostModelOpt = None,
     precision: PrecisionOpt = gr.DEFAULT_RECIPE,
     recompute: Annotated[Optional[str], typer.Option("--recompute", help="What the backward recomputes besides "
@@ -193,14 +197,17 @@ def plan(
         fail("--distributed-optimizer only applies to --method megatron or megatron-core")
     if sequence_parallel and "sequence_parallel" not in m.accepts:
         fail("--sequence-parallel only applies to --method megatron or megatron-core")
-    for flag, option in ((ends_as_layers, "--ends-as-layers"), (sharded_gradients, "--sharded-gradients")):
+    if cp is not None and cp < 1:
+        fail(f"--cp {cp}: must be a positive integer")
+    for flag, option in ((ends_as_layers, "--ends-as-layers"), (sharded_gradients, "--sharded-gradients"),
+                         (cp is not None, "--cp")):
         if flag and not given:
             fail(f"{option} applies to an explicit Megatron configuration (--tp, --pp, --dp and --microbatch-size)")
     if sharded_gradients and distributed_optimizer is False:
         fail("--sharded-gradients needs the distributed optimizer (drop --no-distributed-optimizer)")
     config = sv.MegatronConfig(tp, pp, dp, microbatch_size, ends_as_layers=ends_as_layers,
                                distributed_optimizer=sharded_gradients,
-                               sharded_gradients=sharded_gradients) if given else None
+                               sharded_gradients=sharded_gradients, cp=cp or 1) if given else None
     p = make_plan(model, c, name, microbatches=microbatches, layers=layers, max_stages=max_stages, megatron=config,
                   distributed_optimizer=distributed_optimizer,
                   sequence_parallel=sequence_parallel or None, cache=not no_cache, workers=workers, ray=ray,
@@ -236,8 +243,8 @@ def plan(
     if name != "alpa":
         config = p.search.megatron
         out.print(f"method {name}: {m.summary}" + (
-            f"; tp={config['tp']} pp={config['pp']} dp={config['dp']} microbatch size "
-            f"{config['microbatch_size']}" + (", sequence parallel" if config.get("sequence_parallel") else "")
+            f"; tp={config['tp']}" + (f" cp={config['cp']}" if config.get("cp", 1) > 1 else "")
+            + f" pp={config['pp']} dp={config['dp']} microbatch size {config['microbatch_size']}" + (", sequence parallel" if config.get("sequence_parallel") else "")
             + (", distributed optimizer" if config.get("distributed_optimizer") else "")
             + (", sharded gradients" if config.get("sharded_gradients") else "")
             + (", embedding and head as layers" if config.get("ends_as_layers") else "")

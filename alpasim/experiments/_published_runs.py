@@ -162,7 +162,9 @@ def _llama3(gpus: int, cp: int, dp: int, seq: int, tflops: float) -> PublishedRu
                  "8 chunks per stage, read from the paper's layout (its first chunk holds only the embedding, "
                  "its last only the head and loss)",
                  "Megatron's microbatch groups of pp: the paper tunes the group size (unpublished); Megatron-core "
-                 "allows none below pp"),
+                 "allows none below pp",
+                 "model FLOPs counted as Megatron-core and PaLM's MFU count them, attention's products whole "
+                 "(the paper does not print its count)"),
         differs=("RoCE priced as the DGX preset's InfiniBand links (400 Gb/s per GPU, the same rate)",))
 
 

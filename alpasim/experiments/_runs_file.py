@@ -175,7 +175,7 @@ def _check_names(values: dict[str, Any], where: str) -> None:
         sv.MegatronConfig(values["tp"], values["pp"], values["dp"], values["microbatch_size"],
                           sequence_parallel=values["sequence_parallel"], ends_as_layers=values["ends_as_layers"],
                           distributed_optimizer=values["distributed_optimizer"],
-                          sharded_gradients=values["sharded_gradients"])
+                          sharded_gradients=values["sharded_gradients"], cp=values["cp"])
     except ValueError as e:
         raise RunsFileError(f"{where}: {e}") from None
 

@@ -75,20 +75,10 @@ class ValidationRow:
                 "device_memory_bytes": r.cluster.device.memory_bytes}
 
 
-def _not_expressible(run: PublishedRun) -> str:
-    """What the planner cannot express of `run` yet ("" if it can)."""
-    if run.cp > 1:
-        return f"context parallelism (cp {run.cp}) is not modelled yet"
-    return ""
-
-
 def price_run(run: PublishedRun, cache: sv.DiskCache | None = None) -> ValidationRow:
     """`run` planned and simulated as its system ran (module doc)."""
     t0 = time.perf_counter()
     measured = run.measured_iteration_s
-    reason = _not_expressible(run)
-    if reason:
-        return ValidationRow(run, measured, None, 0.0, "not expressible", reason)
     try:
         plan = _plan(run, run.cluster, cache)
     except (ValueError, sv.PlanInfeasible) as e:     # refused: the layout cannot be expressed
@@ -107,7 +97,7 @@ def _plan(run: PublishedRun, cluster, cache: sv.DiskCache | None) -> sv.Pipeline
     """`run`'s layout planned on `cluster` as its system ran."""
     config = sv.MegatronConfig(run.tp, run.pp, run.dp, run.microbatch_size, sequence_parallel=run.sequence_parallel,
                                ends_as_layers=run.ends_as_layers, distributed_optimizer=run.distributed_optimizer,
-                               sharded_gradients=run.sharded_gradients)
+                               sharded_gradients=run.sharded_gradients, cp=run.cp)
     remat, recompute = sv.RECOMPUTE_OPTIONS[run.recompute]
     chunked = {"schedule": "interleaved", "chunk_options": (run.chunks,)} if run.chunks > 1 else {}
     return sv.plan_model(run.model, cluster, "megatron", megatron=config, system=run.system,

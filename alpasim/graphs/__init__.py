@@ -67,6 +67,9 @@ from ._primitives import op_kind as op_kind
 from ._primitives import parse_einsum as parse_einsum
 from ._prims_attention import ATTENTION_KERNELS as ATTENTION_KERNELS
 from ._prims_attention import attention_geometry as attention_geometry
+from ._prims_attention import attention_terms as attention_terms
+from ._prims_attention import context_parallel_refusal as context_parallel_refusal
+from ._prims_attention import context_parallel_view as context_parallel_view
 from ._llama import LlamaConfig as LlamaConfig
 from ._resnet import WResNetConfig as WResNetConfig
 from ._serialize import GraphFormatError as GraphFormatError

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ._builder import GraphBuilder
-from ._prims_attention import attention_core, check_attention_kernel
+from ._prims_attention import attention_core, check_attention_kernel, check_context_parallel
 from ._types import OpGraph
 
 
@@ -56,9 +56,14 @@ class LlamaConfig:
     rope_theta: int = 500000
     dtype: str = "bfloat16"
     attention: str = "explicit"
+    # One rank's view of a context-parallel run (`context_parallel_view`): `seq` is its
+    # chunk of each sequence and `batch` counts chunks; attention's keys span
+    # `context_parallel` chunks. 1: a whole-sequence model.
+    context_parallel: int = 1
 
     def __post_init__(self) -> None:
         check_decoder(self, ("ffn",))
+        check_context_parallel(self)
 
     @property
     def family(self) -> str:
@@ -154,7 +159,8 @@ def gqa_attention(b: GraphBuilder, x: str, cfg) -> str:
         v = b.einsum("bsh,hgd->bsgd", x, b.param("w_v", (h, g, d), dt), name="v_proj")
         q, k = _rope(b, q, cos, sin, "q_rope"), _rope(b, k, cos, sin, "k_rope")
         ctx = attention_core(b, cfg.attention, "bqgrd,bkgd,bkgd->bqgrd", q, k, v, scores="bgrqk",
-                             scale=1.0 / math.sqrt(d), causal=True)
+                             scale=1.0 / math.sqrt(d), causal=True,
+                             context_parallel=getattr(cfg, "context_parallel", 1))
         return b.einsum("bsgrd,grdh->bsh", ctx, b.param("w_o", (g, r, d, h), dt), name="out_proj")
 
 

@@ -27,6 +27,7 @@ splitting q is context parallelism, which needs the KV exchange priced).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from ._prim_core import Primitive, dimmap, need, register
@@ -64,9 +65,11 @@ def _sizes(equation: str, ins) -> dict[str, int]:
 
 
 def attention_forward_flops(p, ins) -> float:
+    """Under context parallelism (attribute `context_parallel`, cp) each query chunk
+    attends to the keys of all cp chunks: cp times its own chunk's products."""
     sizes = _sizes(p["equation"], ins[:3])
     batch = math.prod(n for c, n in sizes.items() if c not in RESERVED)
-    return 4.0 * batch * sizes["q"] * sizes["k"] * sizes["d"]
+    return 4.0 * batch * sizes["q"] * sizes["k"] * sizes["d"] * p.get("context_parallel", 1)
 
 
 def _infer(p, ins):
@@ -117,16 +120,63 @@ def check_attention_kernel(cfg) -> None:
                          f"got {cfg.attention!r}")
 
 
+def check_context_parallel(cfg) -> None:
+    """A config's `context_parallel` (one rank's view, `context_parallel_view`): a
+    positive integer; above 1 only with the fused kernel (the KV all-gather form runs
+    the fused kernel on each chunk) and an even chunk (two halves per rank)."""
+    cp = cfg.context_parallel
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+        raise ValueError(f"{cfg.family}: context_parallel must be a positive integer, got {cp!r}")
+    if cp > 1 and cfg.attention != "fused":
+        raise ValueError(f"{cfg.family}: context parallelism runs the fused attention kernel on each chunk; "
+                         f"attention is {cfg.attention!r}")
+    if cp > 1 and cfg.seq % 2:
+        raise ValueError(f"{cfg.family}: a context-parallel chunk of {cfg.seq} positions does not split into "
+                         f"two halves (load balancing)")
+
+
+def context_parallel_view(cfg, cp: int):
+    """One rank's view of `cfg` (a whole-sequence zoo config with `context_parallel`)
+    under context parallelism of degree `cp`, as Llama 3 ran it (Llama Team 2024, sec.
+    3.3.2) and Transformer Engine's `AttnFuncWithCPAndKVAllGather` runs it: each
+    sequence is cut into 2 cp chunks and rank i holds chunks i and 2 cp - 1 - i, so that
+    every rank does the same share of causal attention. Each rank computes every token
+    op on its s / cp positions, all-gathers K and V over the cp group before its
+    attention kernel, and in the backward gathers them again and reduce-scatters dK and
+    dV (`solvers._context_parallel` prices those). So the view is the model at
+    sequence s / cp with cp times the sequences (the chunks), whose attention ops carry
+    `context_parallel`: their FLOPs and kernel time are those of whole sequences,
+    1 / cp a chunk."""
+    why = context_parallel_refusal(cfg, cp)
+    if why:
+        raise ValueError(why)
+    return dataclasses.replace(cfg, seq=cfg.seq // cp, batch=cfg.batch * cp, context_parallel=cp)
+
+
+def context_parallel_refusal(cfg, cp: int) -> str:
+    """Why `cfg` has no context-parallel view of degree `cp` whatever its attention
+    kernel ("" if it has one); the kernel is checked when the view is built."""
+    if not hasattr(cfg, "context_parallel"):
+        return f"context parallelism is built for Llama models (RoPE, no position table); {cfg.family} is not one"
+    if cfg.context_parallel != 1:
+        return f"{cfg.family}: already a context-parallel view (cp {cfg.context_parallel})"
+    if cfg.seq % (2 * cp):
+        return f"{cfg.family}: sequence {cfg.seq} does not cut into 2 x cp = {2 * cp} equal chunks"
+    return ""
+
+
 def attention_core(b, kernel: str, equation: str, q: str, k: str, v: str, *, scores: str, scale: float,
-                   causal: bool, dropout: float = 0.0) -> str:
+                   causal: bool, dropout: float = 0.0, context_parallel: int = 1) -> str:
     """softmax(scale * q k^T) v on a builder, as `kernel` computes it: "fused", the
     `attention` op (its log-sum-exp stays for the backward); "explicit", the scores
     (letters `scores`: q's batch and head letters, q and k), a softmax, dropout of the
     probabilities at rate `dropout` (Megatron's `attention_dropout`; inside the fused
-    kernel it is no op), and the context."""
+    kernel it is no op), and the context. `context_parallel` > 1 (fused only): the
+    op's keys span that many chunks (`context_parallel_view`)."""
     if kernel == "fused":
+        extra = {"context_parallel": context_parallel} if context_parallel > 1 else {}
         out, _ = b.apply("attention", [q, k, v], name="attention", out_names=["attention", "attention_lse"],
-                         equation=equation, scale=scale, causal=causal)
+                         equation=equation, scale=scale, causal=causal, **extra)
         return out
     q_term, k_term, v_term = attention_terms(equation)
     s = b.einsum(f"{q_term},{k_term}->{scores}", q, k, name="scores")
@@ -137,11 +187,15 @@ def attention_core(b, kernel: str, equation: str, q: str, k: str, v: str, *, sco
 
 def attention_geometry(op, tensors) -> tuple[int, int, int, int, bool]:
     """(batch x heads, query positions, key positions, head dim, causal) of an
-    `attention` or `attention_grad` op, whole (not per shard)."""
+    `attention` or `attention_grad` op, whole (not per shard). A context-parallel op's
+    (`context_parallel_view`) is its whole sequences': cp chunks of cp times the
+    positions each, so that a shard of it is priced as its share of whole-sequence
+    kernels (load-balanced causal chunks do the same share each)."""
     q_name = op.inputs[0] if op.prim == "attention" else op.inputs[1]
     q_term, k_term, _ = attention_terms(op.attrs["equation"])
     q_sizes = dict(zip(q_term, tensors[q_name].shape))
     k_name = op.inputs[1] if op.prim == "attention" else op.inputs[2]
     k_len = dict(zip(k_term, tensors[k_name].shape))["k"]
     batch = math.prod(n for c, n in q_sizes.items() if c not in RESERVED)
-    return batch, q_sizes["q"], k_len, q_sizes["d"], bool(op.attrs.get("causal"))
+    cp = op.attrs.get("context_parallel", 1)
+    return batch // cp, q_sizes["q"] * cp, k_len * cp, q_sizes["d"], bool(op.attrs.get("causal"))

@@ -41,6 +41,7 @@ from pathlib import Path
 
 from alpasim.costmodels import DEFAULT_BUCKET_BYTES, Cluster
 from alpasim.graphs import (DTYPE_BYTES, ModelLike, ModelSource, ModelSpecError, OpGraph, assign_layers,
+                            context_parallel_view,
                             expanding_contraction, forward_graph, get_recipe, model_source, read_json_file)
 
 from ._interleave import DEFAULT_CHUNK_OPTIONS
@@ -182,9 +183,15 @@ class MegatronConfig:
     # added into the device's 1/dp shard (`_intra_baselines.megatron_distopt_restriction`
     # with `per_microbatch`). Needs the distributed optimizer.
     sharded_gradients: bool = False
+    # Context parallelism (Megatron-core's --context-parallel-size; Llama 3's order
+    # [TP, CP, PP, DP]): each sequence split over cp ranks, which all-gather K and V
+    # for attention (`graphs.context_parallel_view`, `_context_parallel`). The data-
+    # parallel mesh axis holds cp x dp ranks, cp consecutive ones a group; gradients
+    # are reduced over all of them. `microbatch_size` stays in whole sequences.
+    cp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "microbatch_size"):
+        for name in ("tp", "pp", "dp", "microbatch_size", "cp"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"Megatron {name} must be a positive integer, got {getattr(self, name)!r}")
         for name in ("distributed_optimizer", "sequence_parallel", "ends_as_layers", "sharded_gradients"):
@@ -201,7 +208,8 @@ class MegatronConfig:
             ("_zero2" if self.sharded_gradients else "_distopt" if self.distributed_optimizer else "")
 
     def __str__(self) -> str:
-        return (f"tp={self.tp} pp={self.pp} dp={self.dp} mbs={self.microbatch_size}"
+        return (f"tp={self.tp} " + (f"cp={self.cp} " if self.cp > 1 else "")
+                + f"pp={self.pp} dp={self.dp} mbs={self.microbatch_size}"
                 + (" sp" if self.sequence_parallel else "") + (" dist-opt" if self.distributed_optimizer else "")
                 + (" sharded-grads" if self.sharded_gradients else "")
                 + (" ends-as-layers" if self.ends_as_layers else ""))
@@ -591,11 +599,16 @@ def megatron_plan(model: ModelLike, cluster: Cluster, config: MegatronConfig, me
     with Megatron's layouts (`megatron_restriction`), B = batch / (mbs x dp)."""
     source = _zoo_source(model)
     check_megatron(source, cluster, config)
-    size = config.tp * config.dp
-    b = source.config.batch // (config.microbatch_size * config.dp)
+    # Context parallelism: each rank's view, whose batch counts chunks (graphs.
+    # context_parallel_view), over a data axis of cp x dp ranks.
+    data = config.dp * config.cp
+    if config.cp > 1:
+        source = ModelSource.zoo(source.name, context_parallel_view(source.config, config.cp))
+    size = config.tp * data
+    b = source.config.batch // (config.microbatch_size * data)
 
     def views_of(shape: SubmeshShape) -> list[tuple[int, int]]:
-        return [(config.dp, config.tp)] if shape.size == size else []
+        return [(data, config.tp)] if shape.size == size else []
 
     search = {**METHODS["megatron"].search_options(cluster), "restriction": config.restriction}
     # Megatron refuses --tp-comm-overlap without sequence parallelism (arguments.py:
@@ -605,7 +618,7 @@ def megatron_plan(model: ModelLike, cluster: Cluster, config: MegatronConfig, me
     if dropped:
         kw = {**kw, "tp_overlap": False}
     if "bucket_bytes" in kw:
-        kw = {**kw, "bucket_bytes": _bucket_bytes(kw["bucket_bytes"], config.dp, source.config.dtype,
+        kw = {**kw, "bucket_bytes": _bucket_bytes(kw["bucket_bytes"], data, source.config.dtype,
                                                    kw.get("precision"))}
     try:
         plan = plan_pipeline(source, cluster, microbatches=b, method=method, shape_ok=lambda sh: sh.size == size,

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from alpasim.costmodels import Cluster
-from alpasim.graphs import ModelSource, build_training_graph, get_recipe
+from alpasim.graphs import ModelSource, build_training_graph, context_parallel_refusal, get_recipe
 from alpasim.units import format_bytes
 
 from ._inter_op import PlanInfeasible, default_graph_layers, planning_units
@@ -141,9 +141,13 @@ def check_megatron(source: ModelSource, cluster: Cluster, config) -> None:
     `MegatronConfig`) breaks on `cluster` (module doc)."""
     cfg = source.config
     n = cluster.num_devices
-    if config.tp * config.pp * config.dp != n:
-        raise ValueError(f"Megatron {config}: tp x pp x dp = {config.tp * config.pp * config.dp}, the cluster has "
-                         f"{n} devices")
+    cp = getattr(config, "cp", 1)
+    if config.tp * config.pp * config.dp * cp != n:
+        raise ValueError(f"Megatron {config}: tp x {'cp x ' if cp > 1 else ''}pp x dp = "
+                         f"{config.tp * config.pp * config.dp * cp}, the cluster has {n} devices")
+    why = context_parallel_refusal(cfg, cp) if cp > 1 else ""
+    if why:
+        raise ValueError(f"Megatron {config}: {why}")
     if config.tp > cluster.devices_per_node:
         raise ValueError(f"Megatron {config}: tensor parallelism beyond one node ({cluster.devices_per_node} devices)")
     layers, what = megatron_layers(source, config)

@@ -57,6 +57,7 @@ from ._cache import CACHE_VERSION, DiskCache, digest
 from ._intra_baselines import (ACCUMULATOR_SCATTER, BASELINES, DISTRIBUTED_OPTIMIZER, PER_MICROBATCH_GRAD_SYNC,
                                REWRITE_ALLOWED, grad_owners,
                                optimizer_state_shards, params_of_grads, unsliced_params, unsliced_state_bytes)
+from ._context_parallel import cp_cache_key, kv_exchange_s
 from ._intra_op import IntraOpInfeasible, min_memory_choice, solve_intra_op, solve_problem
 from ._mesh import LogicalMesh
 from ._resharding import Collective
@@ -468,12 +469,13 @@ def layer_options(layer: OpGraph, mesh: LogicalMesh, cluster: Cluster, microbatc
         # Megatron-core's flat buffer shards the states the layouts could not slice.
         opt = mem.optimizer_bytes - unsliced_state_bytes(restriction, layer, plan.specs, mesh) * (1 - 1 / shards)
         sync_s, grad_sync_s, grad_groups, param_gather_s, gather_groups = _sync_terms(restriction, layer, plan)
-        return LayerOption(plan.time_s, sync_s,
+        kv_forward, kv_backward = kv_exchange_s(layer, plan, mesh, cluster, model)     # context parallelism's
+        return LayerOption(plan.time_s + kv_forward + kv_backward, sync_s,
                            mem.params_bytes + mem.grads_bytes + opt + t_grad + t_opt,
                            mem.activations_peak_bytes, tuple(str(plan.specs[p]) for p in params),
                            tuple((i, plan.strategies[layer.ops[i].name].name,
                                   "/".join(map(str, plan.strategies[layer.ops[i].name].out_specs))) for i in heavy),
-                           status, plan.forward_s, tuple(str(plan.specs[t]) for t in layer.inputs),
+                           status, plan.forward_s + kv_forward, tuple(str(plan.specs[t]) for t in layer.inputs),
                            tuple(str(plan.specs[t]) for t in layer.outputs), mem.stash_bytes,
                            mem.params_bytes, mem.grads_bytes + t_grad, opt + t_opt,
                            (t_param, t_grad, t_opt), gathered_param_bytes(layer, plan), mem.update_bytes,
@@ -673,7 +675,8 @@ def build_stage_costs(graph: OpGraph, cluster: Cluster, microbatches: int, *, ma
     pending, solved = [], []
     for kind, layer in first_of_kind.items():
         for m, (_, _, mesh) in enumerate(meshes):
-            parts = [CACHE_VERSION, kind, mesh_key(mesh), microbatches, device_key, restriction, pareto]
+            parts = [CACHE_VERSION, kind, mesh_key(mesh), microbatches, device_key, restriction, pareto,
+                     *cp_cache_key(layer, mesh, cluster)]
             key = digest(parts if model_key is None else parts + [model_key])
             hit = cache.get(key, read=read_options)
             if hit is not None:

@@ -116,7 +116,8 @@ def runnable_program(plan: PipelinePlan, schedule: str | None = None, program: P
     into input and weight gradients (zero bubble) runs as two programs per stage
     (`StageExecutable.backward_input` / `backward_weight`).
     """
-    cp = (plan.search.megatron or {}).get("cp", 1)
+    config = (plan.model.source or {}).get("config") or {}
+    cp = max((plan.search.megatron or {}).get("cp", 1), config.get("context_parallel", 1))
     if cp > 1:   # the view's attention is each chunk's alone; the KV all-gather is priced, not lowered
         raise ValueError(f"a context-parallel plan (cp {cp}) does not run on the backend yet: its KV "
                          f"all-gather is priced, not lowered")

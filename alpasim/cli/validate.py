@@ -12,7 +12,7 @@ from rich.table import Table
 from alpasim import experiments as ex
 from alpasim import solvers as sv
 
-from ._common import JsonOpt, TaskProgress, app, emit_json, fail, fmt_bytes, out, writable_file, writing
+from ._common import JsonOpt, TaskProgress, app, emit_json, err, fail, fmt_bytes, out, writable_file, writing
 
 
 @app.command()
@@ -45,7 +45,7 @@ def validate(
         writable_file(save_runs, "--save-runs")
         with writing(save_runs, "--save-runs"):
             save_runs.write_text(json.dumps(ex.runs_to_json(runs), indent=2) + "\n")
-        out.print(f"wrote {len(runs)} runs to {save_runs}")
+        err.print(f"wrote {len(runs)} runs to {save_runs}")
         return
     with TaskProgress("validate: ") as progress:
         report = ex.validate(runs, sv.DiskCache(enabled=not no_cache), progress=progress.update)

@@ -29,12 +29,15 @@ its first dash, A100 of A100-SXM-80GB),
 `distributed_optimizer`, `sharded_gradients`, `chunks`, `ends_as_layers`, `cp`,
 `precision`, `assumed` and `differs` (lists of text). Every field is checked when the
 file is read, before anything is priced: an unknown field, a wrong type, a name that
-does not exist or a layout that is not one of its cluster is one line naming the row
-and the field.
+does not exist, a layout whose GPUs are not its cluster's or whose batch does not split
+into its microbatches is one line naming the row and the field. A layout the planner
+then refuses (more stages than blocks, tensor parallelism beyond a node) is a row
+"not expressible", with the planner's reason, as a built-in row would be.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -93,7 +96,7 @@ def runs_from_json(data: Any, where: str = "runs file") -> tuple[PublishedRun, .
         raise RunsFileError(f"{where}: \"runs\" must be a non-empty list of rows")
     runs, seen = [], set()
     for i, row in enumerate(rows):
-        run = _run_from_json(row, f"{where}: runs[{i}]")
+        run = _run_from_json(row, f"{where}: runs[{i}]", where)
         if run.id in seen:
             raise RunsFileError(f"{where}: runs[{i}]: id {run.id!r} appears twice")
         seen.add(run.id)
@@ -101,7 +104,7 @@ def runs_from_json(data: Any, where: str = "runs file") -> tuple[PublishedRun, .
     return tuple(runs)
 
 
-def _run_from_json(row: Any, where: str) -> PublishedRun:
+def _run_from_json(row: Any, where: str, file: str) -> PublishedRun:
     if not isinstance(row, Mapping):
         raise RunsFileError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
     if isinstance(row.get("id"), str) and row["id"]:
@@ -121,7 +124,7 @@ def _run_from_json(row: Any, where: str) -> PublishedRun:
     _check_measurement(values, source, where)
     if values["generation"] is None:
         values["generation"] = values["cluster"].device.name.split("-")[0]
-    values["source"] = values["source"] or where.split(":")[0]
+    values["source"] = values["source"] or file
     return PublishedRun(**values)
 
 
@@ -132,14 +135,16 @@ def _field(row: Mapping, name: str, where: str) -> Any:
             raise RunsFileError(f"{where}: missing field {name!r}")
         return default
     value = row[name]
-    ok = {str: isinstance(value, str) and bool(value), bool: isinstance(value, bool), object: True,
+    ok = {str: isinstance(value, str) and (bool(value) or name == "source"), bool: isinstance(value, bool), object: True,
           int: isinstance(value, int) and not isinstance(value, bool) and value >= 1,
-          float: isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
+          float: isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf,
           list: isinstance(value, list) and all(isinstance(v, str) for v in value)}[kind]
     if not ok:
         what = {str: "a non-empty string", bool: "true or false", int: "an integer >= 1",
-                float: "a number > 0", list: "a list of strings"}[kind]
+                float: "a finite number > 0", list: "a list of strings"}[kind]
         raise RunsFileError(f"{where}: field {name!r} must be {what}, got {value!r}")
+    if name == "source" and not value:
+        return default
     return float(value) if kind is float else value
 
 

@@ -198,4 +198,5 @@ def attention_geometry(op, tensors) -> tuple[int, int, int, int, bool]:
     k_len = dict(zip(k_term, tensors[k_name].shape))["k"]
     batch = math.prod(n for c, n in q_sizes.items() if c not in RESERVED)
     cp = op.attrs.get("context_parallel", 1)
-    return batch // cp, q_sizes["q"] * cp, k_len * cp, q_sizes["d"], bool(op.attrs.get("causal"))
+    whole = batch // cp if batch % cp == 0 else batch / cp    # a part of a sequence's chunks: its share
+    return whole, q_sizes["q"] * cp, k_len * cp, q_sizes["d"], bool(op.attrs.get("causal"))

@@ -266,6 +266,7 @@ def _plan_method(m: Method, model: ModelLike, cluster: Cluster, *, layers: int |
                  sequence_parallel: bool | None, **options) -> PipelinePlan:
     """`plan_model` once the options are the planner's own."""
     source = _zoo_source(model) if m.zoo_only else model_source(model)
+    _refuse_view(source)
     try:
         _run_preflight(m, source, cluster, layers=layers, max_stages=max_stages, megatron=megatron, **options)
         if m.name in MEGATRON_METHODS:
@@ -498,11 +499,26 @@ def check_before_planning(model: ModelLike, cluster: Cluster, method: str = "alp
                     distributed_optimizer=distributed_optimizer, sequence_parallel=sequence_parallel)
     if megatron is not None and megatron.distributed_optimizer and distributed_optimizer is None:
         distributed_optimizer = True
-    system_options(m, options.get("system"), options.get("overlap"), distributed_optimizer, megatron,
-                   {k: v for k, v in options.items() if k in COMMON_OPTIONS})      # its conflicts
+    _, record, _ = system_options(m, options.get("system"), options.get("overlap"), distributed_optimizer,
+                                  megatron, {k: v for k, v in options.items() if k in COMMON_OPTIONS},
+                                  attention=_attention_given(model, options.get("attention")))   # its conflicts
+    if megatron is not None and megatron.cp > 1 and record.settings["attention"] != "fused":
+        raise ValueError(f"Megatron {megatron}: context parallelism runs the fused attention kernel on each "
+                         f"chunk; attention is {record.settings['attention']!r}")
     source = _zoo_source(model) if m.zoo_only else model_source(model)
+    _refuse_view(source)
     _run_preflight(m, source, cluster, layers=layers, max_stages=max_stages, megatron=megatron, **options)
     return source
+
+
+def _refuse_view(source: ModelSource) -> None:
+    """A model given as a context-parallel view (`context_parallel` in its spec): only a
+    Megatron configuration's `cp` builds one, since only its layout prices the KV
+    exchange (`_context_parallel`)."""
+    cp = getattr(source.config, "context_parallel", 1)
+    if cp != 1:
+        raise ValueError(f"{source.name}: context_parallel={cp} is set by a Megatron configuration's cp "
+                         f"(plan --cp), not in the model; give the whole-sequence model")
 
 
 def _refuse_options(m: Method, **given) -> None:
@@ -601,7 +617,7 @@ def megatron_plan(model: ModelLike, cluster: Cluster, config: MegatronConfig, me
     check_megatron(source, cluster, config)
     # Context parallelism: each rank's view, whose batch counts chunks (graphs.
     # context_parallel_view), over a data axis of cp x dp ranks.
-    data = config.dp * config.cp
+    data, whole = config.dp * config.cp, source
     if config.cp > 1:
         source = ModelSource.zoo(source.name, context_parallel_view(source.config, config.cp))
     size = config.tp * data
@@ -625,7 +641,7 @@ def megatron_plan(model: ModelLike, cluster: Cluster, config: MegatronConfig, me
                              views_of=views_of, num_stages=config.pp, max_stages=config.pp,
                              relabel=None if config.ends_as_layers else zoo_blocks, **search, **kw)
     except PlanInfeasible as e:
-        return infeasible_plan(source, cluster, method, str(e), SearchStats(megatron=_config_json(config)),
+        return infeasible_plan(whole, cluster, method, str(e), SearchStats(megatron=_config_json(config)),
                                needed_bytes=e.min_memory_bytes)
     notes = plan.notes + (("tp_comm_overlap priced off: Megatron overlaps tensor-parallel communication only "
                            "with sequence parallelism at tp > 1",) if dropped and config.tp > 1 else ())
@@ -670,7 +686,7 @@ def megatron_grid(model: ModelLike, cluster: Cluster, *, progress: Callable | No
         sps = (sequence_parallel,) if sequence_parallel is not None else (True, False) if today and c.tp > 1 \
             else (False,)
         dos = (distributed_optimizer,) if distributed_optimizer is not None else (True, False) \
-            if today and c.dp > 1 else (False,)
+            if today and c.dp * c.cp > 1 else (False,)
         floor = 0
         for k, config in enumerate(dataclasses.replace(c, sequence_parallel=x, distributed_optimizer=y)
                                    for x in sps for y in dos):    # the least-memory form first

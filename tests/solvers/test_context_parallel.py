@@ -49,16 +49,18 @@ def test_a_views_attention_is_priced_as_its_share_of_whole_sequences(device):
         assert cost.op_time_s(alone, view.tensors, n * cp) < 0.5 * cost.op_time_s(v, view.tensors, n * cp)
 
 
-def test_the_kv_exchange_is_priced_on_the_cp_groups_link(monkeypatch):
+@pytest.mark.parametrize("remat, exchanges", [(False, 3), (True, 4)])
+def test_the_kv_exchange_is_priced_on_the_cp_groups_link(monkeypatch, remat, exchanges):
     """A block of the view on a (cp, 1) mesh across two nodes (one GPU each): the KV
     exchange adds a forward all-gather of K and V, and a backward all-gather and a
     reduce-scatter of their gradients, each a two-rank ring over the network card:
     latency + half the gathered bytes / bandwidth (hand-computed), to the block's time
-    per microbatch, and the first to its forward."""
+    per microbatch, and the first to its forward. Under full recomputation the
+    recomputed forward gathers them once more (in the backward)."""
     cp = 2
     cluster = get_cluster("dgx-h100", nodes=2, devices_per_node=1)
     view = gr.context_parallel_view(gr.model_source(LLAMA).config, cp)
-    block = layer_graphs(gr.training_graph(gr.forward_graph(dataclasses.replace(view, batch=cp))))[1]
+    block = layer_graphs(gr.training_graph(gr.forward_graph(dataclasses.replace(view, batch=cp)), remat=remat))[1]
     mesh = LogicalMesh.on_cluster(cluster, (cp, 1))
     (priced,) = layer_options(block, mesh, cluster, 1, restriction="megatron_distopt")
     monkeypatch.setattr(_stage_costs, "kv_exchange_s", lambda *a: (0.0, 0.0))
@@ -68,7 +70,7 @@ def test_the_kv_exchange_is_priced_on_the_cp_groups_link(monkeypatch):
     link = cluster.inter_node
     one = link.latency_s + (cp - 1) / cp * gathered / (link.bandwidth_gbps * 1e9 / 8)
     assert priced.forward_s - bare.forward_s == pytest.approx(one, rel=1e-6)
-    assert priced.time_s - bare.time_s == pytest.approx(3 * one, rel=1e-6)
+    assert priced.time_s - bare.time_s == pytest.approx(exchanges * one, rel=1e-6)
 
 
 def test_megatron_with_cp_plans_the_view_and_refuses_what_it_cannot():
@@ -87,6 +89,8 @@ def test_megatron_with_cp_plans_the_view_and_refuses_what_it_cannot():
     with pytest.raises(ValueError, match="runs the fused attention kernel"):
         sv.plan_model(LLAMA, cluster, "megatron-core", megatron=sv.MegatronConfig(1, 1, 2, 1, cp=2),
                       attention="explicit")
+    with pytest.raises(ValueError, match="context_parallel=2 is set by a Megatron configuration's cp"):
+        sv.plan_model(LLAMA + ",context_parallel=2", cluster, "alpa")
     with pytest.raises(ValueError, match="built for Llama models"):
         sv.plan_model("gpt3:hidden=256,layers=2,heads=4,seq=512,vocab=512,batch=4", cluster, "megatron-core",
                       megatron=sv.MegatronConfig(1, 1, 2, 1, cp=2))
@@ -102,3 +106,8 @@ def test_cli_cp_belongs_to_an_explicit_configuration(cli):
     assert json.loads(shown.stdout)["search"]["megatron"]["cp"] == 2
     alone = cli("plan", "--model", LLAMA, "--cluster", "dgx-h100", "--method", "megatron-core", "--cp", "2")
     assert alone.returncode == 2 and alone.stderr.count("\n") == 1 and "--cp applies to an explicit" in alone.stderr
+    explicit = cli("plan", "--model", LLAMA, "--cluster", "dgx-h100", "--nodes", "1", "--devices-per-node", "4",
+                   "--method", "megatron-core", "--tp", "1", "--cp", "2", "--pp", "1", "--dp", "2",
+                   "--microbatch-size", "1", "--attention", "explicit")
+    assert explicit.returncode == 2 and explicit.stderr.count("\n") == 1, explicit.stderr
+    assert "runs the fused attention kernel" in explicit.stderr and "attention is 'explicit'" in explicit.stderr

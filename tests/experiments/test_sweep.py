@@ -197,7 +197,7 @@ def test_cli_plan_method_baseline_and_megatron_degrees(cache_dir, cli):
     p = json.loads(proc.stdout)
     assert p["search"]["megatron"] == {"tp": 1, "pp": 2, "dp": 1, "microbatch_size": 2, "distributed_optimizer": False,
                                        "sequence_parallel": False, "ends_as_layers": False,
-                                       "sharded_gradients": False}
+                                       "sharded_gradients": False, "cp": 1}
     assert len(p["stages"]) == 2 and p["microbatches"] == 8 // 2
     sp = ("--method", "megatron", "--tp", "2", "--pp", "1", "--dp", "1", "--microbatch-size", "2", "--json")
     two = ("plan", "--model", TINY, "--nodes", "1", "--devices-per-node", "2")

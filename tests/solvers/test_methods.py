@@ -80,7 +80,8 @@ def test_megatron_explicit_configuration(cluster, tmp_path):
     assert plan.feasible and len(plan.stages) == 2 and _covers(plan, 4)
     assert plan.microbatches == 32 // (8 * 1)
     assert plan.search.megatron == {"tp": 2, "pp": 2, "dp": 1, "microbatch_size": 8, "distributed_optimizer": False,
-                                   "sequence_parallel": False, "ends_as_layers": False, "sharded_gradients": False}
+                                   "sequence_parallel": False, "ends_as_layers": False, "sharded_gradients": False,
+                                   "cp": 1}
     # Equal blocks per stage (embedding with the first block, head with the last) ...
     assert [s.layers for s in plan.stages] == [(0, 1), (2, 3)]
     for s in plan.stages:

@@ -60,7 +60,8 @@ def validate(
     for r in report["rows"]:
         priced = r["status"] == "priced"
         peak = f"{fmt_bytes(r['predicted_peak_bytes'])} of {fmt_bytes(r['device_memory_bytes'])}" if priced else "-"
-        t.add_row(r["id"], f"{r['gpus']:,}", r["system"], f"{r['measured_s']:.2f}",
+        system = r["system"] if r["method"] == "megatron" else f"{r['system']} ({r['method']} search)"
+        t.add_row(r["id"], f"{r['gpus']:,}", system, f"{r['measured_s']:.2f}",
                   f"{r['predicted_s']:.2f}" if priced else "-", ex.validation_verdict(r), peak)
     out.print(t)
     for line in ex.validation_summary(report):

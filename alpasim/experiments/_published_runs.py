@@ -47,11 +47,11 @@ class PublishedRun:
     generation: str                  # A100, H100: the hardware generation MAPE is grouped by
     cluster: Cluster
     model: str                       # a zoo spec string (`graphs.model_source`)
-    tp: int
-    pp: int
-    dp: int
-    microbatch_size: int
-    recompute: str                   # full, selective or none
+    tp: int | None                   # the layout: None where the method searched its own (`method`)
+    pp: int | None
+    dp: int | None
+    microbatch_size: int | None
+    recompute: str | None            # full, selective or none; None: the system profile's
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
     sharded_gradients: bool = False  # the gradients sharded over dp too (ZeRO-2), each microbatch's scattered
@@ -65,10 +65,14 @@ class PublishedRun:
     assumed: tuple[str, ...] = ()    # what the source leaves unsaid and the row assumes
     differs: tuple[str, ...] = ()    # where the model priced is not exactly the model that ran
     extra: dict = field(default_factory=dict)
+    # "megatron": the published layout (tp, pp, dp, ...) as a Megatron configuration;
+    # any other `solvers.METHODS` name: what that method's own search finds on the
+    # cluster (an Alpa paper's plan, a ZeRO run), with no layout given.
+    method: str = "megatron"
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.pp * self.dp * self.cp
+        return self.cluster.num_devices
 
     @property
     def measured_iteration_s(self) -> float:

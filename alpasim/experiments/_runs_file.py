@@ -19,14 +19,17 @@ The file is JSON, schema ``alpasim.runs/1``::
 
 Required per row: `id` (unique), `system` (a profile of `solvers.SYSTEMS`), `cluster`
 (a preset name, sized to the row's GPUs, or a cluster JSON object, `alpasim.cluster/1`,
-with exactly the row's GPUs), `model` (a zoo spec), `tp`, `pp`, `dp`,
-`microbatch_size`, and the measurement: `measured_s` (seconds per iteration) or
-`measured_tflops` (per GPU), the latter with `flops_per_iteration` (the source's own
-count) or, for GPT and Llama models, Megatron-LM's model-FLOP count of the spec.
-Optional: `source`, `generation` (what MAPE groups by; default the device's name up to
-its first dash, A100 of A100-SXM-80GB),
-`recompute` (full, selective, none; default none), `sequence_parallel`,
-`distributed_optimizer`, `sharded_gradients`, `chunks`, `ends_as_layers`, `cp`,
+with exactly the row's GPUs), `model` (a zoo spec), and the measurement: `measured_s`
+(seconds per iteration) or `measured_tflops` (per GPU), the latter with
+`flops_per_iteration` (the source's own count) or, for GPT and Llama models,
+Megatron-LM's model-FLOP count of the spec. And what ran: `method` "megatron" (the
+default) prices the published layout, `tp`, `pp`, `dp` and `microbatch_size` (required)
+with `cp`, `chunks`, `sequence_parallel`, `distributed_optimizer`, `sharded_gradients`
+and `ends_as_layers`; any other `solvers.METHODS` name (alpa, zero3, megatron-core, ...)
+prices what that method's own search finds on `gpus` GPUs (required), as an Alpa paper
+row reports Alpa's plan, and takes no layout fields. Optional: `source`, `generation`
+(what MAPE groups by; default the device's name up to its first dash, A100 of
+A100-SXM-80GB), `recompute` (full, selective, none; default the system profile's),
 `precision`, `assumed` and `differs` (lists of text). Every field is checked when the
 file is read, before anything is priced: an unknown field, a wrong type, a name that
 does not exist, a layout whose GPUs are not its cluster's or whose batch does not split
@@ -55,14 +58,18 @@ _REQUIRED = object()
 _FIELDS: dict[str, tuple[type, Any]] = {
     "id": (str, _REQUIRED), "source": (str, ""), "system": (str, _REQUIRED), "generation": (str, None),
     "cluster": (object, _REQUIRED), "model": (str, _REQUIRED),
-    "tp": (int, _REQUIRED), "pp": (int, _REQUIRED), "dp": (int, _REQUIRED), "cp": (int, 1),
-    "microbatch_size": (int, _REQUIRED), "chunks": (int, 1), "recompute": (str, "none"),
+    "method": (str, "megatron"), "gpus": (int, None),
+    "tp": (int, None), "pp": (int, None), "dp": (int, None), "cp": (int, 1),
+    "microbatch_size": (int, None), "chunks": (int, 1), "recompute": (str, None),
     "sequence_parallel": (bool, False), "distributed_optimizer": (bool, False), "sharded_gradients": (bool, False),
     "ends_as_layers": (bool, False), "precision": (str, "mixed-fp32grad"),
     "measured_s": (float, None), "measured_tflops": (float, None), "flops_per_iteration": (float, None),
     "assumed": (list, ()), "differs": (list, ()),
 }
 _RECOMPUTE = ("full", "selective", "none")
+# The published layout: required with method "megatron", refused with a searched method.
+_LAYOUT = ("tp", "pp", "dp", "microbatch_size")
+_LAYOUT_FLAGS = ("cp", "chunks", "sequence_parallel", "distributed_optimizer", "sharded_gradients", "ends_as_layers")
 
 
 class RunsFileError(ValueError):
@@ -73,6 +80,8 @@ def run_to_json(run: PublishedRun) -> dict[str, Any]:
     """`run` as a runs-file row (module doc); `runs_from_json` reads it back equal."""
     row = {name: getattr(run, name) for name in _FIELDS if name != "cluster"}
     row.update(cluster=run.cluster.to_json(), assumed=list(run.assumed), differs=list(run.differs))
+    if run.method != "megatron":          # a searched method's row states no layout
+        row = {k: v for k, v in row.items() if k not in _LAYOUT_FLAGS}
     return {k: v for k, v in row.items() if v is not None}
 
 
@@ -114,14 +123,16 @@ def _run_from_json(row: Any, where: str, file: str) -> PublishedRun:
         raise RunsFileError(f"{where}: unknown field {unknown[0]!r} (known: {', '.join(_FIELDS)})")
     values = {name: _field(row, name, where) for name in _FIELDS}
     values["assumed"], values["differs"] = tuple(values["assumed"]), tuple(values["differs"])
-    gpus = values["tp"] * values["pp"] * values["dp"] * values["cp"]
+    values["method"] = _method(values["method"], where)
+    gpus = _gpus(values, row, where)
     values["cluster"] = _cluster(values["cluster"], gpus, where)
     _check_names(values, where)
     source = _model(values["model"], where)
-    if source.global_batch % (values["dp"] * values["microbatch_size"]):
+    if values["method"] == "megatron" and source.global_batch % (values["dp"] * values["microbatch_size"]):
         raise RunsFileError(f"{where}: the model's global batch {source.global_batch} does not split into "
                             f"microbatches of {values['microbatch_size']} over dp {values['dp']}")
     _check_measurement(values, source, where)
+    del values["gpus"]
     if values["generation"] is None:
         values["generation"] = values["cluster"].device.name.split("-")[0]
     values["source"] = values["source"] or file
@@ -148,6 +159,36 @@ def _field(row: Mapping, name: str, where: str) -> Any:
     return float(value) if kind is float else value
 
 
+def _method(name: str, where: str) -> str:
+    """A `solvers.METHODS` name (its CLI spelling too), as the planner knows it."""
+    try:
+        return sv.get_method(name).name
+    except sv.UnknownMethodError:
+        raise RunsFileError(f"{where}: unknown method {name!r} (known: "
+                            f"{', '.join(m.cli_name for m in sv.METHODS.values())})") from None
+
+
+def _gpus(values: dict[str, Any], row: Mapping, where: str) -> int:
+    """The row's GPUs: its layout's product (method megatron, where `gpus` may repeat
+    it), else `gpus` (a searched method, which takes no layout)."""
+    if values["method"] != "megatron":
+        given = [k for k in (*_LAYOUT, *_LAYOUT_FLAGS) if k in row]
+        if given:
+            raise RunsFileError(f"{where}: field {given[0]!r} is a published layout (method megatron); method "
+                                f"{values['method']} searches its own")
+        if values["gpus"] is None:
+            raise RunsFileError(f"{where}: missing field 'gpus' (a searched method's row says how many GPUs ran)")
+        return values["gpus"]
+    missing = [k for k in _LAYOUT if values[k] is None]
+    if missing:
+        raise RunsFileError(f"{where}: missing field {missing[0]!r} (method megatron prices the published layout: "
+                            f"{', '.join(_LAYOUT)})")
+    gpus = values["tp"] * values["pp"] * values["dp"] * values["cp"]
+    if values["gpus"] is not None and values["gpus"] != gpus:
+        raise RunsFileError(f"{where}: gpus {values['gpus']} is not tp x pp x dp x cp = {gpus}")
+    return gpus
+
+
 def _cluster(spec: Any, gpus: int, where: str) -> cm.Cluster:
     """A preset sized to `gpus` (whole nodes, or part of one), or a cluster JSON object with exactly `gpus`."""
     try:
@@ -165,17 +206,19 @@ def _cluster(spec: Any, gpus: int, where: str) -> cm.Cluster:
     except (cm.ClusterError, cm.UnknownPresetError) as e:
         raise RunsFileError(f"{where}: {e.args[0] if e.args else e}") from None
     if cluster.num_devices != gpus:
-        raise RunsFileError(f"{where}: tp x pp x dp x cp is {gpus} GPUs, but the cluster has {cluster.num_devices}")
+        raise RunsFileError(f"{where}: the row ran on {gpus} GPUs, but the cluster has {cluster.num_devices}")
     return cluster
 
 
 def _check_names(values: dict[str, Any], where: str) -> None:
     if values["system"] not in sv.SYSTEMS:
         raise RunsFileError(f"{where}: unknown system {values['system']!r} (known: {', '.join(sv.SYSTEMS)})")
-    if values["recompute"] not in _RECOMPUTE:
+    if values["recompute"] is not None and values["recompute"] not in _RECOMPUTE:
         raise RunsFileError(f"{where}: recompute must be one of {', '.join(_RECOMPUTE)}, got {values['recompute']!r}")
     if values["precision"] not in gr.RECIPES:
         raise RunsFileError(f"{where}: unknown precision {values['precision']!r} (known: {', '.join(gr.RECIPES)})")
+    if values["method"] != "megatron":
+        return
     try:
         sv.MegatronConfig(values["tp"], values["pp"], values["dp"], values["microbatch_size"],
                           sequence_parallel=values["sequence_parallel"], ends_as_layers=values["ends_as_layers"],

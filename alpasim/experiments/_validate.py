@@ -58,7 +58,8 @@ class ValidationRow:
 
     def to_json(self) -> dict[str, Any]:
         r = self.run
-        return {"id": r.id, "source": r.source, "system": r.system, "generation": r.generation, "gpus": r.gpus,
+        return {"id": r.id, "source": r.source, "system": r.system, "method": r.method, "generation": r.generation,
+                "gpus": r.gpus,
                 "model": r.model, "tp": r.tp, "pp": r.pp, "dp": r.dp, "cp": r.cp, "chunks": r.chunks,
                 "ends_as_layers": r.ends_as_layers,
                 "microbatch_size": r.microbatch_size, "recompute": r.recompute,
@@ -94,15 +95,19 @@ def price_run(run: PublishedRun, cache: sv.DiskCache | None = None) -> Validatio
 
 
 def _plan(run: PublishedRun, cluster, cache: sv.DiskCache | None) -> sv.PipelinePlan:
-    """`run`'s layout planned on `cluster` as its system ran."""
+    """`run`'s layout planned on `cluster` as its system ran; a searched method's row
+    (`PublishedRun.method`), what that method finds there."""
+    recompute = {} if run.recompute is None else dict(zip(("remat", "recompute"), sv.RECOMPUTE_OPTIONS[run.recompute]))
+    if run.method != "megatron":
+        return sv.plan_model(run.model, cluster, run.method, system=run.system, precision=run.precision, cache=cache,
+                             **recompute)
     config = sv.MegatronConfig(run.tp, run.pp, run.dp, run.microbatch_size, sequence_parallel=run.sequence_parallel,
                                ends_as_layers=run.ends_as_layers, distributed_optimizer=run.distributed_optimizer,
                                sharded_gradients=run.sharded_gradients, cp=run.cp)
-    remat, recompute = sv.RECOMPUTE_OPTIONS[run.recompute]
     chunked = {"schedule": "interleaved", "chunk_options": (run.chunks,)} if run.chunks > 1 else {}
     return sv.plan_model(run.model, cluster, "megatron", megatron=config, system=run.system,
-                         distributed_optimizer=run.distributed_optimizer, precision=run.precision, remat=remat,
-                         recompute=recompute, cache=cache, **chunked)
+                         distributed_optimizer=run.distributed_optimizer, precision=run.precision, cache=cache,
+                         **recompute, **chunked)
 
 
 def _lifted(run: PublishedRun, needed: float | None, cache: sv.DiskCache | None,

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 
 import pytest
 
 from alpasim import costmodels as cm
 from alpasim import experiments as ex
+from alpasim import simulator as sim
+from alpasim import solvers as sv
 from alpasim.experiments._published_runs import gpt_model_flops
 from alpasim.experiments._runs_file import runs_from_json
 
@@ -33,7 +36,7 @@ def test_a_row_gets_its_cluster_generation_and_flop_count():
     # 4 GPUs of an 8-GPU preset: one node of 4, the rest of the preset kept.
     assert (run.cluster.nodes, run.cluster.devices_per_node, run.gpus) == (1, 4, 4)
     assert run.cluster.inter_node == cm.get_cluster("dgx-a100").inter_node
-    assert run.generation == "A100" and run.recompute == "none" and run.cp == 1
+    assert run.generation == "A100" and run.recompute is None and run.cp == 1 and run.method == "megatron"
     # Throughput becomes seconds by Megatron-LM's model-FLOP count of the spec.
     flops = gpt_model_flops(8, 1024, 4, 1024, 51200)
     assert run.flops_per_iteration == flops
@@ -61,12 +64,40 @@ def test_a_row_gets_its_cluster_generation_and_flop_count():
     ({"sharded_gradients": True}, "sharded_gradients needs the distributed optimizer"),
     ({"seconds": 1.0}, "unknown field 'seconds'"),
     ({"assumed": "mbs 1"}, "field 'assumed' must be a list of strings"),
+    ({"method": "magic"}, "unknown method 'magic'"),
+    ({"method": "alpa"}, "field 'tp' is a published layout (method megatron); method alpa searches its own"),
+    ({"gpus": 8}, "gpus 8 is not tp x pp x dp x cp = 4"),
 ])
 def test_a_bad_row_is_refused_naming_the_row_and_its_field(change, says):
     with pytest.raises(ex.RunsFileError) as e:
         runs_from_json(_file({**TINY, **change}), "held.json")
     message = str(e.value)
     assert message.startswith("held.json: runs[0] (tiny): ") and says in message and "\n" not in message
+
+
+SEARCHED = {"id": "alpa-tiny", "system": "alpa-osdi22", "method": "alpa", "gpus": 2, "cluster": "aws-p3.16xlarge",
+            "model": "gpt3:hidden=256,layers=2,heads=4,seq=128,vocab=512,batch=8", "measured_s": 1.0}
+
+
+def test_a_searched_methods_row_prices_what_the_method_finds(tmp_path):
+    """An Alpa paper's row states no layout: it is priced as Alpa's own search on its
+    GPUs finds it, exactly what planning the model there gives, and written back
+    without a layout."""
+    (run,) = runs_from_json(_file(SEARCHED))
+    assert (run.method, run.tp, run.gpus, run.recompute) == ("alpa", None, 2, None)
+    cache = sv.DiskCache(root=tmp_path)          # the second search reads the first's stage costs
+    (row,) = ex.validate([run], cache)["rows"]
+    direct = sv.plan_model(SEARCHED["model"], run.cluster, "alpa", system="alpa-osdi22", cache=cache)
+    assert row["status"] == "priced" and row["method"] == "alpa" and row["tp"] is None
+    assert row["predicted_s"] == pytest.approx(sim.simulate(direct, direct.schedule, chunks=direct.chunks).iteration_s)
+    written = ex.runs_to_json([run])["runs"][0]
+    assert "tp" not in written and "chunks" not in written and written["gpus"] == 2
+    assert runs_from_json(json.loads(json.dumps(ex.runs_to_json([run])))) == (run,)
+    for change, says in [({"gpus": None}, "missing field 'gpus'"), ({"chunks": 2}, "field 'chunks' is a published"),
+                         ({"method": "megatron", "gpus": None}, "missing field 'tp' (method megatron prices")]:
+        bad = {k: v for k, v in {**SEARCHED, **change}.items() if v is not None}
+        with pytest.raises(ex.RunsFileError, match=re.escape(says)):
+            runs_from_json(_file(bad))
 
 
 def test_a_file_is_refused_whole_for_a_bad_shape_or_a_repeated_id():
@@ -76,7 +107,7 @@ def test_a_file_is_refused_whole_for_a_bad_shape_or_a_repeated_id():
              (_file(TINY, TINY), "runs\\[1\\]: id 'tiny' appears twice"),
              (_file(TINY, 3), "runs\\[1\\]: a row must be"),
              # A cluster JSON object must hold the row's GPUs exactly.
-             (_file({**TINY, "cluster": cluster}), "is 4 GPUs, but the cluster has 8")]
+             (_file({**TINY, "cluster": cluster}), "ran on 4 GPUs, but the cluster has 8")]
     for data, says in cases:
         with pytest.raises(ex.RunsFileError, match=says):
             runs_from_json(copy.deepcopy(data))

@@ -51,7 +51,7 @@ from alpasim.costmodels import (
     stage_memory,
 )
 from alpasim.graphs import (DTYPE_BYTES, OpGraph, get_recipe, in_weight_pass, is_heavy, makes_weight_grad, op_flops,
-                            stage_graph)
+                            layer_stage_graphs)
 
 from ._cache import CACHE_VERSION, DiskCache, digest
 from ._intra_baselines import (ACCUMULATOR_SCATTER, BASELINES, DISTRIBUTED_OPTIMIZER, PER_MICROBATCH_GRAD_SYNC,
@@ -366,7 +366,7 @@ def layer_graphs(graph: OpGraph) -> list[OpGraph]:
     changed once built; a baseline's grid slices one graph many times)."""
     memo = graph.__dict__.get("_solvers_layer_graphs")
     if memo is None:
-        memo = graph.__dict__["_solvers_layer_graphs"] = [stage_graph(graph, l, l) for l in range(graph.num_layers)]
+        memo = graph.__dict__["_solvers_layer_graphs"] = layer_stage_graphs(graph)
     return memo
 
 

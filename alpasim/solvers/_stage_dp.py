@@ -130,6 +130,10 @@ def stage_dp(cost: np.ndarray, sizes: Sequence[int], num_devices: int, microbatc
     predecessor shares its node; `devices_per_node` (default: one node of every
     device) is the node size the stages' runs pack into (see the module doc).
     """
+    unit = device_unit(sizes, num_devices, devices_per_node or num_devices, boundary is not None)
+    if unit > 1:
+        return stage_dp(cost, [int(m) // unit for m in sizes], num_devices // unit, microbatches, epsilon, max_stages,
+                        boundary, max(1, (devices_per_node or num_devices) // unit))
     num_layers, _, num_shapes, s_max = cost.shape
     s_max = min(s_max, num_layers, num_devices, max_stages or s_max)
     sizes = np.asarray(sizes, dtype=int)
@@ -203,6 +207,24 @@ def bottleneck_windows(finite: np.ndarray, epsilon: float, start: int = 0) -> It
         end = max(start, int(np.searchsorted(finite, finite[start] * (1 + epsilon), side="right")) - 1)
         yield float(finite[start]), float(finite[end])
         start = end + 1
+
+
+def device_unit(sizes: Sequence[int], num_devices: int, per_node: int, runs: bool) -> int:
+    """The device count every stage size and the cluster are whole multiples of, when
+    the DP may count in it instead of devices: the states F(s, k, d) then number
+    D / unit, not D (a Megatron layout's one stage size of 1,024 devices on 16,384:
+    17, not 16,385). Exact where the nodes are whole units or the units whole nodes:
+    a run's devices on its node, a piece's being a whole node, and (with runs) a
+    power-of-two size dividing the node are the same facts counted in units; so the
+    unit must be a power of two when it divides the node. 1: count devices."""
+    unit = math.gcd(num_devices, *(int(m) for m in sizes))
+    if unit <= 1:
+        return 1
+    if unit % per_node == 0:
+        return unit
+    if per_node % unit == 0 and (not runs or unit & (unit - 1) == 0):
+        return unit
+    return 1
 
 
 def _bottleneck_candidates(cost: np.ndarray, boundary: StageBoundary | None) -> np.ndarray:

@@ -70,7 +70,7 @@ def boundaries_of_placement(result, sizes, num_devices, per_node, boundary):
 
 
 @st.composite
-def tables(draw, size_sets=([1, 2], [1, 2, 4], [1, 2, 4, 8], [2, 4]), device_counts=(1, 2, 4, 8)):
+def tables(draw, size_sets=([1, 2], [1, 2, 4], [1, 2, 4, 8], [2, 4], [4, 8], [2]), device_counts=(1, 2, 4, 8)):
     num_layers = draw(st.integers(1, 4))
     sizes = draw(st.sampled_from(size_sets))
     num_devices = draw(st.sampled_from([d for d in device_counts if d >= min(sizes)]))

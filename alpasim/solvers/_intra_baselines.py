@@ -325,10 +325,10 @@ def _megatron_inputs(graph: OpGraph, mesh: LogicalMesh, sequence_parallel: bool)
     costs the same on either dimension), and the stage before had to send each device
     pieces of 16 others' sequences. With sequence parallelism a hidden state may also
     have its sequence on the tensor-parallel axis, as Megatron sends it."""
+    out = _tied_grad_inputs(graph, mesh)
     if mesh.shape[0] == 1:
-        return {}
+        return out
     skip = {t.name for t in graph.params} | set(graph.meta.get("tied_grads", ()))   # a tied copy's gradient
-    out = {}
     for t in graph.inputs:
         tensor = graph.tensors[t]
         if t in skip or tensor.rank == 0:
@@ -343,19 +343,51 @@ def _megatron_inputs(graph: OpGraph, mesh: LogicalMesh, sequence_parallel: bool)
     return out
 
 
+def _tied_grad_inputs(graph: OpGraph, mesh: LogicalMesh) -> dict[str, list[ShardingSpec]]:
+    """A tied copy's gradient from another stage (the LM head's, for the embedding it
+    shares) laid out as the parameter it is summed into: Megatron-LM all-reduces the
+    embedding gradients between the first and last stage's matching tensor-parallel
+    ranks (`_allreduce_word_embedding_grads`, over the embedding group), each holding
+    the same vocabulary slice. Left free, the ILP took it split on the hidden size, and
+    every device of the last stage sent a piece to every device of the first."""
+    params = {t.name: t for t in graph.params}
+    out = {}
+    for t in graph.meta.get("tied_grads", ()):
+        p = _summed_into(graph, t) if t in graph.inputs else None
+        if p in params:
+            out[t] = [_megatron_param_spec(params[p], mesh)]
+    return out
+
+
+def _summed_into(graph: OpGraph, grad: str, depth: int = 4) -> str | None:
+    """The parameter whose optimizer step reads `grad`, or a sum `grad` is part of
+    (within `depth` ops); None if none does."""
+    frontier = [grad]
+    for _ in range(depth):
+        nxt = []
+        for t in frontier:
+            for op in graph.consumers.get(t, ()):
+                if op.prim == "adam" and op.inputs[1] == t:
+                    return op.inputs[0]
+                nxt.extend(op.outputs)
+        frontier = nxt
+    return None
+
+
+def _megatron_param_spec(t, mesh: LogicalMesh) -> ShardingSpec:
+    """Parameter `t` split on its Megatron dimension over the tensor-parallel axis."""
+    dim = MEGATRON_PARAM_DIMS.get(t.name.rsplit("/", 1)[-1])
+    if dim is not None and mesh.shape[1] > 1:
+        dims = [()] * t.rank
+        dims[dim] = (1,)
+        candidate = ShardingSpec(tuple(dims))
+        if spec_fits(candidate, t.shape, mesh):
+            return candidate
+    return ShardingSpec.replicated(t.rank)
+
+
 def _megatron_params(graph: OpGraph, mesh: LogicalMesh) -> dict[str, list[ShardingSpec]]:
-    specs: dict[str, list[ShardingSpec]] = {}
-    for t in graph.params:
-        dim = MEGATRON_PARAM_DIMS.get(t.name.rsplit("/", 1)[-1])
-        spec = ShardingSpec.replicated(t.rank)
-        if dim is not None and mesh.shape[1] > 1:
-            dims = [()] * t.rank
-            dims[dim] = (1,)
-            candidate = ShardingSpec(tuple(dims))
-            if spec_fits(candidate, t.shape, mesh):
-                spec = candidate
-        specs[t.name] = [spec]
-    return specs
+    return {t.name: [_megatron_param_spec(t, mesh)] for t in graph.params}
 
 
 # ------------------------------------------------------------------------- ZeRO

@@ -325,3 +325,31 @@ def test_a_gradient_that_cannot_be_scattered_evenly_keeps_its_all_reduce(p3):
     assert not [c for c in plan.collectives if c.op == table.name and not c.per_iteration and 0 in c.collective.axes]
     assert {c.collective.kind for c in plan.collectives if c.op == table.name and c.per_iteration} == {"all_reduce"}
     assert "reduce_scatter" in {c.collective.kind for c in plan.collectives if c.op != table.name and c.per_iteration}
+
+
+def test_megatrons_tied_embedding_gradient_moves_rank_to_rank():
+    """The LM head's gradient for the tied embedding goes from the last stage to the
+    first laid out as the embedding (vocabulary over tp), as Megatron-LM all-reduces
+    it between matching ranks: tp copies, each rank's own slice to its counterpart,
+    not every rank to every rank (tp^2 copies, as a layout split on the hidden size
+    would need)."""
+    from alpasim import solvers as sv
+    from alpasim.costmodels import get_cluster
+    from alpasim.simulator._routes import route_transfers
+    from alpasim.simulator._schedules import build_program
+
+    # Korthikanti et al.'s sequence-parallel, selective-recompute form, where the free
+    # layout had been (vocabulary, hidden / tp) at the first stage.
+    cluster = get_cluster("dgx-a100", nodes=1, devices_per_node=4)
+    plan = sv.plan_model("gpt3:hidden=512,layers=2,heads=8,seq=256,vocab=51200,batch=2,dropout=0.1", cluster,
+                         "megatron", megatron=sv.MegatronConfig(2, 2, 1, 1, sequence_parallel=True),
+                         system="megatron-lm-2022", remat=False, recompute="selective",
+                         cache=sv.DiskCache(enabled=False))
+    program = build_program(plan, plan.schedule)
+    routes, _ = route_transfers(program, plan, cluster)
+    tied = [(t, r) for t, r in zip(program.transfers, routes) if t.src_stage == 1 and t.dst_stage == 0
+            and t.shape == (51200, 512)]
+    assert len(tied) == 1
+    transfer, route = tied[0]
+    assert transfer.src_spec == transfer.dst_spec == "S1R"
+    assert len(route.copies) == 2 and {(c.src, c.dst) for c in route.copies} == {(2, 0), (3, 1)}

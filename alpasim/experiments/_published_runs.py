@@ -70,6 +70,19 @@ class PublishedRun:
     # cluster (an Alpa paper's plan, a ZeRO run), with no layout given.
     method: str = "megatron"
 
+    def __post_init__(self) -> None:
+        layout = (self.tp, self.pp, self.dp, self.microbatch_size)
+        if self.method == "megatron":
+            if not all(isinstance(x, int) and x >= 1 for x in layout):
+                raise ValueError(f"published run {self.id}: method megatron prices a layout; tp, pp, dp and "
+                                 f"microbatch_size must be positive integers, got {layout}")
+            if self.tp * self.pp * self.dp * self.cp != self.cluster.num_devices:
+                raise ValueError(f"published run {self.id}: tp x pp x dp x cp is not the cluster's "
+                                 f"{self.cluster.num_devices} devices")
+        elif any(x is not None for x in layout):
+            raise ValueError(f"published run {self.id}: method {self.method} searches its own layout; "
+                             f"give no tp, pp, dp or microbatch_size")
+
     @property
     def gpus(self) -> int:
         return self.cluster.num_devices

@@ -29,7 +29,8 @@ and `ends_as_layers`; any other `solvers.METHODS` name (alpa, zero3, megatron-co
 prices what that method's own search finds on `gpus` GPUs (required), as an Alpa paper
 row reports Alpa's plan, and takes no layout fields. Optional: `source`, `generation`
 (what MAPE groups by; default the device's name up to its first dash, A100 of
-A100-SXM-80GB), `recompute` (full, selective, none; default the system profile's),
+A100-SXM-80GB), `recompute` (full, selective, none; default none for a layout, the
+system profile's for a searched method),
 `precision`, `assumed` and `differs` (lists of text). Every field is checked when the
 file is read, before anything is priced: an unknown field, a wrong type, a name that
 does not exist, a layout whose GPUs are not its cluster's or whose batch does not split
@@ -133,6 +134,8 @@ def _run_from_json(row: Any, where: str, file: str) -> PublishedRun:
                             f"microbatches of {values['microbatch_size']} over dp {values['dp']}")
     _check_measurement(values, source, where)
     del values["gpus"]
+    if values["method"] == "megatron" and values["recompute"] is None:
+        values["recompute"] = "none"      # a stated layout states its recomputation; unsaid, none
     if values["generation"] is None:
         values["generation"] = values["cluster"].device.name.split("-")[0]
     values["source"] = values["source"] or file

@@ -2,9 +2,10 @@
 
 Each row is planned as the Megatron-LM configuration it ran (`solvers.plan_model` with
 `--method megatron` and the row's degrees, microbatch size, recomputation, sequence
-parallelism and optimizer sharding), under the row's system profile, and the plan is
-simulated on its schedule (`simulator.simulate`). The error is signed: predicted over
-measured, minus one (negative: optimistic). Every row has a status: "priced";
+parallelism and optimizer sharding), under the row's system profile, or, a row of a
+searched method (`PublishedRun.method`: an Alpa paper's), as what that method finds on
+the row's cluster; and the plan is simulated on its schedule (`simulator.simulate`).
+The error is signed: predicted over measured, minus one (negative: optimistic). Every row has a status: "priced";
 "out of memory", a prediction that failed, since every row ran (the count is reported
 beside the MAPE, never hidden in it); or "not expressible", a layout the planner
 cannot state yet, with the reason it gave. The MAPE is over the priced rows, with

@@ -354,7 +354,7 @@ def _tied_grad_inputs(graph: OpGraph, mesh: LogicalMesh) -> dict[str, list[Shard
     out = {}
     for t in graph.meta.get("tied_grads", ()):
         p = _summed_into(graph, t) if t in graph.inputs else None
-        if p in params:
+        if p in params and params[p].shape == graph.tensors[t].shape:
             out[t] = [_megatron_param_spec(params[p], mesh)]
     return out
 

@@ -36,7 +36,7 @@ def test_a_row_gets_its_cluster_generation_and_flop_count():
     # 4 GPUs of an 8-GPU preset: one node of 4, the rest of the preset kept.
     assert (run.cluster.nodes, run.cluster.devices_per_node, run.gpus) == (1, 4, 4)
     assert run.cluster.inter_node == cm.get_cluster("dgx-a100").inter_node
-    assert run.generation == "A100" and run.recompute is None and run.cp == 1 and run.method == "megatron"
+    assert run.generation == "A100" and run.recompute == "none" and run.cp == 1 and run.method == "megatron"
     # Throughput becomes seconds by Megatron-LM's model-FLOP count of the spec.
     flops = gpt_model_flops(8, 1024, 4, 1024, 51200)
     assert run.flops_per_iteration == flops
@@ -134,3 +134,17 @@ def test_cli_prices_a_runs_file_and_refuses_a_bad_one_before_pricing(cli, tmp_pa
     assert "--runs " in refused.stderr and "runs[1] (t2): unknown system 'nope'" in refused.stderr
     missing = cli("validate", "--runs", str(tmp_path / "none.json"))
     assert missing.returncode == 2 and "no such file" in missing.stderr
+
+
+def test_a_run_built_in_code_is_checked_as_a_file_row_is():
+    import dataclasses
+
+    row = ex.PUBLISHED_RUNS[0]                         # korthikanti-22b-full: tp 8 on one node of 8
+    with pytest.raises(ValueError, match="tp, pp, dp and microbatch_size must be positive integers"):
+        dataclasses.replace(row, tp=None)
+    with pytest.raises(ValueError, match="not the cluster's 8 devices"):
+        dataclasses.replace(row, tp=4)
+    with pytest.raises(ValueError, match="method alpa searches its own layout"):
+        dataclasses.replace(row, method="alpa")
+    searched = dataclasses.replace(row, method="alpa", tp=None, pp=None, dp=None, microbatch_size=None)
+    assert searched.gpus == 8

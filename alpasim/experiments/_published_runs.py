@@ -110,7 +110,9 @@ def llama_model_flops(batch: int, seq: int, layers: int, hidden: int, heads: int
     attention (2 h kv each, kv = h x kv_heads / heads), the SwiGLU MLP's three matrices
     (2 h f each) and attention's score and context products counted whole (2 s h each);
     the logits add 2 h V per token. The Llama 3 paper does not print its count; this is
-    Megatron-core's (`num_floating_point_operations`, megatron/training/training.py)."""
+    Megatron-core's (`num_floating_point_operations`, megatron/training/training.py), and
+    counting attention whole, causal or not, was Meta's own MFU convention then
+    (torchtitan's, pytorch/torchtitan#280, April 2024, after PaLM and Megatron)."""
     kv = hidden * kv_heads // heads
     per_layer = 2 * seq * (hidden * hidden * 2 + 2 * hidden * kv + 3 * hidden * ffn) + 2 * 2 * seq * seq * hidden
     return 3.0 * batch * (layers * per_layer + 2 * seq * hidden * vocab)

@@ -255,12 +255,20 @@ def plan(
         print_simulation(report)
 
 
+def _microbatch(p: sv.PipelinePlan) -> str:
+    """A microbatch in sequences; under context parallelism also in the chunks the
+    plan's model (each rank's view) counts."""
+    cp = (p.search.megatron or {}).get("cp", 1)
+    size = p.model.microbatch_size
+    return str(size) if cp == 1 or size is None else f"{size // cp} ({size} chunks of 1/{cp} sequence)"
+
+
 def print_plan(p: sv.PipelinePlan) -> None:
     m, c, pr = p.model, p.cluster, p.predicted
     title = (f"{m.name} ({fmt_count(m.params)} params) on {c.nodes} x {c.devices_per_node} "
              f"{c.device} — " + (f"{len(p.stages)} stages" if p.chunks == 1 else
                                  f"{p.num_meshes} meshes x {p.chunks} chunks (interleaved; stage j on mesh j mod "
-                                 f"{p.num_meshes})") + f", {p.microbatches} microbatches of {m.microbatch_size}")
+                                 f"{p.num_meshes})") + f", {p.microbatches} microbatches of {_microbatch(p)}")
     t = Table(title=title)
     for col in ("stage", "layers", "submesh", "devices", "logical mesh", "time / microbatch", "memory / device",
                 "in flight"):

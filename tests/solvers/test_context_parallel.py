@@ -104,6 +104,11 @@ def test_cli_cp_belongs_to_an_explicit_configuration(cli):
     import json
 
     assert json.loads(shown.stdout)["search"]["megatron"]["cp"] == 2
+    table = cli("plan", "--model", LLAMA, "--cluster", "dgx-h100", "--nodes", "1", "--devices-per-node", "4",
+                "--method", "megatron-core", "--tp", "1", "--cp", "2", "--pp", "1", "--dp", "2",
+                "--microbatch-size", "1")
+    # A microbatch of dp x mbs = 2 sequences, which the view counts as 4 chunks.
+    assert "2 microbatches of 2 (4 chunks of 1/2 sequence)" in " ".join(table.stdout.split()), table.stdout
     alone = cli("plan", "--model", LLAMA, "--cluster", "dgx-h100", "--method", "megatron-core", "--cp", "2")
     assert alone.returncode == 2 and alone.stderr.count("\n") == 1 and "--cp applies to an explicit" in alone.stderr
     explicit = cli("plan", "--model", LLAMA, "--cluster", "dgx-h100", "--nodes", "1", "--devices-per-node", "4",

@@ -25,6 +25,10 @@ def validate(
     save_runs: Annotated[Optional[Path], typer.Option(
         "--save-runs", help="Write the rows chosen (built-in, or from --runs) as a runs file, a template with "
                             "every field, and price nothing.")] = None,
+    spans: Annotated[bool, typer.Option("--spans", help="Also price each row at every value its unpublished "
+                                        "settings could have had (microbatch size 1, 2, 4; recompute none, "
+                                        "selective, full) and show the span of predictions, and whether the "
+                                        "measured time lies in it (never in the MAPE).")] = False,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Bypass the on-disk stage-cost cache.")] = False,
     as_json: JsonOpt = False,
 ) -> None:
@@ -48,7 +52,7 @@ def validate(
         err.print(f"wrote {len(runs)} runs to {save_runs}")
         return
     with TaskProgress("validate: ") as progress:
-        report = ex.validate(runs, sv.DiskCache(enabled=not no_cache), progress=progress.update)
+        report = ex.validate(runs, sv.DiskCache(enabled=not no_cache), progress=progress.update, spans=spans)
     if as_json:
         emit_json(report)
         return
@@ -57,13 +61,24 @@ def validate(
     for col in ("GPUs", "system", "measured s", "predicted s", "error"):
         t.add_column(col, overflow="fold")
     t.add_column("peak of memory")
+    if spans:
+        t.add_column("span of unpublished settings")
     for r in report["rows"]:
         priced = r["status"] == "priced"
         peak = f"{fmt_bytes(r['predicted_peak_bytes'])} of {fmt_bytes(r['device_memory_bytes'])}" if priced else "-"
         system = r["system"] if r["method"] == "megatron" else f"{r['system']} ({r['method']} search)"
-        t.add_row(r["id"], f"{r['gpus']:,}", system, f"{r['measured_s']:.2f}",
-                  f"{r['predicted_s']:.2f}" if priced else "-", ex.validation_verdict(r), peak)
+        cells = [r["id"], f"{r['gpus']:,}", system, f"{r['measured_s']:.2f}",
+                 f"{r['predicted_s']:.2f}" if priced else "-", ex.validation_verdict(r), peak]
+        if spans:
+            sp = r["span"]
+            cells.append("-" if sp["min_s"] is None or len(sp["alternatives"]) == 1 else
+                         f"{sp['min_s']:.2f}-{sp['max_s']:.2f} s, measured "
+                         + ("inside" if sp["contains_measured"] else "outside"))
+        t.add_row(*cells)
     out.print(t)
     for line in ex.validation_summary(report):
         out.print(line)
+    if spans:
+        out.print(f"measured inside the span of its unpublished settings: {report['rows_in_span']} of "
+                  f"{report['rows_with_span']} rows with a span")
     out.print(f"({report['seconds']:.0f} s of planning)")

@@ -32,6 +32,12 @@ MEGATRON_CORE = "NVIDIA/Megatron-LM README (Megatron-core r0.8.0 weak scaling, H
 LLAMA3 = "Llama Team 2024, The Llama 3 Herd of Models, Table 4"
 
 
+# What a row may leave unpublished and `validate --spans` varies: the microbatch size
+# (1, 2 and 4 sequences, where they divide a data-parallel rank's share of the batch)
+# and the recomputation (none, selective, full).
+UNPUBLISHABLE = ("microbatch_size", "recompute")
+
+
 @dataclass(frozen=True, slots=True)
 class PublishedRun:
     """One published run: what ran, on what, in what layout, and what was measured.
@@ -69,8 +75,14 @@ class PublishedRun:
     # any other `solvers.METHODS` name: what that method's own search finds on the
     # cluster (an Alpa paper's plan, a ZeRO run), with no layout given.
     method: str = "megatron"
+    # The layout fields the source does not publish (of `UNPUBLISHABLE`): `validate
+    # --spans` prices the row at each value they could have had (`_validate.span`).
+    unpublished: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if not set(self.unpublished) <= set(UNPUBLISHABLE):
+            raise ValueError(f"published run {self.id}: unpublished names {sorted(self.unpublished)}; only "
+                             f"{', '.join(UNPUBLISHABLE)} can be")
         layout = (self.tp, self.pp, self.dp, self.microbatch_size)
         if self.method == "megatron":
             if not all(isinstance(x, int) and x >= 1 for x in layout):
@@ -156,7 +168,8 @@ def _megatron_core(name: str, heads: int, hidden: int, layers: int, tp: int, pp:
         f"gpt3:hidden={hidden},layers={layers},heads={heads},seq=4096,vocab=131072,batch={batch},dtype=bfloat16",
         tp, pp, dp, 1, "none", sequence_parallel=tp > 1, distributed_optimizer=True, precision="mixed-fp32grad",
         measured_tflops=tflops, flops_per_iteration=gpt_model_flops(batch, 4096, layers, hidden, 131072),
-        assumed=("microbatch size 1 and no recomputation (the README does not say)",))
+        assumed=("microbatch size 1 and no recomputation (the README does not say)",),
+        unpublished=("microbatch_size", "recompute"))
 
 
 # Llama 3's network (its paper, sec. 3.3.1): RoCE at 400 Gb/s per GPU, pods of 3,072 GPUs
@@ -177,6 +190,7 @@ def _llama3(gpus: int, cp: int, dp: int, seq: int, tflops: float) -> PublishedRu
         distributed_optimizer=True, sharded_gradients=True, chunks=8, ends_as_layers=True, cp=cp,
         measured_tflops=tflops,
         flops_per_iteration=llama_model_flops(batch, seq, 126, 16384, 128, 8, 53248, 128256),
+        unpublished=("microbatch_size",),
         assumed=("microbatch size 1 (not published)",
                  "8 chunks per stage, read from the paper's layout (its first chunk holds only the embedding, "
                  "its last only the head and loss)",

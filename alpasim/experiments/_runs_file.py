@@ -31,7 +31,9 @@ row reports Alpa's plan, and takes no layout fields. Optional: `source`, `genera
 (what MAPE groups by; default the device's name up to its first dash, A100 of
 A100-SXM-80GB), `recompute` (full, selective, none; default none for a layout, the
 system profile's for a searched method),
-`precision`, `assumed` and `differs` (lists of text). Every field is checked when the
+`precision`, `assumed` and `differs` (lists of text), `unpublished` (which of
+microbatch_size and recompute the source leaves unsaid: `validate --spans` prices the
+row at each value they could have had). Every field is checked when the
 file is read, before anything is priced: an unknown field, a wrong type, a name that
 does not exist, a layout whose GPUs are not its cluster's or whose batch does not split
 into its microbatches is one line naming the row and the field. A layout the planner
@@ -50,7 +52,7 @@ from alpasim import costmodels as cm
 from alpasim import graphs as gr
 from alpasim import solvers as sv
 
-from ._published_runs import PublishedRun, gpt_model_flops, llama_model_flops
+from ._published_runs import UNPUBLISHABLE, PublishedRun, gpt_model_flops, llama_model_flops
 
 RUNS_SCHEMA = "alpasim.runs/1"
 
@@ -65,7 +67,7 @@ _FIELDS: dict[str, tuple[type, Any]] = {
     "sequence_parallel": (bool, False), "distributed_optimizer": (bool, False), "sharded_gradients": (bool, False),
     "ends_as_layers": (bool, False), "precision": (str, "mixed-fp32grad"),
     "measured_s": (float, None), "measured_tflops": (float, None), "flops_per_iteration": (float, None),
-    "assumed": (list, ()), "differs": (list, ()),
+    "assumed": (list, ()), "differs": (list, ()), "unpublished": (list, ()),
 }
 _RECOMPUTE = ("full", "selective", "none")
 # The published layout: required with method "megatron", refused with a searched method.
@@ -80,7 +82,8 @@ class RunsFileError(ValueError):
 def run_to_json(run: PublishedRun) -> dict[str, Any]:
     """`run` as a runs-file row (module doc); `runs_from_json` reads it back equal."""
     row = {name: getattr(run, name) for name in _FIELDS if name != "cluster"}
-    row.update(cluster=run.cluster.to_json(), assumed=list(run.assumed), differs=list(run.differs))
+    row.update(cluster=run.cluster.to_json(), assumed=list(run.assumed), differs=list(run.differs),
+               unpublished=list(run.unpublished))
     if run.method != "megatron":          # a searched method's row states no layout
         row = {k: v for k, v in row.items() if k not in _LAYOUT_FLAGS}
     return {k: v for k, v in row.items() if v is not None}
@@ -124,6 +127,11 @@ def _run_from_json(row: Any, where: str, file: str) -> PublishedRun:
         raise RunsFileError(f"{where}: unknown field {unknown[0]!r} (known: {', '.join(_FIELDS)})")
     values = {name: _field(row, name, where) for name in _FIELDS}
     values["assumed"], values["differs"] = tuple(values["assumed"]), tuple(values["differs"])
+    values["unpublished"] = tuple(values["unpublished"])
+    stray = sorted(set(values["unpublished"]) - set(UNPUBLISHABLE))
+    if stray:
+        raise RunsFileError(f"{where}: field 'unpublished' names {stray[0]!r}; a row may leave unpublished only "
+                            f"{', '.join(UNPUBLISHABLE)}")
     values["method"] = _method(values["method"], where)
     gpus = _gpus(values, row, where)
     values["cluster"] = _cluster(values["cluster"], gpus, where)

@@ -18,12 +18,15 @@ is wrong about the row from a time model that is, since the two fail differently
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from alpasim import graphs as gr
 from alpasim import simulator as sim
 from alpasim import solvers as sv
 from alpasim.units import format_bytes
@@ -129,6 +132,43 @@ def _lifted(run: PublishedRun, needed: float | None, cache: sv.DiskCache | None,
     return None, None
 
 
+SPAN_MICROBATCH_SIZES = (1, 2, 4)
+SPAN_RECOMPUTE = ("none", "selective", "full")
+
+
+def span_alternatives(run: PublishedRun) -> list[PublishedRun]:
+    """`run` at every value its unpublished fields could have had (`UNPUBLISHABLE`):
+    microbatch sizes of `SPAN_MICROBATCH_SIZES` that divide a data-parallel rank's
+    share of the batch, and each of `SPAN_RECOMPUTE`; `run` itself first."""
+    if run.method != "megatron" or not run.unpublished:
+        return [run]
+    share = gr.model_source(run.model).global_batch // run.dp
+    sizes = [m for m in SPAN_MICROBATCH_SIZES if share % m == 0] if "microbatch_size" in run.unpublished \
+        else [run.microbatch_size]
+    policies = SPAN_RECOMPUTE if "recompute" in run.unpublished else (run.recompute,)
+    others = [dataclasses.replace(run, microbatch_size=m, recompute=r) for m, r in itertools.product(sizes, policies)
+              if (m, r) != (run.microbatch_size, run.recompute)]
+    return [run, *others]
+
+
+def span(run: PublishedRun, cache: sv.DiskCache | None = None, first: ValidationRow | None = None) -> dict[str, Any]:
+    """The row's predictions over its unpublished settings (`span_alternatives`): each
+    alternative's, and the least and most of those priced, and whether the measured
+    time lies between them. A sensitivity, never in the MAPE: which of a source's
+    unsaid settings ran is not known, so a prediction is as certain as this span."""
+    tried, seconds = [], 0.0
+    for i, alt in enumerate(span_alternatives(run)):
+        row = first if i == 0 and first is not None else price_run(alt, cache)
+        seconds += row.plan_s if row is not first else 0.0
+        tried.append({"microbatch_size": alt.microbatch_size, "recompute": alt.recompute, "status": row.status,
+                      "predicted_s": row.predicted_s})
+    priced = [t["predicted_s"] for t in tried if t["status"] == "priced"]
+    low, high = (min(priced), max(priced)) if priced else (None, None)
+    measured = run.measured_iteration_s
+    return {"alternatives": tried, "min_s": low, "max_s": high,
+            "contains_measured": None if low is None else low <= measured <= high, "seconds": seconds}
+
+
 def mape(rows: Iterable[ValidationRow]) -> tuple[float | None, int]:
     """Mean absolute percentage error over the priced rows, and how many there were."""
     errors = [abs(r.error) for r in rows if r.priced]
@@ -136,14 +176,17 @@ def mape(rows: Iterable[ValidationRow]) -> tuple[float | None, int]:
 
 
 def validate(runs: Sequence[PublishedRun] = PUBLISHED_RUNS, cache: sv.DiskCache | None = None,
-             progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
+             progress: Callable[[str, int, int], None] | None = None, spans: bool = False) -> dict[str, Any]:
     """Every run priced (`price_run`), with MAPE overall and per hardware generation,
-    as one JSON-ready dict."""
-    rows = []
+    as one JSON-ready dict; `spans`: each row's `span` too (its "span" entry), and how
+    many rows' measured times lie in theirs."""
+    rows, spanned = [], []
     for i, run in enumerate(runs):
         if progress is not None:
             progress(run.id, i, len(runs))
         rows.append(price_run(run, cache))
+        if spans:
+            spanned.append(span(run, cache, rows[-1]))
     overall, n = mape(rows)
     by_generation = {}
     for gen in dict.fromkeys(r.generation for r in runs):
@@ -151,10 +194,15 @@ def validate(runs: Sequence[PublishedRun] = PUBLISHED_RUNS, cache: sv.DiskCache 
         value, count = mape(own)
         by_generation[gen] = {"mape_percent": value, "rows": count, "of": len(own),
                               "out_of_memory": sum(r.status == "out of memory" for r in own)}
-    return {"rows": [r.to_json() for r in rows], "mape_percent": overall, "priced_rows": n, "rows_total": len(rows),
+    report_rows = [r.to_json() for r in rows]
+    for row, sp in zip(report_rows, spanned):
+        row["span"] = sp
+    extra = {"rows_in_span": sum(bool(sp["contains_measured"]) for sp in spanned),
+             "rows_with_span": sum(sp["min_s"] is not None for sp in spanned)} if spans else {}
+    return {"rows": report_rows, **extra, "mape_percent": overall, "priced_rows": n, "rows_total": len(rows),
             "out_of_memory_rows": sum(r.status == "out of memory" for r in rows),
             "by_generation": by_generation,
-            "seconds": sum(r.plan_s for r in rows)}
+            "seconds": sum(r.plan_s for r in rows) + sum(sp["seconds"] for sp in spanned)}
 
 
 def verdict(row: dict[str, Any]) -> str:

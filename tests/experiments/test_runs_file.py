@@ -148,3 +148,48 @@ def test_a_run_built_in_code_is_checked_as_a_file_row_is():
         dataclasses.replace(row, method="alpa")
     searched = dataclasses.replace(row, method="alpa", tp=None, pp=None, dp=None, microbatch_size=None)
     assert searched.gpus == 8
+
+
+def test_spans_price_a_row_at_every_unpublished_setting():
+    """`validate(spans=True)`: a row that leaves its microbatch size and recomputation
+    unsaid is priced at each (1, 2, 4 sequences where they divide a rank's share; none,
+    selective, full), every alternative exactly what pricing that row would give, and
+    the span is their least and most; a row that publishes everything has no span."""
+    import dataclasses
+
+    (run,) = runs_from_json(_file({**TINY, "unpublished": ["microbatch_size", "recompute"]}))
+    cache = sv.DiskCache(enabled=False)
+    report = ex.validate([run], cache, spans=True)
+    (row,) = report["rows"]
+    alternatives = row["span"]["alternatives"]
+    # A rank's share of the batch is 8 sequences: 1, 2 and 4 divide it.
+    assert [(a["microbatch_size"], a["recompute"]) for a in alternatives] == [
+        (1, "none"), (1, "selective"), (1, "full"), (2, "none"), (2, "selective"), (2, "full"),
+        (4, "none"), (4, "selective"), (4, "full")]
+    assert alternatives[0]["predicted_s"] == row["predicted_s"]
+    for a in alternatives[1:]:
+        alone = ex.price_run(dataclasses.replace(run, microbatch_size=a["microbatch_size"], recompute=a["recompute"]),
+                             cache)
+        assert a["status"] == alone.status and a["predicted_s"] == pytest.approx(alone.predicted_s)
+    priced = [a["predicted_s"] for a in alternatives if a["status"] == "priced"]
+    assert (row["span"]["min_s"], row["span"]["max_s"]) == (min(priced), max(priced))
+    assert row["span"]["contains_measured"] == (min(priced) <= row["measured_s"] <= max(priced))
+    assert report["rows_with_span"] == 1 and report["rows_in_span"] == int(row["span"]["contains_measured"])
+    # Full recomputation redoes the forward: never faster than none at the same microbatch size.
+    by = {(a["microbatch_size"], a["recompute"]): a["predicted_s"] for a in alternatives}
+    assert all(by[(m, "full")] > by[(m, "none")] for m in (1, 2, 4))
+    (plain,) = ex.validate([dataclasses.replace(run, unpublished=())], cache, spans=True)["rows"]
+    assert len(plain["span"]["alternatives"]) == 1
+    with pytest.raises(ex.RunsFileError, match="field 'unpublished' names 'chunks'"):
+        runs_from_json(_file({**TINY, "unpublished": ["chunks"]}))
+
+
+def test_cli_spans_add_a_column_and_a_count(cli, tmp_path):
+    held = tmp_path / "held.json"
+    held.write_text(json.dumps(_file({**TINY, "unpublished": ["microbatch_size"]})))
+    shown = cli("validate", "--runs", str(held), "--spans")
+    assert shown.returncode == 0, shown.stderr
+    text = " ".join(shown.stdout.split())
+    assert "span of unpublished settings" in text
+    assert re.search(r"\d+\.\d\d-\d+\.\d\d s, measured (inside|outside)", text), shown.stdout
+    assert re.search(r"measured inside the span of its unpublished settings: [01] of 1 rows with a span", text)

@@ -175,11 +175,20 @@ def preflight(source: ModelSource, cluster: Cluster, *, precision: str | None = 
 
 def check_megatron_interleaved(source: ModelSource, config, chunk_options: Sequence[int]) -> None:
     """`ValueError` when Megatron-LM's interleaved 1F1B cannot run `config`: it needs at
-    least 2 pipeline stages and a model chunk of at least one layer (a block, or the
-    embedding or the head under `ends_as_layers`) for each of the pp x v virtual stages, for some v of `chunk_options` (Narayanan et al. 2021, sec. 2.2)."""
+    least 2 pipeline stages, microbatches a multiple of pp, and a model chunk of at least
+    one layer (a block, or the embedding or the head under `ends_as_layers`) for each of
+    the pp x v virtual stages, for some v of `chunk_options` (Narayanan et al. 2021,
+    sec. 2.2)."""
     layers, what = megatron_layers(source, config)
     if config.pp < 2:
         raise ValueError(f"Megatron {config}: interleaving needs at least 2 pipeline stages")
+    # Megatron-LM refuses it otherwise (schedules.py, forward_backward_pipelining_with_
+    # interleaving: "number of microbatches ... is not divisible by pipeline-model-
+    # parallel-size ... when using interleaved schedule").
+    microbatches = source.config.batch // (config.microbatch_size * config.dp)
+    if microbatches % config.pp:
+        raise ValueError(f"Megatron {config}: interleaving needs the microbatches ({microbatches}) to be a "
+                         f"multiple of pp ({config.pp})")
     if not any(config.pp * v <= layers for v in chunk_options):
         raise ValueError(f"Megatron {config}: {config.pp} stages x {min(chunk_options)} chunks is more virtual "
                          f"stages than {source.name}'s {what}")

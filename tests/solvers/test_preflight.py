@@ -190,3 +190,17 @@ def test_megatron_530b_at_pipeline_depth_35_prices():
     assert [s.layers[1] - s.layers[0] + 1 for s in plan.stages] == [3] * 35
     assert all(s.logical_mesh == (8, 8) for s in plan.stages)
     assert plan.predicted.peak_memory_bytes <= cluster.device.memory_bytes
+
+
+def test_megatron_interleaving_needs_microbatches_a_multiple_of_pp(no_pricing):
+    """Megatron-LM's interleaved schedule refuses microbatches that pp does not divide
+    (schedules.py); so does the planner, before pricing. 8 sequences over dp 1 in
+    microbatches of 4 are 2, of 1 are 8: pp 4 divides 8, not 2."""
+    cluster = get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=4)
+    model = "gpt3:hidden=64,layers=8,heads=4,seq=32,vocab=96,batch=8"
+    with pytest.raises(ValueError, match=r"interleaving needs the microbatches \(2\) to be a multiple of pp \(4\)"):
+        plan_model(model, cluster, "megatron", megatron=MegatronConfig(1, 4, 1, 4), schedule="interleaved",
+                   chunk_options=(2,))
+    with pytest.raises(AssertionError, match="priced a stage"):    # 8 microbatches: allowed, so pricing starts
+        plan_model(model, cluster, "megatron", megatron=MegatronConfig(1, 4, 1, 1), schedule="interleaved",
+                   chunk_options=(2,))

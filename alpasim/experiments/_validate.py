@@ -197,8 +197,9 @@ def validate(runs: Sequence[PublishedRun] = PUBLISHED_RUNS, cache: sv.DiskCache 
     report_rows = [r.to_json() for r in rows]
     for row, sp in zip(report_rows, spanned):
         row["span"] = sp
-    extra = {"rows_in_span": sum(bool(sp["contains_measured"]) for sp in spanned),
-             "rows_with_span": sum(sp["min_s"] is not None for sp in spanned)} if spans else {}
+    real = [sp for sp in spanned if len(sp["alternatives"]) > 1 and sp["min_s"] is not None]   # unsaid settings
+    extra = {"rows_in_span": sum(bool(sp["contains_measured"]) for sp in real), "rows_with_span": len(real)} \
+        if spans else {}
     return {"rows": report_rows, **extra, "mape_percent": overall, "priced_rows": n, "rows_total": len(rows),
             "out_of_memory_rows": sum(r.status == "out of memory" for r in rows),
             "by_generation": by_generation,

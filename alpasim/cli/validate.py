@@ -62,7 +62,7 @@ def validate(
         t.add_column(col, overflow="fold")
     t.add_column("peak of memory")
     if spans:
-        t.add_column("span of unpublished settings")
+        t.add_column("span")               # of the predictions over the unpublished settings
     for r in report["rows"]:
         priced = r["status"] == "priced"
         peak = f"{fmt_bytes(r['predicted_peak_bytes'])} of {fmt_bytes(r['device_memory_bytes'])}" if priced else "-"
@@ -71,9 +71,8 @@ def validate(
                  f"{r['predicted_s']:.2f}" if priced else "-", ex.validation_verdict(r), peak]
         if spans:
             sp = r["span"]
-            cells.append("-" if sp["min_s"] is None or len(sp["alternatives"]) == 1 else
-                         f"{sp['min_s']:.2f}-{sp['max_s']:.2f} s, measured "
-                         + ("inside" if sp["contains_measured"] else "outside"))
+            cells.append(f"{sp['min_s']:.2f}-{sp['max_s']:.2f} {'inside' if sp['contains_measured'] else 'outside'}"
+                         if ex.is_validation_span(sp) else "-")
         t.add_row(*cells)
     out.print(t)
     for line in ex.validation_summary(report):

@@ -80,20 +80,22 @@ class PublishedRun:
     unpublished: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if not set(self.unpublished) <= set(UNPUBLISHABLE):
-            raise ValueError(f"published run {self.id}: unpublished names {sorted(self.unpublished)}; only "
+        if not all(isinstance(x, str) and x in UNPUBLISHABLE for x in self.unpublished):
+            raise ValueError(f"published run {self.id}: unpublished {self.unpublished!r}; only "
                              f"{', '.join(UNPUBLISHABLE)} can be")
         layout = (self.tp, self.pp, self.dp, self.microbatch_size)
         if self.method == "megatron":
-            if not all(isinstance(x, int) and x >= 1 for x in layout):
+            if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in layout):
                 raise ValueError(f"published run {self.id}: method megatron prices a layout; tp, pp, dp and "
                                  f"microbatch_size must be positive integers, got {layout}")
+            if self.recompute is None:
+                raise ValueError(f"published run {self.id}: a layout states its recomputation (none if unsaid)")
             if self.tp * self.pp * self.dp * self.cp != self.cluster.num_devices:
                 raise ValueError(f"published run {self.id}: tp x pp x dp x cp is not the cluster's "
                                  f"{self.cluster.num_devices} devices")
-        elif any(x is not None for x in layout):
+        elif any(x is not None for x in layout) or self.unpublished:
             raise ValueError(f"published run {self.id}: method {self.method} searches its own layout; "
-                             f"give no tp, pp, dp or microbatch_size")
+                             f"give no tp, pp, dp, microbatch_size or unpublished settings")
 
     @property
     def gpus(self) -> int:

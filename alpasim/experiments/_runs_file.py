@@ -72,7 +72,8 @@ _FIELDS: dict[str, tuple[type, Any]] = {
 _RECOMPUTE = ("full", "selective", "none")
 # The published layout: required with method "megatron", refused with a searched method.
 _LAYOUT = ("tp", "pp", "dp", "microbatch_size")
-_LAYOUT_FLAGS = ("cp", "chunks", "sequence_parallel", "distributed_optimizer", "sharded_gradients", "ends_as_layers")
+_LAYOUT_FLAGS = ("cp", "chunks", "sequence_parallel", "distributed_optimizer", "sharded_gradients", "ends_as_layers",
+                 "unpublished")
 
 
 class RunsFileError(ValueError):

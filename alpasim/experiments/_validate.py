@@ -80,8 +80,9 @@ class ValidationRow:
                 "device_memory_bytes": r.cluster.device.memory_bytes}
 
 
-def price_run(run: PublishedRun, cache: sv.DiskCache | None = None) -> ValidationRow:
-    """`run` planned and simulated as its system ran (module doc)."""
+def price_run(run: PublishedRun, cache: sv.DiskCache | None = None, lift: bool = True) -> ValidationRow:
+    """`run` planned and simulated as its system ran (module doc); `lift=False` leaves
+    an out-of-memory row without its time at the memory it needs."""
     t0 = time.perf_counter()
     measured = run.measured_iteration_s
     try:
@@ -90,7 +91,7 @@ def price_run(run: PublishedRun, cache: sv.DiskCache | None = None) -> Validatio
         return ValidationRow(run, measured, None, time.perf_counter() - t0, "not expressible", str(e))
     if not plan.feasible:
         needed = plan.predicted.needed_memory_bytes
-        lifted_s, lifted_bytes = _lifted(run, needed, cache)
+        lifted_s, lifted_bytes = _lifted(run, needed, cache) if lift else (None, None)
         return ValidationRow(run, measured, None, time.perf_counter() - t0, "out of memory", "; ".join(plan.notes),
                              plan.system, needed_bytes=needed, lifted_s=lifted_s, lifted_bytes=lifted_bytes)
     timeline = sim.simulate(plan, plan.schedule, chunks=plan.chunks)
@@ -142,7 +143,10 @@ def span_alternatives(run: PublishedRun) -> list[PublishedRun]:
     share of the batch, and each of `SPAN_RECOMPUTE`; `run` itself first."""
     if run.method != "megatron" or not run.unpublished:
         return [run]
-    share = gr.model_source(run.model).global_batch // run.dp
+    try:
+        share = gr.model_source(run.model).global_batch // run.dp
+    except (ValueError, KeyError):    # price_run says why, for the row itself
+        return [run]
     sizes = [m for m in SPAN_MICROBATCH_SIZES if share % m == 0] if "microbatch_size" in run.unpublished \
         else [run.microbatch_size]
     policies = SPAN_RECOMPUTE if "recompute" in run.unpublished else (run.recompute,)
@@ -158,7 +162,7 @@ def span(run: PublishedRun, cache: sv.DiskCache | None = None, first: Validation
     unsaid settings ran is not known, so a prediction is as certain as this span."""
     tried, seconds = [], 0.0
     for i, alt in enumerate(span_alternatives(run)):
-        row = first if i == 0 and first is not None else price_run(alt, cache)
+        row = first if i == 0 and first is not None else price_run(alt, cache, lift=False)
         seconds += row.plan_s if row is not first else 0.0
         tried.append({"microbatch_size": alt.microbatch_size, "recompute": alt.recompute, "status": row.status,
                       "predicted_s": row.predicted_s})
@@ -167,6 +171,11 @@ def span(run: PublishedRun, cache: sv.DiskCache | None = None, first: Validation
     measured = run.measured_iteration_s
     return {"alternatives": tried, "min_s": low, "max_s": high,
             "contains_measured": None if low is None else low <= measured <= high, "seconds": seconds}
+
+
+def is_span(span_entry: dict[str, Any]) -> bool:
+    """Whether a row's `span` varies anything: at least two of its settings priced."""
+    return sum(a["status"] == "priced" for a in span_entry["alternatives"]) >= 2
 
 
 def mape(rows: Iterable[ValidationRow]) -> tuple[float | None, int]:
@@ -197,7 +206,7 @@ def validate(runs: Sequence[PublishedRun] = PUBLISHED_RUNS, cache: sv.DiskCache 
     report_rows = [r.to_json() for r in rows]
     for row, sp in zip(report_rows, spanned):
         row["span"] = sp
-    real = [sp for sp in spanned if len(sp["alternatives"]) > 1 and sp["min_s"] is not None]   # unsaid settings
+    real = [sp for sp in spanned if is_span(sp)]
     extra = {"rows_in_span": sum(bool(sp["contains_measured"]) for sp in real), "rows_with_span": len(real)} \
         if spans else {}
     return {"rows": report_rows, **extra, "mape_percent": overall, "priced_rows": n, "rows_total": len(rows),

@@ -184,7 +184,9 @@ def check_megatron_interleaved(source: ModelSource, config, chunk_options: Seque
         raise ValueError(f"Megatron {config}: interleaving needs at least 2 pipeline stages")
     # Megatron-LM refuses it otherwise (schedules.py, forward_backward_pipelining_with_
     # interleaving: "number of microbatches ... is not divisible by pipeline-model-
-    # parallel-size ... when using interleaved schedule").
+    # parallel-size ... when using interleaved schedule"), from 2021 through Megatron-
+    # core 0.8; later versions take any count of at least pp with a microbatch group
+    # size set, which no system profile here runs.
     microbatches = source.config.batch // (config.microbatch_size * config.dp)
     if microbatches % config.pp:
         raise ValueError(f"Megatron {config}: interleaving needs the microbatches ({microbatches}) to be a "

@@ -46,7 +46,7 @@ from alpasim.graphs import (DTYPE_BYTES, ModelLike, ModelSource, ModelSpecError,
 
 from ._interleave import DEFAULT_CHUNK_OPTIONS
 from ._inter_op import DEFAULT_MAX_STAGES, PlanInfeasible, plan_pipeline, planning_units
-from ._preflight import check_megatron, preflight
+from ._preflight import check_megatron, check_megatron_interleaved, preflight
 from ._intra_baselines import BASELINES
 from ._pipeline_plan import PipelinePlan, PlanModel, Prediction, SearchStats, plan_cluster_info
 from ._submesh import SubmeshShape
@@ -683,6 +683,8 @@ def megatron_grid(model: ModelLike, cluster: Cluster, *, progress: Callable | No
     for i, c in enumerate(base):
         if progress is not None:
             progress(f"{method} {c}", i, len(base))
+        if kw.get("schedule") == "interleaved" and _cannot_interleave(source, c, kw):
+            continue
         sps = (sequence_parallel,) if sequence_parallel is not None else (True, False) if today and c.tp > 1 \
             else (False,)
         dos = (distributed_optimizer,) if distributed_optimizer is not None else (True, False) \
@@ -716,6 +718,16 @@ def _zoo_source(model: ModelLike) -> ModelSource:
         raise ModelSpecError(f"{source.name}: Megatron-LM's layouts are written for the zoo's transformer blocks; "
                              f"a saved graph plans with the other methods")
     return source
+
+
+def _cannot_interleave(source: ModelSource, config: MegatronConfig, kw: dict) -> bool:
+    """Whether Megatron-LM's interleaved schedule refuses `config` (`_preflight.
+    check_megatron_interleaved`): the grid leaves such a point out, as Megatron would."""
+    try:
+        check_megatron_interleaved(source, config, kw.get("chunk_options", DEFAULT_CHUNK_OPTIONS))
+    except ValueError:
+        return True
+    return False
 
 
 def _config_json(config: MegatronConfig) -> dict:

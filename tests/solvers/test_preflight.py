@@ -204,3 +204,18 @@ def test_megatron_interleaving_needs_microbatches_a_multiple_of_pp(no_pricing):
     with pytest.raises(AssertionError, match="priced a stage"):    # 8 microbatches: allowed, so pricing starts
         plan_model(model, cluster, "megatron", megatron=MegatronConfig(1, 4, 1, 1), schedule="interleaved",
                    chunk_options=(2,))
+
+
+def test_megatrons_grid_leaves_out_what_its_interleaving_refuses():
+    """Asked to interleave, the grid prices only configurations Megatron's interleaved
+    schedule runs: pp >= 2 and microbatches that pp divides (8 sequences; dp x mbs
+    sets how many)."""
+    from alpasim.solvers import DiskCache
+
+    cluster = get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=4)
+    model = "gpt3:hidden=64,layers=8,heads=4,seq=32,vocab=96,batch=8"
+    plan = plan_model(model, cluster, "megatron", schedule="interleaved", chunk_options=(2,),
+                      cache=DiskCache(enabled=False))
+    tried = plan.search.megatron_grid
+    assert tried and all(c["pp"] >= 2 and (8 // (c["dp"] * c["microbatch_size"])) % c["pp"] == 0 for c in tried)
+    assert any(c["pp"] == 4 for c in tried)

@@ -2,7 +2,10 @@
 overall and per hardware generation, and how long the whole table took to price (in
 seconds and in reference units, `_reference`), with a cold stage cache.
 
-    .venv/bin/python benchmarks/bench_validate.py [--rows korthikanti]
+    .venv/bin/python benchmarks/bench_validate.py [--rows korthikanti] [--spans]
+
+`--spans` also prices each row at its unpublished settings (`validate --spans`) and
+prints each row's span of predictions.
 """
 
 from __future__ import annotations
@@ -24,19 +27,27 @@ except ModuleNotFoundError:  # run as `python -m benchmarks.bench_validate` from
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="", help="only the rows whose id contains this text")
+    parser.add_argument("--spans", action="store_true", help="also the span over each row's unpublished settings")
     args = parser.parse_args()
     runs = [r for r in ex.PUBLISHED_RUNS if args.rows in r.id]
     ref = print_reference()
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as cold:
-        report = ex.validate(runs, sv.DiskCache(root=Path(cold)))
+        report = ex.validate(runs, sv.DiskCache(root=Path(cold)), spans=args.spans)
     wall = time.perf_counter() - t0
     print(f"{'row':34s} {'GPUs':>6s} {'measured s':>11s} {'predicted s':>12s}  error")
     for r in report["rows"]:
         predicted = f"{r['predicted_s']:12.2f}" if r["status"] == "priced" else f"{'-':>12s}"
-        print(f"{r['id']:34s} {r['gpus']:6d} {r['measured_s']:11.2f} {predicted}  {ex.validation_verdict(r)[:130]}")
+        span = r.get("span")
+        spanned = f"  span {span['min_s']:.2f}-{span['max_s']:.2f} s, measured " + (
+            "inside" if span["contains_measured"] else "outside") if span and ex.is_validation_span(span) else ""
+        print(f"{r['id']:34s} {r['gpus']:6d} {r['measured_s']:11.2f} {predicted}  "
+              f"{ex.validation_verdict(r)[:130]}{spanned}")
     for line in ex.validation_summary(report):
         print(line)
+    if args.spans:
+        print(f"measured inside the span of its unpublished settings: {report['rows_in_span']} of "
+              f"{report['rows_with_span']} rows with a span")
     print(f"priced in {wall:.1f} s = {in_ref(wall, ref)} ref (cold stage cache)")
     print_reference("at the end")
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from alpasim import experiments as ex
 from alpasim import solvers as sv
+from alpasim._gc import relax_gc
 
 try:
     from _reference import in_ref, print_reference
@@ -25,6 +26,7 @@ except ModuleNotFoundError:  # run as `python -m benchmarks.bench_validate` from
 
 
 def main() -> None:
+    relax_gc()      # as `alpasim validate` runs (`alpasim._gc`): an entry point sets the collector
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="", help="only the rows whose id contains this text")
     parser.add_argument("--spans", action="store_true", help="also the span over each row's unpublished settings")

@@ -40,16 +40,11 @@ def main() -> None:
     print(f"{'row':34s} {'GPUs':>6s} {'measured s':>11s} {'predicted s':>12s}  error")
     for r in report["rows"]:
         predicted = f"{r['predicted_s']:12.2f}" if r["status"] == "priced" else f"{'-':>12s}"
-        span = r.get("span")
-        spanned = f"  span {span['min_s']:.2f}-{span['max_s']:.2f} s, measured " + (
-            "inside" if span["contains_measured"] else "outside") if span and ex.is_validation_span(span) else ""
+        spanned = f"  span {ex.validation_span_cell(r)}" if args.spans else ""
         print(f"{r['id']:34s} {r['gpus']:6d} {r['measured_s']:11.2f} {predicted}  "
               f"{ex.validation_verdict(r)[:130]}{spanned}")
     for line in ex.validation_summary(report):
         print(line)
-    if args.spans:
-        print(f"measured inside the span of its unpublished settings: {report['rows_in_span']} of "
-              f"{report['rows_with_span']} rows with a span")
     print(f"priced in {wall:.1f} s = {in_ref(wall, ref)} ref (cold stage cache)")
     print_reference("at the end")
 

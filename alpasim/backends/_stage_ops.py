@@ -35,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from alpasim.costmodels import liveness
-from alpasim.graphs import Op, OpGraph, stage_graph
+from alpasim.graphs import Op, OpGraph, stage_graph, tied_param
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ def stage_ops(train: OpGraph, first: int, last: int) -> StageOps:
     grads = {p: adam_of[p].inputs[1] for p in owned}
     for t in tied & made_b:
         if t in outside:
-            p = _tied_param(train, t, adam_of)
+            p = _tied_param(train, t)
             if p not in owned:
                 grads[p] = t
     adam = {p: adam_of[p] for p in params if p in adam_of}
@@ -107,16 +107,12 @@ def stage_ops(train: OpGraph, first: int, last: int) -> StageOps:
                     carried, adam)
 
 
-def _tied_param(train: OpGraph, t: str, adam_of: dict[str, Op]) -> str:
+def _tied_param(train: OpGraph, t: str) -> str:
     """The parameter whose gradient the tied contribution `t` is summed into."""
-    by_grad = {op.inputs[1]: p for p, op in adam_of.items()}
-    seen = [t]
-    while seen:
-        x = seen.pop()
-        if x in by_grad:
-            return by_grad[x]
-        seen += [o for op in train.consumers.get(x, ()) for o in op.outputs]
-    raise ValueError(f"tied gradient contribution {t!r} feeds no adam op")
+    p = tied_param(train, t)
+    if p is None:
+        raise ValueError(f"tied gradient contribution {t!r} feeds no adam op")
+    return p
 
 
 def layer_stash_sum(train: OpGraph, first: int, last: int, bytes_of) -> float:

@@ -12,7 +12,7 @@ from rich.table import Table
 from alpasim import experiments as ex
 from alpasim import solvers as sv
 
-from ._common import JsonOpt, TaskProgress, app, emit_json, err, fail, fmt_bytes, out, writable_file, writing
+from ._common import JsonOpt, TaskProgress, app, emit_json, err, fail, fmt_bytes, out, writable_file, write_text
 
 
 @app.command()
@@ -47,8 +47,7 @@ def validate(
         fail(f"--rows {rows!r} matches no row; the ids are {', '.join(r.id for r in every)}")
     if save_runs is not None:
         writable_file(save_runs, "--save-runs")
-        with writing(save_runs, "--save-runs"):
-            save_runs.write_text(json.dumps(ex.runs_to_json(runs), indent=2) + "\n")
+        write_text(save_runs, json.dumps(ex.runs_to_json(runs), indent=2) + "\n", "--save-runs")
         err.print(f"wrote {len(runs)} runs to {save_runs}")
         return
     with TaskProgress("validate: ") as progress:
@@ -70,14 +69,9 @@ def validate(
         cells = [r["id"], f"{r['gpus']:,}", system, f"{r['measured_s']:.2f}",
                  f"{r['predicted_s']:.2f}" if priced else "-", ex.validation_verdict(r), peak]
         if spans:
-            sp = r["span"]
-            cells.append(f"{sp['min_s']:.2f}-{sp['max_s']:.2f} {'inside' if sp['contains_measured'] else 'outside'}"
-                         if ex.is_validation_span(sp) else "-")
+            cells.append(ex.validation_span_cell(r))
         t.add_row(*cells)
     out.print(t)
     for line in ex.validation_summary(report):
         out.print(line)
-    if spans:
-        out.print(f"measured inside the span of its unpublished settings: {report['rows_in_span']} of "
-                  f"{report['rows_with_span']} rows with a span")
     out.print(f"({report['seconds']:.0f} s of planning)")

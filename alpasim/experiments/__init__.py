@@ -42,7 +42,7 @@ from ._run_report import write_outputs as write_outputs
 from ._published_runs import PUBLISHED_RUNS as PUBLISHED_RUNS
 from ._published_runs import PublishedRun as PublishedRun
 from ._validate import ValidationRow as ValidationRow
-from ._validate import is_span as is_validation_span
+from ._validate import span_cell as validation_span_cell
 from ._validate import price_run as price_run
 from ._validate import summary_lines as validation_summary
 from ._validate import validate as validate

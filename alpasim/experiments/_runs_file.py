@@ -148,7 +148,10 @@ def _run_from_json(row: Any, where: str, file: str) -> PublishedRun:
     if values["generation"] is None:
         values["generation"] = values["cluster"].device.name.split("-")[0]
     values["source"] = values["source"] or file
-    return PublishedRun(**values)
+    try:
+        return PublishedRun(**values)
+    except ValueError as e:               # a rule the checks above do not repeat
+        raise RunsFileError(f"{where}: {e}") from None
 
 
 def _field(row: Mapping, name: str, where: str) -> Any:

@@ -237,4 +237,16 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
              f"predicted out of memory" for gen, g in report["by_generation"].items()]
     lines.append(f"all: MAPE {pct(report['mape_percent'])} over {report['priced_rows']} of {report['rows_total']} "
                  f"rows; {report['out_of_memory_rows']} predicted out of memory, though every row ran")
+    if "rows_with_span" in report:
+        lines.append(f"measured inside the span of its unpublished settings: {report['rows_in_span']} of "
+                     f"{report['rows_with_span']} rows with a span")
     return lines
+
+
+def span_cell(row: dict[str, Any]) -> str:
+    """What a report row with a `span` says of it in a table: its least and most
+    predictions and where the measured time lies, or "-" where nothing varies."""
+    sp = row.get("span")
+    if sp is None or not is_span(sp):
+        return "-"
+    return f"{sp['min_s']:.2f}-{sp['max_s']:.2f} {'inside' if sp['contains_measured'] else 'outside'}"

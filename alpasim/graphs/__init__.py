@@ -74,6 +74,7 @@ from ._llama import LlamaConfig as LlamaConfig
 from ._resnet import WResNetConfig as WResNetConfig
 from ._serialize import GraphFormatError as GraphFormatError
 from ._slicing import layer_stage_graphs as layer_stage_graphs
+from ._autodiff import tied_param as tied_param
 from ._slicing import stage_graph as stage_graph
 from ._serialize import graph_from_json as graph_from_json
 from ._serialize import graph_to_json as graph_to_json

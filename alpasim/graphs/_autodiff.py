@@ -614,3 +614,18 @@ def _append_updates(b: GraphBuilder, fwd: OpGraph, ct: dict[str, str | None], op
     # one layer's backward and summed in the other's: the stage-memory model carries them.
     meta["tied_grads"] = sorted(carried)
     return b.build(outputs, meta)
+
+
+def tied_param(graph: OpGraph, grad: str) -> str | None:
+    """The parameter whose optimizer step reads the tied gradient contribution `grad`
+    (a `meta["tied_grads"]` tensor) or a sum it is part of; None if none in `graph` does."""
+    by_grad = {op.inputs[1]: op.inputs[0] for op in graph.ops if op.prim == "adam"}
+    todo, seen = [grad], set()
+    while todo:
+        x = todo.pop()
+        if x in by_grad:
+            return by_grad[x]
+        if x not in seen:
+            seen.add(x)
+            todo += [o for op in graph.consumers.get(x, ()) for o in op.outputs]
+    return None

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 
 import networkx as nx
@@ -154,7 +154,7 @@ def _signature(moving: Sequence[Route], lanes: dict[int, list[Copy]], lane: int,
     return tuple(signature), list(local)
 
 
-class LaneEvents(Sequence):
+class LaneEvents(Collection):
     """A timeline's events with each lane-0 link event standing for its K lanes' (the
     same message on each lane's own link, at the same times), expanded as they are
     read: Llama 3's 16,384-GPU layout would otherwise hold tens of millions of them."""
@@ -162,12 +162,10 @@ class LaneEvents(Sequence):
     def __init__(self) -> None:
         self._items: list[Event | tuple[Event, tuple[str, ...]]] = []
         self._count = 0
-        self._flat: list[Event] | None = None
 
     def append(self, event: Event) -> None:
         self._items.append(event)
         self._count += 1
-        self._flat = None
 
     def fan_out(self, event: Event, tracks: tuple[str, ...]) -> None:
         """`event` once on each of `tracks` (its link in every lane; its own track alone
@@ -177,7 +175,6 @@ class LaneEvents(Sequence):
             return
         self._items.append((event, tracks))
         self._count += len(tracks)
-        self._flat = None
 
     def __len__(self) -> int:
         return self._count
@@ -195,7 +192,5 @@ class LaneEvents(Sequence):
                 for track in tracks:
                     yield event._replace(track=track)
 
-    def __getitem__(self, index):
-        if self._flat is None:
-            self._flat = list(self)
-        return self._flat[index]
+    def __contains__(self, event: object) -> bool:
+        return any(e == event for e in self)

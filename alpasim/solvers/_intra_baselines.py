@@ -41,7 +41,7 @@ from collections.abc import Mapping
 
 from alpasim.costmodels import CostModel
 from alpasim.graphs import (LOSS_LOGITS, Op, OpGraph, Tensor, is_weight_grad, makes_weight_grad, op_dims,
-                            weight_grad_params)
+                            tied_param, weight_grad_params)
 
 from ._mesh import LogicalMesh
 from ._resharding import Collective, resharding_time_s
@@ -353,25 +353,10 @@ def _tied_grad_inputs(graph: OpGraph, mesh: LogicalMesh) -> dict[str, list[Shard
     params = {t.name: t for t in graph.params}
     out = {}
     for t in graph.meta.get("tied_grads", ()):
-        p = _summed_into(graph, t) if t in graph.inputs else None
+        p = tied_param(graph, t) if t in graph.inputs else None
         if p in params and params[p].shape == graph.tensors[t].shape:
             out[t] = [_megatron_param_spec(params[p], mesh)]
     return out
-
-
-def _summed_into(graph: OpGraph, grad: str, depth: int = 4) -> str | None:
-    """The parameter whose optimizer step reads `grad`, or a sum `grad` is part of
-    (within `depth` ops); None if none does."""
-    frontier = [grad]
-    for _ in range(depth):
-        nxt = []
-        for t in frontier:
-            for op in graph.consumers.get(t, ()):
-                if op.prim == "adam" and op.inputs[1] == t:
-                    return op.inputs[0]
-                nxt.extend(op.outputs)
-        frontier = nxt
-    return None
 
 
 def _megatron_param_spec(t, mesh: LogicalMesh) -> ShardingSpec:

@@ -502,12 +502,11 @@ def check_before_planning(model: ModelLike, cluster: Cluster, method: str = "alp
     _, record, _ = system_options(m, options.get("system"), options.get("overlap"), distributed_optimizer,
                                   megatron, {k: v for k, v in options.items() if k in COMMON_OPTIONS},
                                   attention=_attention_given(model, options.get("attention")))   # its conflicts
-    if megatron is not None and megatron.cp > 1 and record.settings["attention"] != "fused":
-        raise ValueError(f"Megatron {megatron}: context parallelism runs the fused attention kernel on each "
-                         f"chunk; attention is {record.settings['attention']!r}")
     source = _zoo_source(model) if m.zoo_only else model_source(model)
     _refuse_view(source)
     _run_preflight(m, source, cluster, layers=layers, max_stages=max_stages, megatron=megatron, **options)
+    if megatron is not None and megatron.cp > 1:   # the view `megatron_plan` builds, with the kernel it will run
+        context_parallel_view(dataclasses.replace(source.config, attention=record.settings["attention"]), megatron.cp)
     return source
 
 

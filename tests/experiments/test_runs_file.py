@@ -166,7 +166,8 @@ def test_spans_price_a_row_at_every_unpublished_setting():
     assert [(a["microbatch_size"], a["recompute"]) for a in alternatives] == [
         (1, "none"), (1, "selective"), (1, "full"), (2, "none"), (2, "selective"), (2, "full"),
         (4, "none"), (4, "selective"), (4, "full")]
-    assert alternatives[0]["predicted_s"] == row["predicted_s"]
+    # The row itself comes first, priced as validate prices it alone.
+    assert alternatives[0]["predicted_s"] == pytest.approx(ex.validate([run], cache)["rows"][0]["predicted_s"])
     for a in alternatives[1:]:
         alone = ex.price_run(dataclasses.replace(run, microbatch_size=a["microbatch_size"], recompute=a["recompute"]),
                              cache)
@@ -175,6 +176,10 @@ def test_spans_price_a_row_at_every_unpublished_setting():
     assert (row["span"]["min_s"], row["span"]["max_s"]) == (min(priced), max(priced))
     assert row["span"]["contains_measured"] == (min(priced) <= row["measured_s"] <= max(priced))
     assert report["rows_with_span"] == 1 and report["rows_in_span"] == int(row["span"]["contains_measured"])
+    # A measured time far above every setting's prediction lies outside the span.
+    slow = dataclasses.replace(run, measured_tflops=None, flops_per_iteration=None, measured_s=100 * max(priced))
+    far = ex.validate([slow], cache, spans=True)
+    assert far["rows"][0]["span"]["contains_measured"] is False and far["rows_in_span"] == 0
     # Full recomputation redoes the forward: never faster than none at the same microbatch size.
     by = {(a["microbatch_size"], a["recompute"]): a["predicted_s"] for a in alternatives}
     assert all(by[(m, "full")] > by[(m, "none")] for m in (1, 2, 4))

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
+from alpasim.graphs import get_recipe
 from alpasim.simulator import Event, GradSync, MeshInfo, Program, Recv, Run, Send, Timeline, Update, build_program
 from alpasim.solvers import PipelinePlan, planning_graph
 
@@ -121,6 +122,11 @@ def runnable_program(plan: PipelinePlan, schedule: str | None = None, program: P
     if cp > 1:   # the view's attention is each chunk's alone; the KV all-gather is priced, not lowered
         raise ValueError(f"a context-parallel plan (cp {cp}) does not run on the backend yet: its KV "
                          f"all-gather is priced, not lowered")
+    recipe = get_recipe(plan.model.precision)
+    if recipe.keeps_low_precision_grads:    # its kept gradients and pass are priced, not lowered
+        raise ValueError(f"precision {recipe.name} (DeepSpeed's BF16_Optimizer: 16-bit gradients kept and added "
+                         f"into the fp32 accumulator after each backward) does not run on the backend: plan with "
+                         f"--precision mixed-fp32grad to run the plan")
     program = program or build_program(plan, schedule or plan.schedule)
     if program.chunks != plan.chunks:
         raise ValueError(f"the {program.schedule!r} program runs {program.chunks} model chunks per mesh; the plan "

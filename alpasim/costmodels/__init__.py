@@ -21,6 +21,7 @@ from ._compute import traffic_bytes as traffic_bytes
 from ._fusion import FUSIBLE_PRIMS as FUSIBLE_PRIMS
 from ._fusion import Fusion as Fusion
 from ._fusion import OpAccess as OpAccess
+from ._fusion import accumulating_cast as accumulating_cast
 from ._fusion import fuse as fuse
 from ._fusion import unfused_loss as unfused_loss
 from ._hardware import CLUSTER_SCHEMA as CLUSTER_SCHEMA

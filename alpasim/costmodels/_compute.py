@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from alpasim.graphs import LOSS_LOGITS, MATMUL_KINDS, Op, Tensor, attention_geometry, op_bytes, op_flops, op_kind
 
 from ._attention import executed_flops, fused_attention_time_s
-from ._fusion import VIEW_PRIMS, OpAccess, unfused_loss
+from ._fusion import VIEW_PRIMS, OpAccess, accumulating_cast, unfused_loss
 from ._gemm import DEFAULT_CURVE, LAUNCH_S, GemmCurve, gemm_curve, memory_bandwidth
 from ._hardware import Device
 
@@ -92,6 +92,14 @@ def loss_bytes(op: Op, tensors: Mapping[str, Tensor]) -> int:
     return ((32 if op.prim == "softmax_cross_entropy" else 8) + cast) * logits.size
 
 
+def accumulate_bytes(op: Op, tensors: Mapping[str, Tensor]) -> int:
+    """HBM bytes of a gradient cast that adds into its accumulator after the backward
+    (`_fusion.accumulating_cast`): the cast reads the 16-bit gradient and writes it in
+    fp32 (`lp.grad.to(fp32)`), and the add reads that and the accumulator and writes the
+    accumulator (`hp_grad.add_`): 2 + 4 + 3 x 4 bytes an element for bf16."""
+    return op_bytes(op, tensors) + 3 * tensors[op.outputs[0]].nbytes
+
+
 def traffic_bytes(op: Op, tensors: Mapping[str, Tensor]) -> int:
     """HBM bytes an op moves: `op_bytes`, except views (0), embedding lookups and slices.
 
@@ -108,6 +116,8 @@ def traffic_bytes(op: Op, tensors: Mapping[str, Tensor]) -> int:
         return 2 * tensors[op.outputs[0]].nbytes
     if unfused_loss(op):
         return loss_bytes(op, tensors)
+    if accumulating_cast(op):
+        return accumulate_bytes(op, tensors)
     return op_bytes(op, tensors)
 
 
@@ -140,8 +150,9 @@ def op_time_s(op: Op, tensors: Mapping[str, Tensor], device: Device, num_shards:
     else:
         flops = op_flops(op, tensors) / num_shards
     nbytes = (traffic_bytes(op, tensors) if access is None else access.nbytes) / num_shards
+    second = KERNEL_LAUNCH_OVERHEAD_S if accumulating_cast(op) else 0.0      # the add's own kernel
     return compute_time_s(flops, nbytes, dtype, device, kind in TENSOR_CORE_KINDS,
-                          launch=access is None or access.launch)
+                          launch=access is None or access.launch) + second
 
 
 def check_shards(op: Op, num_shards: int) -> None:

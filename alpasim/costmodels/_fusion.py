@@ -48,6 +48,14 @@ FUSIBLE_PRIMS = RECOMPUTABLE_PRIMS | {
 VIEW_PRIMS = frozenset({"reshape"})
 
 
+def accumulating_cast(op) -> bool:
+    """A gradient's cast marked to add into its accumulator after the backward
+    (`graphs.PrecisionRecipe.accumulation` "after-backward", DeepSpeed's BF16_Optimizer:
+    `hp_grad.add_(lp.grad.to(fp32))` per parameter, two PyTorch kernels of their own): a
+    kernel boundary, priced by `_compute.accumulate_bytes`."""
+    return op.prim == "convert" and bool(op.param("accumulate"))
+
+
 def unfused_loss(op) -> bool:
     """A cross-entropy marked to run as Megatron's unfused fp32 kernels
     (`graphs.with_loss_kernel`): a kernel boundary, priced by `_compute.loss_bytes`."""
@@ -90,7 +98,8 @@ _CACHE = "_costmodels_fusion"
 def _fuse(graph: OpGraph) -> Fusion:
     producer = graph.producer
     index = graph.op_index
-    fusible = {op.name: op.prim in FUSIBLE_PRIMS and not unfused_loss(op) for op in graph.ops}
+    fusible = {op.name: op.prim in FUSIBLE_PRIMS and not unfused_loss(op) and not accumulating_cast(op)
+               for op in graph.ops}
     anc: dict[str, int] = {}              # op -> bitmask (over op indices) of its ancestors
     parent: dict[str, str] = {op.name: op.name for op in graph.ops}
     members: dict[str, int] = {}          # kernel root -> bitmask of its ops

@@ -505,7 +505,10 @@ def training_graph(forward: OpGraph, *, remat: bool = False, optimizer: AdamConf
                 if t in ct and forward.tensors[t].role == "param" and forward.consumers[t][0] is op:
                     want = recipe.grad_dtype(forward.tensors[t].dtype)
                     if b.tensors[ct[t]].dtype != want:
-                        ct[t] = b.one("convert", [ct[t]], name=f"{t}:grad_cast", dtype=want)
+                        # After the backward, the cast is a pass that also adds into the
+                        # accumulator (`graphs._precision`, DeepSpeed's BF16_Optimizer).
+                        after = {"accumulate": True} if recipe.accumulation == "after-backward" else {}
+                        ct[t] = b.one("convert", [ct[t]], name=f"{t}:grad_cast", dtype=want, **after)
 
     graph = _append_updates(b, forward, ct, optimizer, loss, recipe, carried)
     graph.meta["kernels"] = kernels

@@ -42,10 +42,12 @@ from typing import Any
 # too (a sequence-parallel norm's) as that scatter plus an all-reduce over tp; 38:
 # Megatron's stage inputs split on their batch over dp (`_megatron_inputs`); 39: the
 # per-microbatch gradient scatters of sharded-gradient baselines (`LayerOption.grad_scatter_s`);
-# 40: not the tied copies' gradient inputs, and no TE overlap of the weight gradients' scatters.
+# 40: not the tied copies' gradient inputs, and no TE overlap of the weight gradients' scatters;
+# 41: the tied embedding gradient in the parameter's layout; 42: the precision recipe in the
+# key (how it accumulates and reduces gradients: `graphs.PrecisionRecipe`).
 # The restriction
 # tables are code, not part of a key: a change to them bumps this.
-CACHE_VERSION = "stage-costs/41"
+CACHE_VERSION = "stage-costs/42"
 
 
 def cache_dir() -> Path:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from alpasim.costmodels import CostModel, fuse
 from alpasim.graphs import OpGraph
 
-from ._intra_problem import IntraOpProblem, accumulator_factor, partial_bytes, reshard_key
+from ._intra_problem import IntraOpProblem, accumulator_factor, kept_gradient_factor, partial_bytes, reshard_key
 from ._mesh import LogicalMesh
 from ._resharding import Collective, resharding_collectives
 from ._spec import ShardingSpec
@@ -233,7 +233,7 @@ def memory_use(problem: IntraOpProblem, specs: dict[str, ShardingSpec],
     for t in problem.persistent:
         role = graph.tensors[t].role
         by_role[role] += per_device(t) * (accumulator_factor(graph, mesh, (strategies or {}).get, t)
-                                          if role == "grad" else 1)
+                                          * kept_gradient_factor(graph, t) if role == "grad" else 1)
 
     def total(tensors: Sequence[str]) -> float:   # the brute-force oracles call this ~10^5 times a test
         s = 0.0

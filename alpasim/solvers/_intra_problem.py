@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from alpasim.costmodels import CostModel, fuse, liveness
+from alpasim.costmodels import CostModel, accumulating_cast, fuse, liveness
 from alpasim.graphs import OpGraph, Tensor, is_heavy
 
 from ._mesh import LogicalMesh
@@ -141,7 +141,8 @@ class IntraOpProblem:
             t = self.graph.tensors[tensor]
             grad = t.role == "grad"
             out = np.array([t.nbytes / s[tensor].num_shards(self.mesh)
-                            * (accumulator_factor(self.graph, self.mesh, n.choices[i].get, tensor) if grad else 1.0)
+                            * (accumulator_factor(self.graph, self.mesh, n.choices[i].get, tensor)
+                               * kept_gradient_factor(self.graph, tensor) if grad else 1.0)
                             for i, s in enumerate(n.specs)])
         out.flags.writeable = False        # shared by every formulation of this problem
         self._bytes[key] = out
@@ -206,6 +207,17 @@ def accumulator_factor(graph: OpGraph, mesh: LogicalMesh, strategy_of, grad: str
             break
         op = producer.get(op.inputs[0])
     return 1.0
+
+
+def kept_gradient_factor(graph: OpGraph, grad: str) -> float:
+    """1, or, for an accumulator its 16-bit gradient is added into after the backward
+    (`graphs.PrecisionRecipe.accumulation` "after-backward": DeepSpeed's BF16_Optimizer
+    keeps `lp.grad` until the next backward), 1 plus that gradient's bytes over the
+    accumulator's: the two are laid out alike, the cast being elementwise."""
+    op = graph.producer.get(grad)
+    if op is None or not accumulating_cast(op):
+        return 1.0
+    return 1.0 + graph.tensors[op.inputs[0]].itemsize / graph.tensors[grad].itemsize
 
 
 def _depths(graph: OpGraph) -> dict[str, int]:

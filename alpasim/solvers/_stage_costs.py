@@ -57,6 +57,7 @@ from ._cache import CACHE_VERSION, DiskCache, digest
 from ._intra_baselines import (ACCUMULATOR_SCATTER, BASELINES, DISTRIBUTED_OPTIMIZER, PER_MICROBATCH_GRAD_SYNC,
                                REWRITE_ALLOWED, grad_owners,
                                optimizer_state_shards, params_of_grads, unsliced_params, unsliced_state_bytes)
+from ._accumulation import unreduced_accumulation_s
 from ._context_parallel import cp_cache_key, kv_exchange_s
 from ._intra_op import IntraOpInfeasible, min_memory_choice, solve_intra_op, solve_problem
 from ._mesh import LogicalMesh
@@ -212,7 +213,10 @@ def _sync_terms(restriction: str | None, layer: OpGraph, plan):
     `gather_groups`: `plan`'s once-an-iteration collectives, of them those that finish
     weight gradients in the backward (what can overlap it; by (kind, mesh axes) in
     bytes), and the all-gathers that return updated parameters to their layout (the
-    loop-backs of a sharded optimizer step; by mesh axes).
+    loop-backs of a sharded optimizer step; by mesh axes). A recipe that reduces its
+    accumulator whole (`graphs.PrecisionRecipe.reduce_whole`, DeepSpeed's
+    BF16_Optimizer) all-reduces it over dp where the layout reduce-scatters it, and
+    still gathers the stepped slices.
 
     A weight gradient is reduced once an iteration, after the microbatches' gradients
     are summed in the recipe's accumulator (`graphs.RECIPES`): Megatron-LM reduces its
@@ -246,12 +250,15 @@ def _sync_terms(restriction: str | None, layer: OpGraph, plan):
         owners = grad_owners(op, param_of_grad)
         accumulated = c.nbytes * _accumulator_width(layer, op, owners, recipe)
         keys = [(c.kind, tuple(c.axes))]
+        if recipe.reduce_whole and c.kind == "reduce_scatter" and 0 in c.axes:
+            keys = [("all_reduce", tuple(c.axes))]      # the whole accumulator, then a slice stepped
         if sharded and c.kind == "all_reduce" and 0 in c.axes:
             # The flat buffer's reduce-scatter over dp; a sum over tp besides (a sequence-
             # parallel norm's gradient: Megatron-core's _allreduce_layernorm_grads) stays an
-            # all-reduce there.
+            # all-reduce there. A recipe that reduces its accumulator whole all-reduces it.
             rest = tuple(a for a in c.axes if a != 0)
-            keys = [("reduce_scatter", (0,))] + ([("all_reduce", rest)] if rest else [])
+            if not recipe.reduce_whole:
+                keys = [("reduce_scatter", (0,))] + ([("all_reduce", rest)] if rest else [])
             if not set(owners.values()) & sliced:                             # no loop-back gathers it
                 gather = Collective("all_gather", c.nbytes, (0,)).time_s(mesh)    # the weights, in their dtype
                 gather_s, sync_s = gather_s + gather, sync_s + gather
@@ -470,7 +477,8 @@ def layer_options(layer: OpGraph, mesh: LogicalMesh, cluster: Cluster, microbatc
         opt = mem.optimizer_bytes - unsliced_state_bytes(restriction, layer, plan.specs, mesh) * (1 - 1 / shards)
         sync_s, grad_sync_s, grad_groups, param_gather_s, gather_groups = _sync_terms(restriction, layer, plan)
         kv_forward, kv_backward = kv_exchange_s(layer, plan, mesh, cluster, model)     # context parallelism's
-        return LayerOption(plan.time_s + kv_forward + kv_backward, sync_s,
+        accumulate = unreduced_accumulation_s(layer, plan, model)      # DeepSpeed's BF16_Optimizer pass
+        return LayerOption(plan.time_s + kv_forward + kv_backward + accumulate, sync_s,
                            mem.params_bytes + mem.grads_bytes + opt + t_grad + t_opt,
                            mem.activations_peak_bytes, tuple(str(plan.specs[p]) for p in params),
                            tuple((i, plan.strategies[layer.ops[i].name].name,
@@ -534,7 +542,8 @@ def tied_copy_bytes(layer: OpGraph, specs, mesh: LogicalMesh, state_shards: int 
         if p.name in updated or p.name not in specs:
             continue
         per_device = p.nbytes / specs[p.name].num_shards(mesh)
-        grad_item = DTYPE_BYTES[recipe.grad_dtype(p.dtype)]
+        # The accumulator, and the 16-bit gradient kept beside it where the recipe keeps one.
+        grad_item = DTYPE_BYTES[recipe.grad_dtype(p.dtype)] + (p.itemsize if recipe.keeps_low_precision_grads else 0)
         # Beyond the weight and its gradient: Adam's fp32 m and v, and an fp32 master for 16-bit weights.
         state_bytes = recipe.bytes_per_param(p.dtype) - p.itemsize - grad_item
         param += per_device
@@ -676,7 +685,7 @@ def build_stage_costs(graph: OpGraph, cluster: Cluster, microbatches: int, *, ma
     for kind, layer in first_of_kind.items():
         for m, (_, _, mesh) in enumerate(meshes):
             parts = [CACHE_VERSION, kind, mesh_key(mesh), microbatches, device_key, restriction, pareto,
-                     *cp_cache_key(layer, mesh, cluster)]
+                     get_recipe(layer.meta.get("precision")).to_json(), *cp_cache_key(layer, mesh, cluster)]
             key = digest(parts if model_key is None else parts + [model_key])
             hit = cache.get(key, read=read_options)
             if hit is not None:

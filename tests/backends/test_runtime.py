@@ -179,6 +179,21 @@ def test_gpipe_runs_the_same_step_and_imagined_chunks_are_refused(small_plan):
             run(plan, steps=1, schedule="interleaved")
 
 
+def test_a_plan_priced_with_deepspeeds_bf16_optimizer_is_refused_before_running(small_plan):
+    """The `deepspeed-bf16` recipe's kept 16-bit gradients and after-backward pass are
+    priced, not lowered: both runtimes refuse such a plan in one line before starting,
+    naming the recipe that runs."""
+    import dataclasses
+
+    from alpasim.backends import run_ray
+
+    plan = small_plan("gpt")
+    ds = dataclasses.replace(plan, model=dataclasses.replace(plan.model, precision="deepspeed-bf16"))
+    for run in (run_local, run_ray):
+        with pytest.raises(ValueError, match="precision deepspeed-bf16 .* plan with --precision mixed-fp32grad"):
+            run(ds, steps=1)
+
+
 @needs_8
 @pytest.mark.parametrize("family", ["gpt", "wresnet-17"])
 def test_interleaved_plan_runs_the_same_step_in_the_simulated_order(family, small_plan, reference):

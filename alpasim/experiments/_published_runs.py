@@ -210,9 +210,10 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
     *_korthikanti("1t", 160, 25600, 128, 64, 512, 1, 1, 94.42, 71.49),
     PublishedRun(
         "bloom-176b", BLOOM, "megatron-deepspeed", "A100", JEAN_ZAY_A100,
-        "gpt3:hidden=14336,layers=70,heads=112,seq=2048,vocab=250880,batch=2048,dtype=bfloat16",
+        # Dropout 0.1: "The default Megatron-LM dropout settings are inherited" (README).
+        "gpt3:hidden=14336,layers=70,heads=112,seq=2048,vocab=250880,batch=2048,dtype=bfloat16,dropout=0.1",
         tp=4, pp=12, dp=8, microbatch_size=2, recompute="full", distributed_optimizer=True,
-        precision="mixed-fp32grad", measured_s=104.70,
+        precision="deepspeed-bf16", measured_s=104.70,
         differs=("ALiBi and the embedding's extra layer norm are priced as GPT's learned positions",
                  "DeepSpeed's pipeline counts the embedding and head as layers: 72 over 12 stages, 6 each")),
     _megatron_core("1.7b", 16, 2048, 24, 1, 1, 192, 408.8),

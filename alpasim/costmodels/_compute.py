@@ -5,7 +5,9 @@
 F is the op's FLOPs and M the bytes it moves, both per shard when the op is split
 `num_shards` ways. Matmul kinds (einsum, conv) run on tensor cores at the peak of
 their dtype, derated by the device's GEMM curve (`_gemm`: fitted to a published GEMM
-sweep of the device, else the former 0.7 / 8 us guess); every other kind runs on the CUDA cores
+sweep of the device, else the former 0.7 / 8 us guess), or, for a GEMM whose shard's
+shape is known on a device with a measured grid of shapes (H100), at the grid's rate
+for that shape (`_gemm.SHAPE_TABLES`, `gemm_shape`); every other kind runs on the CUDA cores
 (float32 peak, no derating) and is memory bound in practice — its elementwise FLOPs are
 a handful per byte (Williams, Waterman and Patterson, "Roofline", CACM 2009).
 
@@ -27,11 +29,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from alpasim.graphs import LOSS_LOGITS, MATMUL_KINDS, Op, Tensor, attention_geometry, op_bytes, op_flops, op_kind
+from alpasim.graphs import (LOSS_LOGITS, MATMUL_KINDS, Op, Tensor, attention_geometry, op_bytes, op_dims, op_flops,
+                            op_kind)
 
 from ._attention import executed_flops, fused_attention_time_s
 from ._fusion import VIEW_PRIMS, OpAccess, accumulating_cast, unfused_loss
-from ._gemm import DEFAULT_CURVE, LAUNCH_S, GemmCurve, gemm_curve, memory_bandwidth
+from ._gemm import DEFAULT_CURVE, LAUNCH_S, GemmCurve, gemm_curve, gemm_table, memory_bandwidth
 from ._hardware import Device
 
 # Kinds that run on tensor cores: the contractions, and fused attention where no kernel
@@ -56,9 +59,11 @@ def matmul_efficiency(flops: float, peak_flops_per_s: float, curve: GemmCurve = 
 
 
 def compute_time_s(flops: float, nbytes: float, dtype: str, device: Device, matmul: bool,
-                   launch: bool = True) -> float:
+                   launch: bool = True, shape: tuple[float, float, float] | None = None) -> float:
     """Roofline seconds for a kernel of `flops` FLOPs moving `nbytes` (module docstring);
-    `launch=False`: a later member of a fused kernel, whose launch its first op paid.
+    `launch=False`: a later member of a fused kernel, whose launch its first op paid;
+    `shape`: a GEMM's (m, n, k), priced from the device's measured grid where it has
+    one (`_gemm.SHAPE_TABLES`), else by its FLOPs on the device's curve.
 
     A kernel with neither FLOPs nor bytes (a view) costs nothing, not even a launch.
     """
@@ -69,8 +74,12 @@ def compute_time_s(flops: float, nbytes: float, dtype: str, device: Device, matm
     if flops == 0:
         compute_s = 0.0
     elif matmul:
-        peak = device.peak_flops_per_s(dtype)
-        compute_s = flops / (peak * matmul_efficiency(flops, peak, gemm_curve(device.name, dtype)))
+        table = gemm_table(device.name, dtype) if shape is not None else None
+        if table is not None:
+            compute_s = flops / table.flops_per_s(*shape)
+        else:
+            peak = device.peak_flops_per_s(dtype)
+            compute_s = flops / (peak * matmul_efficiency(flops, peak, gemm_curve(device.name, dtype)))
     else:
         compute_s = flops / device.peak_flops_per_s("float32")
     memory_s = nbytes / memory_bandwidth(device.name, device.memory_bandwidth_bytes_per_s)
@@ -131,11 +140,34 @@ def compute_dtype(op: Op, tensors: Mapping[str, Tensor]) -> str:
     return "float32" if "float32" in floats else floats[0]
 
 
+def gemm_shape(op: Op, tensors: Mapping[str, Tensor], split: Mapping[str, int] | None = None
+               ) -> tuple[float, float, float] | None:
+    """The (m, n, k) of one shard of a two-operand einsum split `split` (letter of its
+    dimension map -> shards): k its contracted letters, m the left operand's kept ones
+    with the batch letters both keep (a batched GEMM's batch spreads its tiles like m),
+    n the right operand's; None for any other op."""
+    if op.prim != "einsum" or len(op.inputs) != 2:
+        return None
+    dm = op_dims(op, tensors)
+    (lhs, rhs), out = dm.inputs, set("".join(dm.outputs))
+    size, split = dm.size_of, split or {}
+
+    def extent(letters) -> float:
+        return float(math.prod(size[c] / split.get(c, 1) for c in letters))
+
+    m = extent(c for c in dict.fromkeys(lhs) if c in out)
+    n = extent(c for c in dict.fromkeys(rhs) if c in out and c not in lhs)
+    k = extent(c for c in dict.fromkeys(lhs) if c in rhs and c not in out)
+    return m, n, k
+
+
 def op_time_s(op: Op, tensors: Mapping[str, Tensor], device: Device, num_shards: int = 1,
-              access: OpAccess | None = None) -> float:
+              access: OpAccess | None = None, split: Mapping[str, int] | None = None) -> float:
     """Roofline seconds of `op` split evenly `num_shards` ways (one shard on `device`);
     `access`: what the op is charged inside its fused kernel (`_fusion.fuse`), None for
-    an op priced on its own.
+    an op priced on its own; `split`: how many ways each letter of the op's dimension
+    map is split (the product is `num_shards`), which gives a GEMM's shard its shape
+    (`gemm_shape`); without it a split GEMM is priced by its FLOPs alone.
 
     Formula and what it ignores: module docstring. Each shard pays the launch overhead.
     """
@@ -151,8 +183,11 @@ def op_time_s(op: Op, tensors: Mapping[str, Tensor], device: Device, num_shards:
         flops = op_flops(op, tensors) / num_shards
     nbytes = (traffic_bytes(op, tensors) if access is None else access.nbytes) / num_shards
     second = KERNEL_LAUNCH_OVERHEAD_S if accumulating_cast(op) else 0.0      # the add's own kernel
+    if split is not None and math.prod(split.values()) != num_shards:
+        raise ValueError(f"op {op.name!r}: split {dict(split)} is not {num_shards} shards")
+    shape = gemm_shape(op, tensors, split) if split is not None or num_shards == 1 else None
     return compute_time_s(flops, nbytes, dtype, device, kind in TENSOR_CORE_KINDS,
-                          launch=access is None or access.launch) + second
+                          launch=access is None or access.launch, shape=shape) + second
 
 
 def check_shards(op: Op, num_shards: int) -> None:

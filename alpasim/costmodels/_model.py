@@ -31,9 +31,10 @@ class CostModel(Protocol):
     def device(self) -> Device: ...
 
     def op_time_s(self, op: Op, tensors: Mapping[str, Tensor], num_shards: int = 1,
-                  access: OpAccess | None = None) -> float:
+                  access: OpAccess | None = None, split: Mapping[str, int] | None = None) -> float:
         """Seconds of one shard of `op` when it is split evenly `num_shards` ways;
-        `access`: its charge inside a fused kernel (`fuse`), None when priced alone."""
+        `access`: its charge inside a fused kernel (`fuse`), None when priced alone;
+        `split`: the shards of each letter of its dimension map (a GEMM's shape)."""
         ...
 
     def collective_time_s(self, kind: str, nbytes: float, axes: Sequence[MeshAxis]) -> float:
@@ -56,8 +57,8 @@ class AnalyticCostModel:
         return self.cluster.device
 
     def op_time_s(self, op: Op, tensors: Mapping[str, Tensor], num_shards: int = 1,
-                  access: OpAccess | None = None) -> float:
-        return op_time_s(op, tensors, self.cluster.device, num_shards, access)
+                  access: OpAccess | None = None, split: Mapping[str, int] | None = None) -> float:
+        return op_time_s(op, tensors, self.cluster.device, num_shards, access, split)
 
     def collective_time_s(self, kind: str, nbytes: float, axes: Sequence[MeshAxis]) -> float:
         return collective_time_s(kind, nbytes, axes)

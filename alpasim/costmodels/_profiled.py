@@ -172,7 +172,8 @@ class ProfiledCostModel:
 
     # ------------------------------------------------------------ costs
     def op_time_s(self, op: Op, tensors: Mapping[str, Tensor], num_shards: int = 1,
-                  access: OpAccess | None = None) -> float:
+                  access: OpAccess | None = None, split: Mapping[str, int] | None = None) -> float:
+        # `split` is not used either: a class's fit prices FLOPs and bytes, not shapes.
         check_shards(op, num_shards)
         if op.prim in VIEW_PRIMS:
             return 0.0

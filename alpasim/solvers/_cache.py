@@ -44,10 +44,11 @@ from typing import Any
 # per-microbatch gradient scatters of sharded-gradient baselines (`LayerOption.grad_scatter_s`);
 # 40: not the tied copies' gradient inputs, and no TE overlap of the weight gradients' scatters;
 # 41: the tied embedding gradient in the parameter's layout; 42: the precision recipe in the
-# key (how it accumulates and reduces gradients: `graphs.PrecisionRecipe`).
+# key (how it accumulates and reduces gradients: `graphs.PrecisionRecipe`); 43: GEMMs priced
+# by their shard's shape where the device has a measured grid (`costmodels._gemm.SHAPE_TABLES`).
 # The restriction
 # tables are code, not part of a key: a change to them bumps this.
-CACHE_VERSION = "stage-costs/42"
+CACHE_VERSION = "stage-costs/43"
 
 
 def cache_dir() -> Path:

@@ -192,7 +192,8 @@ def reprice(plan: IntraOpPlan, graph: OpGraph, cost_model: CostModel, mesh: Logi
     for op in graph.ops:
         s = plan.strategies[op.name]
         shards = mesh.axis_size(tuple(a for _, axes in s.loops for a in axes))
-        t = cost_model.op_time_s(op, graph.tensors, num_shards=shards, access=fusion.of(op.name))
+        t = cost_model.op_time_s(op, graph.tensors, num_shards=shards, access=fusion.of(op.name),
+                                 split={c: mesh.axis_size(axes) for c, axes in s.loops})
         if op.phase == "update":
             update_s += t
         else:

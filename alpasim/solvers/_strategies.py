@@ -142,7 +142,8 @@ def enumerate_strategies(op: Op, tensors: Mapping[str, Tensor], mesh: LogicalMes
         if not all(spec_fits(s, t.shape, mesh) for s, t in zip(in_specs + base_out, ins + outs)):
             continue
         loop_shards = mesh.axis_size(tuple(a for axes in loops.values() for a in axes))
-        compute_s = cost_model.op_time_s(op, tensors, num_shards=loop_shards, access=access)
+        split = {c: mesh.axis_size(axes) for c, axes in loops.items()}
+        compute_s = cost_model.op_time_s(op, tensors, num_shards=loop_shards, access=access, split=split)
         update = op.phase == "update"
         grads = tuple(is_weight_grad(op, k, tensors) for k in range(len(op.outputs)))
         stats = vocab_parallel(op, dm, ins, loops, mesh)

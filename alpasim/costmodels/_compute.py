@@ -54,7 +54,8 @@ def matmul_efficiency(flops: float, peak_flops_per_s: float, curve: GemmCurve = 
     """Fraction of peak a matmul of `flops` attains: MAX * F / (F + F_half), F_half =
     peak * T_half of `curve`. The saturating form (one Michaelis-Menten curve) turns
     into a fixed cost: F / (peak * eff) = (F + F_half) / (peak * MAX). Ignores shape (a
-    skinny GEMM is less efficient than a square one of equal FLOPs)."""
+    skinny GEMM is less efficient than a square one of equal FLOPs): where the shape is
+    known and the device has a measured grid, `compute_time_s` prices from the grid."""
     return curve.efficiency(flops, peak_flops_per_s)
 
 
@@ -75,8 +76,8 @@ def compute_time_s(flops: float, nbytes: float, dtype: str, device: Device, matm
         compute_s = 0.0
     elif matmul:
         table = gemm_table(device.name, dtype) if shape is not None else None
-        if table is not None:
-            compute_s = flops / table.flops_per_s(*shape)
+        if table is not None:    # a measured time holds its launch, which is added below (as `_gemm.fit_curve`)
+            compute_s = max(flops / table.flops_per_s(*shape) - LAUNCH_S, 0.0)
         else:
             peak = device.peak_flops_per_s(dtype)
             compute_s = flops / (peak * matmul_efficiency(flops, peak, gemm_curve(device.name, dtype)))
@@ -145,7 +146,8 @@ def gemm_shape(op: Op, tensors: Mapping[str, Tensor], split: Mapping[str, int] |
     """The (m, n, k) of one shard of a two-operand einsum split `split` (letter of its
     dimension map -> shards): k its contracted letters, m the left operand's kept ones
     with the batch letters both keep (a batched GEMM's batch spreads its tiles like m),
-    n the right operand's; None for any other op."""
+    n the right operand's; None for any other op, and for an einsum that is not one
+    GEMM (a letter summed out of one operand alone: 2 m n k is not its FLOPs)."""
     if op.prim != "einsum" or len(op.inputs) != 2:
         return None
     dm = op_dims(op, tensors)
@@ -155,6 +157,8 @@ def gemm_shape(op: Op, tensors: Mapping[str, Tensor], split: Mapping[str, int] |
     def extent(letters) -> float:
         return float(math.prod(size[c] / split.get(c, 1) for c in letters))
 
+    if any(c not in out and (c in lhs) != (c in rhs) for c in lhs + rhs):
+        return None
     m = extent(c for c in dict.fromkeys(lhs) if c in out)
     n = extent(c for c in dict.fromkeys(rhs) if c in out and c not in lhs)
     k = extent(c for c in dict.fromkeys(lhs) if c in rhs and c not in out)

@@ -22,16 +22,19 @@ curve: MAX 0.7 (the V100 end of "large cuBLAS GEMMs reach 70-80 % of peak") and 
 8 us.
 
 The curve sees only FLOPs: a skinny GEMM of the same FLOPs as a square one runs at its
-rate (the H100 sweep's 4096 x 4096 x 256 is 20 % slower than the curve; 4096 x 256 x
-256 takes 1.5 times the curve's time). Where a device has a measured grid of shapes
-(`SHAPE_TABLES`: H100's half-precision GEMMs over m, n, k of 256-4096 each, XLA's own
-table), a GEMM whose shape is known is priced from it instead, as XLA's GPU cost model
-prices it (`xla/service/gpu/model/matmul_interpolator.cc`): each dimension clamped into
-the grid, whose edges stand for anything beyond them, and the rate interpolated between
-the 8 grid points around the shape (here multilinearly in log2 of each dimension, on
-log FLOP/s; XLA weighs the same corners by their distance). A batched GEMM counts its
-batch into m (the output tiles it spreads over the SMs). The A100 and the other devices
-have no such table, and keep their curve.
+rate (the H100 grid's 4096 x 4096 x 256 reaches 399 TFLOP/s, the curve prices it at
+500 with its launch, as it does 1625^3 of the same FLOPs, which the grid puts at 502). Where a
+device has a measured grid of shapes (`SHAPE_TABLES`: H100's half-precision GEMMs over
+m, n, k of 256-4096 each, XLA's own table), a GEMM whose shape is known is priced from
+it instead, in the manner of XLA's GPU cost model (`xla/service/gpu/model/
+matmul_interpolator.cc`): each dimension clamped into the grid, whose edges stand for
+anything beyond them, and the rate interpolated between the 8 grid points around the
+shape (here multilinearly in log2 of each dimension, on log FLOP/s; XLA weighs the same
+corners by their distance). XLA keeps a batched GEMM's batch as a dimension of its own
+(its grid has b = 1, 2, 4); here it is counted into m (the output tiles it spreads over
+the SMs) and the b = 1 grid serves. A measured time holds the kernel's launch, as the
+curve's fit takes it. The A100 and the other devices have no such table, and keep
+their curve.
 """
 
 from __future__ import annotations

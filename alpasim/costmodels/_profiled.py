@@ -173,13 +173,13 @@ class ProfiledCostModel:
     # ------------------------------------------------------------ costs
     def op_time_s(self, op: Op, tensors: Mapping[str, Tensor], num_shards: int = 1,
                   access: OpAccess | None = None, split: Mapping[str, int] | None = None) -> float:
-        # `split` is not used either: a class's fit prices FLOPs and bytes, not shapes.
         check_shards(op, num_shards)
         if op.prim in VIEW_PRIMS:
             return 0.0
         flops = op_flops(op, tensors) / num_shards
         # `access` (the op's charge in a fused kernel) is not used: the fits come from
-        # ops timed one by one on the backend (module doc).
+        # ops timed one by one on the backend (module doc); nor is `split`: a class's
+        # fit prices FLOPs and bytes, not shapes.
         return self.fit_of(op_class(op)).time_s(flops, traffic_bytes(op, tensors) / num_shards)
 
     def fit_of(self, op_class_name: str) -> OpFit:

@@ -215,7 +215,8 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
         tp=4, pp=12, dp=8, microbatch_size=2, recompute="full", distributed_optimizer=True,
         precision="deepspeed-bf16", measured_s=104.70,
         differs=("ALiBi and the embedding's extra layer norm are priced as GPT's learned positions",
-                 "DeepSpeed's pipeline counts the embedding and head as layers: 72 over 12 stages, 6 each")),
+                 "the tied embedding's gradient is priced as the head's bf16 part sent one way, sliced over dp; "
+                 "DeepSpeed all-reduces both stages' fp32 gradients whole (_exec_reduce_tied_grads)")),
     _megatron_core("1.7b", 16, 2048, 24, 1, 1, 192, 408.8),
     _megatron_core("7.1b", 32, 4096, 30, 2, 1, 192, 465.9),
     _megatron_core("16b", 48, 6144, 32, 4, 1, 192, 489.1),

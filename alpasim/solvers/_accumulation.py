@@ -7,9 +7,12 @@ once the backward is done (`update_hp_grads`). The graph marks each gradient's c
 output's layout. But a weight gradient reduced once an iteration by a reduce-scatter
 (ZeRO-1's slices) has that layout only after the scatter, which runs after the last
 microbatch, and an all-reduced one's cast may be sliced for a sliced step; the pass runs
-every microbatch, before either, on the whole unreduced gradient each device holds (the
-accumulator the memory model counts, `accumulator_factor`). So a layer's price adds the
-difference: the pass at its whole size, less the ILP's price.
+every microbatch, before either, on the whole unreduced gradient each device holds
+(laid out as the cast's input, before any scatter). So a layer's price adds the
+difference: the pass at its whole size, less the ILP's price. The memory model counts
+the accumulator so for a scattered gradient (`accumulator_factor`), but an all-reduced
+one whose cast is sliced for a sliced step (a bias's, a norm's: a few kB a layer) at the
+slice, under every recipe.
 """
 
 from __future__ import annotations

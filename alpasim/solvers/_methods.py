@@ -346,6 +346,12 @@ def system_options(m: Method, system: str | None, overlap: bool | None, distribu
                      param_gather_overlap=gather_given, cross_entropy=options.pop("loss_kernel", None),
                      kernels=options.pop("kernels", None))
     distributed_optimizer = _profile_distributed_optimizer(m, megatron, distributed_optimizer, record.settings)
+    recipe = get_recipe(options.get("precision"))
+    if recipe.reduce_whole and not (megatron is not None and distributed_optimizer):
+        raise OptionConflict("precision", f"{recipe.name} is DeepSpeed's BF16_Optimizer, which shards the optimizer "
+                                          f"states over data parallelism (ZeRO-1) and all-reduces whole gradients: "
+                                          f"it prices an explicit Megatron configuration (--tp, --pp, --dp) with "
+                                          f"--distributed-optimizer")
     blocked = _gather_overlap_blocked(m, record.settings, distributed_optimizer)
     if record.settings["param_gather_overlap"] and blocked:
         if gather_given:

@@ -36,6 +36,7 @@ from alpasim.units import format_bytes
 
 from ._inter_op import PlanInfeasible, default_graph_layers, planning_units
 from ._interleave import interleaved_cannot_exist
+from ._intra_problem import kept_gradient_factor
 from ._submesh import submesh_shapes
 
 
@@ -89,7 +90,7 @@ def model_states(source: ModelSource, precision: str | None = None) -> ModelStat
     train = build_training_graph(source.graph, precision=recipe.name).graph
     read = {t for op in train.ops for t in op.inputs}
     weights = sum(p.nbytes for p in train.params if p.name in read)
-    grads = sum(t.nbytes for t in train.tensors.values() if t.role == "grad")
+    grads = sum(t.nbytes * kept_gradient_factor(train, t.name) for t in train.tensors.values() if t.role == "grad")
     optimizer = sum(t.nbytes for t in train.tensors.values()
                     if t.role == "optimizer_state" and t.name not in train.producer)
     return ModelStates(sum(p.size for p in train.params if p.name in read), float(weights + grads + optimizer),

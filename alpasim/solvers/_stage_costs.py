@@ -478,6 +478,7 @@ def layer_options(layer: OpGraph, mesh: LogicalMesh, cluster: Cluster, microbatc
         sync_s, grad_sync_s, grad_groups, param_gather_s, gather_groups = _sync_terms(restriction, layer, plan)
         kv_forward, kv_backward = kv_exchange_s(layer, plan, mesh, cluster, model)     # context parallelism's
         accumulate = unreduced_accumulation_s(layer, plan, model)      # DeepSpeed's BF16_Optimizer pass
+        weight_s, weight_bytes = weight_pass(layer, plan)
         return LayerOption(plan.time_s + kv_forward + kv_backward + accumulate, sync_s,
                            mem.params_bytes + mem.grads_bytes + opt + t_grad + t_opt,
                            mem.activations_peak_bytes, tuple(str(plan.specs[p]) for p in params),
@@ -488,7 +489,8 @@ def layer_options(layer: OpGraph, mesh: LogicalMesh, cluster: Cluster, microbatc
                            mem.params_bytes, mem.grads_bytes + t_grad, opt + t_opt,
                            (t_param, t_grad, t_opt), gathered_param_bytes(layer, plan), mem.update_bytes,
                            tuple(str(plan.specs[t]) if t in plan.specs else "" for t in canonical_tensors(layer)),
-                           grad_sync_s, grad_groups, hidden_collectives_s(layer, plan), *weight_pass(layer, plan),
+                           grad_sync_s, grad_groups, hidden_collectives_s(layer, plan),
+                           weight_s + accumulate, weight_bytes,       # the pass runs in W (in_weight_pass)
                            *tp_overlap_s(layer, plan), param_gather_s, gather_groups,
                            *grad_scatters(restriction, layer, plan))
 

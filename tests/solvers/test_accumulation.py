@@ -104,3 +104,36 @@ def test_the_whole_accumulator_is_all_reduced_and_the_slices_still_gathered():
     assert ds_grad_s > grad_s
     # The stepped slices come back by the same all-gathers.
     assert ds_gathers == gathers and ds_gather_s == pytest.approx(gather_s)
+
+
+def test_the_recipe_prices_only_a_megatron_configuration_with_sharded_states(cli):
+    """BF16_Optimizer shards the states (ZeRO-1) and all-reduces whole gradients: a plan
+    that keeps the states whole, or a search that prices scatters, is refused in one
+    line naming the recipe, before planning."""
+    model = "gpt3:hidden=256,layers=2,heads=4,seq=256,vocab=512,batch=8,dtype=bfloat16"
+    args = ["plan", "--model", model, "--cluster", "dgx-a100", "--nodes", "1", "--devices-per-node", "4",
+            "--precision", "deepspeed-bf16"]
+    layout = ["--method", "megatron", "--tp", "2", "--pp", "1", "--dp", "2", "--microbatch-size", "1"]
+    for extra in (layout, ["--method", "alpa"]):
+        refused = cli(*args, *extra)
+        assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+        assert "deepspeed-bf16 is DeepSpeed's BF16_Optimizer" in refused.stderr
+    ran = cli(*args, *layout, "--distributed-optimizer", "--json")
+    assert ran.returncode == 0, ran.stderr
+    import json
+
+    plan = json.loads(ran.stdout)
+    assert plan["model"]["precision"] == "deepspeed-bf16" and plan["model"]["bytes_per_param"] == 20
+
+
+def test_an_imported_graph_counts_the_kept_gradient_too():
+    """The preflight's states of a graph (not a zoo spec) come from its training graph:
+    under the recipe, 20 bytes a parameter as for the zoo's count."""
+    from alpasim.graphs import model_source
+    from alpasim.solvers._preflight import model_states
+
+    graph = forward_graph(SPEC)
+    zoo, imported = model_states(model_source(SPEC), "deepspeed-bf16"), model_states(model_source(graph),
+                                                                                     "deepspeed-bf16")
+    assert imported.params == zoo.params
+    assert imported.total_bytes == pytest.approx(zoo.total_bytes) == pytest.approx(20 * zoo.params)

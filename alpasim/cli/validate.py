@@ -29,6 +29,11 @@ def validate(
                                         "settings could have had (microbatch size 1, 2, 4; recompute none, "
                                         "selective, full) and show the span of predictions, and whether the "
                                         "measured time lies in it (never in the MAPE).")] = False,
+    breakdown: Annotated[bool, typer.Option("--breakdown", help="Also show where each predicted iteration goes, "
+                                            "as shares of it averaged over the meshes: the stages' passes (their "
+                                            "exposed collectives in them), waits on the pipeline's transfers, the "
+                                            "sync after the last backward, and idle (the bubble); --json always "
+                                            "has it.")] = False,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Bypass the on-disk stage-cost cache.")] = False,
     as_json: JsonOpt = False,
 ) -> None:
@@ -62,6 +67,9 @@ def validate(
     t.add_column("peak of memory")
     if spans:
         t.add_column("span")               # of the predictions over the unpublished settings
+    if breakdown:
+        for col in ("passes", "pipeline", "sync", "idle"):
+            t.add_column(col, justify="right")
     for r in report["rows"]:
         priced = r["status"] == "priced"
         peak = f"{fmt_bytes(r['predicted_peak_bytes'])} of {fmt_bytes(r['device_memory_bytes'])}" if priced else "-"
@@ -70,6 +78,8 @@ def validate(
                  f"{r['predicted_s']:.2f}" if priced else "-", ex.validation_verdict(r), peak]
         if spans:
             cells.append(ex.validation_span_cell(r))
+        if breakdown:
+            cells += ex.validation_breakdown_cells(r)
         t.add_row(*cells)
     out.print(t)
     for line in ex.validation_summary(report):

@@ -41,7 +41,10 @@ from ._run_report import simulation_report as simulation_report
 from ._run_report import write_outputs as write_outputs
 from ._published_runs import PUBLISHED_RUNS as PUBLISHED_RUNS
 from ._published_runs import PublishedRun as PublishedRun
+from ._breakdown import PARTS as BREAKDOWN_PARTS
+from ._breakdown import iteration_breakdown as iteration_breakdown
 from ._validate import ValidationRow as ValidationRow
+from ._validate import breakdown_cells as validation_breakdown_cells
 from ._validate import span_cell as validation_span_cell
 from ._validate import price_run as price_run
 from ._validate import summary_lines as validation_summary

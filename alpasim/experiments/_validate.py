@@ -31,6 +31,7 @@ from alpasim import simulator as sim
 from alpasim import solvers as sv
 from alpasim.units import format_bytes
 
+from ._breakdown import PARTS, iteration_breakdown
 from ._published_runs import PUBLISHED_RUNS, PublishedRun
 
 STATUSES = ("priced", "out of memory", "not expressible")
@@ -51,6 +52,7 @@ class ValidationRow:
     needed_bytes: float | None = None    # out of memory: the least its layouts need per device, where known
     lifted_s: float | None = None        # out of memory: predicted with the device holding `lifted_bytes`
     lifted_bytes: float | None = None    # the memory it was priced with (whole GiB, at least `needed_bytes`)
+    breakdown: dict[str, float] | None = None    # priced rows: where the iteration goes (`_breakdown`)
 
     @property
     def priced(self) -> bool:
@@ -77,7 +79,7 @@ class ValidationRow:
                 "needed_memory_bytes": self.needed_bytes, "lifted_predicted_s": self.lifted_s,
                 "lifted_memory_bytes": self.lifted_bytes,
                 "lifted_error": None if self.lifted_s is None else self.lifted_s / self.measured_s - 1.0,
-                "device_memory_bytes": r.cluster.device.memory_bytes}
+                "device_memory_bytes": r.cluster.device.memory_bytes, "breakdown": self.breakdown}
 
 
 def price_run(run: PublishedRun, cache: sv.DiskCache | None = None, lift: bool = True) -> ValidationRow:
@@ -96,7 +98,7 @@ def price_run(run: PublishedRun, cache: sv.DiskCache | None = None, lift: bool =
                              plan.system, needed_bytes=needed, lifted_s=lifted_s, lifted_bytes=lifted_bytes)
     timeline = sim.simulate(plan, plan.schedule, chunks=plan.chunks)
     return ValidationRow(run, measured, timeline.iteration_s, time.perf_counter() - t0, system=plan.system,
-                         peak_bytes=plan.predicted.peak_memory_bytes)
+                         peak_bytes=plan.predicted.peak_memory_bytes, breakdown=iteration_breakdown(timeline))
 
 
 def _plan(run: PublishedRun, cluster, cache: sv.DiskCache | None) -> sv.PipelinePlan:
@@ -241,6 +243,15 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         lines.append(f"measured inside the span of its unpublished settings: {report['rows_in_span']} of "
                      f"{report['rows_with_span']} rows with a span")
     return lines
+
+
+def breakdown_cells(row: dict[str, Any]) -> list[str]:
+    """A report row's iteration parts (`_breakdown.PARTS`) as shares of its prediction,
+    or dashes for a row not priced."""
+    parts = row.get("breakdown")
+    if not parts or not row.get("predicted_s"):
+        return ["-"] * len(PARTS)
+    return [f"{100 * parts[p] / row['predicted_s']:.0f} %" for p in PARTS]
 
 
 def span_cell(row: dict[str, Any]) -> str:

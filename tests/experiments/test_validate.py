@@ -101,3 +101,35 @@ def test_cli_validate_prints_the_table_and_refuses_an_unknown_row(cli):
     assert re.fullmatch(r"\d+\.\d\d GiB of 80\.00 GiB", peak), shown.stdout
     bad = cli("validate", "--rows", "gpt5")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "korthikanti-22b-full" in bad.stderr
+
+
+def test_the_breakdown_of_an_iteration_sums_to_it_and_finds_the_bubble(cli):
+    """Averaged over the meshes, the passes, the pipeline's sends, the sync and the idle
+    time are the predicted iteration; one stage never idles, and two stages of 4
+    microbatches idle about the 1F1B bubble, (p - 1) / (m + p - 1) of it."""
+    import dataclasses
+
+    row = next(r for r in ex.PUBLISHED_RUNS if r.id == "korthikanti-22b-full")
+    piped = dataclasses.replace(row, id="piped", pp=2, microbatch_size=1, cluster=row.cluster.with_overrides(nodes=2))
+    one, two = ex.validate([row, piped], sv.DiskCache(enabled=False))["rows"]
+    for r in (one, two):
+        parts = r["breakdown"]
+        assert list(parts) == list(ex.BREAKDOWN_PARTS)
+        assert sum(parts.values()) == pytest.approx(r["predicted_s"], rel=1e-9)
+        assert all(v >= 0 for v in parts.values())
+    assert one["breakdown"]["idle_s"] == pytest.approx(0, abs=1e-9) and one["breakdown"]["pipeline_s"] == 0
+    assert 0 < one["breakdown"]["sync_s"] < one["breakdown"]["passes_s"]   # the optimizer step, after the passes
+    bubble = two["breakdown"]["idle_s"] / two["predicted_s"]
+    assert 0.5 * (1 / 5) < bubble < 1.5 * (1 / 5)
+    # The table gets the four parts as shares of the iteration, however it folds.
+    plain, shown = (cli("validate", "--rows", "korthikanti-22b-full", *flag) for flag in ((), ("--breakdown",)))
+    assert shown.returncode == 0, shown.stderr
+
+    def cells(out: str) -> list[str]:
+        return next(line for line in out.splitlines() if "korthikanti-22b-full" in line).split("│")[1:-1]
+
+    extra = [c.strip() for c in cells(shown.stdout)[len(cells(plain.stdout)):]]
+    assert len(extra) == 4 and all(re.fullmatch(r"\d+ %", c) for c in extra), shown.stdout
+    shares = [int(c.split()[0]) for c in extra]
+    assert abs(sum(shares) - 100) <= 2
+    assert shares[0] == round(100 * one["breakdown"]["passes_s"] / one["predicted_s"])

@@ -121,14 +121,16 @@ def test_the_breakdown_of_an_iteration_sums_to_it_and_finds_the_bubble(cli):
     assert 0 < one["breakdown"]["sync_s"] < one["breakdown"]["passes_s"]   # the optimizer step, after the passes
     bubble = two["breakdown"]["idle_s"] / two["predicted_s"]
     assert 0.5 * (1 / 5) < bubble < 1.5 * (1 / 5)
-    # The table gets the four parts as shares of the iteration, however it folds.
+    # The table gets the four parts as shares of the iteration, however narrow a
+    # terminal folds it (each column's pieces joined over the row's lines).
     plain, shown = (cli("validate", "--rows", "korthikanti-22b-full", *flag) for flag in ((), ("--breakdown",)))
     assert shown.returncode == 0, shown.stderr
 
-    def cells(out: str) -> list[str]:
-        return next(line for line in out.splitlines() if "korthikanti-22b-full" in line).split("│")[1:-1]
+    def columns(out: str) -> list[str]:
+        rows = [line.split("│")[1:-1] for line in out.splitlines() if line.startswith("│")]
+        return [" ".join(r[k].strip() for r in rows if r[k].strip()) for k in range(len(rows[0]))]
 
-    extra = [c.strip() for c in cells(shown.stdout)[len(cells(plain.stdout)):]]
+    extra = columns(shown.stdout)[len(columns(plain.stdout)):]
     assert len(extra) == 4 and all(re.fullmatch(r"\d+ %", c) for c in extra), shown.stdout
     shares = [int(c.split()[0]) for c in extra]
     assert abs(sum(shares) - 100) <= 2

@@ -189,7 +189,11 @@ def op_time_s(op: Op, tensors: Mapping[str, Tensor], device: Device, num_shards:
     second = KERNEL_LAUNCH_OVERHEAD_S if accumulating_cast(op) else 0.0      # the add's own kernel
     if split is not None and math.prod(split.values()) != num_shards:
         raise ValueError(f"op {op.name!r}: split {dict(split)} is not {num_shards} shards")
-    shape = gemm_shape(op, tensors, split) if split is not None or num_shards == 1 else None
+    # A shape only where a grid prices it (`_gemm.SHAPE_TABLES`): the planner asks this of
+    # every strategy of every op.
+    gridded = kind in TENSOR_CORE_KINDS and (split is not None or num_shards == 1) \
+        and gemm_table(device.name, dtype) is not None
+    shape = gemm_shape(op, tensors, split) if gridded else None
     return compute_time_s(flops, nbytes, dtype, device, kind in TENSOR_CORE_KINDS,
                           launch=access is None or access.launch, shape=shape) + second
 

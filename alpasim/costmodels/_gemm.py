@@ -67,33 +67,6 @@ class GemmCurve:
 
 DEFAULT_CURVE = GemmCurve(0.7, 8e-6, "no sweep: the V100 end of large cuBLAS GEMMs' 70-80 % of peak")
 
-# (m, n, k) -> measured TFLOP/s, with the device's dense half-precision peak.
-SWEEPS: dict[str, tuple[float, str, tuple[tuple[tuple[int, int, int], float], ...]]] = {
-    "A100-SXM-80GB": (312e12, "Azure AI-benchmarking-guide ND_A100_v4, cuBLASLt FP16", (
-        ((1024, 1024, 1024), 119.4), ((2048, 2048, 2048), 221.8), ((4096, 4096, 4096), 228.0),
-        ((8192, 8192, 8192), 253.7), ((16384, 16384, 16384), 256.5), ((1024, 2145, 1024), 132.8),
-        ((6144, 12288, 12288), 250.8))),
-    "H100-SXM-80GB": (989e12, "XLA matmul_interpolator_data.h sm_90, BF16", (
-        ((512, 512, 512), 43.6), ((1024, 1024, 1024), 252.8), ((2048, 2048, 2048), 641.0),
-        ((4096, 4096, 4096), 780.2), ((4096, 4096, 256), 398.6), ((4096, 4096, 512), 551.8),
-        ((4096, 4096, 1024), 685.2), ((4096, 4096, 2048), 735.6))),     # points of `H100_BF16_GRID`
-}
-
-
-def fit_curve(peak_flops_per_s: float, sweep, source: str) -> GemmCurve:
-    """The curve whose times (plus `LAUNCH_S`) best match `sweep` in relative error."""
-    flops = np.array([2.0 * m * n * k for (m, n, k), _ in sweep])
-    seconds = flops / np.array([tflops * 1e12 for _, tflops in sweep])
-    # time = a F + b; minimise sum((a F + b) / t - 1)^2
-    (a, b), *_ = np.linalg.lstsq(np.stack([flops / seconds, 1.0 / seconds], axis=1), np.ones_like(seconds),
-                                 rcond=None)
-    max_efficiency = 1.0 / (a * peak_flops_per_s)
-    return GemmCurve(float(max_efficiency), float((b - LAUNCH_S) * max_efficiency), f"fit to {source}")
-
-
-CURVES: dict[str, GemmCurve] = {name: fit_curve(peak, sweep, source) for name, (peak, source, sweep) in SWEEPS.items()}
-
-
 # XLA's default GEMM table for sm_90 (H100 SXM), "bf16xbf16->bf16", b = 1
 # (xla/service/gpu/model/matmul_interpolator_data.h, `kDefaultMatmulPTable`, as of
 # ROCm/xla ea2c45f2ca, 2026-07-31), in TFLOP/s: measured cuBLAS GEMMs on the grid below.
@@ -151,6 +124,10 @@ class GemmTable:
             raise ValueError(f"a GEMM table holds a positive rate for every (m, n, k) of its grid, got {rates.shape}")
         object.__setattr__(self, "_log_rates", np.log(rates * 1e12))
 
+    def measured(self, m: int, n: int, k: int) -> float:
+        """The TFLOP/s measured at grid point (m, n, k)."""
+        return self.tflops[self.grid.index(m)][self.grid.index(n)][self.grid.index(k)]
+
     def flops_per_s(self, m: float, n: float, k: float) -> float:
         """FLOP/s of an m x n x k GEMM: clamped into the grid, multilinear in log2 of
         each dimension on log FLOP/s (module doc)."""
@@ -168,9 +145,38 @@ class GemmTable:
 
 
 SHAPE_TABLES: dict[str, GemmTable] = {
-    "H100-SXM-80GB": GemmTable(GRID, tuple(H100_BF16_GRID[i:i + 5] for i in range(0, 25, 5)),
+    "H100-SXM-80GB": GemmTable(GRID, tuple(H100_BF16_GRID[i:i + len(GRID)] for i in range(0, len(H100_BF16_GRID),
+                                                                                      len(GRID))),
                                "XLA matmul_interpolator_data.h sm_90, BF16 (ROCm/xla ea2c45f2ca)"),
 }
+
+
+# (m, n, k) -> measured TFLOP/s, with the device's dense half-precision peak.
+SWEEPS: dict[str, tuple[float, str, tuple[tuple[tuple[int, int, int], float], ...]]] = {
+    "A100-SXM-80GB": (312e12, "Azure AI-benchmarking-guide ND_A100_v4, cuBLASLt FP16", (
+        ((1024, 1024, 1024), 119.4), ((2048, 2048, 2048), 221.8), ((4096, 4096, 4096), 228.0),
+        ((8192, 8192, 8192), 253.7), ((16384, 16384, 16384), 256.5), ((1024, 2145, 1024), 132.8),
+        ((6144, 12288, 12288), 250.8))),
+    # Points of the grid below (`H100_BF16_GRID`): its squares and a K sweep at 4096 x 4096.
+    "H100-SXM-80GB": (989e12, "XLA matmul_interpolator_data.h sm_90, BF16", tuple(
+        ((m, n, k), SHAPE_TABLES["H100-SXM-80GB"].measured(m, n, k))
+        for m, n, k in ((512,) * 3, (1024,) * 3, (2048,) * 3, (4096,) * 3, (4096, 4096, 256), (4096, 4096, 512),
+                        (4096, 4096, 1024), (4096, 4096, 2048)))),
+}
+
+
+def fit_curve(peak_flops_per_s: float, sweep, source: str) -> GemmCurve:
+    """The curve whose times (plus `LAUNCH_S`) best match `sweep` in relative error."""
+    flops = np.array([2.0 * m * n * k for (m, n, k), _ in sweep])
+    seconds = flops / np.array([tflops * 1e12 for _, tflops in sweep])
+    # time = a F + b; minimise sum((a F + b) / t - 1)^2
+    (a, b), *_ = np.linalg.lstsq(np.stack([flops / seconds, 1.0 / seconds], axis=1), np.ones_like(seconds),
+                                 rcond=None)
+    max_efficiency = 1.0 / (a * peak_flops_per_s)
+    return GemmCurve(float(max_efficiency), float((b - LAUNCH_S) * max_efficiency), f"fit to {source}")
+
+
+CURVES: dict[str, GemmCurve] = {name: fit_curve(peak, sweep, source) for name, (peak, source, sweep) in SWEEPS.items()}
 
 
 def gemm_table(device_name: str, dtype: str) -> GemmTable | None:

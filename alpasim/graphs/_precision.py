@@ -71,13 +71,20 @@ class PrecisionRecipe:
         return weight_dtype if self.grad_accum == "weights" else self.grad_accum
 
     def bytes_per_param(self, model_dtype: str = "float16") -> int:
-        """Weights + gradient accumulator + (master) + Adam m and v, per element."""
+        """Weights + gradient (`grad_bytes`) + (master) + Adam m and v, per element."""
         from ._types import DTYPE_BYTES
 
         w = self.weight_dtype(model_dtype)
         master = 4 if w in HALF else 0
-        kept = DTYPE_BYTES[w] if self.keeps_low_precision_grads else 0
-        return DTYPE_BYTES[w] + DTYPE_BYTES[self.grad_dtype(w)] + kept + master + 8
+        return DTYPE_BYTES[w] + self.grad_bytes(w) + master + 8
+
+    def grad_bytes(self, weight_dtype: str) -> int:
+        """A parameter's gradient bytes: the accumulator, and the 16-bit gradient kept
+        beside it where the recipe keeps one."""
+        from ._types import DTYPE_BYTES
+
+        kept = DTYPE_BYTES[weight_dtype] if self.keeps_low_precision_grads else 0
+        return DTYPE_BYTES[self.grad_dtype(weight_dtype)] + kept
 
     def to_json(self) -> dict:
         return {"recipe": self.name, "weights": self.weights, "grad_accum": self.grad_accum,

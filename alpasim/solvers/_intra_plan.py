@@ -12,6 +12,7 @@ independent sum.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -191,9 +192,9 @@ def reprice(plan: IntraOpPlan, graph: OpGraph, cost_model: CostModel, mesh: Logi
     fusion = fuse(graph)
     for op in graph.ops:
         s = plan.strategies[op.name]
-        shards = mesh.axis_size(tuple(a for _, axes in s.loops for a in axes))
-        t = cost_model.op_time_s(op, graph.tensors, num_shards=shards, access=fusion.of(op.name),
-                                 split={c: mesh.axis_size(axes) for c, axes in s.loops})
+        split = {c: mesh.axis_size(axes) for c, axes in s.loops}
+        t = cost_model.op_time_s(op, graph.tensors, num_shards=math.prod(split.values()), access=fusion.of(op.name),
+                                 split=split)
         if op.phase == "update":
             update_s += t
         else:

@@ -544,8 +544,7 @@ def tied_copy_bytes(layer: OpGraph, specs, mesh: LogicalMesh, state_shards: int 
         if p.name in updated or p.name not in specs:
             continue
         per_device = p.nbytes / specs[p.name].num_shards(mesh)
-        # The accumulator, and the 16-bit gradient kept beside it where the recipe keeps one.
-        grad_item = DTYPE_BYTES[recipe.grad_dtype(p.dtype)] + (p.itemsize if recipe.keeps_low_precision_grads else 0)
+        grad_item = recipe.grad_bytes(p.dtype)
         # Beyond the weight and its gradient: Adam's fp32 m and v, and an fp32 master for 16-bit weights.
         state_bytes = recipe.bytes_per_param(p.dtype) - p.itemsize - grad_item
         param += per_device

@@ -21,6 +21,7 @@ reduced-within are never split, and no operand may be split unevenly.
 from __future__ import annotations
 
 import itertools
+import math
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -141,9 +142,8 @@ def enumerate_strategies(op: Op, tensors: Mapping[str, Tensor], mesh: LogicalMes
         base_out = tuple(_spec_of(term, loops) for term in dm.outputs)
         if not all(spec_fits(s, t.shape, mesh) for s, t in zip(in_specs + base_out, ins + outs)):
             continue
-        loop_shards = mesh.axis_size(tuple(a for axes in loops.values() for a in axes))
         split = {c: mesh.axis_size(axes) for c, axes in loops.items()}
-        compute_s = cost_model.op_time_s(op, tensors, num_shards=loop_shards, access=access, split=split)
+        compute_s = cost_model.op_time_s(op, tensors, num_shards=math.prod(split.values()), access=access, split=split)
         update = op.phase == "update"
         grads = tuple(is_weight_grad(op, k, tensors) for k in range(len(op.outputs)))
         stats = vocab_parallel(op, dm, ins, loops, mesh)

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "graphs")
 from alpasim import costmodels as cm  # noqa: E402
 from alpasim import graphs as gr  # noqa: E402
 from alpasim import solvers as sv  # noqa: E402
+from alpasim.solvers import RunOptions  # noqa: E402
 
 try:
     from _reference import in_ref, print_reference  # noqa: E402
@@ -79,7 +80,7 @@ def main() -> None:
         for label, source in (("imported", imported), ("built-in", spec)):
             t0 = time.perf_counter()
             p = sv.plan_pipeline(source if isinstance(source, str) else gr.model_source(source), node,
-                                 cache=sv.DiskCache(enabled=False))
+                                 run=RunOptions(cache=sv.DiskCache(enabled=False)))
             walls[label] = time.perf_counter() - t0
             print(f"plan {label:9s} {walls[label]:6.1f} s, {p.model.layers} layers, "
                   f"{p.search.ilp_solves} ILP jobs, predicted {p.predicted.iteration_s * 1e3:.2f} ms; "

@@ -30,6 +30,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 from alpasim.backends import _executable, check_numerics, reference_step, run_local, stage_memory  # noqa: E402
 from alpasim.costmodels import get_cluster  # noqa: E402
 from alpasim.solvers import plan_pipeline  # noqa: E402
+from alpasim.solvers import PlanOptions, SearchSpace  # noqa: E402
 
 try:
     from _reference import in_ref, print_reference  # noqa: E402
@@ -84,9 +85,10 @@ def main() -> None:
     for family in args.models.split(","):
         for remat in (True, False):
             t0 = time.perf_counter()
-            plan = plan_pipeline(MODELS[family], cluster, microbatches=args.microbatches, remat=remat, pareto=False,
-                                 shape_ok=lambda sh: sh.size in VIEWS, views_of=lambda sh: VIEWS[sh.size],
-                                 max_stages=3)
+            plan = plan_pipeline(MODELS[family], cluster,
+                                 SearchSpace(microbatches=args.microbatches, pareto=False,
+                                             shape_ok=lambda sh: sh.size in VIEWS, views_of=lambda sh: VIEWS[sh.size],
+                                             max_stages=3), PlanOptions(remat=remat))
             result = run_local(plan, steps=1)
             ok = check_numerics(result.losses[0], result.grads, reference_step(plan))["numerics_ok"]
             for k, (st, stage) in enumerate(zip(plan.stages, result.stages, strict=True)):

@@ -39,6 +39,7 @@ from alpasim.backends import (  # noqa: E402
 )
 from alpasim.costmodels import Cluster, Device, Link, ProfiledCostModel  # noqa: E402
 from alpasim.solvers import plan_pipeline  # noqa: E402
+from alpasim.solvers import PlanOptions, SearchSpace  # noqa: E402
 
 try:
     from _reference import in_ref, print_reference  # noqa: E402
@@ -88,9 +89,10 @@ def main() -> None:
           f"{'stage-prof':>10} {'ratio':>6}  numerics  steps (ms)")
     measured_steps = {}
     for family in families:
-        plan = plan_pipeline(configs[family], model.cluster, microbatches=2, pareto=False, cost_model=model,
-                             shape_ok=lambda sh: sh.size in VIEWS, views_of=lambda sh: VIEWS[sh.size],
-                             max_stages=3)
+        plan = plan_pipeline(configs[family], model.cluster,
+                             SearchSpace(microbatches=2, pareto=False, shape_ok=lambda sh: sh.size in VIEWS,
+                                         views_of=lambda sh: VIEWS[sh.size], max_stages=3),
+                             PlanOptions(cost_model=model))
         if args.runtime == "ray":
             result = run_ray(plan, steps=args.steps, profile_iters=5)
         else:

@@ -42,6 +42,7 @@ sys.path.insert(0, str(HERE.parent / "tests" / "graphs"))
 
 from alpasim.costmodels import get_cluster  # noqa: E402
 from alpasim.solvers import DiskCache, PlanInfeasible, plan_pipeline  # noqa: E402
+from alpasim.solvers import RunOptions  # noqa: E402
 
 try:
     from _reference import in_ref, print_reference  # noqa: E402
@@ -94,7 +95,7 @@ def profile_case(case: str, ref_s: float) -> None:
     profiler = cProfile.Profile()
     t0 = time.perf_counter()
     profiler.enable()
-    plan_pipeline(source, cluster, cache=DiskCache(enabled=False))
+    plan_pipeline(source, cluster, run=RunOptions(cache=DiskCache(enabled=False)))
     profiler.disable()
     total = time.perf_counter() - t0
     stats = pstats.Stats(profiler).stats
@@ -135,8 +136,9 @@ def main() -> None:
         c0, t0 = cpu_s(), time.perf_counter()
         try:
             with ProcessPoolExecutor(args.workers) as pool:
-                plan = plan_pipeline(source, cluster, cache=DiskCache(enabled=args.cache),
-                                     map_fn=lambda f, items: pool.map(f, items))
+                plan = plan_pipeline(source, cluster,
+                                     run=RunOptions(cache=DiskCache(enabled=args.cache),
+                                                    map_fn=lambda f, items: pool.map(f, items)))
         except PlanInfeasible as e:
             print(f"{case:<20}{time.perf_counter() - t0:>8.1f}  infeasible: {e}", flush=True)
             continue

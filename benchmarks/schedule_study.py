@@ -30,6 +30,7 @@ import os
 from alpasim.costmodels import get_cluster
 from alpasim.simulator import simulate, synthetic_plan
 from alpasim.solvers import DiskCache, plan_pipeline
+from alpasim.solvers import PlanOptions, RunOptions, SearchSpace
 
 try:
     from _reference import print_reference
@@ -82,9 +83,10 @@ def main() -> None:
           "Cells: bubble / peak activations of the first, last stage (in units of one microbatch's peak)\n")
     print(head)
     for b in bs:
-        plan = plan_pipeline(f"{args.model},batch={8 * max(bs)}", cluster, microbatches=b, remat=False,
-                             cache=DiskCache(enabled=False), shape_ok=lambda sh: sh.size == 1,
-                             views_of=lambda sh: [(1, 1)])
+        plan = plan_pipeline(f"{args.model},batch={8 * max(bs)}", cluster,
+                             SearchSpace(microbatches=b, shape_ok=lambda sh: sh.size == 1,
+                                         views_of=lambda sh: [(1, 1)]),
+                             PlanOptions(remat=False), RunOptions(cache=DiskCache(enabled=False)))
         print(f"| {len(plan.stages)} | {b} | " + " | ".join(row(plan, False)) + " |")
     print(f"\nPart 3: {args.model} on {args.gpus} devices, the planner's 1F1B plan against its interleaved plan "
           "(simulated iteration, peak memory per device)\n")
@@ -92,8 +94,8 @@ def main() -> None:
     for b in bs:
         cells, times = [], []
         for schedule in ("1f1b", "interleaved"):
-            plan = plan_pipeline(f"{args.model},batch={8 * max(bs)}", cluster, microbatches=b, remat=False,
-                                 schedule=schedule)
+            plan = plan_pipeline(f"{args.model},batch={8 * max(bs)}", cluster, SearchSpace(microbatches=b),
+                                 PlanOptions(remat=False, schedule=schedule))
             tl = simulate(plan)
             times.append(tl.iteration_s)
             cells.append(f"{plan.num_meshes} meshes x {plan.chunks}: {tl.iteration_s * 1e3:.2f} ms, "

@@ -13,6 +13,11 @@ from ._intra_baselines import megatron_restriction as megatron_restriction
 from ._intra_baselines import zero2_restriction as zero2_restriction
 from ._intra_baselines import zero3_restriction as zero3_restriction
 from ._intra_ilp import SOLVERS as SOLVERS
+from ._plan_inputs import DEFAULT_MAX_STAGES as DEFAULT_MAX_STAGES
+from ._plan_inputs import PLANNER_SCHEDULES as PLANNER_SCHEDULES
+from ._plan_inputs import PlanOptions as PlanOptions
+from ._plan_inputs import RunOptions as RunOptions
+from ._plan_inputs import SearchSpace as SearchSpace
 from ._intra_ilp import Formulation as Formulation
 from ._intra_ilp import SolveResult as SolveResult
 from ._intra_ilp import decode as decode
@@ -52,8 +57,6 @@ from ._cache import DiskCache as DiskCache
 from ._cache import cache_dir as cache_dir
 from ._workers import WorkerPool as WorkerPool
 from ._workers import worker_pool as worker_pool
-from ._inter_op import DEFAULT_MAX_STAGES as DEFAULT_MAX_STAGES
-from ._inter_op import PLANNER_SCHEDULES as PLANNER_SCHEDULES
 from ._inter_op import PlanInfeasible as PlanInfeasible
 from ._inter_op import microbatch_candidates as microbatch_candidates
 from ._inter_op import plan_pipeline as plan_pipeline

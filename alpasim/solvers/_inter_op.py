@@ -15,12 +15,12 @@ import dataclasses
 import functools
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from alpasim.costmodels import DEFAULT_BUCKET_BYTES, Cluster, CostModel
+from alpasim.costmodels import Cluster, CostModel
 from alpasim.graphs import (
     ModelSource,
     OpGraph,
@@ -51,20 +51,16 @@ from ._stage_costs import (
     stage_sync,
 )
 from ._boundary import stage_boundary_s, whole_nodes
-from ._interleave import (DEFAULT_CHUNK_OPTIONS, InterleavedChoice, interleaved_cannot_exist, interleaved_dp,
+from ._interleave import (InterleavedChoice, interleaved_cannot_exist, interleaved_dp,
                           mesh_memory_terms, mesh_shapes)
 from ._pipeline_orders import interleaved_order
+from ._plan_inputs import PlanOptions, RunOptions, SearchSpace
+from ._systems import GradBuckets
 from ._stage_dp import DPResult, StageBoundary, StageChoice, bubble_fraction, equal_layer_dp, stage_dp
 from ._submesh import place_submeshes
 
 GIB = 2 ** 30
 INF = math.inf
-# Relative width of the stage DP's bottleneck windows (the paper's epsilon, unit-free):
-# the DP's answer is at most (1 + epsilon) times the optimum (`_stage_dp`).
-DEFAULT_EPSILON = 1e-3
-# Deeper pipelines than this are never worth it on the paper's clusters (each stage would
-# hold a handful of layers on a few devices), and the DP's cost grows with the depth.
-DEFAULT_MAX_STAGES = 16
 # The B search starts at this microbatch size (a GPU-efficient size for the paper's
 # models) and climbs towards better predicted iteration times.
 START_MICROBATCH_SIZE = 4
@@ -73,8 +69,6 @@ AUTO_MICROBATCH_SIZES = (32, 16, 8, 4, 2, 1)
 # An imported graph (one layer) is clustered into this many layers at most when no
 # `layers` is given (`default_graph_layers`).
 DEFAULT_GRAPH_LAYERS = 8
-# What `plan_pipeline(schedule=...)` searches: the paper's 1F1B DP, interleaved chunks, or both.
-PLANNER_SCHEDULES = ("1f1b", "interleaved", "auto")
 UNIT_TAGS_FIRST = frozenset({"embedding", "stem"})
 UNIT_TAGS_LAST = frozenset({"head"})
 
@@ -192,103 +186,60 @@ def microbatch_candidates(global_batch: int, requested: int | str, multiple: int
     return list(dict.fromkeys(out)) or ([1] if multiple == 1 else [])
 
 
-def plan_pipeline(model: str | ModelSource, cluster: Cluster, *, microbatches: int | str = "auto", remat: bool = True,
-                  map_fn: Callable[[Callable, Iterable], Iterable] = map, cache: DiskCache | None = None,
-                  progress: Callable[[str, int, int], None] | None = None, epsilon: float = DEFAULT_EPSILON,
-                  method: str = "alpa", layers: int | None = None,
-                  max_stages: int = DEFAULT_MAX_STAGES, restriction: str | None = None,
-                  shape_ok: Callable | None = None, views_of: Callable | None = None, equal_layers: bool = False,
-                  num_stages: int | None = None, relabel: Callable[[OpGraph], OpGraph] | None = None,
-                  pareto: bool = True, price_boundaries: bool = True,
-                  cost_model: CostModel | None = None, precision: str | None = None,
-                  microbatch_multiple: int = 1, recompute: str = "none",
-                  bucket_bytes: float | None = DEFAULT_BUCKET_BYTES, schedule: str = "1f1b",
-                  chunk_options: Sequence[int] = DEFAULT_CHUNK_OPTIONS, tp_overlap: bool = False,
-                  gather_overlap: bool = False, loss_kernel: str = "fused", kernels: str = "per-op") -> PipelinePlan:
-    """Plan `model` on `cluster`; `recompute` is the training graph's policy for what
-    the backward recomputes (`graphs.training_graph`); `layers` re-clusters the forward ops into that many
-    layers with the eq. 6 DP instead of the zoo's blocks (planning units).
+def plan_pipeline(model: str | ModelSource, cluster: Cluster, space: SearchSpace = SearchSpace(),
+                  options: PlanOptions = PlanOptions(), run: RunOptions = RunOptions()) -> PipelinePlan:
+    """Plan `model` on `cluster` over the method's search `space`, priced with the
+    user's `options`, the work run as `run` says (`_plan_inputs`).
 
-    The other keywords make the baselines of `_methods` out of the same search:
-    `restriction` solves every layer under an intra-op baseline, `shape_ok`/`views_of`
-    narrow submeshes and logical views, `equal_layers` forces equal stage lengths
-    (`num_stages` of them, if given) and `relabel` replaces the layer assignment of the
-    forward graph; `pareto=False` solves each layer for its fastest plan only.
-    `price_boundaries=False` drops the stage-boundary transfer term from the DP's
-    objective (`_boundary`), leaving the paper's eq. 2 as written.
-
-    `cost_model` (None: analytic) prices every stage; its cluster replaces `cluster`
-    (`build_stage_costs`), and `search.cost_model` records its name and digest.
-    `precision` names the mixed-precision recipe (`graphs.RECIPES`, default
-    mixed-fp32grad; `fp32` builds the model in float32). `microbatch_multiple` keeps only
-    microbatches whose size it divides (each data-parallel device gets whole samples).
-
-    `bucket_bytes`: gradients reduced in buckets of this size during the last backward
-    (`costmodels._overlap`; None: after it, the paper's accounting). `tp_overlap`: GEMMs'
-    collectives beside them (`_tp_overlap`). `gather_overlap`: the distributed
-    optimizer's all-gathers in the next forward (`costmodels._overlap`). `loss_kernel`:
-    the cross-entropy's kernel (`graphs.with_loss_kernel`). `kernels`: elementwise and
-    normalisation chains op by op or as hand-fused kernels (`graphs.training_graph`).
-
-    `schedule`: "1f1b" (the paper's DP), "interleaved" (the fastest interleaved plan,
-    `_interleave`, with a chunk count from `chunk_options`, at any microbatch count
-    the 1F1B search evaluated) or "auto" (whichever of the two predicts less)."""
-    _check_options(schedule, chunk_options, bucket_bytes)
+    Alpa's search is the default space; the baselines of `_methods` are the same search
+    with part of the space taken away. `options.cost_model` (None: analytic) prices
+    every stage; its cluster replaces `cluster` (`build_stage_costs`), and
+    `search.cost_model` records its name and digest. `options.schedule` "interleaved"
+    searches the fastest interleaved plan (`_interleave`, a chunk count from
+    `options.chunk_options`) at any microbatch count the 1F1B search evaluated, and
+    "auto" whichever of the two predicts less."""
+    if isinstance(options.bucket_bytes, GradBuckets):
+        raise ValueError("a system's gradient buckets are sized for a data-parallel degree first "
+                         "(PlanOptions.at_data_parallel)")
     t0 = time.perf_counter()
-    if cost_model is not None:
-        cluster = cost_model.cluster
-    recipe = get_recipe(precision)
+    if options.cost_model is not None:
+        cluster = options.cost_model.cluster
+    recipe = get_recipe(options.precision)
     source = model_source(model)
     name, dtype = source.name, recipe.weight_dtype(source.dtype)
     global_batch = source.global_batch
-    if layers is None and relabel is None and source.graph is not None and source.graph.num_layers <= 1:
-        layers = default_graph_layers(source.graph)   # an imported graph is one layer until clustered
-    options = _microbatch_options(source, microbatches, microbatch_multiple)
-    evaluate = _Evaluator(source, cluster, dtype, recipe.name, dict(
-        relabel=relabel, layers=layers, remat=remat, recompute=recompute, loss_kernel=loss_kernel, kernels=kernels,
-        max_stages=max_stages, map_fn=map_fn, cache=cache or DiskCache(enabled=False), progress=progress,
-        restriction=restriction, shape_ok=shape_ok, views_of=views_of, pareto=pareto, cost_model=cost_model,
-        bucket_bytes=bucket_bytes, tp_overlap=tp_overlap, gather_overlap=gather_overlap,
-        price_boundaries=price_boundaries, equal_layers=equal_layers, num_stages=num_stages, epsilon=epsilon))
-    best = _hill_climb(options, evaluate, global_batch)
+    if space.layers is None and space.relabel is None and source.graph is not None \
+            and source.graph.num_layers <= 1:   # an imported graph is one layer until clustered
+        space = dataclasses.replace(space, layers=default_graph_layers(source.graph))
+    counts = _microbatch_options(source, space.microbatches, space.microbatch_multiple)
+    evaluate = _Evaluator(source, cluster, dtype, recipe.name, space, options, run)
+    best = _hill_climb(counts, evaluate, global_batch)
     candidates = evaluate.candidates
     search = SearchStats(time.perf_counter() - t0, evaluate.jobs, evaluate.hits,
                          tuple(sorted(c.microbatches for c in candidates)), int(best.dp.candidates_evaluated),
-                         _priced_by(cost_model))
+                         _priced_by(options.cost_model))
     auto_note = None
-    if schedule != "1f1b":
-        interleaved = _best_interleaved(candidates, cluster, name, chunk_options, schedule, max_stages=max_stages,
-                                        epsilon=epsilon, price_boundaries=price_boundaries)
+    if options.schedule != "1f1b":
+        interleaved = _best_interleaved(candidates, cluster, name, space, options)
         said = _schedule_said(interleaved, best)
-        if interleaved is not None and (schedule == "interleaved" or not best.dp.stages
+        if interleaved is not None and (options.schedule == "interleaved" or not best.dp.stages
                                         or interleaved[1].latency_s < best.dp.latency_s):
             plan = _assemble_plan(source, dtype, cluster, interleaved[0], candidates,
-                                  dataclasses.replace(search, seconds=time.perf_counter() - t0), remat, method,
-                                  recipe, loss_kernel, interleaved[1])
+                                  dataclasses.replace(search, seconds=time.perf_counter() - t0), space.method,
+                                  options, interleaved[1])
             return dataclasses.replace(plan, notes=(*plan.notes, f"schedule interleaved: {said}"))
         auto_note = f"schedule 1f1b: {said}"
     if not best.dp.stages:
-        raise _nothing_fits(name, cluster, candidates, best.graph.num_layers, max_stages,
-                            capped=num_stages is None)
-    plan = _assemble_plan(source, dtype, cluster, best, candidates, search, remat, method, recipe, loss_kernel)
-    return dataclasses.replace(plan, notes=(*plan.notes, auto_note)) if schedule != "1f1b" else plan
+        raise _nothing_fits(name, cluster, candidates, best.graph.num_layers, space.max_stages,
+                            capped=space.num_stages is None)
+    plan = _assemble_plan(source, dtype, cluster, best, candidates, search, space.method, options)
+    return dataclasses.replace(plan, notes=(*plan.notes, auto_note)) if options.schedule != "1f1b" else plan
 
 
 def _priced_by(cost_model: CostModel | None) -> CostModelRef | None:
     """The search's record of a cost model other than the analytic one: name and digest."""
     return None if cost_model is None else CostModelRef(getattr(cost_model, "name", type(cost_model).__name__),
                                                          cost_model_key(cost_model))
-
-
-def _check_options(schedule: str, chunk_options: Sequence[int], bucket_bytes: float | None) -> None:
-    """`plan_pipeline`'s refusals of a schedule, chunk counts or bucket it cannot take."""
-    if schedule not in PLANNER_SCHEDULES:
-        raise ValueError(f"unknown planner schedule {schedule!r}; choose one of {', '.join(PLANNER_SCHEDULES)}")
-    if any(isinstance(v, bool) or not isinstance(v, int) or v < 2 for v in chunk_options) or not chunk_options:
-        raise ValueError(f"chunks per mesh must be integers >= 2, got {list(chunk_options)}")
-    if bucket_bytes is not None and (isinstance(bucket_bytes, (str, bool)) or not isinstance(bucket_bytes, (int, float))
-                                     or not (math.isfinite(bucket_bytes) and bucket_bytes > 0)):
-        raise ValueError(f"the gradient bucket must be a finite number of bytes > 0, got {bucket_bytes!r}")
 
 
 def _microbatch_options(source: ModelSource, microbatches: int | str, multiple: int) -> list[int]:
@@ -310,8 +261,10 @@ class _Evaluator:
     """The stage table and stage DP of one microbatch count, each count once: what the
     hill climb over B asks for (`_hill_climb`), with the ILP jobs and cache hits so far."""
 
-    def __init__(self, source: ModelSource, cluster: Cluster, dtype: str, recipe: str, kw: dict) -> None:
-        self.source, self.cluster, self.dtype, self.recipe, self.kw = source, cluster, dtype, recipe, kw
+    def __init__(self, source: ModelSource, cluster: Cluster, dtype: str, recipe: str, space: SearchSpace,
+                 options: PlanOptions, run: RunOptions) -> None:
+        self.source, self.cluster, self.dtype, self.recipe = source, cluster, dtype, recipe
+        self.space, self.options, self.run = space, options, run
         self.evaluated: dict[int, Candidate] = {}
         self.candidates: list[Candidate] = []
         self.jobs = self.hits = 0
@@ -319,29 +272,30 @@ class _Evaluator:
     def __call__(self, b: int) -> Candidate:
         if b in self.evaluated:
             return self.evaluated[b]
-        kw, cluster, progress = self.kw, self.cluster, self.kw["progress"]
-        graph = _training_graph(self.source, self.source.global_batch // b, self.dtype, kw["relabel"], kw["layers"],
-                                kw["remat"], self.recipe, kw["recompute"], kw["loss_kernel"], kw["kernels"])
-        report = (lambda done, total: progress(f"B={b}", done, total)) if progress else None
-        costs = build_stage_costs(graph, cluster, b, max_stages=min(kw["max_stages"], graph.num_layers,
+        space, options, run, cluster = self.space, self.options, self.run, self.cluster
+        graph = _training_graph(self.source, self.source.global_batch // b, self.dtype, space.relabel, space.layers,
+                                options.remat, self.recipe, options.recompute, options.loss_kernel, options.kernels)
+        report = (lambda done, total: run.progress(f"B={b}", done, total)) if run.progress else None
+        costs = build_stage_costs(graph, cluster, b, max_stages=min(space.max_stages, graph.num_layers,
                                                                     cluster.num_devices),
-                                  map_fn=kw["map_fn"], cache=kw["cache"], progress=report,
-                                  restriction=kw["restriction"], shape_ok=kw["shape_ok"], views_of=kw["views_of"],
-                                  pareto=kw["pareto"], cost_model=kw["cost_model"], bucket_bytes=kw["bucket_bytes"],
-                                  tp_overlap=kw["tp_overlap"], gather_overlap=kw["gather_overlap"])
+                                  map_fn=run.map_fn, cache=run.cache or DiskCache(enabled=False), progress=report,
+                                  restriction=space.restriction, shape_ok=space.shape_ok, views_of=space.views_of,
+                                  pareto=space.pareto, cost_model=options.cost_model,
+                                  bucket_bytes=options.bucket_bytes, tp_overlap=options.tp_overlap,
+                                  gather_overlap=options.gather_overlap)
         self.jobs += costs.ilp_jobs
         self.hits += costs.cache_hits
         sizes = [sh.size for sh in costs.shapes]
         # Every stage spans at least the smallest mesh's whole nodes (all of a Megatron
         # layout's meshes the same; a search with meshes inside a node prices one node's cards).
         boundary = stage_boundary_s(graph, cluster, nodes=whole_nodes(min(sizes), cluster)) \
-            if kw["price_boundaries"] else None
-        per_node = cluster.devices_per_node if kw["price_boundaries"] else None
-        if kw["equal_layers"]:
-            dp = equal_layer_dp(costs.cost, sizes, cluster.num_devices, b, epsilon=kw["epsilon"],
-                                stages=kw["num_stages"], boundary=boundary, devices_per_node=per_node)
+            if options.price_boundaries else None
+        per_node = cluster.devices_per_node if options.price_boundaries else None
+        if space.equal_layers:
+            dp = equal_layer_dp(costs.cost, sizes, cluster.num_devices, b, epsilon=options.epsilon,
+                                stages=space.num_stages, boundary=boundary, devices_per_node=per_node)
         else:
-            dp = stage_dp(costs.cost, sizes, cluster.num_devices, b, epsilon=kw["epsilon"], boundary=boundary,
+            dp = stage_dp(costs.cost, sizes, cluster.num_devices, b, epsilon=options.epsilon, boundary=boundary,
                           devices_per_node=per_node)
         self.evaluated[b] = Candidate(b, graph, costs, dp)
         self.candidates.append(self.evaluated[b])
@@ -447,9 +401,10 @@ def _least_first_stage(costs: StageCosts, last: int, shape: int, depth: int, mic
 
 
 def _assemble_plan(source: ModelSource, dtype: str, cluster: Cluster, best: Candidate,
-                   candidates: Sequence[Candidate], search: SearchStats, remat: bool, method: str,
-                   recipe, loss_kernel: str, interleaved: InterleavedChoice | None = None) -> PipelinePlan:
+                   candidates: Sequence[Candidate], search: SearchStats, method: str, options: PlanOptions,
+                   interleaved: InterleavedChoice | None = None) -> PipelinePlan:
     """The plan of `best`'s DP result, or of `interleaved` (its chunks on S meshes of one shape)."""
+    recipe = get_recipe(options.precision)
     costs, dp, b = best.costs, best.dp, best.microbatches
     if interleaved is None:
         choices = dp.stages
@@ -486,8 +441,8 @@ def _assemble_plan(source: ModelSource, dtype: str, cluster: Cluster, best: Cand
                   for c in candidates if c is not best or interleaved is not None]
     batch = source.global_batch
     model = PlanModel(source.name, source.family, batch, best.graph.num_params(), flops, batch // b,
-                      best.graph.num_layers, remat, best.graph.meta.get("recompute", "none"), recipe.name, dtype,
-                      recipe.bytes_per_param(dtype), source.record(), loss_kernel,
+                      best.graph.num_layers, options.remat, best.graph.meta.get("recompute", "none"), recipe.name,
+                      dtype, recipe.bytes_per_param(dtype), source.record(), options.loss_kernel,
                       kernels=best.graph.meta.get("kernels", "per-op"))
     cl = plan_cluster_info(cluster)
     transfers = stage_transfers(best.graph, costs.layer_graphs, chosen, [(s.first, s.last) for s in choices])
@@ -559,21 +514,22 @@ def chunk_memory(costs: StageCosts, st: StageChoice, depth: int):
     return stage_memory_of(costs, st.first, st.last, view, opts, 1)
 
 
-def _best_interleaved(candidates: Sequence[Candidate], cluster: Cluster, name: str, chunk_options: Sequence[int],
-                      schedule: str, *, max_stages: int, epsilon: float, price_boundaries: bool):
+def _best_interleaved(candidates: Sequence[Candidate], cluster: Cluster, name: str, space: SearchSpace,
+                      options: PlanOptions):
     """(candidate, `InterleavedChoice`) of the fastest interleaved plan at any microbatch
-    count searched, or None; when `schedule` is "interleaved", none is a
+    count searched, or None; when the schedule asked is "interleaved", none is a
     `PlanInfeasible` saying whether no such plan can exist or none fits, and then what
     the slicing that comes closest needs (`_shortfall`)."""
+    chunk_options, max_stages, epsilon = options.chunk_options, space.max_stages, options.epsilon
     # Each microbatch count's graph has its own cut sizes, priced once per node count for
     # both passes below.
-    searched = [(c, functools.cache(functools.partial(stage_boundary_s, c.graph, cluster)) if price_boundaries
+    searched = [(c, functools.cache(functools.partial(stage_boundary_s, c.graph, cluster)) if options.price_boundaries
                  else None) for c in candidates]
     fits = [(c, r) for c, boundary in searched
             for r in interleaved_choices(c, cluster, chunk_options, max_stages=max_stages, epsilon=epsilon,
                                          boundary=boundary, memory_limit=cluster.device.memory_bytes)]
     best = min(fits, key=lambda x: x[1].latency_s, default=None)
-    if best is not None or schedule != "interleaved":
+    if best is not None or options.schedule != "interleaved":
         return best
     why = interleaved_cannot_exist(candidates[0].graph.num_layers, candidates[0].costs.shapes, cluster, max_stages,
                                    chunk_options)

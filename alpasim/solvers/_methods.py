@@ -35,22 +35,23 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from alpasim.costmodels import DEFAULT_BUCKET_BYTES, Cluster
-from alpasim.graphs import (DTYPE_BYTES, ModelLike, ModelSource, ModelSpecError, OpGraph, assign_layers,
+from alpasim.graphs import (ModelLike, ModelSource, ModelSpecError, OpGraph, assign_layers,
                             context_parallel_view,
                             expanding_contraction, forward_graph, get_recipe, model_source, read_json_file)
 
 from ._interleave import DEFAULT_CHUNK_OPTIONS
-from ._inter_op import DEFAULT_MAX_STAGES, PlanInfeasible, plan_pipeline, planning_units
+from ._inter_op import PlanInfeasible, plan_pipeline, planning_units
+from ._plan_inputs import DEFAULT_MAX_STAGES, PlanOptions, RunOptions, SearchSpace, split_options
 from ._preflight import check_megatron, check_megatron_interleaved, preflight
 from ._intra_baselines import BASELINES
 from ._pipeline_plan import PipelinePlan, PlanModel, Prediction, SearchStats, plan_cluster_info
 from ._submesh import SubmeshShape
-from ._systems import GradBuckets, OptionConflict, SystemRecord, get_system, resolve
+from ._systems import OptionConflict, SystemRecord, get_system, resolve
 
 # Options every method takes (`plan_pipeline` keywords), and those only some do.
 COMMON_OPTIONS = frozenset({"microbatches", "remat", "recompute", "precision", "cost_model", "epsilon", "cache",
@@ -93,9 +94,11 @@ class Method:
         """The first of `given` (`METHOD_OPTIONS` by name) that is set but not accepted."""
         return next((key for key, value in given.items() if value is not None and key not in self.accepts), None)
 
-    def search_options(self, cluster: Cluster) -> dict:
-        """`plan_pipeline`'s keywords for this method's part of the search."""
-        kw: dict = {}
+    def space(self, cluster: Cluster, **narrowing) -> SearchSpace:
+        """This method's part of the search on `cluster` (module doc), priced as its
+        system; `narrowing` (`SearchSpace` fields the user gave) where the method leaves
+        them free."""
+        kw: dict = dict(narrowing)
         if self.single_stage:
             kw["max_stages"] = 1
         if self.restriction is not None:
@@ -111,7 +114,7 @@ class Method:
             # Equal-operator cuts make every layer distinct (nothing to reuse), so each is
             # solved for its fastest plan only.
             kw.update(relabel=equal_operator_layers, pareto=False)
-        return kw
+        return SearchSpace(method=self.name, system=self.system, **kw)
 
 
 _SINGLE = frozenset({"layers"})
@@ -264,28 +267,28 @@ def plan_model(model: ModelLike, cluster: Cluster, method: str = "alpa", *, laye
 def _plan_method(m: Method, model: ModelLike, cluster: Cluster, *, layers: int | None, max_stages: int | None,
                  megatron: MegatronConfig | None, distributed_optimizer: bool | None,
                  sequence_parallel: bool | None, **options) -> PipelinePlan:
-    """`plan_model` once the options are the planner's own."""
+    """`plan_model` once the options are the planner's own: the method's search space,
+    narrowed as the user asks, and the options as records (`_plan_inputs`)."""
     source = _zoo_source(model) if m.zoo_only else model_source(model)
     _refuse_view(source)
     try:
         _run_preflight(m, source, cluster, layers=layers, max_stages=max_stages, megatron=megatron, **options)
+        searched = "remat" not in options and "recompute" not in options
+        narrowing, plan_options, run = split_options(options)
         if m.name in MEGATRON_METHODS:
-            options.pop("microbatches", None)     # Megatron's microbatch size sets the count
+            narrowing.pop("microbatches", None)     # Megatron's microbatch size sets the count
             given = {k: v for k, v in (("distributed_optimizer", distributed_optimizer),
                                        ("sequence_parallel", sequence_parallel)) if v is not None}
             if megatron is not None and m.name == "megatron":
-                return megatron_plan(source, cluster, dataclasses.replace(megatron, **given), method=m.name,
-                                     **options)
-            return megatron_grid(source, cluster, today=m.name == "megatron_core", config=megatron, **given,
-                                 **options)
-        kw = {**options, **m.search_options(cluster)}
-        if "bucket_bytes" in kw:          # no one data-parallel degree here: a system's least bucket
-            kw["bucket_bytes"] = _bucket_bytes(kw["bucket_bytes"], 1, source.dtype, kw.get("precision"))
-        if layers is not None:
-            kw["layers"] = layers
-        if max_stages is not None:
-            kw["max_stages"] = max_stages
-        return plan_pipeline(source, cluster, method=m.name, **kw)
+                return megatron_plan(source, cluster, dataclasses.replace(megatron, **given), plan_options, run,
+                                     method=m.name, **narrowing)
+            return megatron_grid(source, cluster, plan_options, run, today=m.name == "megatron_core",
+                                 config=megatron, search_recompute=searched, narrowing=narrowing, **given)
+        space = dataclasses.replace(m.space(cluster, **narrowing),
+                                    **{k: v for k, v in (("layers", layers), ("max_stages", max_stages))
+                                       if v is not None})
+        # No one data-parallel degree here: a system's least bucket.
+        return plan_pipeline(source, cluster, space, plan_options.at_data_parallel(1, source.dtype), run)
     except PlanInfeasible as e:
         reason = str(e)
         if e.capped is not None and "max_stages" in m.accepts:
@@ -397,17 +400,6 @@ def _gather_overlap_blocked(m: Method, settings: dict, distributed_optimizer: bo
     if not settings["grad_overlap"]:
         return "needs overlapped gradient reduction (Megatron-core asserts --overlap-grad-reduce with it)"
     return None
-
-
-def _bucket_bytes(bucket: float | GradBuckets | None, dp: int, model_dtype: str,
-                  precision: str | None) -> float | None:
-    """The planner's bucket size: a system's `GradBuckets` at data-parallel degree `dp`,
-    in the dtype the weight gradients are reduced in (the precision recipe's
-    accumulator: fp32 under mixed-fp32grad, `_stage_costs._sync_terms`); a size as given."""
-    if not isinstance(bucket, GradBuckets):
-        return bucket
-    recipe = get_recipe(precision)
-    return bucket.nbytes(dp, DTYPE_BYTES[recipe.grad_dtype(recipe.weight_dtype(model_dtype))])
 
 
 def _attention_given(model: ModelLike, attention: str | None) -> str | None:
@@ -612,39 +604,45 @@ def zoo_blocks(fwd: OpGraph) -> OpGraph:
     return fwd
 
 
-def megatron_plan(model: ModelLike, cluster: Cluster, config: MegatronConfig, method: str = "megatron",
-                  **kw) -> PipelinePlan:
-    """One Megatron-LM configuration: `pp` stages of equal blocks (embedding with the
-    first, head with the last, or layers of their own under `config.ends_as_layers`),
-    each on `dp x tp` devices viewed as a (dp, tp) mesh
-    with Megatron's layouts (`megatron_restriction`), B = batch / (mbs x dp)."""
-    source = _zoo_source(model)
-    check_megatron(source, cluster, config)
-    # Context parallelism: each rank's view, whose batch counts chunks (graphs.
-    # context_parallel_view), over a data axis of cp x dp ranks.
-    data, whole = config.dp * config.cp, source
-    if config.cp > 1:
-        source = ModelSource.zoo(source.name, context_parallel_view(source.config, config.cp))
+def megatron_space(source: ModelSource, cluster: Cluster, config: MegatronConfig, method: str = "megatron",
+                   **narrowing) -> SearchSpace:
+    """The search space of one Megatron-LM configuration of `source` (each rank's view
+    under context parallelism): `pp` stages of equal blocks (embedding with the first, head with the last,
+    or layers of their own under `config.ends_as_layers`), each on `dp x tp` devices
+    viewed as a (dp, tp) mesh with Megatron's layouts, B = batch / (mbs x dp x cp)."""
+    data = config.dp * config.cp
     size = config.tp * data
     b = source.config.batch // (config.microbatch_size * data)
 
     def views_of(shape: SubmeshShape) -> list[tuple[int, int]]:
         return [(data, config.tp)] if shape.size == size else []
 
-    search = {**METHODS["megatron"].search_options(cluster), "restriction": config.restriction}
+    return dataclasses.replace(METHODS["megatron"].space(cluster, **narrowing), method=method,
+                               system=METHODS[method].system, restriction=config.restriction, microbatches=b,
+                               shape_ok=lambda sh: sh.size == size, views_of=views_of, num_stages=config.pp,
+                               max_stages=config.pp, relabel=None if config.ends_as_layers else zoo_blocks)
+
+
+def megatron_plan(model: ModelLike, cluster: Cluster, config: MegatronConfig, options: PlanOptions = PlanOptions(),
+                  run: RunOptions = RunOptions(), method: str = "megatron", **narrowing) -> PipelinePlan:
+    """One Megatron-LM configuration (`megatron_space`) priced with `options`; under
+    context parallelism each rank's view, whose batch counts chunks (graphs.
+    context_parallel_view), over a data axis of cp x dp ranks."""
+    source = _zoo_source(model)
+    check_megatron(source, cluster, config)
+    whole = source
+    if config.cp > 1:
+        source = ModelSource.zoo(source.name, context_parallel_view(source.config, config.cp))
     # Megatron refuses --tp-comm-overlap without sequence parallelism (arguments.py:
     # "Tensor parallel communication/GEMM overlap can happen only when sequence
     # parallelism is enabled"), and without tensor parallelism it has nothing to overlap.
-    dropped = bool(kw.get("tp_overlap")) and not (config.sequence_parallel and config.tp > 1)
+    dropped = options.tp_overlap and not (config.sequence_parallel and config.tp > 1)
     if dropped:
-        kw = {**kw, "tp_overlap": False}
-    if "bucket_bytes" in kw:
-        kw = {**kw, "bucket_bytes": _bucket_bytes(kw["bucket_bytes"], data, source.config.dtype,
-                                                   kw.get("precision"))}
+        options = dataclasses.replace(options, tp_overlap=False)
+    options = options.at_data_parallel(config.dp * config.cp, source.config.dtype)
     try:
-        plan = plan_pipeline(source, cluster, microbatches=b, method=method, shape_ok=lambda sh: sh.size == size,
-                             views_of=views_of, num_stages=config.pp, max_stages=config.pp,
-                             relabel=None if config.ends_as_layers else zoo_blocks, **search, **kw)
+        plan = plan_pipeline(source, cluster, megatron_space(source, cluster, config, method, **narrowing), options,
+                             run)
     except PlanInfeasible as e:
         return infeasible_plan(whole, cluster, method, str(e), SearchStats(megatron=_config_json(config)),
                                needed_bytes=e.min_memory_bytes)
@@ -654,16 +652,18 @@ def megatron_plan(model: ModelLike, cluster: Cluster, config: MegatronConfig, me
                                notes=notes)
 
 
-def megatron_grid(model: ModelLike, cluster: Cluster, *, progress: Callable | None = None,
-                  distributed_optimizer: bool | None = None, sequence_parallel: bool | None = None,
-                  today: bool = False, config: MegatronConfig | None = None, **kw) -> PipelinePlan:
-    """The best configuration of Megatron-LM's grid (the paper grid-searches it too);
-    every configuration priced is listed in `search.megatron_grid`.
+def megatron_grid(model: ModelLike, cluster: Cluster, options: PlanOptions = PlanOptions(),
+                  run: RunOptions = RunOptions(), *, distributed_optimizer: bool | None = None,
+                  sequence_parallel: bool | None = None, today: bool = False, config: MegatronConfig | None = None,
+                  search_recompute: bool = False, narrowing: dict | None = None) -> PipelinePlan:
+    """The best configuration of Megatron-LM's grid (the paper grid-searches it too):
+    a loop over the configurations' search spaces; every configuration priced is listed
+    in `search.megatron_grid`.
 
     The paper's grid (2021) runs without sequence parallelism or the distributed
-    optimizer unless asked, under the recomputation `kw` gives. `today` (Megatron-core)
-    also searches both (where tp > 1 and dp > 1 give them something to do), each
-    unless given, and (unless `kw` gives it) the recomputation: none, then selective,
+    optimizer unless asked, under the recomputation `options` give. `today` (Megatron-
+    core) also searches both (where tp > 1 and dp > 1 give them something to do), each
+    unless given, and with `search_recompute` the recomputation: none, then selective,
     then full (`RECOMPUTE_SEARCH` backwards), stopping at the first that fits, since
     recomputing only adds work to the same configuration. `config` fixes the degrees and
     microbatch size (what is left is searched).
@@ -678,17 +678,15 @@ def megatron_grid(model: ModelLike, cluster: Cluster, *, progress: Callable | No
     blocks = forward_graph(dataclasses.replace(cfg, batch=1), name=name).num_layers
     base = [config] if config is not None else \
         megatron_configs(cluster.num_devices, cluster.devices_per_node, blocks, cfg.batch)
-    searched = today and "remat" not in kw and "recompute" not in kw    # a recomputation given is not searched
-    ladder = list(reversed(RECOMPUTE_SEARCH)) if searched else \
-        [(None, kw.get("remat", True), kw.get("recompute", "none"))]
-    kw = {k: v for k, v in kw.items() if not searched or k not in ("remat", "recompute")}
+    searched = today and search_recompute
+    ladder = list(reversed(RECOMPUTE_SEARCH)) if searched else [(None, options.remat, options.recompute)]
     method = "megatron_core" if today else "megatron"
     best: PipelinePlan | None = None
     tried = []
     for i, c in enumerate(base):
-        if progress is not None:
-            progress(f"{method} {c}", i, len(base))
-        if kw.get("schedule") == "interleaved" and _cannot_interleave(source, c, kw):
+        if run.progress is not None:
+            run.progress(f"{method} {c}", i, len(base))
+        if options.schedule == "interleaved" and _cannot_interleave(source, c, options.chunk_options):
             continue
         sps = (sequence_parallel,) if sequence_parallel is not None else (True, False) if today and c.tp > 1 \
             else (False,)
@@ -699,8 +697,8 @@ def megatron_grid(model: ModelLike, cluster: Cluster, *, progress: Callable | No
                                    for x in sps for y in dos):    # the least-memory form first
             plan = None
             for step, (label, remat, policy) in enumerate(ladder[floor:], floor):
-                plan = megatron_plan(source, cluster, config, method=method, **kw,
-                                     **({"remat": remat, "recompute": policy} if searched else {}))
+                priced = dataclasses.replace(options, remat=remat, recompute=policy)
+                plan = megatron_plan(source, cluster, config, priced, run, method=method, **(narrowing or {}))
                 tried.append({**_config_json(config), **({"recompute": label} if searched else {}),
                               "iteration_s": plan.predicted.iteration_s, "feasible": plan.feasible})
                 if plan.feasible:
@@ -725,11 +723,11 @@ def _zoo_source(model: ModelLike) -> ModelSource:
     return source
 
 
-def _cannot_interleave(source: ModelSource, config: MegatronConfig, kw: dict) -> bool:
+def _cannot_interleave(source: ModelSource, config: MegatronConfig, chunk_options: Sequence[int]) -> bool:
     """Whether Megatron-LM's interleaved schedule refuses `config` (`_preflight.
     check_megatron_interleaved`): the grid leaves such a point out, as Megatron would."""
     try:
-        check_megatron_interleaved(source, config, kw.get("chunk_options", DEFAULT_CHUNK_OPTIONS))
+        check_megatron_interleaved(source, config, chunk_options)
     except ValueError:
         return True
     return False

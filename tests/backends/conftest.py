@@ -5,6 +5,7 @@ import os
 from pathlib import Path
 
 import pytest
+from alpasim.solvers import PlanOptions, SearchSpace
 
 MODELS = {
     "gpt": "gpt3:hidden=64,layers=2,heads=4,seq=16,vocab=128,batch=8,dtype=fp32",
@@ -49,10 +50,10 @@ def small_plan():
     def make(family: str, **options):
         key = (family, tuple(sorted(options.items())))
         if key not in plans:
-            plans[key] = plan_pipeline(MODELS[family], get_cluster("aws-p3.16xlarge", nodes=1), microbatches=2,
-                                       pareto=False, shape_ok=lambda sh: sh.size in VIEWS,
-                                       views_of=lambda sh: VIEWS[sh.size], max_stages=3,
-                                       **{"bucket_bytes": None, **options})
+            space = SearchSpace(microbatches=2, pareto=False, shape_ok=lambda sh: sh.size in VIEWS,
+                                views_of=lambda sh: VIEWS[sh.size], max_stages=3)
+            plans[key] = plan_pipeline(MODELS[family], get_cluster("aws-p3.16xlarge", nodes=1), space,
+                                       PlanOptions(**{"bucket_bytes": None, **options}))
         return plans[key]
 
     return make

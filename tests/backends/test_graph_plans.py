@@ -21,6 +21,7 @@ from alpasim.costmodels import get_cluster
 from alpasim.graphs import GraphFormatError, ModelSpecError, from_jax, graph_digest, graph_to_json, load_graph, save_graph
 from alpasim.simulator import simulate
 from alpasim.solvers import PlanModel, load_plan, plan_pipeline, plan_with_method, planning_graph
+from alpasim.solvers import SearchSpace
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "graphs"))
 from test_jax_import import TF, gpt_loss, gpt_shapes  # noqa: E402
@@ -34,8 +35,9 @@ pytestmark = pytest.mark.slow
 def test_an_imported_model_is_planned_simulated_and_run_from_its_plan_alone(tmp_path, reference):
     graph_file = tmp_path / "gpt.json"
     save_graph(from_jax(gpt_loss, *gpt_shapes(**{**TF, "B": 8}), name="my_gpt"), graph_file)
-    plan = plan_pipeline(str(graph_file), get_cluster("aws-p3.16xlarge", nodes=1), microbatches=2, layers=2,
-                         pareto=False, shape_ok=lambda sh: sh.size == 4, views_of=lambda sh: [(2, 2)])
+    plan = plan_pipeline(str(graph_file), get_cluster("aws-p3.16xlarge", nodes=1),
+                         SearchSpace(microbatches=2, layers=2, pareto=False, shape_ok=lambda sh: sh.size == 4,
+                                     views_of=lambda sh: [(2, 2)]))
     src = plan.model.source
     assert src["kind"] == "graph" and src["digest"] == graph_digest(graph_to_json(load_graph(graph_file)))
     assert plan.model.global_batch == 8 and plan.model.microbatch_size == 4 and len(plan.stages) == 2

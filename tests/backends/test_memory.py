@@ -24,6 +24,7 @@ from alpasim.backends import (ProgramMemory, check_numerics, layer_stash_sum, lo
                               per_device_bytes, reference_step, run_local, stage_inputs, stage_memory)
 from alpasim.costmodels import DEFAULT_BUCKET_BYTES, get_cluster
 from alpasim.solvers import MegatronConfig, plan_pipeline, plan_with_method, planning_graph
+from alpasim.solvers import PlanOptions, SearchSpace
 
 TINY_GPT = "gpt3:hidden=64,layers=2,heads=4,seq=16,vocab=128,batch=8,dtype=fp32"
 
@@ -40,18 +41,19 @@ def one_stage_plan(model: str, remat: bool, microbatches: int = 2):
 
 @functools.cache
 def _one_stage_plan(model: str, remat: bool, microbatches: int):
-    return plan_pipeline(model, get_cluster("aws-p3.16xlarge", nodes=1), microbatches=microbatches, remat=remat,
-                         pareto=False, shape_ok=lambda sh: sh.size == 8, views_of=lambda sh: [(4, 2)],
-                         num_stages=1, max_stages=1)
+    return plan_pipeline(model, get_cluster("aws-p3.16xlarge", nodes=1),
+                         SearchSpace(microbatches=microbatches, pareto=False, shape_ok=lambda sh: sh.size == 8,
+                                     views_of=lambda sh: [(4, 2)], num_stages=1, max_stages=1),
+                         PlanOptions(remat=remat))
 
 
 @functools.cache
 def pipelined_plan(remat: bool):
     """TINY_GPT on submeshes of 2 and 4 devices viewed as 1x2 and 2x2, at most 3 stages."""
     views = {2: [(1, 2)], 4: [(2, 2)]}
-    return plan_pipeline(TINY_GPT, get_cluster("aws-p3.16xlarge", nodes=1), microbatches=2, remat=remat,
-                         pareto=False, shape_ok=lambda sh: sh.size in views, views_of=lambda sh: views[sh.size],
-                         max_stages=3)
+    return plan_pipeline(TINY_GPT, get_cluster("aws-p3.16xlarge", nodes=1),
+                         SearchSpace(microbatches=2, pareto=False, shape_ok=lambda sh: sh.size in views,
+                                     views_of=lambda sh: views[sh.size], max_stages=3), PlanOptions(remat=remat))
 
 
 def shard_bytes(arrays) -> int:
@@ -254,8 +256,10 @@ def test_selective_recompute_runs_without_the_attention_probabilities_in_its_sta
     matches one device and the stages' memory is within 10 % of the plan's."""
     model = "gpt3:hidden=64,layers=2,heads=4,seq=64,vocab=128,batch=8,dtype=fp32"   # s > 2 x head size
     cluster = get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=2)
-    plans = {policy: plan_pipeline(model, cluster, microbatches=2, remat=False, recompute=policy, pareto=False,
-                                   shape_ok=lambda sh: sh.size == 2, views_of=lambda sh: [(1, 2)], max_stages=1)
+    plans = {policy: plan_pipeline(model, cluster,
+                                   SearchSpace(microbatches=2, pareto=False, shape_ok=lambda sh: sh.size == 2,
+                                               views_of=lambda sh: [(1, 2)], max_stages=1),
+                                   PlanOptions(remat=False, recompute=policy))
              for policy in ("selective", "none")}
     plan = plans["selective"]
     assert plan.model.recompute == "selective" and len(plan.stages) == 1

@@ -21,6 +21,7 @@ from alpasim.backends._partial_grads import PartialGrad, eval_split
 from alpasim.costmodels import get_cluster
 from alpasim.graphs import GraphBuilder
 from alpasim.solvers import plan_pipeline, planning_graph
+from alpasim.solvers import PlanOptions, SearchSpace
 
 needs_8 = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
 # Compiles whole pipelined plans: `make test-fast` leaves these to `make test`.
@@ -31,9 +32,10 @@ REDUCING = ("all_reduce", "reduce_scatter")
 
 def one_stage_plan(restriction: str | None, method: str = "alpa"):
     """The whole model as one stage on all 8 devices viewed as 4x2, microbatches of 8."""
-    return plan_pipeline(DP_GPT, get_cluster("aws-p3.16xlarge", nodes=1), microbatches=2, remat=True,
-                         pareto=False, shape_ok=lambda sh: sh.size == 8, views_of=lambda sh: [(4, 2)],
-                         num_stages=1, max_stages=1, restriction=restriction, method=method)
+    return plan_pipeline(DP_GPT, get_cluster("aws-p3.16xlarge", nodes=1),
+                         SearchSpace(microbatches=2, pareto=False, shape_ok=lambda sh: sh.size == 8,
+                                     views_of=lambda sh: [(4, 2)], num_stages=1, max_stages=1, restriction=restriction,
+                                     method=method), PlanOptions(remat=True))
 
 
 def reduced_bytes(compiled) -> float:

@@ -27,6 +27,7 @@ import pytest
 from alpasim.backends import (RayRuntimeError, check_numerics, compare_collectives, idle_actors, run_local, run_ray,
                               stop_idle_actors)
 from alpasim.simulator import Send, build_program
+from alpasim.solvers import PlanOptions, SearchSpace
 
 ray = pytest.importorskip("ray")
 # They run on `ray_cluster`'s cluster: one worker runs them all (tests/conftest.py).
@@ -171,8 +172,8 @@ def test_ray_keeps_two_copies_of_a_weight_on_one_mesh_apart(ray_cluster, shared_
     from alpasim.solvers import plan_pipeline
 
     plan = plan_pipeline(str(shared_weight_graph), get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=2),
-                         microbatches=2, layers=4, pareto=False, bucket_bytes=None, schedule="interleaved",
-                         chunk_options=(2,))
+                         SearchSpace(microbatches=2, layers=4, pareto=False),
+                         PlanOptions(bucket_bytes=None, schedule="interleaved", chunk_options=(2,)))
     seen = []
     result = run_ray(plan, steps=1, timeout_s=60, on_step=lambda step, actors: seen.extend(actors))
     assert check_numerics(result.losses[0], result.grads, reference(plan))["numerics_ok"]

@@ -33,6 +33,7 @@ from alpasim.backends import host_cluster, predict_run, run_local
 from alpasim.costmodels import ProfiledCostModel, get_cluster
 from alpasim.simulator import Send, build_program, simulate, synthetic_plan
 from alpasim.solvers import plan_pipeline
+from alpasim.solvers import PlanOptions, SearchSpace
 
 
 TINY_GPT = "gpt3:hidden=64,layers=2,heads=4,seq=16,vocab=128,batch=8,dtype=fp32"
@@ -61,8 +62,10 @@ def _default_plan(model: str):
 
 
 def _plan(model: str, cluster, cost_model):
-    return plan_pipeline(model, cluster, microbatches=2, pareto=False, shape_ok=lambda sh: sh.size in VIEWS,
-                         views_of=lambda sh: VIEWS[sh.size], max_stages=3, cost_model=cost_model)
+    return plan_pipeline(model, cluster,
+                         SearchSpace(microbatches=2, pareto=False, shape_ok=lambda sh: sh.size in VIEWS,
+                                     views_of=lambda sh: VIEWS[sh.size], max_stages=3),
+                         PlanOptions(cost_model=cost_model))
 
 
 @pytest.mark.slow

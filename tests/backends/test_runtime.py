@@ -25,6 +25,7 @@ a scalar loss reduction.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -37,6 +38,7 @@ from alpasim.backends import check_numerics, compare_collectives, hlo_collective
 from alpasim.backends._executable import plan_training_graph, split_backward_ops
 from alpasim.simulator import Run, build_program
 from alpasim.solvers._inter_op import planning_graph
+from alpasim.solvers import PlanOptions, SearchSpace
 
 BAND = (1 / 3, 1.5)
 UNPREDICTED_BYTES = 64  # a scalar loss all-reduce at most
@@ -252,14 +254,14 @@ def test_a_weight_read_by_three_layers_trains_the_single_device_step(schedule, s
     from alpasim.costmodels import get_cluster
     from alpasim.solvers import plan_pipeline
 
-    kw = dict(microbatches=2, layers=4, pareto=False, bucket_bytes=None)
+    space, unlapped = SearchSpace(microbatches=2, layers=4, pareto=False), PlanOptions(bucket_bytes=None)
     if schedule == "1f1b":
         plan = plan_pipeline(str(shared_weight_graph), get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=4),
-                             shape_ok=lambda sh: sh.size == 1, **kw)
+                             dataclasses.replace(space, shape_ok=lambda sh: sh.size == 1), unlapped)
         assert len(plan.stages) == 4
     else:
         plan = plan_pipeline(str(shared_weight_graph), get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=2),
-                             schedule="interleaved", chunk_options=(2,), **kw)
+                             space, dataclasses.replace(unlapped, schedule="interleaved", chunk_options=(2,)))
         assert plan.chunks == 2 and plan.num_meshes == 2
     chain = sorted((t.src_stage, t.dst_stage) for t in plan.transfers if t.per_iteration)
     assert chain == [(1, 0), (3, 1)]
@@ -277,9 +279,10 @@ def test_half_precision_step_is_checked_against_its_own_rounding_noise(reference
     from alpasim.solvers import plan_pipeline
 
     views = {2: [(1, 2)], 4: [(2, 2)]}
-    plan = plan_pipeline("gpt3:hidden=64,layers=2,heads=4,seq=16,vocab=128,batch=8", get_cluster("aws-p3.16xlarge",
-                         nodes=1), microbatches=2, pareto=False, shape_ok=lambda sh: sh.size in views,
-                         views_of=lambda sh: views[sh.size], max_stages=3)
+    plan = plan_pipeline("gpt3:hidden=64,layers=2,heads=4,seq=16,vocab=128,batch=8",
+                         get_cluster("aws-p3.16xlarge", nodes=1),
+                         SearchSpace(microbatches=2, pareto=False, shape_ok=lambda sh: sh.size in views,
+                                     views_of=lambda sh: views[sh.size], max_stages=3))
     assert plan.model.dtype == "float16" and len(plan.stages) >= 2
     result = run_local(plan, steps=1)
     ref = reference(plan)

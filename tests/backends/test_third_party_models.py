@@ -36,6 +36,7 @@ from alpasim.costmodels import get_cluster  # noqa: E402
 from alpasim.graphs import from_jax, load_graph, model_source, save_graph, values_as_tree  # noqa: E402
 from alpasim.simulator import simulate  # noqa: E402
 from alpasim.solvers import plan_pipeline, planning_graph, planning_units  # noqa: E402
+from alpasim.solvers import SearchSpace  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "graphs"))
 import jax_models  # noqa: E402
@@ -113,8 +114,9 @@ def test_the_llama_stack_is_one_layer_per_scan_step_with_its_own_weights():
 def test_flax_llama_pipelined_and_sharded_step_equals_the_models_own_gradients(tmp_path):
     loss_fn, params, batch = _problem("flax_llama")
     save_graph(_imported("flax_llama"), tmp_path / "llama.json")
-    plan = plan_pipeline(str(tmp_path / "llama.json"), get_cluster("aws-p3.16xlarge", nodes=1), microbatches=2,
-                         pareto=False, shape_ok=lambda sh: sh.size == 4, views_of=lambda sh: [(2, 2)])
+    plan = plan_pipeline(str(tmp_path / "llama.json"), get_cluster("aws-p3.16xlarge", nodes=1),
+                         SearchSpace(microbatches=2, pareto=False, shape_ok=lambda sh: sh.size == 4,
+                                     views_of=lambda sh: [(2, 2)]))
     assert len(plan.stages) == 2
     _run_is_the_models_own_step(plan, loss_fn, params, batch)
 
@@ -143,8 +145,9 @@ def test_hf_llama_is_planned_simulated_and_run_to_the_models_own_gradients():
     loss_fn, params, batch = _problem("hf_llama")
     imported = _imported("hf_llama")
     assert imported.num_layers == jax_models.L + 2
-    plan = plan_pipeline(model_source(imported), get_cluster("aws-p3.16xlarge", nodes=1), microbatches=2,
-                         pareto=False, shape_ok=lambda sh: sh.size == 4, views_of=lambda sh: [(2, 2)])
+    plan = plan_pipeline(model_source(imported), get_cluster("aws-p3.16xlarge", nodes=1),
+                         SearchSpace(microbatches=2, pareto=False, shape_ok=lambda sh: sh.size == 4,
+                                     views_of=lambda sh: [(2, 2)]))
     assert len(plan.stages) == 2
     timeline = simulate(plan)
     assert timeline.iteration_s == pytest.approx(plan.predicted.iteration_s, rel=0.1)
@@ -177,8 +180,9 @@ def test_exported_shardings_drive_jax_jit_of_the_models_own_step(tmp_path):
 
     loss_fn, params, batch = jax_models.nnx_problem()
     save_graph(from_jax(loss_fn, params, batch, name="nnx"), tmp_path / "nnx.json")
-    plan = plan_pipeline(str(tmp_path / "nnx.json"), get_cluster("aws-p3.16xlarge", nodes=1), microbatches=1,
-                         pareto=False, max_stages=1, shape_ok=lambda sh: sh.size == 8, views_of=lambda sh: [(2, 4)])
+    plan = plan_pipeline(str(tmp_path / "nnx.json"), get_cluster("aws-p3.16xlarge", nodes=1),
+                         SearchSpace(microbatches=1, pareto=False, max_stages=1, shape_ok=lambda sh: sh.size == 8,
+                                     views_of=lambda sh: [(2, 4)]))
     (stage,) = plan_shardings(plan, params, batch)
     assert dict(stage.mesh.shape) == {"x": 2, "y": 4}
     exported = jax.tree.leaves(stage.params)

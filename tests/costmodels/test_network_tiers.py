@@ -11,6 +11,7 @@ import pytest
 
 from alpasim.costmodels import Cluster, ClusterError, SpineTier, get_cluster, group_link, mesh_axes
 from alpasim.simulator import simulate, synthetic_plan
+from alpasim.solvers import SearchSpace
 
 H100 = get_cluster("dgx-h100", nodes=4)
 SPINE = dataclasses.replace(H100, spine=SpineTier(nodes_per_leaf=2, oversubscription=4.0))
@@ -100,7 +101,7 @@ def test_a_gb200_nvl72_plan_follows_its_72_gpu_nvlink_domain():
     assert cluster.devices_per_node == 72 and cluster.nics_per_node == 72
     assert [s.m for s in submesh_shapes(1, 72)] == [1, 2, 4, 8, 72]
     plan = plan_pipeline("gpt3:hidden=512,layers=4,heads=8,seq=256,vocab=4096,batch=144", cluster,
-                         microbatches=1, max_stages=4, pareto=False)
+                         SearchSpace(microbatches=1, max_stages=4, pareto=False))
     assert sorted(d for s in plan.stages for d in s.devices) == list(range(144))
     for s in plan.stages:
         assert tuple(s.submesh) in {(1, 1), (1, 2), (1, 4), (1, 8), (1, 72), (2, 72)}

@@ -16,6 +16,7 @@ from alpasim.costmodels import (LayerSync, bucket_count, bucket_schedule, expose
 from alpasim.simulator import simulate
 from alpasim.solvers import plan_pipeline
 from alpasim.solvers._stage_costs import exposed_ranges, gather_ranges
+from alpasim.solvers import PlanOptions, SearchSpace
 
 layer_syncs = st.builds(LayerSync, st.floats(0.0, 10.0), st.floats(0.0, 10.0), st.integers(0, 6))
 
@@ -101,9 +102,9 @@ def test_overlapped_parameter_gathers_move_from_after_the_step_into_the_next_for
     all-gathers leave the time after the backward for the next forward, which waits
     only where they run ahead of it, and the simulated iteration charges exactly that."""
     cluster = get_cluster("aws-p3.16xlarge", nodes=2)
-    kw = dict(restriction="megatron_distopt", max_stages=1, microbatches=4, bucket_bytes=25 * 2 ** 20)
-    plain = plan_pipeline(MODEL, cluster, **kw)
-    plan = plan_pipeline(MODEL, cluster, gather_overlap=True, **kw)
+    space = SearchSpace(restriction="megatron_distopt", max_stages=1, microbatches=4)
+    plain = plan_pipeline(MODEL, cluster, space, PlanOptions(bucket_bytes=25 * 2 ** 20))
+    plan = plan_pipeline(MODEL, cluster, space, PlanOptions(bucket_bytes=25 * 2 ** 20, gather_overlap=True))
     (a,), (b,) = plain.stages, plan.stages
     assert a.param_gather_s == a.gather_exposed_s == 0
     assert b.sync_buckets == a.sync_buckets and b.grad_sync_s == a.grad_sync_s and b.sync_s == a.sync_s
@@ -146,9 +147,9 @@ def test_data_parallel_iteration_hides_the_reduction_up_to_the_closed_form(bucke
     form hides (the gradient collectives priced one per gradient, against the buckets'
     exposed part), and the planner predicted it."""
     cluster = get_cluster("aws-p3.16xlarge", nodes=2)
-    kw = dict(restriction="data_parallel", max_stages=1, microbatches=4)
-    plain = plan_pipeline(MODEL, cluster, bucket_bytes=None, **kw)
-    plan = plan_pipeline(MODEL, cluster, bucket_bytes=bucket_mb * 2 ** 20, **kw)
+    space = SearchSpace(restriction="data_parallel", max_stages=1, microbatches=4)
+    plain = plan_pipeline(MODEL, cluster, space, PlanOptions(bucket_bytes=None))
+    plan = plan_pipeline(MODEL, cluster, space, PlanOptions(bucket_bytes=bucket_mb * 2 ** 20))
     (st0,) = plan.stages
     assert st0.sync_buckets and 0 < st0.exposed_sync_s < st0.grad_sync_s
     assert st0.exposed_sync_s == pytest.approx(run_buckets(st0.sync_buckets, st0.backward_s), rel=1e-9)
@@ -167,14 +168,14 @@ def test_the_planner_overlaps_only_where_it_pays():
     whole backward hides, so the planner keeps one collective per gradient after the
     backward (no buckets, the no-overlap iteration); at 25 MiB it overlaps."""
     cluster = get_cluster("aws-p3.16xlarge", nodes=2)
-    kw = dict(restriction="data_parallel", max_stages=1, microbatches=4)
-    plain = plan_pipeline(MODEL, cluster, bucket_bytes=None, **kw)
-    tiny = plan_pipeline(MODEL, cluster, bucket_bytes=4096, **kw)
+    space = SearchSpace(restriction="data_parallel", max_stages=1, microbatches=4)
+    plain = plan_pipeline(MODEL, cluster, space, PlanOptions(bucket_bytes=None))
+    tiny = plan_pipeline(MODEL, cluster, space, PlanOptions(bucket_bytes=4096))
     assert not tiny.stages[0].sync_buckets
     assert tiny.stages[0].exposed_sync_s == pytest.approx(tiny.stages[0].grad_sync_s)
     assert tiny.predicted.iteration_s == pytest.approx(plain.predicted.iteration_s, rel=1e-9)
     assert simulate(tiny).iteration_s == pytest.approx(simulate(plain).iteration_s, rel=1e-9)
-    usual = plan_pipeline(MODEL, cluster, **kw)
+    usual = plan_pipeline(MODEL, cluster, space)
     assert usual.stages[0].sync_buckets and usual.predicted.iteration_s < plain.predicted.iteration_s
 
 

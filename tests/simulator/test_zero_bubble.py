@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from alpasim.simulator import PassTimes, Run, build_program, simulate, split_backward, synthetic_plan
 from alpasim.simulator._schedules import zb_h1_order, zb_h2_limits, zero_bubble_greedy
+from alpasim.solvers import PlanOptions, RunOptions, SearchSpace
 
 times = st.floats(min_value=1e-2, max_value=5.0, allow_nan=False, allow_infinity=False)
 
@@ -177,8 +178,9 @@ def test_the_planner_prices_the_weight_pass_op_by_op(remat):
     from alpasim.solvers._inter_op import planning_graph
 
     cluster = get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=1)
-    plan = plan_pipeline("gpt3:hidden=256,layers=2,heads=4,seq=64,vocab=512,batch=8", cluster, microbatches=2,
-                         remat=remat, cache=DiskCache(enabled=False))
+    plan = plan_pipeline("gpt3:hidden=256,layers=2,heads=4,seq=64,vocab=512,batch=8", cluster,
+                         SearchSpace(microbatches=2), PlanOptions(remat=remat),
+                         RunOptions(cache=DiskCache(enabled=False)))
     train, model = build_training_graph(planning_graph(plan.model), remat=remat).graph, AnalyticCostModel(cluster)
     for st in plan.stages:
         _, weight_ops, kept = split_backward_ops(stage_ops(train, *st.layers), train)
@@ -201,8 +203,9 @@ def deep_plan():
     from alpasim.solvers import DiskCache, plan_pipeline
 
     cluster = get_cluster("aws-p3.16xlarge", nodes=1)
-    plan = plan_pipeline("gpt3:hidden=256,layers=8,heads=4,seq=128,vocab=512,batch=64", cluster, microbatches=8,
-                         remat=False, cache=DiskCache(enabled=False), shape_ok=lambda sh: sh.size == 1)
+    plan = plan_pipeline("gpt3:hidden=256,layers=8,heads=4,seq=128,vocab=512,batch=64", cluster,
+                         SearchSpace(microbatches=8, shape_ok=lambda sh: sh.size == 1), PlanOptions(remat=False),
+                         RunOptions(cache=DiskCache(enabled=False)))
     assert len(plan.stages) == 8
     return plan, cluster
 

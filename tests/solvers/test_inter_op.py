@@ -25,6 +25,7 @@ from alpasim.solvers import (
     planning_units,
 )
 from alpasim.units import format_bytes
+from alpasim.solvers import PlanOptions, RunOptions, SearchSpace
 
 GB16 = 16 * 2 ** 30
 
@@ -61,7 +62,7 @@ def _check_plan(plan, cluster):
 def test_gpt3_1_3b_on_two_nodes(cache):
     # Two nodes of four V100s (a real GPT-3 size across the slow link, in 15 s of planning).
     cluster = get_cluster("aws-p3.16xlarge", nodes=2, devices_per_node=4)
-    plan = plan_pipeline("gpt3-1.3b", cluster, microbatches=64, cache=cache)
+    plan = plan_pipeline("gpt3-1.3b", cluster, SearchSpace(microbatches=64), run=RunOptions(cache=cache))
     _check_plan(plan, cluster)
     _check_transfers(plan)
     # Slow links between nodes: no stage's model-parallel axis spans nodes.
@@ -99,8 +100,8 @@ def _check_transfers(plan):
 def test_second_run_is_served_from_the_cache(cache):
     cluster = get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=2)
     model = "gpt3:hidden=192,layers=3,heads=4,seq=64,vocab=512,batch=16"   # planned nowhere else in the module
-    first = plan_pipeline(model, cluster, microbatches=4, cache=cache)
-    again = plan_pipeline(model, cluster, microbatches=4, cache=cache)
+    first = plan_pipeline(model, cluster, SearchSpace(microbatches=4), run=RunOptions(cache=cache))
+    again = plan_pipeline(model, cluster, SearchSpace(microbatches=4), run=RunOptions(cache=cache))
     assert first.search.ilp_solves > 0 and again.search.ilp_solves == 0
     assert again.search.cache_hits >= first.search.ilp_solves
     assert again.predicted.iteration_s == pytest.approx(first.predicted.iteration_s)
@@ -113,7 +114,7 @@ def test_a_damaged_cache_entry_is_a_miss_not_a_different_plan(tmp_path, damage):
     them (they count as invalid), solves every layer again and equals the first."""
     cluster = get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=2)
     model = "gpt3:hidden=64,layers=2,heads=4,seq=32,vocab=128,batch=8"
-    first = plan_pipeline(model, cluster, microbatches=2, cache=DiskCache(root=tmp_path))
+    first = plan_pipeline(model, cluster, SearchSpace(microbatches=2), run=RunOptions(cache=DiskCache(root=tmp_path)))
     files = sorted((tmp_path / "stages").rglob("*.json"))
     assert len(files) == first.search.ilp_solves > 0
     for f in files:
@@ -126,7 +127,7 @@ def test_a_damaged_cache_entry_is_a_miss_not_a_different_plan(tmp_path, damage):
             entry = {"options": entry}
         f.write_text("{truncated" if damage == "not json" else json.dumps(entry))
     cache = DiskCache(root=tmp_path)
-    again = plan_pipeline(model, cluster, microbatches=2, cache=cache)
+    again = plan_pipeline(model, cluster, SearchSpace(microbatches=2), run=RunOptions(cache=cache))
     assert cache.invalid == len(files) and again.search.ilp_solves == first.search.ilp_solves
     assert again.predicted.iteration_s == pytest.approx(first.predicted.iteration_s, rel=1e-12)
     assert again.predicted.peak_memory_bytes == pytest.approx(first.predicted.peak_memory_bytes, rel=1e-12)
@@ -135,7 +136,7 @@ def test_a_damaged_cache_entry_is_a_miss_not_a_different_plan(tmp_path, damage):
 def test_model_that_fits_nowhere_says_how_much_memory():
     cluster = get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=1)
     with pytest.raises(PlanInfeasible, match=r"needs at least \d+\.\d+ GiB per device") as e:
-        plan_pipeline("gpt3-39b", cluster, microbatches=1024)
+        plan_pipeline("gpt3-39b", cluster, SearchSpace(microbatches=1024))
     assert e.value.min_memory_bytes > GB16
 
 
@@ -163,8 +164,8 @@ def test_data_parallel_baseline_on_64_devices_finds_its_microbatches():
                             pareto=False)
     assert plan.feasible and plan.stages[0].devices == tuple(range(64)) and plan.microbatches == 1
     with pytest.raises(PlanInfeasible, match="whole samples"):
-        plan_pipeline("gpt3:hidden=32,layers=1,heads=2,seq=8,vocab=64,batch=64", cluster, microbatches=2,
-                      microbatch_multiple=64, max_stages=1)
+        plan_pipeline("gpt3:hidden=32,layers=1,heads=2,seq=8,vocab=64,batch=64", cluster,
+                      SearchSpace(microbatches=2, microbatch_multiple=64, max_stages=1))
 
 
 def test_bad_plan_files(tmp_path):
@@ -187,7 +188,7 @@ def test_bad_plan_files(tmp_path):
 def test_partition_spec_export(cache):
     cluster = get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=4)
     plan = plan_pipeline("gpt3:hidden=256,layers=4,heads=8,seq=128,vocab=1024,batch=32", cluster,
-                         microbatches=4, cache=cache)
+                         SearchSpace(microbatches=4), run=RunOptions(cache=cache))
     specs = plan.partition_specs()
     assert len(specs) == len(plan.stages)
     for stage, per_param in zip(plan.stages, specs):
@@ -207,8 +208,8 @@ def test_stage_table_on_ray(ray_cluster):
 
     cluster = get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=2)
     model = "gpt3:hidden=128,layers=2,heads=4,seq=64,vocab=512,batch=8"
-    local = plan_pipeline(model, cluster, microbatches=2)
-    remote = plan_pipeline(model, cluster, microbatches=2, map_fn=ray_map_fn(ray_cluster))
+    local = plan_pipeline(model, cluster, SearchSpace(microbatches=2))
+    remote = plan_pipeline(model, cluster, SearchSpace(microbatches=2), run=RunOptions(map_fn=ray_map_fn(ray_cluster)))
     assert remote.predicted.iteration_s == pytest.approx(local.predicted.iteration_s)
     assert [s.layers for s in remote.stages] == [s.layers for s in local.stages]
 
@@ -221,11 +222,11 @@ def test_out_of_memory_bound_is_true_and_names_its_largest_term(cache):
     """Below the bound nothing fits; the best plan found with room to spare needs at
     least the bound; the message names the term it is made of."""
     roomy = get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=4)
-    best = plan_pipeline(SMALL, roomy, microbatches=4, cache=cache)
+    best = plan_pipeline(SMALL, roomy, SearchSpace(microbatches=4), run=RunOptions(cache=cache))
     peak = max(st.memory_bytes for st in best.stages)
     tight = get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=4, memory_gb=peak / 2 ** 30 / 4)
     with pytest.raises(PlanInfeasible) as e:
-        plan_pipeline(SMALL, tight, microbatches=4, cache=cache)
+        plan_pipeline(SMALL, tight, SearchSpace(microbatches=4), run=RunOptions(cache=cache))
     bound = e.value.min_memory_bytes
     assert 0 < bound <= peak
     message = str(e.value)
@@ -236,7 +237,8 @@ def test_out_of_memory_bound_is_true_and_names_its_largest_term(cache):
 def test_plan_records_its_precision_recipe_and_breakdown(cache):
     cluster = get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=2)
     for recipe, per_param in (("mixed-fp32grad", 18), ("mixed", 16)):
-        plan = plan_pipeline(SMALL, cluster, microbatches=4, precision=recipe, cache=cache)
+        plan = plan_pipeline(SMALL, cluster, SearchSpace(microbatches=4), PlanOptions(precision=recipe),
+                             RunOptions(cache=cache))
         assert plan.model.precision == recipe and plan.model.bytes_per_param == per_param
         again = plan_from_json(json.loads(json.dumps(plan.to_json())))
         for st, back in zip(plan.stages, again.stages):

@@ -13,6 +13,7 @@ from alpasim.costmodels import StageMemory, get_cluster
 from alpasim.simulator import simulate
 from alpasim.solvers import plan_pipeline
 from alpasim.solvers._interleave import interleaved_dp
+from alpasim.solvers import PlanOptions, SearchSpace
 
 GIB = 2 ** 30
 
@@ -74,9 +75,9 @@ def test_the_planner_interleaves_where_it_pays_and_not_where_memory_forbids():
     1F1B plan but not for it, "auto" keeps 1F1B: the interleaved plans that still fit
     (fewer, larger meshes) are slower."""
     cluster = get_cluster("aws-p3.16xlarge", nodes=1)
-    kw = dict(microbatches=16, remat=False, pareto=False)
-    one = plan_pipeline(MODEL, cluster, **kw)
-    auto = plan_pipeline(MODEL, cluster, schedule="auto", **kw)
+    space = SearchSpace(microbatches=16, pareto=False)
+    one = plan_pipeline(MODEL, cluster, space, PlanOptions(remat=False))
+    auto = plan_pipeline(MODEL, cluster, space, PlanOptions(remat=False, schedule="auto"))
     assert auto.schedule == "interleaved" and auto.chunks >= 2 and len(auto.stages) == auto.chunks * auto.num_meshes
     assert simulate(auto).iteration_s < simulate(one).iteration_s
     peak = max(simulate(auto).peak_mesh_memory_bytes())
@@ -86,9 +87,9 @@ def test_the_planner_interleaves_where_it_pays_and_not_where_memory_forbids():
     limit = (max(s.memory_bytes for s in one.stages) + auto.predicted.peak_memory_bytes) / 2
     assert max(s.memory_bytes for s in one.stages) < limit < auto.predicted.peak_memory_bytes
     tight = cluster.with_overrides(memory_gb=limit / GIB)
-    kept = plan_pipeline(MODEL, tight, schedule="auto", **kw)
+    kept = plan_pipeline(MODEL, tight, space, PlanOptions(remat=False, schedule="auto"))
     assert kept.schedule == "1f1b" and kept.chunks == 1, kept.notes
-    forced = plan_pipeline(MODEL, tight, schedule="interleaved", **kw)
+    forced = plan_pipeline(MODEL, tight, space, PlanOptions(remat=False, schedule="interleaved"))
     assert forced.predicted.peak_memory_bytes <= limit
     assert max(simulate(forced).peak_mesh_memory_bytes()) <= limit * 1.05
     assert forced.predicted.iteration_s > kept.predicted.iteration_s

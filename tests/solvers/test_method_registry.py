@@ -14,6 +14,7 @@ from alpasim.solvers import (
     COMMON_OPTIONS,
     METHODS,
     MegatronConfig,
+    SearchSpace,
     UnknownMethodError,
     get_method,
     plan_model,
@@ -51,14 +52,19 @@ def test_method_names_and_unknown_options():
 
 def test_each_record_is_the_search_it_names():
     n = CLUSTER.num_devices
-    assert METHODS["alpa"].search_options(CLUSTER) == {}
-    dp = METHODS["data_parallel"].search_options(CLUSTER)
-    assert dp == {"max_stages": 1, "restriction": "data_parallel", "microbatch_multiple": n}
-    assert METHODS["heuristic"].search_options(CLUSTER) == {"max_stages": 1, "restriction": "heuristic"}
-    inter = METHODS["inter_only"].search_options(CLUSTER)
-    assert inter["max_stages"] == n and inter["shape_ok"](type("S", (), {"size": 1})())
-    assert not inter["shape_ok"](type("S", (), {"size": 2})())
-    assert METHODS["equal_operator"].search_options(CLUSTER)["pareto"] is False
+    assert METHODS["alpa"].space(CLUSTER) == SearchSpace(method="alpa", system="alpa-osdi22")
+    dp = METHODS["data_parallel"].space(CLUSTER)
+    assert dp == SearchSpace(method="data_parallel", system="alpa-osdi22", max_stages=1, restriction="data_parallel",
+                             microbatch_multiple=n)
+    assert METHODS["heuristic"].space(CLUSTER) == SearchSpace(method="heuristic", system="alpa-osdi22",
+                                                              max_stages=1, restriction="heuristic")
+    inter = METHODS["inter_only"].space(CLUSTER)
+    assert inter.max_stages == n and inter.shape_ok(type("S", (), {"size": 1})())
+    assert not inter.shape_ok(type("S", (), {"size": 2})())
+    # A method's own choice wins over the user's narrowing; what it leaves free is the user's.
+    assert METHODS["equal_operator"].space(CLUSTER, pareto=True).pareto is False
+    assert METHODS["alpa"].space(CLUSTER, pareto=False, microbatches=4) == \
+        SearchSpace(method="alpa", system="alpa-osdi22", pareto=False, microbatches=4)
     # Every method but Megatron-LM's plans a saved graph.
     assert [m.name for m in METHODS.values() if m.zoo_only] == ["megatron", "megatron_core"]
 

@@ -18,6 +18,7 @@ from alpasim.graphs import RECIPES, model_source
 from alpasim.solvers import MegatronConfig, check_before_planning, model_states, plan_model
 from alpasim.solvers._interleave import interleaved_cannot_exist
 from alpasim.solvers._submesh import submesh_shapes
+from alpasim.solvers import PlanOptions, SearchSpace
 
 TINY = "gpt3:hidden=256,layers=4,heads=8,seq=128,vocab=1024,batch=32"
 
@@ -97,8 +98,8 @@ def test_interleaved_cannot_exist_exactly_where_the_search_finds_nothing(per_nod
     cluster = get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=per_node, memory_gb=1000)
     why = interleaved_cannot_exist(4, submesh_shapes(1, per_node), cluster, max_stages, chunks)
     try:
-        plan = inter_op.plan_pipeline(model, cluster, schedule="interleaved", chunk_options=chunks,
-                                      max_stages=max_stages, microbatches=4, pareto=False)
+        plan = inter_op.plan_pipeline(model, cluster, SearchSpace(max_stages=max_stages, microbatches=4, pareto=False),
+                                      PlanOptions(schedule="interleaved", chunk_options=chunks))
         found = plan.chunks > 1
     except inter_op.PlanInfeasible as e:
         assert "can exist" in str(e) and why is not None, (str(e), why)

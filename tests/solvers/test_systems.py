@@ -224,10 +224,11 @@ def test_megatron_core_sizes_its_gradient_buckets_by_the_data_parallel_degree():
     assert len(core.stages[0].sync_buckets) < len(ddp.stages[0].sync_buckets)
     # A bucket of parameters is sized in the dtype the gradients are reduced in: the
     # recipe's accumulator (fp32 under mixed-fp32grad, 16-bit under mixed).
-    from alpasim.solvers._methods import _bucket_bytes
-    assert _bucket_bytes(MEGATRON_CORE_BUCKETS, 48, "bfloat16", None) == 48e6 * 4
-    assert _bucket_bytes(MEGATRON_CORE_BUCKETS, 48, "bfloat16", "mixed") == 48e6 * 2
-    assert _bucket_bytes(25.0 * 2 ** 20, 48, "bfloat16", None) == 25 * 2 ** 20
+    from alpasim.solvers import PlanOptions
+    assert PlanOptions(bucket_bytes=MEGATRON_CORE_BUCKETS).at_data_parallel(48, "bfloat16").bucket_bytes == 48e6 * 4
+    assert PlanOptions(bucket_bytes=MEGATRON_CORE_BUCKETS, precision="mixed").at_data_parallel(
+        48, "bfloat16").bucket_bytes == 48e6 * 2
+    assert PlanOptions(bucket_bytes=25.0 * 2 ** 20).at_data_parallel(48, "bfloat16").bucket_bytes == 25 * 2 ** 20
     assert core.predicted.iteration_s != ddp.predicted.iteration_s
 
 

@@ -17,10 +17,10 @@ from ._sweep import sweep as sweep
 from ._sweep import sweep_cluster as sweep_cluster
 from ._sweep import sweep_cell as sweep_cell
 from ._reproduce import FIGURES as FIGURES
-from ._reproduce import Figure as Figure
-from ._reproduce import Report as Report
+from ._report import Figure as Figure
+from ._report import Report as Report
 from ._reproduce import figure_points as figure_points
-from ._reproduce import point_json as point_json
+from ._report import point_json as point_json
 from ._reproduce import ratio as ratio
 from ._reproduce import reproduce as reproduce
 from ._reproduce import scaling_efficiency as scaling_efficiency

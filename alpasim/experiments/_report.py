@@ -1,4 +1,5 @@
-"""Writing a reproduced figure: CSV of the points, a markdown table, a PNG in the paper's style.
+"""A reproduced figure's records (`Figure`: what to run and draw; `Report`: its results),
+and writing one: CSV of the points, a markdown table, a PNG in the paper's style.
 
 The PNG follows the paper's figures: aggregate throughput (PFLOPS) against GPUs on a
 log2 axis, one line per system, a point that ran out of memory drawn as an x (in its system's colour) on
@@ -10,11 +11,66 @@ from __future__ import annotations
 
 import csv
 import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
-if TYPE_CHECKING:
-    from ._reproduce import Figure, Report
+from ._points import Point, Result
+
+@dataclass(frozen=True)
+class Figure:
+    """One figure or table: what to run, how to summarise it, how to draw it."""
+
+    name: str
+    title: str
+    points: Callable[[], list[Point]]
+    summary: Callable[[list[Result]], dict[str, float | None]]
+    paper: dict[str, float]                     # summary key -> the paper's value
+    series: tuple[str, ...]                     # plot/table columns, in order
+    kind: str = "lines"                         # "lines" (throughput vs GPUs), "bars", "plan_time"
+    panels: tuple[str, ...] = ("",)             # model-name prefixes, one panel each
+    notes: str = ""
+
+
+@dataclass
+class Report:
+    """A reproduced figure: its results, summary ratios, the paper's, and the files."""
+
+    name: str
+    title: str
+    results: list[Result]
+    summary: dict[str, float | None]
+    paper: dict[str, float]
+    files: dict[str, str] = field(default_factory=dict)
+    wall_s: float = 0.0
+
+    def points_json(self) -> list[dict[str, Any]]:
+        return [point_json(r) for r in self.results]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "title": self.title, "points": self.points_json(), "summary": self.summary,
+                "paper": self.paper, "files": self.files, "wall_s": self.wall_s}
+
+
+def series_of(r: Result) -> str:
+    """The column a result belongs to: its label (a cross-mesh variant) or its method."""
+    return r.label or r.method
+
+
+def point_json(r: Result) -> dict[str, Any]:
+    search = r.plan.get("search", {}) if r.plan else {}
+    d = {"model": r.model, "gpus": r.gpus, "method": r.method,
+         "throughput_pflops": r.throughput_pflops if r.feasible else None, "feasible": r.feasible}
+    if r.label:
+        d["label"] = r.label
+    d["plan_s"] = r.plan_s
+    d["ilp_solves"] = search.get("ilp_solves")
+    d["cache_hits"] = search.get("cache_hits")
+    if not r.feasible and r.notes:
+        d["reason"] = r.notes[0]
+    return d
+
 
 CSV_COLUMNS = ("model", "gpus", "method", "label", "feasible", "throughput_pflops", "predicted_pflops",
                "iteration_s", "plan_s", "ilp_solves", "cache_hits", "reason")
@@ -71,8 +127,6 @@ def _cell(r, kind: str) -> str:
 
 def markdown(report: Report, fig: Figure, png_name: str | None = None) -> str:
     """The figure as markdown: throughput per (model, GPUs) x system, then the summary."""
-    from ._reproduce import series_of
-
     series = [s for s in fig.series if any(series_of(r) == s for r in report.results)]
     unit = "planning time" if fig.kind == "plan_time" else "simulated throughput, PFLOPS"
     lines = [f"### {report.title}", "", f"{unit}; {OOM} = out of memory", ""]
@@ -95,8 +149,6 @@ def markdown(report: Report, fig: Figure, png_name: str | None = None) -> str:
 def write_png(report: Report, fig: Figure, path: Path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure as MplFigure
-
-    from ._reproduce import series_of
 
     panels = [p for p in fig.panels if any(r.model.startswith(p) for r in report.results)] or [""]
     mfig = MplFigure(figsize=(4.2 * len(panels), 3.4), dpi=100)

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from alpasim.graphs import PAPER_GPUS
 
 from ._points import Point, Result, paper_cluster, run_points
+from ._report import Figure, Report, series_of, write_report
 
 # ---------------------------------------------------------------- paper numbers
 # Figure 7a (GPT-3): "Alpa matches or slightly exceeds Megatron-LM" at every scale; the
@@ -54,60 +53,6 @@ PAPER_PLAN_S_GPT3_2 = 1000.0
 PAPER_PLAN_S_GPT3_64 = 2000.0
 
 CROSS_MESH_VARIANTS = ("send_recv", "local_all_gather", "signal")
-
-
-@dataclass(frozen=True)
-class Figure:
-    """One figure or table: what to run, how to summarise it, how to draw it."""
-
-    name: str
-    title: str
-    points: Callable[[], list[Point]]
-    summary: Callable[[list[Result]], dict[str, float | None]]
-    paper: dict[str, float]                     # summary key -> the paper's value
-    series: tuple[str, ...]                     # plot/table columns, in order
-    kind: str = "lines"                         # "lines" (throughput vs GPUs), "bars", "plan_time"
-    panels: tuple[str, ...] = ("",)             # model-name prefixes, one panel each
-    notes: str = ""
-
-
-@dataclass
-class Report:
-    """A reproduced figure: its results, summary ratios, the paper's, and the files."""
-
-    name: str
-    title: str
-    results: list[Result]
-    summary: dict[str, float | None]
-    paper: dict[str, float]
-    files: dict[str, str] = field(default_factory=dict)
-    wall_s: float = 0.0
-
-    def points_json(self) -> list[dict[str, Any]]:
-        return [point_json(r) for r in self.results]
-
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "title": self.title, "points": self.points_json(), "summary": self.summary,
-                "paper": self.paper, "files": self.files, "wall_s": self.wall_s}
-
-
-def series_of(r: Result) -> str:
-    """The column a result belongs to: its label (a cross-mesh variant) or its method."""
-    return r.label or r.method
-
-
-def point_json(r: Result) -> dict[str, Any]:
-    search = r.plan.get("search", {}) if r.plan else {}
-    d = {"model": r.model, "gpus": r.gpus, "method": r.method,
-         "throughput_pflops": r.throughput_pflops if r.feasible else None, "feasible": r.feasible}
-    if r.label:
-        d["label"] = r.label
-    d["plan_s"] = r.plan_s
-    d["ilp_solves"] = search.get("ilp_solves")
-    d["cache_hits"] = search.get("cache_hits")
-    if not r.feasible and r.notes:
-        d["reason"] = r.notes[0]
-    return d
 
 
 # --------------------------------------------------------------- ratio helpers
@@ -318,8 +263,6 @@ def reproduce(name: str, out_dir: str | Path | None = "out/reproduce", *, worker
               points: list[Point] | None = None) -> Report:
     """Run figure `name` (its points, or `points` instead), summarise it and, when
     `out_dir` is given, write `<out_dir>/<name>.csv`, `.png` and `.md`."""
-    from ._report import write_report
-
     if name not in FIGURES:
         raise KeyError(f"unknown figure {name!r}; choose one of {', '.join(FIGURES)}")
     fig = FIGURES[name]

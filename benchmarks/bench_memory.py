@@ -72,7 +72,6 @@ def main() -> None:
     ap.add_argument("--xla-default-scheduler", action="store_true",
                     help="compile with XLA:CPU's default scheduler instead of the memory-minimising one")
     args = ap.parse_args()
-    _executable.FENCE = None if args.fence == "none" else args.fence
     if args.xla_default_scheduler:
         _executable.compiler_options = lambda mesh: None
     cluster = get_cluster("aws-p3.16xlarge", nodes=1)
@@ -89,7 +88,7 @@ def main() -> None:
                                  SearchSpace(microbatches=args.microbatches, pareto=False,
                                              shape_ok=lambda sh: sh.size in VIEWS, views_of=lambda sh: VIEWS[sh.size],
                                              max_stages=3), PlanOptions(remat=remat))
-            result = run_local(plan, steps=1)
+            result = run_local(plan, steps=1, fence=None if args.fence == "none" else args.fence)
             ok = check_numerics(result.losses[0], result.grads, reference_step(plan))["numerics_ok"]
             for k, (st, stage) in enumerate(zip(plan.stages, result.stages, strict=True)):
                 m = stage_memory(stage, st.inflight_microbatches)

@@ -321,7 +321,8 @@ def _compile(fn, args: Sequence, options: dict[str, Any] | None):
 
 
 def lower_stage(plan: PipelinePlan, graph: OpGraph, stage_index: int, devices: Sequence[jax.Device], *,
-                seed: int = 0, shared: StageInputs | None = None, split_backward: bool = False) -> StageExecutable:
+                seed: int = 0, shared: StageInputs | None = None, split_backward: bool = False,
+                fence: str | None = "op") -> StageExecutable:
     """Stage `stage_index` of `plan` on `devices`; `graph` is `planning_graph(plan.model)`.
 
     Parameters start as `random_leaves(graph, seed)` gives them, the values a
@@ -365,7 +366,7 @@ def lower_stage(plan: PipelinePlan, graph: OpGraph, stage_index: int, devices: S
         sh = shardings[f"{p}:grad"] if info is None else info.sharding(mesh)
         acc[p] = jax.ShapeDtypeStruct(shape, acc_dtypes[p], sharding=sh)
     fns = _stage_functions(ops, train, shardings, mesh, plan.microbatches, acc_dtypes, stash_sh, layer_sh,
-                           partials)
+                           partials, fence)
 
     def abstract(names, layouts=shardings) -> dict[str, jax.ShapeDtypeStruct]:
         return {t: jax.ShapeDtypeStruct(train.tensors[t].shape, jax.dtypes.canonicalize_dtype(
@@ -384,11 +385,12 @@ def lower_stage(plan: PipelinePlan, graph: OpGraph, stage_index: int, devices: S
                            split={k: fns[k] for k in ("backward_input", "backward_weight")})
 
 
-# How a stage's backward is held to the plan's op order (`_StageTracer._fence`):
-# "op" ties each layer to the one after it and each weight gradient to the next op
-# that reads a parameter; "layer" only the layers; None neither. Other than "op" only
-# to measure what XLA does without it (`benchmarks/bench_memory.py --fence`).
-FENCE: str | None = "op"
+# How a stage's backward may be held to the plan's op order (`lower_stage(fence=)`,
+# `_StageTracer._fence`): "op" ties each layer to the one after it and each weight
+# gradient to the next op that reads a parameter; "layer" only the layers; None neither.
+# Other than "op" only to measure what XLA does without it (`benchmarks/bench_memory.py
+# --fence`).
+FENCES = ("op", "layer", None)
 
 
 def compiler_options(mesh: Mesh) -> dict[str, Any] | None:
@@ -486,13 +488,16 @@ def _layer_shardings(plan: PipelinePlan, train: OpGraph, ops: StageOps, k: int, 
 def _stage_functions(ops: StageOps, train: OpGraph, shardings: dict[str, NamedSharding], mesh: Mesh,
                      microbatches: int, acc_dtypes: dict[str, Any], stash_sh: dict[str, NamedSharding],
                      layer_sh: dict[int, dict[str, NamedSharding]] | None = None,
-                     partials: dict[str, PartialGrad] | None = None) -> dict[str, Any]:
+                     partials: dict[str, PartialGrad] | None = None, fence: str | None = "op") -> dict[str, Any]:
     """The stage's programs, jitted with their layouts (`_StageTracer` traces them). With
     `layer_sh` (the plan's per-layer layouts) every op's output is constrained to the
     layout its layer was priced with and a tensor one layer makes and another reads in a
     different layout is resharded where that layer reads it, as the planner's per-layer
-    plans do."""
-    tr = _StageTracer(ops, train, shardings, mesh, microbatches, acc_dtypes, stash_sh, layer_sh, partials or {})
+    plans do. `fence` (`FENCES`) holds the backward to the plan's op order."""
+    if fence not in FENCES:
+        raise ValueError(f"fence {fence!r}: choose one of {', '.join(map(str, FENCES))}")
+    tr = _StageTracer(ops, train, shardings, mesh, microbatches, acc_dtypes, stash_sh, layer_sh, partials or {},
+                      fence)
     p_sh, g_sh = tr.p_sh, tr.g_sh
     a_sh = {t: shardings[t] for t in ops.acts_in}
     d_sh = {t: shardings[t] for t in ops.data}
@@ -529,8 +534,9 @@ class _StageTracer:
 
     def __init__(self, ops: StageOps, train: OpGraph, shardings: dict[str, NamedSharding], mesh: Mesh,
                  microbatches: int, acc_dtypes: dict[str, Any], stash_sh: dict[str, NamedSharding],
-                 layer_sh: dict[int, dict[str, NamedSharding]] | None, partials: dict[str, PartialGrad]) -> None:
-        self.ops, self.train, self.shardings, self.mesh = ops, train, shardings, mesh
+                 layer_sh: dict[int, dict[str, NamedSharding]] | None, partials: dict[str, PartialGrad],
+                 fence: str | None = "op") -> None:
+        self.ops, self.train, self.shardings, self.mesh, self.fence = ops, train, shardings, mesh, fence
         self.acc_dtypes, self.stash_sh, self.layer_sh, self.partials = acc_dtypes, stash_sh, layer_sh, partials
         constrained = {t for op in (*ops.forward, *ops.backward) if op.prim in CONSTRAINED_PRIMS for t in op.outputs}
         self.constrained = constrained | {*ops.acts_out, *ops.cts_out, *ops.stash}
@@ -640,7 +646,7 @@ class _StageTracer:
     def backward(self, params, acc, stash, cts):
         fresh: list[str] = []    # parameters whose gradient the running layer has accumulated
         new_acc, accumulate = self.accumulator(acc, fresh.append)
-        fence = functools.partial(self._fence, fresh, new_acc) if FENCE else None
+        fence = functools.partial(self._fence, fresh, new_acc) if self.fence else None
         values = self.run(self.ops.backward, {**params, **stash, **cts}, on_value=accumulate,
                           layouts=self._backward_layouts(params, stash, cts), fence=fence)
         return new_acc, {t: values[t] for t in self.ops.cts_out}
@@ -658,7 +664,7 @@ class _StageTracer:
         local accumulator shard: no collective, no copy beyond the (small) parameters."""
         if new_layer:
             gated = sorted(self.reads_of[op.layer])
-        elif FENCE == "op":
+        elif self.fence == "op":
             gated = sorted({t for t in op.inputs if t in self.ops.params})
         else:
             return values

@@ -73,10 +73,12 @@ class RunResult:
 
 
 def run_local(plan: PipelinePlan, *, steps: int = 1, seed: int = 0, schedule: str | None = None,
-              devices: Sequence[jax.Device] | None = None, profile_iters: int = 0) -> RunResult:
+              devices: Sequence[jax.Device] | None = None, profile_iters: int = 0,
+              fence: str | None = "op") -> RunResult:
     """Train `steps` iterations of `plan` on this process's devices (plan device ids
     index `devices`, default `jax.devices()`). With `profile_iters`, each compiled stage
-    is first timed alone (`profile_stage`, Alpa's stage profiling) into `stage_profile`."""
+    is first timed alone (`profile_stage`, Alpa's stage profiling) into `stage_profile`.
+    `fence` holds each backward to the plan's op order (`lower_stage`)."""
     devices = list(devices if devices is not None else jax.devices())
     need = 1 + max(d for st in plan.stages for d in st.devices)
     if len(devices) < need:
@@ -90,7 +92,7 @@ def run_local(plan: PipelinePlan, *, steps: int = 1, seed: int = 0, schedule: st
     split = {program.stage_of(k, i.chunk) for k, mesh in enumerate(program.meshes) for i in mesh
              if type(i) is Run and i.phase == "backward_input"}
     stages = [lower_stage(plan, graph, k, [devices[d] for d in st.devices], seed=seed, shared=shared,
-                          split_backward=k in split) for k, st in enumerate(plan.stages)]
+                          split_backward=k in split, fence=fence) for k, st in enumerate(plan.stages)]
     payloads = _payloads(program, shared.train.meta.get("tied_grads", ()), [s.ops for s in stages])
     profile = profile_stages(stages, graph, iters=profile_iters, seed=seed) if profile_iters else []
     losses, times, grads = [], [], {}

@@ -91,7 +91,7 @@ def plan(
     run_simulation: Annotated[bool, typer.Option("--simulate", help="Also simulate the plan (1F1B) and show "
                                                  "the timeline metrics.")] = False,
     method: Annotated[str, typer.Option("--method", help="alpa, or a baseline: " + ", ".join(
-        m.cli_name for m in sv.METHODS.values() if m.name != "alpa") + ".")] = "alpa",
+        m.cli_name for m in sv.METHODS.values() if m.baseline) + ".")] = "alpa",
     tp: Annotated[Optional[int], typer.Option("--tp", help="Megatron tensor-parallel degree.")] = None,
     pp: Annotated[Optional[int], typer.Option("--pp", help="Megatron pipeline-parallel degree.")] = None,
     dp: Annotated[Optional[int], typer.Option("--dp", help="Megatron data-parallel degree.")] = None,
@@ -184,7 +184,7 @@ def plan(
     name = m.name
     degrees = {"--tp": tp, "--pp": pp, "--dp": dp, "--microbatch-size": microbatch_size}
     given = [k for k, v in degrees.items() if v is not None]
-    interleaves = name == "alpa" or ("megatron" in m.accepts and bool(given))
+    interleaves = not m.baseline or ("megatron" in m.accepts and bool(given))
     if schedule == "interleaved" and not interleaves:
         fail(f"--schedule interleaved plans with --method alpa, or a Megatron configuration given by --tp, --pp, "
              f"--dp and --microbatch-size, not --method {m.cli_name} alone")
@@ -218,9 +218,9 @@ def plan(
                                        ("kernels", kernels))
                      if v is not None},
                   **({"schedule": schedule, "chunk_options": chunk_options}
-                     if (name == "alpa" and schedule != "1f1b") or (interleaves and schedule == "interleaved")
+                     if (not m.baseline and schedule != "1f1b") or (interleaves and schedule == "interleaved")
                      else {}))
-    if not p.feasible and name == "alpa":   # Alpa finding nothing is an error, with or without --json
+    if not p.feasible and not m.baseline:   # Alpa finding nothing is an error, with or without --json
         fail("; ".join(p.notes) or "infeasible")
     if schedule == "auto" and p.feasible and p.chunks == 1:
         from alpasim import simulator as sim
@@ -240,7 +240,7 @@ def plan(
         emit_json(p.to_json() if report is None else {**p.to_json(), "simulation": report})
         return
     print_plan(p)
-    if name != "alpa":
+    if m.baseline:
         config = p.search.megatron
         out.print(f"method {name}: {m.summary}" + (
             f"; tp={config['tp']}" + (f" cp={config['cp']}" if config.get("cp", 1) > 1 else "")
@@ -249,7 +249,7 @@ def plan(
             + (", sharded gradients" if config.get("sharded_gradients") else "")
             + (", embedding and head as layers" if config.get("ends_as_layers") else "")
             + (f", recompute {p.model.recompute}, remat {'on' if p.model.remat else 'off'}"
-               if name == "megatron_core" else "")
+               if "recompute" in m.own_search else "")
             if config else ""))
     if report is not None:
         print_simulation(report)

@@ -14,7 +14,9 @@ from ._errors import ReportError
 from ._graph_report import model_with_batch
 
 
-INTRA_METHODS = ("alpa", *sv.BASELINES)
+# `intra --method`: Alpa's ILP, or the ILP under a baseline's restriction.
+INTRA_RESTRICTIONS: dict[str, str | None] = {"alpa": None, **{b: b for b in sv.BASELINES}}
+INTRA_METHODS = tuple(INTRA_RESTRICTIONS)
 # Samples per microbatch when `alpasim intra` is given no --microbatches: the
 # microbatch `intra --batch` used to mean, small enough that one layer of the zoo's
 # largest models fits one device.
@@ -49,10 +51,7 @@ def parse_layers(text: str | None, num_layers: int) -> tuple[int, int]:
 
 def _intra_solve(stage: gr.OpGraph, mesh: sv.LogicalMesh, model: cm.CostModel, method: str, budget: float,
                  solver: str, time_limit: float | None, compute: bool, microbatches: int) -> sv.IntraOpResult:
-    kw: dict[str, Any] = {}
-    if method != "alpa":
-        kw["restrict"], kw["leaf_specs"] = sv.BASELINES[method](stage, mesh, model)
-        kw["rewrite"] = sv.REWRITE_ALLOWED.get(method, False)
+    kw = sv.restricted_solve_kwargs(INTRA_RESTRICTIONS[method], stage, mesh, model)
     return sv.solve_intra_op(stage, mesh, model, memory_budget_bytes=budget, solver=solver,
                              time_limit_s=time_limit, with_compute=compute, microbatches=microbatches, **kw)
 

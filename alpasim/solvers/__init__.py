@@ -83,6 +83,7 @@ from ._stage_costs import LayerOption as LayerOption
 from ._stage_costs import StageCosts as StageCosts
 from ._stage_costs import build_stage_costs as build_stage_costs
 from ._stage_costs import canonical_key as canonical_key
+from ._stage_costs import restricted_solve_kwargs as restricted_solve_kwargs
 from ._stage_costs import scatter_tail_s as scatter_tail_s
 from ._stage_dp import DPResult as DPResult
 from ._stage_dp import StageChoice as StageChoice

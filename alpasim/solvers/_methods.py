@@ -85,6 +85,10 @@ class Method:
     # core's grid: the recomputation, and without an explicit configuration the optimizer
     # sharding); `plan_model` searches a "searched" recomputation for the others.
     own_search: frozenset[str] = frozenset()
+    # A system or ablation Alpa is compared with: a plan of it that does not fit is a
+    # result (an infeasible plan). Alpa's own search finding nothing is an error, and
+    # only it searches the schedule (interleaved chunks, or "auto": the faster).
+    baseline: bool = True
 
     @property
     def cli_name(self) -> str:
@@ -119,7 +123,7 @@ class Method:
 
 _SINGLE = frozenset({"layers"})
 METHODS: dict[str, Method] = {m.name: m for m in (
-    Method("alpa", "intra-op ILP inside stages + stage-mesh DP (Alpa)"),
+    Method("alpa", "intra-op ILP inside stages + stage-mesh DP (Alpa)", baseline=False),
     Method("intra_only", "one stage on all devices, intra-op ILP only", single_stage=True, accepts=_SINGLE),
     Method("inter_only", "pipeline only, one device per stage", one_device_stages=True, accepts=frozenset()),
     Method("pp_dp", "pipeline + data parallelism (PipeDream/DAPPLE space)", restriction="data_parallel"),

@@ -30,6 +30,7 @@ from ._build import load_forward as load_forward
 from ._build import read_graph_file as read_graph_file
 from ._build import ops_by_phase as ops_by_phase
 from ._builder import GraphBuilder as GraphBuilder
+from ._builder import param_split as param_split
 from ._clustering import Clustering as Clustering
 from ._clustering import assign_layers as assign_layers
 from ._clustering import cluster_ops as cluster_ops

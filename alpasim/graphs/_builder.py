@@ -14,6 +14,25 @@ from typing import Any
 from ._primitives import infer_outputs
 from ._types import GraphError, Op, OpGraph, Tensor
 
+# How tensor parallelism splits a parameter (Megatron-LM's layouts: Shoeybi et al. 2019,
+# Narayanan et al. 2021), tagged by the family builder that knows its model: a column-
+# parallel weight splits its output features, a row-parallel one its input features, an
+# embedding or head its vocabulary; a replicated one is whole on every rank. A graph's
+# tags are its `meta["tensor_parallel"]`: parameter name (last path component) ->
+# {"split", "dim", "expert" (dim 0 indexes experts)}. An imported graph has none.
+TP_SPLITS = ("column", "row", "vocabulary", "replicated")
+
+
+def param_split(graph: OpGraph, param: str) -> dict[str, Any] | None:
+    """The tensor-parallel tag of `param` in `graph`, or None for an untagged parameter
+    (whole on every rank); `graph.meta["tensor_parallel"]` absent: the graph carries no
+    tags at all (`ValueError`, naming the graph)."""
+    tags = graph.meta.get("tensor_parallel")
+    if tags is None:
+        raise ValueError(f"{graph.name} carries no tensor-parallel tags (an imported graph): its parameters' "
+                         f"split dimensions are known only for the zoo's families")
+    return tags.get(param.rsplit("/", 1)[-1])
+
 
 class GraphBuilder:
     """Accumulates tensors and ops; `scope()` sets the layer, phase and tags of new ops."""
@@ -33,6 +52,7 @@ class GraphBuilder:
         self.remat = False
         self.rows: str | None = None        # the batch's row ids, once a dropout needs them
         self.prefix = ""
+        self.tp_tags: dict[str, dict[str, Any]] = {}
 
     # ------------------------------------------------------------ naming
     def fresh(self, base: str) -> str:
@@ -88,7 +108,16 @@ class GraphBuilder:
         self.inputs.append(name)
         return name
 
-    def param(self, name: str, shape: Sequence[int], dtype: str = "float32") -> str:
+    def param(self, name: str, shape: Sequence[int], dtype: str = "float32", *,
+              tp: tuple[str, int] | str | None = None, expert: bool = False) -> str:
+        """A parameter; `tp` tags how tensor parallelism splits it (`TP_SPLITS`): (split,
+        dim), or "replicated"; `expert`: its dim 0 indexes experts."""
+        if tp is not None:
+            split, dim = (tp, None) if tp == "replicated" else tp
+            if split not in TP_SPLITS or (dim is not None and not 0 <= dim < len(shape)):
+                raise GraphError(f"parameter {name!r}: tensor-parallel tag {tp!r} is not one of {TP_SPLITS} "
+                                 f"with a dimension of {tuple(shape)}")
+            self.tp_tags[name] = {"split": split, "dim": dim, "expert": expert}
         return self.add_tensor(Tensor(self.fresh(name), tuple(shape), dtype, "param"))
 
     def state(self, name: str, shape: Sequence[int], dtype: str = "float32") -> str:
@@ -152,4 +181,6 @@ class GraphBuilder:
         return self.tensors[t].dtype
 
     def build(self, outputs: Sequence[str], meta: dict[str, Any] | None = None) -> OpGraph:
+        if self.tp_tags:
+            meta = {**(meta or {}), "tensor_parallel": dict(self.tp_tags)}
         return OpGraph(self.name, self.tensors, self.ops, self.inputs, outputs, meta)

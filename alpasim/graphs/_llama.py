@@ -109,7 +109,7 @@ def rms_norm(b: GraphBuilder, x: str, dt: str, name: str) -> str:
         y = b.ew("mul", xf, b.one("broadcast", [inv], name="inv_b", shape=shape, dims=tuple(range(axis))),
                  name="normed")
         y = b.one("convert", [y], name="downcast", dtype=dt) if dt != "float32" else y
-        g = b.param("scale", (shape[-1],), dt)
+        g = b.param("scale", (shape[-1],), dt, tp="replicated")
         return b.ew("mul", y, b.one("broadcast", [g], name="scale_b", shape=shape, dims=(axis,)), name="scaled")
 
 
@@ -154,14 +154,14 @@ def gqa_attention(b: GraphBuilder, x: str, cfg) -> str:
     r = cfg.heads // g
     with b.scope(tags=("attention",)):
         cos, sin = _rope_tables(b, cfg)
-        q = b.einsum("bsh,hgrd->bsgrd", x, b.param("w_q", (h, g, r, d), dt), name="q_proj")
-        k = b.einsum("bsh,hgd->bsgd", x, b.param("w_k", (h, g, d), dt), name="k_proj")
-        v = b.einsum("bsh,hgd->bsgd", x, b.param("w_v", (h, g, d), dt), name="v_proj")
+        q = b.einsum("bsh,hgrd->bsgrd", x, b.param("w_q", (h, g, r, d), dt, tp=("column", 1)), name="q_proj")
+        k = b.einsum("bsh,hgd->bsgd", x, b.param("w_k", (h, g, d), dt, tp=("column", 1)), name="k_proj")
+        v = b.einsum("bsh,hgd->bsgd", x, b.param("w_v", (h, g, d), dt, tp=("column", 1)), name="v_proj")
         q, k = _rope(b, q, cos, sin, "q_rope"), _rope(b, k, cos, sin, "k_rope")
         ctx = attention_core(b, cfg.attention, "bqgrd,bkgd,bkgd->bqgrd", q, k, v, scores="bgrqk",
                              scale=1.0 / math.sqrt(d), causal=True,
                              context_parallel=getattr(cfg, "context_parallel", 1))
-        return b.einsum("bsgrd,grdh->bsh", ctx, b.param("w_o", (g, r, d, h), dt), name="out_proj")
+        return b.einsum("bsgrd,grdh->bsh", ctx, b.param("w_o", (g, r, d, h), dt, tp=("row", 0)), name="out_proj")
 
 
 def swiglu(b: GraphBuilder, x: str, ffn: int, dt: str, prefix: str = "") -> str:
@@ -170,10 +170,13 @@ def swiglu(b: GraphBuilder, x: str, ffn: int, dt: str, prefix: str = "") -> str:
     `w_gate` is GShard MoE's router)."""
     h = b.shape(x)[-1]
     with b.scope(tags=("mlp",)):
-        gate = b.einsum("bsh,hf->bsf", x, b.param(f"{prefix}w_gate_proj", (h, ffn), dt), name=f"{prefix}gate_proj")
-        up = b.einsum("bsh,hf->bsf", x, b.param(f"{prefix}w_up_proj", (h, ffn), dt), name=f"{prefix}up_proj")
-        return b.einsum("bsf,fh->bsh", silu_mul(b, gate, up), b.param(f"{prefix}w_down_proj", (ffn, h), dt),
-                        name=f"{prefix}down_proj")
+        w_gate = b.param(f"{prefix}w_gate_proj", (h, ffn), dt, tp=("column", 1))
+        gate = b.einsum("bsh,hf->bsf", x, w_gate, name=f"{prefix}gate_proj")
+        w_up = b.param(f"{prefix}w_up_proj", (h, ffn), dt, tp=("column", 1))
+        up = b.einsum("bsh,hf->bsf", x, w_up, name=f"{prefix}up_proj")
+        act = silu_mul(b, gate, up)
+        w_down = b.param(f"{prefix}w_down_proj", (ffn, h), dt, tp=("row", 0))
+        return b.einsum("bsf,fh->bsh", act, w_down, name=f"{prefix}down_proj")
 
 
 def silu_mul(b: GraphBuilder, gate: str, up: str) -> str:
@@ -195,7 +198,7 @@ def decoder_lm(cfg, name: str, feed_forward: Callable[[GraphBuilder, str, int], 
     ids = b.input("token_ids", (bsz, s), "int32")
     labels = b.input("labels", (bsz, s), "int32")
     with b.scope(layer=0, tags=("embedding",), prefix="embed/"):
-        x = b.one("embedding", [b.param("wte", (cfg.vocab, h), dt), ids], name="token_embedding")
+        x = b.one("embedding", [b.param("wte", (cfg.vocab, h), dt, tp=("vocabulary", 0)), ids], name="token_embedding")
     for i in range(cfg.layers):
         with b.scope(layer=i, prefix=f"layer{i}/"):
             x = b.ew("add", x, gqa_attention(b, rms_norm(b, x, dt, "attn_norm"), cfg), name="residual_attn")
@@ -203,6 +206,7 @@ def decoder_lm(cfg, name: str, feed_forward: Callable[[GraphBuilder, str, int], 
     with b.scope(layer=cfg.layers - 1, tags=("head",), prefix="head/"):
         x = rms_norm(b, x, dt, "final_norm")
         with b.scope(tags=("keep",)):
-            logits = b.einsum("bsh,hv->bsv", x, b.param("w_head", (h, cfg.vocab), dt), name="logits")
+            w_head = b.param("w_head", (h, cfg.vocab), dt, tp=("vocabulary", 1))
+            logits = b.einsum("bsh,hv->bsv", x, w_head, name="logits")
             loss = b.one("softmax_cross_entropy", [logits, labels], name="loss")
     return b.build([loss], meta={"family": cfg.family, "dtype": dt, "config": dataclasses.asdict(cfg)})

@@ -68,9 +68,10 @@ VALID = ((0, 0), (0, 0))
 def _conv_bn(b: GraphBuilder, x: str, cout: int, k: int, stride: int, dt: str, name: str, relu: bool) -> str:
     cin = b.shape(x)[-1]
     pad = VALID if k == 1 else ((k // 2, k // 2), (k // 2, k // 2))
-    w = b.param(f"{name}_w", (k, k, cin, cout), dt)
+    w = b.param(f"{name}_w", (k, k, cin, cout), dt, tp="replicated")
     y = b.one("conv2d", [x, w], name=name, strides=(stride, stride), padding=pad)
-    y = b.one("batch_norm", [y, b.param(f"{name}_bn_scale", (cout,), dt), b.param(f"{name}_bn_bias", (cout,), dt)],
+    y = b.one("batch_norm", [y, b.param(f"{name}_bn_scale", (cout,), dt, tp="replicated"),
+                              b.param(f"{name}_bn_bias", (cout,), dt, tp="replicated")],
               name=f"{name}_bn", eps=1e-5)
     return b.ew("relu", y, name=f"{name}_relu") if relu else y
 
@@ -104,8 +105,8 @@ def wide_resnet(cfg: WResNetConfig, name: str) -> OpGraph:
     with b.scope(layer=layer - 1, tags=("head",), prefix="head/"):
         pooled = b.one("reduce", [x], name="avg_pool", kind="mean", axes=(1, 2))
         c = b.shape(pooled)[-1]
-        logits = b.einsum("nc,ck->nk", pooled, b.param("fc_w", (c, cfg.classes), dt), name="fc")
-        logits = b.one("bias_add", [logits, b.param("fc_b", (cfg.classes,), dt)], name="fc_bias")
+        logits = b.einsum("nc,ck->nk", pooled, b.param("fc_w", (c, cfg.classes), dt, tp="replicated"), name="fc")
+        logits = b.one("bias_add", [logits, b.param("fc_b", (cfg.classes,), dt, tp="replicated")], name="fc_bias")
         loss = b.one("softmax_cross_entropy", [logits, labels], name="loss")
     return b.build([loss], meta={"family": cfg.family, "dtype": dt,
                                  "config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}})

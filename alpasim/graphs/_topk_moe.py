@@ -96,15 +96,18 @@ def _routed_experts(b: GraphBuilder, x: str, cfg: TopKMoEConfig) -> str:
     g = cfg.batch * cfg.seq // s
     with b.scope(tags=("moe",)):
         tokens = b.one("reshape", [x], name="group_tokens", shape=(g, s, h))
-        logits = b.einsum("GSM,ME->GSE", tokens, b.param("w_router", (h, e), dt), name="router")
+        logits = b.einsum("GSM,ME->GSE", tokens, b.param("w_router", (h, e), dt, tp="replicated"), name="router")
         probs = b.one("softmax", [logits], name="router_softmax", axis=-1)
         combine, dispatch = b.apply("topk_gating", [probs], name="topk_gating", out_names=["combine", "dispatch"],
                                     k=cfg.top_k, capacity=c, normalize=bool(cfg.normalize_topk))
         xe = b.einsum("GSEC,GSM->EGCM", dispatch, tokens, name="dispatch")
-        gate = b.einsum("EGCM,EMH->EGCH", xe, b.param("w_expert_gate", (e, h, f), dt), name="expert_gate")
-        up = b.einsum("EGCM,EMH->EGCH", xe, b.param("w_expert_up", (e, h, f), dt), name="expert_up")
-        ye = b.einsum("EGCH,EHM->GECM", silu_mul(b, gate, up), b.param("w_expert_down", (e, f, h), dt),
-                      name="expert_down")
+        w_gate = b.param("w_expert_gate", (e, h, f), dt, tp=("column", 2), expert=True)
+        gate = b.einsum("EGCM,EMH->EGCH", xe, w_gate, name="expert_gate")
+        w_up = b.param("w_expert_up", (e, h, f), dt, tp=("column", 2), expert=True)
+        up = b.einsum("EGCM,EMH->EGCH", xe, w_up, name="expert_up")
+        act = silu_mul(b, gate, up)
+        w_down = b.param("w_expert_down", (e, f, h), dt, tp=("row", 1), expert=True)
+        ye = b.einsum("EGCH,EHM->GECM", act, w_down, name="expert_down")
         y = b.einsum("GSEC,GECM->GSM", combine, ye, name="combine")
         return b.one("reshape", [y], name="ungroup_tokens", shape=(cfg.batch, cfg.seq, h))
 

@@ -130,8 +130,8 @@ def _attention(b: GraphBuilder, x: str, cfg, causal: bool) -> str:
     dt = cfg.dtype
     bsz, s = cfg.batch, cfg.seq
     with b.scope(tags=("attention",)):
-        y = b.einsum("bsh,hcnd->bscnd", x, b.param("w_qkv", (h, 3, n, d), dt), name="qkv_proj")
-        y = b.one("bias_add", [y, b.param("b_qkv", (3, n, d), dt)], name="qkv_bias")
+        y = b.einsum("bsh,hcnd->bscnd", x, b.param("w_qkv", (h, 3, n, d), dt, tp=("column", 2)), name="qkv_proj")
+        y = b.one("bias_add", [y, b.param("b_qkv", (3, n, d), dt, tp=("column", 1))], name="qkv_bias")
         heads = []
         for i, which in enumerate("qkv"):
             part = b.one("slice", [y], name=f"{which}_split", start=(0, 0, i, 0, 0), limit=(bsz, s, i + 1, n, d))
@@ -140,19 +140,19 @@ def _attention(b: GraphBuilder, x: str, cfg, causal: bool) -> str:
         q, k, v = heads
         ctx = attention_core(b, cfg.attention, "bnqd,bnkd,bnkd->bnqd", q, k, v, scores="bnqk",
                              scale=1.0 / math.sqrt(d), causal=causal, dropout=_rate(cfg))
-        w_o = b.param("w_o", (n, d, h), dt)
+        w_o = b.param("w_o", (n, d, h), dt, tp=("row", 0))
         out = b.einsum("bnsd,ndh->bsh", ctx, w_o, name="out_proj")
-        return b.one("bias_add", [out, b.param("b_o", (h,), dt)], name="out_bias")
+        return b.one("bias_add", [out, b.param("b_o", (h,), dt, tp="replicated")], name="out_bias")
 
 
 def _mlp(b: GraphBuilder, x: str, cfg) -> str:
     h, f, dt = cfg.hidden, cfg.ffn_mult * cfg.hidden, cfg.dtype
     with b.scope(tags=("mlp",)):
-        y = b.einsum("bsh,hf->bsf", x, b.param("w_fc1", (h, f), dt), name="fc1")
-        y = b.one("bias_add", [y, b.param("b_fc1", (f,), dt)], name="fc1_bias")
+        y = b.einsum("bsh,hf->bsf", x, b.param("w_fc1", (h, f), dt, tp=("column", 1)), name="fc1")
+        y = b.one("bias_add", [y, b.param("b_fc1", (f,), dt, tp=("column", 0))], name="fc1_bias")
         y = b.ew("gelu", y)
-        y = b.einsum("bsf,fh->bsh", y, b.param("w_fc2", (f, h), dt), name="fc2")
-        return b.one("bias_add", [y, b.param("b_fc2", (h,), dt)], name="fc2_bias")
+        y = b.einsum("bsf,fh->bsh", y, b.param("w_fc2", (f, h), dt, tp=("row", 0)), name="fc2")
+        return b.one("bias_add", [y, b.param("b_fc2", (h,), dt, tp="replicated")], name="fc2_bias")
 
 
 def _moe_ffn(b: GraphBuilder, x: str, cfg: MoEConfig) -> str:
@@ -161,14 +161,16 @@ def _moe_ffn(b: GraphBuilder, x: str, cfg: MoEConfig) -> str:
     g = cfg.batch * cfg.seq // s
     with b.scope(tags=("moe",)):
         tokens = b.one("reshape", [x], name="group_tokens", shape=(g, s, h))
-        logits = b.einsum("GSM,ME->GSE", tokens, b.param("w_gate", (h, e), dt), name="gate")
+        logits = b.einsum("GSM,ME->GSE", tokens, b.param("w_gate", (h, e), dt, tp="replicated"), name="gate")
         gates = b.one("softmax", [logits], name="gate_softmax", axis=-1)
         combine, dispatch = b.apply("top2_gating", [gates], name="top2_gating", out_names=["combine", "dispatch"],
                                     capacity=c)
         xe = b.einsum("GSEC,GSM->EGCM", dispatch, tokens, name="dispatch")
-        he = b.einsum("EGCM,EMH->EGCH", xe, b.param("w_expert_in", (e, h, f), dt), name="expert_in")
+        w_in = b.param("w_expert_in", (e, h, f), dt, tp=("column", 2), expert=True)
+        he = b.einsum("EGCM,EMH->EGCH", xe, w_in, name="expert_in")
         he = b.ew("relu", he)
-        ye = b.einsum("EGCH,EHM->GECM", he, b.param("w_expert_out", (e, f, h), dt), name="expert_out")
+        w_out = b.param("w_expert_out", (e, f, h), dt, tp=("row", 1), expert=True)
+        ye = b.einsum("EGCH,EHM->GECM", he, w_out, name="expert_out")
         y = b.einsum("GSEC,GECM->GSM", combine, ye, name="combine")
         return b.one("reshape", [y], name="ungroup_tokens", shape=(cfg.batch, cfg.seq, h))
 
@@ -178,7 +180,8 @@ def _rate(cfg) -> float:
 
 
 def _layer_norm(b: GraphBuilder, x: str, h: int, dt: str, name: str) -> str:
-    return b.one("layer_norm", [x, b.param(f"{name}_scale", (h,), dt), b.param(f"{name}_bias", (h,), dt)],
+    return b.one("layer_norm", [x, b.param(f"{name}_scale", (h,), dt, tp="replicated"),
+                                b.param(f"{name}_bias", (h,), dt, tp="replicated")],
                  name=name, eps=1e-5)
 
 
@@ -190,9 +193,9 @@ def transformer_lm(cfg: GPTConfig | MoEConfig, name: str) -> OpGraph:
     ids = b.input("token_ids", (bsz, s), "int32")
     labels = b.input("labels", (bsz, s), "int32")
     with b.scope(layer=0, tags=("embedding",), prefix="embed/"):
-        wte = b.param("wte", (cfg.vocab, h), dt)
+        wte = b.param("wte", (cfg.vocab, h), dt, tp=("vocabulary", 0))
         x = b.one("embedding", [wte, ids], name="token_embedding")
-        pos = b.one("broadcast", [b.param("wpe", (s, h), dt)], name="position_embedding",
+        pos = b.one("broadcast", [b.param("wpe", (s, h), dt, tp="replicated")], name="position_embedding",
                     shape=(bsz, s, h), dims=(1, 2))
         x = b.dropout(b.ew("add", x, pos, name="embed_sum"), _rate(cfg), "embed_dropout")
     for i in range(cfg.layers):

@@ -2,7 +2,6 @@
 the planning methods and baselines, the plan records, and the checks made before planning."""
 
 from ._intra_baselines import BASELINES as BASELINES
-from ._intra_baselines import MEGATRON_PARAM_DIMS as MEGATRON_PARAM_DIMS
 from ._intra_baselines import REWRITE_ALLOWED as REWRITE_ALLOWED
 from ._intra_baselines import PER_MICROBATCH_GRAD_SYNC as PER_MICROBATCH_GRAD_SYNC
 from ._intra_baselines import batch_letters as batch_letters

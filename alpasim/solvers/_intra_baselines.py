@@ -41,26 +41,13 @@ from collections.abc import Mapping
 
 from alpasim.costmodels import CostModel
 from alpasim.graphs import (LOSS_LOGITS, Op, OpGraph, Tensor, is_weight_grad, makes_weight_grad, op_dims,
-                            tied_param, weight_grad_params)
+                            param_split, tied_param, weight_grad_params)
 
 from ._mesh import LogicalMesh
 from ._resharding import Collective, resharding_time_s
 from ._spec import ShardingSpec, all_specs, spec_fits
 from ._strategies import Strategy, class_letter, graph_strategies
 
-# Parameter name (last path component) -> dimension Megatron-LM splits on the
-# tensor-parallel axis (Shoeybi et al. 2019; Narayanan et al. 2021).
-# Llama's Q/K/V split the KV-head group dim (1), its output projection dim 0, SwiGLU's
-# gate and up are column- and down row-parallel, the untied head splits the vocabulary.
-MEGATRON_PARAM_DIMS: dict[str, int] = {
-    "w_q": 1, "w_k": 1, "w_v": 1, "b_q": 0, "b_k": 0, "b_v": 0, "w_qkv": 2, "b_qkv": 1, "w_o": 0,
-    "w_fc1": 1, "b_fc1": 0, "w_fc2": 0, "wte": 0, "w_head": 1,
-    "w_gate_proj": 1, "w_up_proj": 1, "w_down_proj": 0,
-    "shared_w_gate_proj": 1, "shared_w_up_proj": 1, "shared_w_down_proj": 0,
-    "w_expert_in": 2, "w_expert_out": 1, "w_expert_gate": 2, "w_expert_up": 2, "w_expert_down": 1,
-}
-# Expert weights, (E, M, H) and (E, H, M): the expert dimension is dim 0.
-EXPERT_PARAMS: tuple[str, ...] = ("w_expert_in", "w_expert_out", "w_expert_gate", "w_expert_up", "w_expert_down")
 # Relative margin under which two greedy (heuristic) choices tie; the earlier one in
 # `enumerate_strategies` order wins, so the result is deterministic.
 TIE_RTOL = 1e-12
@@ -355,13 +342,15 @@ def _tied_grad_inputs(graph: OpGraph, mesh: LogicalMesh) -> dict[str, list[Shard
     for t in graph.meta.get("tied_grads", ()):
         p = tied_param(graph, t) if t in graph.inputs else None
         if p in params and params[p].shape == graph.tensors[t].shape:
-            out[t] = [_megatron_param_spec(params[p], mesh)]
+            out[t] = [_megatron_param_spec(graph, params[p], mesh)]
     return out
 
 
-def _megatron_param_spec(t, mesh: LogicalMesh) -> ShardingSpec:
-    """Parameter `t` split on its Megatron dimension over the tensor-parallel axis."""
-    dim = MEGATRON_PARAM_DIMS.get(t.name.rsplit("/", 1)[-1])
+def _megatron_param_spec(graph: OpGraph, t: Tensor, mesh: LogicalMesh) -> ShardingSpec:
+    """Parameter `t` split on the dimension its family's builder tags for tensor
+    parallelism (`graphs.param_split`) over the tensor-parallel axis."""
+    tag = param_split(graph, t.name)
+    dim = tag["dim"] if tag is not None else None
     if dim is not None and mesh.shape[1] > 1:
         dims = [()] * t.rank
         dims[dim] = (1,)
@@ -372,7 +361,7 @@ def _megatron_param_spec(t, mesh: LogicalMesh) -> ShardingSpec:
 
 
 def _megatron_params(graph: OpGraph, mesh: LogicalMesh) -> dict[str, list[ShardingSpec]]:
-    return {t.name: [_megatron_param_spec(t, mesh)] for t in graph.params}
+    return {t.name: [_megatron_param_spec(graph, t, mesh)] for t in graph.params}
 
 
 # ------------------------------------------------------------------------- ZeRO
@@ -554,7 +543,10 @@ def deepspeed_moe_restriction(graph: OpGraph, mesh: LogicalMesh, cost_model: Cos
     expert-data-parallel group: batch split, gradients reduce-scattered over it).
     """
     restrict, leaf_specs = zero2_restriction(graph, mesh, cost_model)
-    experts = [t for t in graph.params if t.name.rsplit("/", 1)[-1] in EXPERT_PARAMS]
+    # Expert weights, tagged by their family's builder (an untagged graph has none):
+    # (E, M, H) and (E, H, M), the expert dimension dim 0.
+    tagged = "tensor_parallel" in graph.meta
+    experts = [t for t in graph.params if tagged and (param_split(graph, t.name) or {}).get("expert")]
     axes = _expert_axes({t.shape[0] for t in experts}, mesh)
     if not experts or not axes:
         return restrict, leaf_specs

@@ -310,3 +310,60 @@ def test_a_reshape_passes_a_unit_axis_over_and_keeps_the_layout_of_the_next(src,
     for i, j in kept.items():
         letter = dm.inputs[0][i]
         assert dm.outputs[0][j] == letter and letter not in dm.unshardable, dm
+
+
+# ------------------------------------------------------ tensor-parallel tags
+TAGGED = ["gpt3:hidden=64,layers=2,heads=4,seq=16,vocab=128,batch=8",
+          "moe:hidden=64,layers=2,heads=4,experts=4,seq=16,vocab=128,batch=8,group_size=32",
+          "llama:hidden=64,layers=2,heads=4,kv_heads=2,ffn=96,seq=16,vocab=128,batch=8",
+          "topk-moe:hidden=64,layers=2,heads=4,kv_heads=2,experts=4,top_k=2,expert_ffn=48,shared_experts=1,"
+          "dense_layers=1,dense_ffn=96,seq=16,vocab=128,batch=8,group_size=32",
+          "wresnet:channels=8,width=1,depth=17,image=32,classes=16,batch=8"]
+
+
+@pytest.mark.parametrize("spec", TAGGED)
+def test_every_zoo_parameter_is_tagged_with_the_split_its_einsum_implies(spec):
+    """Each builder tags every parameter with how tensor parallelism splits it, and the
+    tag agrees with how the parameter is used, read off the graph itself: a column-
+    parallel weight's dimension is one its einsum writes out (an output feature), a
+    row-parallel one's is contracted away, a vocabulary dimension is the vocabulary,
+    an expert weight's dim 0 the experts."""
+    from alpasim.graphs import model_source, parse_einsum, param_split
+
+    source = model_source(spec)
+    graph = source.forward(8, "float32")
+    cfg = source.config
+    params = {t.name for t in graph.params}
+    tags = {p: param_split(graph, p) for p in params}
+    assert all(tag is not None for tag in tags.values()), [p for p, tag in tags.items() if tag is None]
+    splits = {tag["split"] for tag in tags.values()}
+    assert splits == {"replicated"} if spec.startswith("wresnet") else {"column", "row", "vocabulary"} <= splits
+    for op in graph.ops:
+        if op.prim != "einsum":
+            continue
+        (a, b), out = parse_einsum(op.param("equation"))
+        for letters, name in ((a, op.inputs[0]), (b, op.inputs[1])):
+            tag = tags.get(name)
+            if tag is None or tag["split"] in ("replicated", "vocabulary"):
+                continue
+            letter = letters[tag["dim"]]
+            assert (letter in out) == (tag["split"] == "column"), (op.name, name, tag)
+    for p, tag in tags.items():
+        shape = graph.tensors[p].shape
+        if tag["split"] == "vocabulary":
+            assert shape[tag["dim"]] == cfg.vocab
+        if tag["expert"]:
+            assert shape[0] == cfg.experts
+
+
+def test_an_imported_graph_has_no_tensor_parallel_tags_and_megatron_says_so():
+    from alpasim.graphs import GraphBuilder, GraphError, param_split
+
+    b = GraphBuilder("imported")
+    x = b.input("x", (4, 8))
+    w = b.param("w", (8, 8))
+    graph = b.build([b.einsum("bh,hf->bf", x, w)])
+    with pytest.raises(ValueError, match="imported carries no tensor-parallel tags"):
+        param_split(graph, w)
+    with pytest.raises(GraphError, match="tensor-parallel tag"):
+        GraphBuilder("bad").param("w", (8, 8), tp=("column", 2))

@@ -15,11 +15,12 @@ elements; async `-start`/`-done` pairs, counted once at the start (an all-gather
 returns (operands, results); its results are counted); replica groups written as
 explicit lists, iota tiles (`[2,4]<=[8]`) or mesh axes (`mesh['axis_0'=2] {'axis_0'}`).
 
-`compare_collectives` sets, per stage, the bytes by kind of the stage's intra-op plan
-(every collective once: a microbatch's forward and backward plus the iteration's
-gradient sync and update) against the HLO of its compiled forward, backward and update
-(each program once). The weight gradients' reduction is in the update program, once
-per iteration, as the plan has it (`_partial_grads`).
+`compare_collectives` sets, per stage, the bytes by kind the plan priced (its layers'
+plans' collectives, each once: a microbatch's forward and backward plus the iteration's
+gradient sync and update; `PipelineStage.collective_bytes`) against the HLO of its
+compiled forward, backward and update (each program once): what was priced, never a
+stage solved again. The weight gradients' reduction is in the update program, once per
+iteration, as the plan has it (`_partial_grads`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+
+from alpasim.solvers import PipelinePlan
 
 from ._executable import StageExecutable
 
@@ -90,15 +93,14 @@ def stage_collectives(stage: StageExecutable) -> dict[str, list[HloCollective]]:
     return {name: hlo_collectives(c.as_text()) for name, c in stage.compiled.items()}
 
 
-def compare_collectives(stages: Sequence[StageExecutable]) -> list[dict]:
-    """Per stage: predicted and measured bytes by kind, their totals and ratio (measured
-    over predicted, None when nothing was predicted), and the measured bytes per program."""
+def compare_collectives(plan: PipelinePlan, stages: Sequence[StageExecutable]) -> list[dict]:
+    """Per stage: predicted (the plan's record; None for a plan from before it recorded
+    them) and measured bytes by kind, their totals and ratio (measured over predicted,
+    None when nothing was predicted), and the measured bytes per program."""
     report = []
     for s in stages:
-        predicted: dict[str, float] = defaultdict(float)
-        for pc in s.intra_plan.collectives:
-            if s.intra_plan.mesh.axis_size(pc.collective.axes) > 1:
-                predicted[pc.collective.kind] += pc.collective.nbytes
+        recorded = plan.stages[s.index].collective_bytes
+        predicted: dict[str, float] = defaultdict(float, recorded or {})
         measured: dict[str, float] = defaultdict(float)
         programs = {}
         for name, found in stage_collectives(s).items():
@@ -108,8 +110,9 @@ def compare_collectives(stages: Sequence[StageExecutable]) -> list[dict]:
         p_total = sum(predicted[k] for k in PLANNED_KINDS)
         m_total = sum(measured[k] for k in PLANNED_KINDS)
         report.append({"stage": s.index, "mesh": list(s.mesh.axis_sizes),
-                       "predicted": {k: predicted[k] for k in PLANNED_KINDS},
+                       "predicted": {k: predicted[k] for k in PLANNED_KINDS} if recorded is not None else None,
                        "measured": {k: measured[k] for k in (*PLANNED_KINDS, "collective_permute")},
-                       "predicted_bytes": p_total, "measured_bytes": m_total,
-                       "ratio": m_total / p_total if p_total else None, "measured_by_program": programs})
+                       "predicted_bytes": p_total if recorded is not None else None, "measured_bytes": m_total,
+                       "ratio": m_total / p_total if p_total and recorded is not None else None,
+                       "measured_by_program": programs})
     return report

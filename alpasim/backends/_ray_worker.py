@@ -31,7 +31,7 @@ import jax
 import numpy as np
 
 from alpasim.simulator import Program, Recv, Send
-from alpasim.solvers import IntraOpPlan, PipelinePlan, planning_graph
+from alpasim.solvers import PipelinePlan, planning_graph
 
 from ._executable import lower_stage
 from ._runtime import Payload, _Walker, params_bytes_per_device, tied_copies
@@ -57,13 +57,12 @@ class HloText:
 @dataclass(frozen=True)
 class RemoteStage:
     """What the driver keeps of a stage that lives in an actor: the attributes of a
-    `StageExecutable` that reports read (index, part, mesh, intra-op plan, compiled HLO
-    for `compare_collectives`), and its parameter bytes per device for the timeline."""
+    `StageExecutable` that reports read (index, part, mesh, compiled HLO for
+    `compare_collectives`), and its parameter bytes per device for the timeline."""
 
     index: int
     part: StagePart
     mesh: jax.sharding.AbstractMesh
-    intra_plan: IntraOpPlan
     compiled: dict[str, HloText]
     params_bytes: float
     memory: StageMemory | None = None       # `stage_memory` of the actor's compiled stage
@@ -125,7 +124,7 @@ class MeshWorker:
         the summaries (one per stage it runs) the driver keeps."""
         self.program, self.payloads, self.timeout_s = program, payloads, timeout_s
         self.owners, self.readers = owners, readers
-        return [RemoteStage(j, s.part, s.mesh.abstract_mesh, s.intra_plan,
+        return [RemoteStage(j, s.part, s.mesh.abstract_mesh,
                             {name: HloText(c.as_text()) for name, c in s.compiled.items()},
                             params_bytes_per_device(s), stage_memory(s, self.inflight[j]),
                             tuple(int(d.id) for d in s.mesh.devices.flat))

@@ -470,6 +470,7 @@ def _plan_stage(costs: StageCosts, st: StageChoice, depth: int, inflight: int, d
     compute = sync = forward = grad_sync = weight_s = weight_bytes = scatter = 0.0
     overlap = costs.bucket_bytes is not None
     param_specs: dict[str, str] = {}
+    collective_bytes: dict[str, float] = {}
     heavy: list[dict] = []
     kinds_shown: set[str] = set()
     layer_specs: list[dict[str, str]] = []
@@ -485,6 +486,8 @@ def _plan_stage(costs: StageCosts, st: StageChoice, depth: int, inflight: int, d
         weight_bytes += o.weight_stash_bytes
         layer_graph = costs.layer_graphs[layer]
         layer_specs.append(layer_tensor_specs(layer_graph, o))
+        for collective, nbytes in o.collective_bytes:
+            collective_bytes[collective] = collective_bytes.get(collective, 0.0) + nbytes
         for p, spec in zip(canonical_params(layer_graph), o.param_specs):
             param_specs[p] = spec
         if kind not in kinds_shown:  # the heaviest ops of each distinct layer kind
@@ -504,7 +507,8 @@ def _plan_stage(costs: StageCosts, st: StageChoice, depth: int, inflight: int, d
                          param_specs, tuple(heavy), forward, compute - forward, mem.stash_bytes,
                          float(st.boundary_s), mem.to_json(),
                          tuple(layer_specs) if all(layer_specs) else (), grad_sync, buckets, exposed,
-                         min(weight_s, compute - forward), weight_bytes, gather, moved, scatter)
+                         min(weight_s, compute - forward), weight_bytes, gather, moved, scatter,
+                         collective_bytes)
 
 
 def chunk_memory(costs: StageCosts, st: StageChoice, depth: int):

@@ -118,6 +118,16 @@ class IntraOpPlan:
         """One iteration of this stage alone: B microbatches, then sync and update."""
         return microbatches * self.time_s + self.sync_s + self.update_s
 
+    def collective_bytes(self) -> dict[str, float]:
+        """The bytes its collectives move on the mesh's live axes, by kind: one
+        microbatch's forward and backward and the iteration's sync, what the compiled
+        programs are compared with (`backends.compare_collectives`)."""
+        out: dict[str, float] = {}
+        for pc in self.collectives:
+            if self.mesh.axis_size(pc.collective.axes) > 1:
+                out[pc.collective.kind] = out.get(pc.collective.kind, 0.0) + pc.collective.nbytes
+        return out
+
     def partition_specs(self, params: list[str], axis_names: tuple[str, str] = ("x", "y")) -> dict[str, tuple]:
         """`jax.sharding.PartitionSpec` arguments of each parameter's stored layout."""
         return {p: self.specs[p].partition_spec(axis_names) for p in params if p in self.specs}

@@ -200,6 +200,10 @@ class PipelineStage(Record):
     # work, one microbatch's of them inside sync_s (the stream's tail after the last
     # backward); 0 where they run inline in the backward (`LayerOption.busy_s`).
     grad_scatter_s: float = 0.0
+    # What its layers' plans' collectives move, by kind (`LayerOption.collective_bytes`:
+    # one microbatch's forward and backward and the iteration's sync): what `alpasim run`
+    # compares the compiled programs with. None: a plan from before it was recorded.
+    collective_bytes: dict[str, float] | None = None
 
     def __post_init__(self) -> None:
         if self.layers[0] > self.layers[1] or self.layers[0] < 0:
@@ -355,6 +359,9 @@ def validate_plan(plan: PipelinePlan, source: str = "plan") -> None:
             value = getattr(st, name)
             if not (math.isfinite(value) and value >= 0):
                 raise bad(f"{here}.{name}", f"must be a finite number >= 0, got {value!r}")
+        for kind, value in (st.collective_bytes or {}).items():
+            if not (math.isfinite(value) and value >= 0):
+                raise bad(f"{here}.collective_bytes.{kind}", f"must be a finite number >= 0, got {value!r}")
         if st.inflight_microbatches < 1:
             raise bad(f"{here}.inflight_microbatches", f"must be >= 1, got {st.inflight_microbatches}")
         first, last = st.layers

@@ -148,6 +148,10 @@ class LayerOption:
     # gradient stream), without it inline in the backward.
     grad_scatter_s: float = 0.0
     grad_scatter_stream_s: float = 0.0
+    # What its plan's collectives move, by kind (`IntraOpPlan.collective_bytes`): the
+    # plan records each stage's sum, and `alpasim run` compares the compiled programs
+    # with it instead of solving the stage again.
+    collective_bytes: tuple[tuple[str, float], ...] = ()
 
     @property
     def tied_bytes(self) -> float:
@@ -189,12 +193,13 @@ class LayerOption:
                 d.get("hidden_s", 0.0), d.get("weight_grad_s", 0.0), d.get("weight_stash_bytes", 0.0),
                 d.get("tp_hidden_s", 0.0), d.get("tp_hidden_forward_s", 0.0), d.get("param_gather_s", 0.0),
                 tuple((tuple(int(a) for a in axes), b) for axes, b in d.get("gather_groups", ())),
-                d.get("grad_scatter_s", 0.0), d.get("grad_scatter_stream_s", 0.0))
+                d.get("grad_scatter_s", 0.0), d.get("grad_scatter_stream_s", 0.0),
+                tuple((str(k), b) for k, b in d.get("collective_bytes", ())))
         numbers = [o.time_s, o.sync_s, o.persistent_bytes, o.activation_bytes, o.forward_s, o.params_bytes,
                    o.grads_bytes, o.optimizer_bytes, *o.tied, o.gather_bytes, o.update_bytes, o.grad_sync_s,
                    *(b for _, _, b in o.grad_groups), o.hidden_s, o.weight_grad_s, o.weight_stash_bytes,
                    o.tp_hidden_s, o.tp_hidden_forward_s, o.param_gather_s, *(b for _, b in o.gather_groups),
-                   o.grad_scatter_s, o.grad_scatter_stream_s]
+                   o.grad_scatter_s, o.grad_scatter_stream_s, *(b for _, b in o.collective_bytes)]
         if o.stash_bytes is not None:
             numbers.append(o.stash_bytes)
         for x in numbers:
@@ -492,7 +497,7 @@ def layer_options(layer: OpGraph, mesh: LogicalMesh, cluster: Cluster, microbatc
                            grad_sync_s, grad_groups, hidden_collectives_s(layer, plan),
                            weight_s + accumulate, weight_bytes,       # the pass runs in W (in_weight_pass)
                            *tp_overlap_s(layer, plan), param_gather_s, gather_groups,
-                           *grad_scatters(restriction, layer, plan))
+                           *grad_scatters(restriction, layer, plan), tuple(sorted(plan.collective_bytes().items())))
 
     kw = restricted_solve_kwargs(restriction, layer, mesh, model)
     fast = solve_intra_op(layer, mesh, model, with_compute=True, microbatches=microbatches, mip_gap=PLANNING_MIP_GAP,

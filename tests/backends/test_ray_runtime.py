@@ -78,7 +78,7 @@ def test_ray_matches_local_and_single_device(family, ray_cluster, small_plan, gp
     # The same stages, so the same collectives in their HLO (fetched from the actors):
     # the very programs, since an actor lowers its stage on the plan's device ids.
     assert [s.device_ids for s in result.stages] == [tuple(st.devices) for st in plan.stages]
-    assert compare_collectives(result.stages) == compare_collectives(local.stages)
+    assert compare_collectives(plan, result.stages) == compare_collectives(plan, local.stages)
     for remote, here in zip(result.stages, local.stages, strict=True):
         assert {n: _program(c) for n, c in remote.compiled.items()} == {n: _program(c) for n, c in here.compiled.items()}
 

@@ -103,6 +103,32 @@ def test_run_json_reports_numerics_timing_and_collectives(tmp_path, cli):
     assert sum(e.get("cat") == "compute" for e in events) > 0, events[:5]
 
 
+def test_run_compares_the_compiled_programs_with_what_was_priced_and_solves_no_ilp(monkeypatch):
+    """`run` reads each stage's predicted collectives from the plan (what its layers were
+    priced with), so it solves no intra-op ILP: patched to raise, the run completes.
+    A plan from before the record says it has no prediction rather than inventing one."""
+    from alpasim.experiments import run_report
+    from alpasim.solvers import _intra_op
+
+    plan = small_plan(TINY_GPT)
+    assert all(st.collective_bytes for st in plan.stages) and any(sum(st.collective_bytes.values())
+                                                                  for st in plan.stages)
+
+    def solve_ilp(*args, **kwargs):
+        raise AssertionError("alpasim run solved an intra-op ILP")
+
+    monkeypatch.setattr(_intra_op, "solve_ilp", solve_ilp)
+    got = run_report(plan, steps=1, profile_iters=0)
+    assert got["numerics_ok"] is True
+    for row, st in zip(got["collectives"], plan.stages, strict=True):
+        assert row["predicted"] == {k: st.collective_bytes.get(k, 0.0) for k in row["predicted"]}
+        assert row["predicted_bytes"] == pytest.approx(sum(st.collective_bytes.values()))
+    older = dataclasses.replace(plan, stages=tuple(dataclasses.replace(st, collective_bytes=None)
+                                                   for st in plan.stages))
+    rows = run_report(older, steps=1, profile_iters=0)["collectives"]
+    assert all(r["predicted"] is None and r["ratio"] is None and r["measured_bytes"] >= 0 for r in rows)
+
+
 @pytest.mark.parametrize("content", [None, "{not json", '{"schema": "alpasim.plan/1"}'])
 def test_run_bad_plan_file_is_one_line_and_exit_2(tmp_path, content, cli):
     path = tmp_path / "plan.json"

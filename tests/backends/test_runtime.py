@@ -72,7 +72,7 @@ def test_pipelined_step_matches_single_device_and_plan(family, small_plan, tmp_p
     dropped = dict(list(result.grads.items())[1:])
     assert not check_numerics(result.losses[0], dropped, ref)["numerics_ok"]
 
-    for row in compare_collectives(result.stages):
+    for row in compare_collectives(plan, result.stages):
         if row["predicted_bytes"] == 0:
             assert row["measured_bytes"] <= UNPREDICTED_BYTES, row
         else:

@@ -110,6 +110,9 @@ def test_a_field_of_the_wrong_type_is_named_by_its_path(data):
     (lambda d: d["stages"][1].update(submesh=[1, 2, 3]), "stages[1].submesh: expected 2 entries, got 3"),
     (lambda d: d["search"].update(cost_model={"name": "x"}), "search.cost_model: missing field 'digest'"),
     (lambda d: d.pop("predicted"), "missing field 'predicted'"),
+    (lambda d: d["stages"][0].update(collective_bytes={"all_reduce": -1.0}),
+     "stages[0].collective_bytes.all_reduce: must be a finite number >= 0"),
+    (lambda d: d["stages"][0].update(collective_bytes={"all_reduce": "many"}), "stages[0].collective_bytes"),
 ])
 def test_bad_values_are_refused_with_where_they_are(change, fragment):
     data = json.loads(json.dumps(_plan().to_json()))

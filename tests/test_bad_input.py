@@ -188,13 +188,6 @@ def test_refusals_come_within_seconds(name, cli):
     assert proc.seconds < limit, (name, proc.seconds)
 
 
-def test_a_plan_may_name_exactly_the_schedules_the_simulator_builds():
-    from alpasim.simulator import SCHEDULES
-    from alpasim.solvers._pipeline_plan import PLAN_SCHEDULES
-
-    assert set(PLAN_SCHEDULES) == set(SCHEDULES)
-
-
 def test_one_size_formatter():
     from alpasim.units import format_bytes
 

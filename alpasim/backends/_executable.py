@@ -550,7 +550,7 @@ class _StageTracer:
         self.reads_of: dict[int, set[str]] = {}
         for op in ops.backward:
             self.reads_of.setdefault(op.layer, set()).update(t for t in op.inputs if t in ops.params)
-        # The backward split as zero-bubble schedules run it (`simulator._phases`): B runs
+        # The backward split as zero-bubble schedules run it (`solvers.split_backward`): B runs
         # every backward op but those that make only weight gradients (and what reads
         # them), W those; B hands W what they read (the weight stash). The same ops in the
         # same per-layer layouts (W reshards a kept tensor XLA laid out otherwise); unlike

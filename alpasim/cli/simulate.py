@@ -60,7 +60,7 @@ def simulate(
         fail(f"--chunks {chunks}: the plan is cut into {p.chunks} chunks per mesh, which it runs (re-plan with "
              f"`alpasim plan --schedule interleaved --chunks {chunks}` for another count)")
     chunks = chunks if chunks is not None else 2
-    if (schedule or p.schedule) == "interleaved" and p.chunks == 1:
+    if sim.SCHEDULES[schedule or p.schedule].chunked and p.chunks == 1:
         i, st = min(enumerate(p.stages), key=lambda x: x[1].layers[1] - x[1].layers[0])
         if chunks > st.layers[1] - st.layers[0] + 1:
             fail(f"--chunks {chunks}: stage {i} holds {st.layers[1] - st.layers[0] + 1} layer(s); a stage cannot be "
@@ -89,7 +89,8 @@ def simulate(
 
 
 def print_simulation(r: dict[str, Any], title: str = "simulation") -> None:
-    sched = r["schedule"] + (f", {r['chunks']} chunks" if r["schedule"] == "interleaved" else "")
+    chunked = sim.SCHEDULES[r["schedule"]].chunked
+    sched = r["schedule"] + (f", {r['chunks']} chunks" if chunked else "")
     t = Table(title=f"{title} — {sched}, {r['microbatches']} microbatches, cross-mesh {r['cross_mesh']}")
     for col in ("mesh", "devices", "compute", "sync", "communication", "idle", "peak memory / device"):
         t.add_column(col)
@@ -101,7 +102,7 @@ def print_simulation(r: dict[str, Any], title: str = "simulation") -> None:
                   fmt_bytes(max(peaks[d] for d in devs)))
     out.print(t)
     pred = r["predicted_iteration_s"]
-    basis = "eq. 2" if r["schedule"] != "interleaved" or r.get("plan_chunks", 1) == 1 else "its chunks' orders"
+    basis = "eq. 2" if not chunked or r.get("plan_chunks", 1) == 1 else "its chunks' orders"
     vs = f" (plan predicted {pred:.3f} s, {basis})" if pred else ""
     out.print(f"simulated iteration {r['iteration_s']:.3f} s{vs}, bubble {r['bubble_fraction']:.1%}, "
               f"cross-mesh traffic {fmt_bytes(r['cross_mesh_bytes'])} ({fmt_bytes(r['inter_node_bytes'])} "

@@ -2,9 +2,6 @@
 
 from ._engine import plan_cluster as plan_cluster
 from ._engine import simulate as simulate
-from ._phases import PassTimes as PassTimes
-from ._phases import split_backward as split_backward
-from ._phases import stage_phase_s as stage_phase_s
 from ._network import FluidNetwork as FluidNetwork
 from ._program import Free as Free
 from ._program import GradSync as GradSync
@@ -18,12 +15,6 @@ from ._program import Update as Update
 from ._routes import CROSS_MESH_METHODS as CROSS_MESH_METHODS
 from ._schedules import SCHEDULES as SCHEDULES
 from ._schedules import build_program as build_program
-from ._schedules import gpipe as gpipe
-from ._schedules import gpipe_order as gpipe_order
-from ._schedules import interleaved_1f1b as interleaved_1f1b
-from ._schedules import interleaved_order as interleaved_order
-from ._schedules import one_f_one_b as one_f_one_b
-from ._schedules import one_f_one_b_order as one_f_one_b_order
 from ._schedules import stage_transfers as stage_transfers
 from ._synthetic import synthetic_plan as synthetic_plan
 from ._timeline import EVENT_KINDS as EVENT_KINDS

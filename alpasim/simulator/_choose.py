@@ -19,14 +19,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from alpasim.costmodels import Cluster
-from alpasim.solvers import PipelinePlan
+from alpasim.solvers import SCHEDULES, PipelinePlan
 
 from ._engine import plan_cluster, simulate
 
-# What `choose_schedule` considers by default: those that run one stage per mesh on the
-# DP's stages (interleaving needs the model cut into S x v chunks: the planner's own
-# search, `plan_pipeline(schedule="interleaved")`, does that).
-AUTO_SCHEDULES = ("1f1b", "zb-h1", "zb-h2")
+# What `choose_schedule` considers by default: the schedules whose record says so
+# (`solvers.Schedule.automatic`), each running one stage per mesh on the DP's stages
+# (interleaving needs the model cut into S x v chunks: the planner's own search,
+# `plan_pipeline(schedule="interleaved")`, does that).
+AUTO_SCHEDULES = tuple(name for name, s in SCHEDULES.items() if s.automatic)
 
 
 @dataclass(frozen=True, slots=True)

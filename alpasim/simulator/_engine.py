@@ -5,7 +5,7 @@ follow static lists without a driver). Semantics:
 
 - `Run` takes the stage's forward_s or backward_s; plans without the split use 1/3
   and 2/3 of compute_s (backward ~ 2x forward). A backward split into B and W takes
-  `_phases.split_backward`'s shares of it. Under interleaving, chunk c of mesh k is
+  `solvers.split_backward`'s shares of it. Under interleaving, chunk c of mesh k is
   plan stage c*S + k with its own times and bytes when the plan is cut into chunks
   (`plan.chunks`); a plan of one stage per mesh has each stage imagined as v chunks
   of 1/v of its times and bytes.
@@ -39,10 +39,10 @@ follow static lists without a driver). Semantics:
   backward runs and keep only its stash (stash_bytes: what backward reads of the
   forward, the planner's eq. 5) in between, until the `Free` after its backward (a
   plan without stash_bytes keeps the whole peak, the conservative old rule). The
-  planner checks interleaved meshes with the same rule (`solvers._pipeline_orders.
-  order_peak_bytes`, tested equal). A backward run before its forward is an error.
-  A split backward (`_phases`) holds after its B only what its W reads (weight_stash_bytes), until the `Free`
-  after W; W adds no working set of its own beyond that. Plus receive buffers
+  planner checks interleaved meshes with the same rule (`order_peak_bytes` in the
+  solvers, tested equal). A backward run before its forward is an error.
+  A split backward (`solvers.split_backward`) holds after its B only what its W reads (weight_stash_bytes), until
+  the `Free` after W; W adds no working set of its own beyond that. Plus receive buffers
   from arrival until the run (or sync) that consumes them, and during `GradSync` the
   optimizer step's working set (`stages[i].memory["update_bytes"]`, the copies Adam
   makes when it reads or writes other layouts than stored; the largest of a mesh's
@@ -76,11 +76,10 @@ from collections.abc import Iterator
 import simpy
 
 from alpasim.costmodels import Cluster, UnknownPresetError, get_cluster
-from alpasim.solvers import SYSTEMS, PipelinePlan, PipelineStage, scatter_tail_s
+from alpasim.solvers import SYSTEMS, PipelinePlan, PipelineStage, scatter_tail_s, split_backward, stage_phase_s
 
 from ._lanes import LaneEvents, LaneFold, fold_lanes
 from ._network import FluidNetwork
-from ._phases import split_backward, stage_phase_s
 from ._program import DIRECTION, LAST_USE, Free, GradSync, Program, Recv, Run, Send, Update
 from ._routes import LinkTable, Route, route_transfers
 from ._schedules import build_program

@@ -1,16 +1,18 @@
 """Pipeline schedules: a `PipelinePlan` -> a `Program` (one instruction list per mesh).
 
-All three are synchronous (a flush at the end of every iteration), so they differ only
-in the order each mesh runs its forwards and backwards:
+Each is a record of the one table, `solvers.SCHEDULES`, whose builder gives each
+mesh's run order; here the orders are wrapped into programs. All are synchronous (a
+flush at the end of every iteration), so they differ only in the order each mesh runs
+its forwards and backwards:
 
-- `gpipe` (Huang et al., 2019): every forward, then every backward (last microbatch
+- "gpipe" (Huang et al., 2019): every forward, then every backward (last microbatch
   first). A stage holds all B microbatches' activations at its peak.
-- `one_f_one_b` (PipeDream-flush, Narayanan et al., 2021; the seed's eq. 2): stage i
+- "1f1b" (PipeDream-flush, Narayanan et al., 2021; the seed's eq. 2): stage i
   (0-based) first runs w_i = min(S - 1 - i, B) warm-up forwards, then alternates one
   forward and one backward, then drains the w_i backwards left. It holds at most
   min(S - i, B) microbatches in flight; with free communication and balanced stages
   it takes (S + B - 1)(t_f + t_b), eq. 2.
-- `interleaved_1f1b` (Megatron-LM's virtual stages, Narayanan et al., SC'21, sec. 2.2):
+- "interleaved" (Megatron-LM's virtual stages, Narayanan et al., SC'21, sec. 2.2):
   each mesh runs v model chunks; chunk c of mesh k is virtual stage c*S + k. A plan
   the planner cut into chunks (`plan.chunks` = v, `solvers._interleave`) lists them
   as its stages, each with its own times, bytes and transfers. Of a plan of one stage
@@ -23,7 +25,7 @@ in the order each mesh runs its forwards and backwards:
   group's size. With balanced stages, free communication and B >= S an iteration
   takes B(t_f + t_b) + (S - 1)(t_f + t_b)/v, exactly (Megatron-LM's bubble, sec.
   2.2.2): the bubble shrinks v-fold, at the price of v times as many messages.
-- `zb_h1` and `zb_h2` (zero bubble, Qi et al., ICLR 2024): each backward split into B
+- "zb-h1" and "zb-h2" (zero bubble, Qi et al., ICLR 2024): each backward split into B
   (input gradients, which the previous stage waits for) and W (weight gradients,
   which nothing in the iteration waits for but the optimizer step), so a stage can
   run its W passes where 1F1B would idle. ZB-H1 is the paper's fixed order
@@ -31,7 +33,7 @@ in the order each mesh runs its forwards and backwards:
   S - i microbatches between F and B plus i waiting for W; with f = b = w and free
   communication an iteration takes 3Bt + (S - 1)t, a third of 1F1B's bubble. ZB-H2
   comes from the paper's greedy list scheduling, run on the plan's own pass times
-  (`_phases.split_backward`) with free communication: a free stage runs a B whose
+  (`solvers.split_backward`) with free communication: a free stage runs a B whose
   cotangent has arrived, else an F whose input has arrived if it holds fewer than
   2(S - i) - 1 microbatches between F and B (and 2S - 1 before W), else a deferred
   W, else waits. With f = b = w and B >= 2S - 1 no stage idles between its first and
@@ -40,7 +42,7 @@ in the order each mesh runs its forwards and backwards:
   microbatch has passed S - 1 forwards. (The paper's ZB-H2 reaches zero only without
   the flush, validating the optimizer step after the fact; not modelled.)
 
-The fixed orders live in `solvers._pipeline_orders`, where the planner reads them too.
+The orders and ZB-H2's greedy live in the solvers, where the planner reads them too.
 
 Cross-mesh tensors come from `plan.transfers` (of a chunked plan, between its chunks:
 each mapped to its mesh and chunk). Adjacent stages always get a dependency:
@@ -55,20 +57,11 @@ of their source and reach the outermost chunk of their destination.
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-from alpasim.solvers import PipelinePlan, PlanFormatError, PlanTransfer, validate_plan
-from alpasim.solvers._pipeline_orders import (
-    Order,
-    gpipe_order,
-    interleaved_order,
-    one_f_one_b_order,
-    zb_h1_order,
-)
+from alpasim.solvers import SCHEDULES, Order, PipelinePlan, PlanFormatError, PlanTransfer, validate_plan
 
-from ._phases import PassTimes, split_backward
 from ._program import (
     DIRECTION,
     LAST_USE,
@@ -83,87 +76,6 @@ from ._program import (
     StageTransfer,
     Update,
 )
-
-def zero_bubble_greedy(passes: Sequence[PassTimes], microbatches: int, limits: Sequence[int],
-                       alive: int) -> tuple[list[Order], float]:
-    """(every stage's order, when the last pass ends) under the zero-bubble greedy
-    (module doc), simulated with free communication: `passes[i]` are stage i's pass
-    times, `limits[i]` how many microbatches it may hold between F and B, `alive` how
-    many between F and W (so deferred W passes cannot pile up: each holds its weight
-    gradients' inputs). Stages decide in time order, ties to the lower index. A stage
-    with nothing to run waits for the first moment anything can change for it (an
-    input it knows the arrival of, or another stage's next decision); it does not
-    decide past a stage still to decide at the same moment, whose pass may bring it an
-    input sooner."""
-    S, B = len(passes), microbatches
-    inf = math.inf
-    f_ready = [[0.0] * B] + [[inf] * B for _ in range(S - 1)]   # when F(m)'s input exists on stage i
-    b_ready = [[inf] * B for _ in range(S)]                      # when B(m)'s cotangent does
-    free = [0.0] * S
-    nf, nb, nw = [0] * S, [0] * S, [0] * S
-    orders: list[Order] = [[] for _ in range(S)]
-    blocked: dict[int, float] = {}              # stage -> the time it found nothing to run at
-
-    def next_look(i: int) -> float:
-        """When stage i, idle at free[i], could next run something (inf: not known)."""
-        t = free[i]
-        waits = [b_ready[i][nb[i]]] if nb[i] < nf[i] else []
-        if nf[i] < B and nf[i] - nb[i] < limits[i] and nf[i] - nw[i] < alive:
-            waits.append(f_ready[i][nf[i]])
-        later = [x for x in waits if t < x < inf] + [free[k] for k in range(S) if nw[k] < B and free[k] > t]
-        return min(later, default=inf)
-
-    while True:
-        busy = [i for i in range(S) if nw[i] < B]
-        if not busy:
-            return orders, max(free)
-        now = min(free[k] for k in busy)
-        at = [k for k in busy if free[k] == now]
-        deciding = [k for k in at if blocked.get(k) != now]
-        if not deciding:   # every stage at this moment found nothing: each looks again at its next one
-            moved = False
-            for k in at:
-                later = next_look(k)
-                if later < inf:
-                    free[k], moved = later, True
-            blocked.clear()
-            if not moved:
-                raise RuntimeError(f"zero-bubble order: every stage waits (limits {list(limits)})")
-            continue
-        i = deciding[0]
-        t, p = free[i], passes[i]
-        if nb[i] < nf[i] and b_ready[i][nb[i]] <= t:
-            phase, m, d = "backward_input", nb[i], p.input_s
-        elif nf[i] < B and nf[i] - nb[i] < limits[i] and nf[i] - nw[i] < alive and f_ready[i][nf[i]] <= t:
-            phase, m, d = "forward", nf[i], p.forward_s
-        elif nw[i] < nb[i]:
-            phase, m, d = "backward_weight", nw[i], p.weight_s
-        else:
-            blocked[i] = t                       # until no stage can decide at this moment
-            continue
-        blocked.clear()
-        orders[i].append((phase, m, 0))
-        free[i] = end = t + d
-        if phase == "forward":
-            nf[i] += 1
-            if i + 1 < S:
-                f_ready[i + 1][m] = end
-            else:
-                b_ready[i][m] = end
-        elif phase == "backward_input":
-            nb[i] += 1
-            if i > 0:
-                b_ready[i - 1][m] = end
-        else:
-            nw[i] += 1
-
-
-def zb_h2_limits(num_stages: int) -> tuple[list[int], int]:
-    """ZB-H2's (microbatches stage i may hold between F and B, any stage between F and
-    W) for the greedy: 2(S - i) - 1 and 2S - 1 (module doc)."""
-    S = num_stages
-    return [2 * (S - i) - 1 for i in range(S)], 2 * S - 1
-
 
 # ------------------------------------------------------------------- transfers
 def _plan_transfer(t: PlanTransfer) -> StageTransfer:
@@ -322,70 +234,40 @@ def _per_iteration(k: int, transfers: Sequence[StageTransfer], sends: Sequence[i
 def check_plan(plan: PipelinePlan, schedule: str | None = None, chunks: int = 1) -> tuple[int, int]:
     """(S meshes, B) of a plan the simulator can run (`solvers.validate_plan`, and a
     program of at most MAX_PROGRAM_RUNS passes); else a `PlanFormatError` naming the
-    field. A plan cut into chunks per mesh (`plan.chunks` > 1) runs the interleaved
-    schedule only: the others run one stage per mesh."""
+    field. A plan cut into chunks per mesh (`plan.chunks` > 1) runs a chunked schedule
+    (interleaved) only: the others run one stage per mesh."""
     if not plan.stages:
         raise PlanFormatError("plan field 'stages' is empty (an infeasible plan cannot be simulated)")
     if plan.microbatches < 1:
         raise PlanFormatError(f"plan field 'microbatches' must be >= 1, got {plan.microbatches}")
-    passes = 3 if schedule in ("zb-h1", "zb-h2") else 2
+    rec = SCHEDULES.get(schedule) if schedule is not None else None
+    passes = 3 if rec is not None and rec.splits_backward else 2
     runs = len(plan.stages) * plan.microbatches * passes * (chunks if plan.chunks == 1 else 1)
     if runs > MAX_PROGRAM_RUNS:
         raise PlanFormatError(f"plan field 'microbatches': {plan.microbatches} microbatches through {len(plan.stages)} "
                               f"stages{f' of {chunks} chunks' if plan.chunks == 1 and chunks > 1 else ''} is "
                               f"{runs:.3g} passes; the simulator runs at most {MAX_PROGRAM_RUNS:,} "
                               "(about 10 s and 1 GiB)")
-    if plan.chunks > 1 and schedule is not None and schedule != "interleaved":
+    if plan.chunks > 1 and schedule is not None and not (rec is not None and rec.chunked):
         raise PlanFormatError(f"the plan runs {plan.chunks} model chunks on each of its {plan.num_meshes} meshes: "
                               f"it runs the interleaved schedule, not {schedule!r}")
     validate_plan(plan)     # what a plan file must hold: the loader's rule, for plans made in code too
     return plan.num_meshes, plan.microbatches
 
 
-def gpipe(plan: PipelinePlan) -> Program:
-    S, B = check_plan(plan, "gpipe")
-    return program_from_orders(plan, "gpipe", [gpipe_order(S, B, k) for k in range(S)])
-
-
-def one_f_one_b(plan: PipelinePlan) -> Program:
-    S, B = check_plan(plan, "1f1b")
-    return program_from_orders(plan, "1f1b", [one_f_one_b_order(S, B, k) for k in range(S)])
-
-
-def interleaved_1f1b(plan: PipelinePlan, chunks: int = 2) -> Program:
-    """Interleaved 1F1B: of a plan cut into chunks (`plan.chunks` > 1) with its own
-    chunks, whatever `chunks` says; else of the plan's stages each imagined as
-    `chunks` equal chunks (module doc)."""
-    if plan.chunks > 1:
-        chunks = plan.chunks
-    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-        raise ValueError(f"interleaved schedule: chunks must be an integer >= 1, got {chunks!r}")
-    S, B = check_plan(plan, "interleaved", chunks)
-    return program_from_orders(plan, "interleaved", [interleaved_order(S, B, k, chunks) for k in range(S)], chunks)
-
-
-def zb_h1(plan: PipelinePlan) -> Program:
-    S, B = check_plan(plan, "zb-h1")
-    return program_from_orders(plan, "zb-h1", [zb_h1_order(S, B, k) for k in range(S)])
-
-
-def zb_h2(plan: PipelinePlan) -> Program:
-    """ZB-H2 on the plan's own pass times (module doc)."""
-    S, B = check_plan(plan, "zb-h2")
-    orders, _ = zero_bubble_greedy([split_backward(st, B) for st in plan.stages], B, *zb_h2_limits(S))
-    return program_from_orders(plan, "zb-h2", orders)
-
-
-SCHEDULES: dict[str, Callable[..., Program]] = {"1f1b": one_f_one_b, "gpipe": gpipe, "interleaved": interleaved_1f1b,
-                                                "zb-h1": zb_h1, "zb-h2": zb_h2}
-
-
 def build_program(plan: PipelinePlan, schedule: str | None = None, *, chunks: int = 2) -> Program:
     """The `Program` of `schedule` (a name in `SCHEDULES`; None: the plan's own) for
-    `plan`; `chunks` is used by "interleaved" on a plan of one stage per mesh only."""
+    `plan`. `chunks` is read by a chunked schedule ("interleaved") on a plan of one
+    stage per mesh only: a plan cut into chunks runs its own (module doc)."""
     schedule = plan.schedule if schedule is None else schedule
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
-    if schedule == "interleaved":
-        return interleaved_1f1b(plan, chunks)
-    return SCHEDULES[schedule](plan)
+    rec = SCHEDULES[schedule]
+    if not rec.chunked:
+        chunks = 1
+    elif plan.chunks > 1:
+        chunks = plan.chunks
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"{rec.name} schedule: chunks must be an integer >= 1, got {chunks!r}")
+    check_plan(plan, rec.name, chunks)
+    return program_from_orders(plan, rec.name, rec.orders(plan, chunks), chunks)

@@ -78,6 +78,14 @@ from ._records import Record as Record
 from ._pipeline_plan import load_plan as load_plan
 from ._pipeline_plan import plan_from_json as plan_from_json
 from ._pipeline_plan import validate_plan as validate_plan
+from ._schedule import SCHEDULES as SCHEDULES
+from ._schedule import Schedule as Schedule
+from ._pipeline_orders import Order as Order
+from ._pipeline_orders import PassTimes as PassTimes
+from ._pipeline_orders import split_backward as split_backward
+from ._pipeline_orders import stage_phase_s as stage_phase_s
+from ._pipeline_orders import zb_h2_limits as zb_h2_limits
+from ._pipeline_orders import zero_bubble_greedy as zero_bubble_greedy
 from ._stage_costs import LayerOption as LayerOption
 from ._stage_costs import StageCosts as StageCosts
 from ._stage_costs import build_stage_costs as build_stage_costs

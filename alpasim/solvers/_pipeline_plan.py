@@ -17,12 +17,13 @@ from typing import Any, ClassVar
 from alpasim.graphs import read_json_file
 
 from ._records import PlanFormatError, Record
+from ._schedule import SCHEDULES
 from ._spec import ShardingSpec
 
 PLAN_SCHEMA = "alpasim.plan/1"
 TRANSFER_DIRECTIONS = ("forward", "backward")
-# The schedules a plan may name (`simulator.SCHEDULES` builds each; checked equal there).
-PLAN_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "zb-h2")
+# The schedules a plan may name: those of the one table, which the simulator builds.
+PLAN_SCHEDULES = tuple(SCHEDULES)
 # Per-stage numbers that are seconds or bytes: finite and never negative.
 _STAGE_AMOUNTS = ("time_s", "memory_bytes", "compute_s", "sync_s", "params_bytes", "activation_bytes", "forward_s",
                   "backward_s", "stash_bytes", "boundary_s", "grad_sync_s", "exposed_sync_s", "backward_weight_s",
@@ -186,7 +187,7 @@ class PipelineStage(Record):
     # Of backward_s, the weight gradients' compute (what a zero-bubble schedule defers),
     # and of stash_bytes, what those weight gradients still read once the input
     # gradients have run (their activations and cotangents). 0: not priced (a schedule
-    # that splits the backward then takes half of each, `simulator.split_backward`).
+    # that splits the backward then takes half of each, `split_backward`).
     backward_weight_s: float = 0.0
     weight_stash_bytes: float = 0.0
     # With Megatron-core's --overlap-param-gather: of exposed_sync_s, what the next

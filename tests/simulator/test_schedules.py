@@ -1,21 +1,25 @@
-"""Schedules as programs: run orders, message pairing, JSON round trip, bad names."""
+"""Schedules as programs: run orders, message pairing, JSON round trip, bad names, and
+each schedule's record against the program built from it."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
 from alpasim.simulator import (
+    AUTO_SCHEDULES,
     SCHEDULES,
+    Free,
     GradSync,
     Program,
     Recv,
     Run,
     Send,
     build_program,
-    interleaved_order,
-    one_f_one_b_order,
     synthetic_plan,
 )
+from alpasim.solvers._pipeline_orders import interleaved_order, one_f_one_b_order
 
 
 def in_flight_peak(order):
@@ -76,6 +80,34 @@ def test_every_send_has_one_matching_recv_on_the_right_mesh(schedule):
     passes = 3 if schedule.startswith("zb") else 2      # zero bubble: F, B and W
     assert program.count(Run) == 3 * 4 * passes * chunks
     assert all(isinstance(mesh[-2], GradSync) for mesh in program.meshes)
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+@pytest.mark.parametrize("S, B", [(1, 3), (4, 2), (4, 9)])
+def test_each_record_says_what_its_program_does(name, S, B):
+    """A plan naming the schedule builds; its program has B and W runs exactly when the
+    record splits the backward, runs of chunks past 0 exactly when it is chunked, and
+    `inflight` is the most forwards each mesh holds until their `Free` (F = B = W
+    here: the times ZB-H2's rule counts its order at)."""
+    rec, v = SCHEDULES[name], 3
+    plan = dataclasses.replace(synthetic_plan([1.0] * S, [2.0] * S, B, layers_per_stage=v), schedule=name)
+    program = build_program(plan, chunks=v)
+    runs = [i for mesh in program.meshes for i in mesh if isinstance(i, Run)]
+    phases = {r.phase for r in runs}
+    assert rec.name == name == program.schedule
+    assert phases == ({"forward", "backward_input", "backward_weight"} if rec.splits_backward
+                      else {"forward", "backward"})
+    assert any(r.chunk > 0 for r in runs) == rec.chunked
+    for k, mesh in enumerate(program.meshes):
+        live = most = 0
+        for ins in mesh:
+            if isinstance(ins, Run) and ins.phase == "forward":
+                live += 1
+                most = max(most, live)
+            live -= isinstance(ins, Free)
+        assert live == 0 and rec.inflight(S, B, k, v) == most, (k, most)
+    # `choose_schedule` tries the automatic ones on the DP's plan: one stage per mesh.
+    assert (name in AUTO_SCHEDULES) == rec.automatic and not (rec.automatic and rec.chunked)
 
 
 def test_plans_without_transfers_get_control_messages_between_adjacent_stages():

@@ -14,9 +14,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from alpasim.simulator import PassTimes, Run, build_program, simulate, split_backward, synthetic_plan
-from alpasim.simulator._schedules import zb_h1_order, zb_h2_limits, zero_bubble_greedy
-from alpasim.solvers import PlanOptions, RunOptions, SearchSpace
+from alpasim.simulator import Run, build_program, simulate, synthetic_plan
+from alpasim.solvers import (
+    PassTimes,
+    PlanOptions,
+    RunOptions,
+    SearchSpace,
+    split_backward,
+    zb_h2_limits,
+    zero_bubble_greedy,
+)
+from alpasim.solvers._pipeline_orders import zb_h1_order
 
 times = st.floats(min_value=1e-2, max_value=5.0, allow_nan=False, allow_infinity=False)
 

@@ -68,8 +68,6 @@ def reproduce(
 
 
 def _print_reproduction(report) -> None:
-    from alpasim.experiments._report import summary_rows
-
     plan_time = report.name == "table5"
     t = Table(title=report.title)
     for col in ("model", "GPUs", "method", "planning time" if plan_time else "PFLOPS"):
@@ -82,7 +80,7 @@ def _print_reproduction(report) -> None:
     s = Table(title="summary (ours vs the paper)")
     for col in ("ratio", "ours", "paper"):
         s.add_column(col)
-    for row in summary_rows(report):
+    for row in report.summary_rows():
         s.add_row(*row)
     out.print(s)
     cached = sum(r.cached for r in report.results)

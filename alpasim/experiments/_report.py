@@ -48,6 +48,11 @@ class Report:
     def points_json(self) -> list[dict[str, Any]]:
         return [point_json(r) for r in self.results]
 
+    def summary_rows(self) -> list[tuple[str, str, str]]:
+        """(key, ours, paper) for every summary entry, the paper's where it states one."""
+        return [(k, fmt_value(k, v), fmt_value(k, self.paper[k]) if k in self.paper else "")
+                for k, v in self.summary.items()]
+
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "title": self.title, "points": self.points_json(), "summary": self.summary,
                 "paper": self.paper, "files": self.files, "wall_s": self.wall_s}
@@ -112,12 +117,6 @@ def fmt_value(key: str, value: float | None) -> str:
     return f"{value:.2f}x"
 
 
-def summary_rows(report: Report) -> list[tuple[str, str, str]]:
-    """(key, ours, paper) for every summary entry, the paper's where it states one."""
-    return [(k, fmt_value(k, v), fmt_value(k, report.paper[k]) if k in report.paper else "")
-            for k, v in report.summary.items()]
-
-
 def _cell(r, kind: str) -> str:
     if kind == "plan_time":
         search = r.plan.get("search", {}) if r.plan else {}
@@ -138,7 +137,7 @@ def markdown(report: Report, fig: Figure, png_name: str | None = None) -> str:
     for (model, gpus), cells in rows.items():
         lines.append(f"| {model} | {gpus} | " + " | ".join(cells.get(s, "") for s in series) + " |")
     lines += ["", "| summary | ours | paper |", "|---|---:|---:|"]
-    lines += [f"| {k} | {ours} | {paper} |" for k, ours, paper in summary_rows(report)]
+    lines += [f"| {k} | {ours} | {paper} |" for k, ours, paper in report.summary_rows()]
     if fig.notes:
         lines += ["", fig.notes]
     if png_name:

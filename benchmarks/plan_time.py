@@ -79,7 +79,7 @@ PHASES = (("layer jobs (all)", "_options_job", "_stage_costs.py"),
           ("  plan realisation", "realize", "_intra_plan.py"),
           ("training graphs", "build_training_graph", "_build.py"),
           ("stage DP", "stage_dp", "_stage_dp.py"),
-          ("plan assembly", "_assemble_plan", "_inter_op.py"))
+          ("plan assembly", "assemble_plan", "_plan_assembly.py"))
 
 
 def profile_case(case: str, ref_s: float) -> None:

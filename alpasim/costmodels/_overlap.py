@@ -37,9 +37,9 @@ except with Megatron-core's `--overlap-param-gather`:
   layouts slice the states, it prices exactly that: reduce-scatters in the backward and
   the step's all-gathers after it; where they cannot (Megatron-core shards a flat
   buffer), the gradient's all-reduce is priced as the same reduce-scatter and an
-  all-gather of the weights' bytes after the step (`solvers._stage_costs._sync_terms`).
+  all-gather of the weights' bytes after the step (`solvers._layer_options._sync_terms`).
   After the step the gathers are priced one per parameter; overlapped, in the buckets of
-  the gradients they come from (`solvers._stage_costs.layer_gathers`).
+  the gradients they come from (`solvers._stage_compose.layer_gathers`).
   With `overlap_param_gather` the all-gathers run in the next iteration's first
   forward, bucket by bucket ahead of the layers that read them (its forward pre-hook
   waits for a layer's bucket), so the backward's stream carries the reduce-scatters

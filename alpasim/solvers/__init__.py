@@ -59,8 +59,8 @@ from ._workers import worker_pool as worker_pool
 from ._inter_op import PlanInfeasible as PlanInfeasible
 from ._inter_op import microbatch_candidates as microbatch_candidates
 from ._inter_op import plan_pipeline as plan_pipeline
-from ._inter_op import planning_units as planning_units
-from ._inter_op import planning_graph as planning_graph
+from ._planning_graph import planning_units as planning_units
+from ._planning_graph import planning_graph as planning_graph
 from ._preflight import ModelStates as ModelStates
 from ._preflight import model_states as model_states
 from ._pipeline_plan import PLAN_SCHEMA as PLAN_SCHEMA
@@ -86,12 +86,12 @@ from ._pipeline_orders import split_backward as split_backward
 from ._pipeline_orders import stage_phase_s as stage_phase_s
 from ._pipeline_orders import zb_h2_limits as zb_h2_limits
 from ._pipeline_orders import zero_bubble_greedy as zero_bubble_greedy
-from ._stage_costs import LayerOption as LayerOption
+from ._layer_options import LayerOption as LayerOption
 from ._stage_costs import StageCosts as StageCosts
 from ._stage_costs import build_stage_costs as build_stage_costs
-from ._stage_costs import canonical_key as canonical_key
-from ._stage_costs import restricted_solve_kwargs as restricted_solve_kwargs
-from ._stage_costs import scatter_tail_s as scatter_tail_s
+from ._layer_options import canonical_key as canonical_key
+from ._layer_options import restricted_solve_kwargs as restricted_solve_kwargs
+from ._stage_compose import scatter_tail_s as scatter_tail_s
 from ._stage_dp import DPResult as DPResult
 from ._stage_dp import StageChoice as StageChoice
 from ._stage_dp import StageBoundary as StageBoundary

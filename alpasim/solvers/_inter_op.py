@@ -1,12 +1,12 @@
 """The inter-op pass (seed Algorithm 1): model + cluster -> `PipelinePlan`.
 
 For each candidate number of microbatches B (beyond Alpa: searched jointly, each a
-divisor of the global batch): build the microbatch training graph, relabel its layers
-into planning units (embedding / stem and head become units of their own, so the
-expensive transformer or residual blocks are all alike), fill the stage cost table from
-the intra-op ILP (`_stage_costs`), run the stage-mesh DP (`_stage_dp`), place the chosen
-submeshes on the cluster (`_submesh`) and assemble the plan. The best B wins; the
-others are reported as runner-ups with their predicted times.
+divisor of the global batch, by a hill climb): take the microbatch's training graph in
+planning units (`_planning_graph`), fill the stage cost table from the intra-op ILP
+(`_stage_costs`), run the stage-mesh DP (`_stage_dp`), and, where the schedule asks,
+the interleaved search (`_interleave`); the best is assembled into the plan
+(`_plan_assembly`), the other counts reported as runner-ups with their predicted
+times. What no plan can fit is said here too (`memory_bound`).
 """
 
 from __future__ import annotations
@@ -16,48 +16,26 @@ import functools
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
 from alpasim.costmodels import Cluster, CostModel
-from alpasim.graphs import (
-    ModelSource,
-    OpGraph,
-    assign_layers,
-    build_training_graph,
-    flops_by_kind,
-    get_recipe,
-    is_heavy,
-    model_source,
-    source_from_record,
-    with_loss_kernel,
-)
+from alpasim.graphs import ModelSource, get_recipe, model_source
 from alpasim.units import format_bytes
 
-from ._cache import DiskCache
-from ._pipeline_plan import (CostModelRef, PipelinePlan, PipelineStage, PlanModel, Prediction, RunnerUp, SearchStats,
-                             PlanTransfer, plan_cluster_info)
-from ._stage_costs import (
-    LayerOption,
-    StageCosts,
-    build_stage_costs,
-    canonical_params,
-    carry_bytes,
-    compose_stage,
-    cost_model_key,
-    layer_tensor_specs,
-    scatter_tail_s,
-    stage_sync,
-)
 from ._boundary import stage_boundary_s, whole_nodes
-from ._interleave import (InterleavedChoice, interleaved_cannot_exist, interleaved_dp,
-                          mesh_memory_terms, mesh_shapes)
+from ._cache import DiskCache
+from ._interleave import InterleavedChoice, interleaved_cannot_exist, interleaved_dp, mesh_memory_terms, mesh_shapes
 from ._pipeline_orders import interleaved_order
+from ._pipeline_plan import CostModelRef, PipelinePlan, SearchStats
+from ._plan_assembly import Candidate, assemble_plan, chunk_memory, stage_memory_of
 from ._plan_inputs import PlanOptions, RunOptions, SearchSpace
-from ._systems import GradBuckets
-from ._stage_dp import DPResult, StageBoundary, StageChoice, bubble_fraction, equal_layer_dp, stage_dp
+from ._planning_graph import default_graph_layers, planning_training_graph
+from ._stage_costs import StageCosts, build_stage_costs, cost_model_key
+from ._stage_dp import StageBoundary, equal_layer_dp, stage_dp
 from ._submesh import place_submeshes
+from ._systems import GradBuckets
+
 
 GIB = 2 ** 30
 INF = math.inf
@@ -66,12 +44,6 @@ INF = math.inf
 START_MICROBATCH_SIZE = 4
 # Microbatch sizes tried by `--microbatches auto`, largest first.
 AUTO_MICROBATCH_SIZES = (32, 16, 8, 4, 2, 1)
-# An imported graph (one layer) is clustered into this many layers at most when no
-# `layers` is given (`default_graph_layers`).
-DEFAULT_GRAPH_LAYERS = 8
-UNIT_TAGS_FIRST = frozenset({"embedding", "stem"})
-UNIT_TAGS_LAST = frozenset({"head"})
-
 
 class PlanInfeasible(ValueError):
     """No plan fits the cluster; the message names the memory a device would need.
@@ -83,90 +55,6 @@ class PlanInfeasible(ValueError):
         super().__init__(message)
         self.min_memory_bytes = min_memory_bytes
         self.capped = capped
-
-
-@dataclass(frozen=True)
-class Candidate:
-    microbatches: int
-    graph: OpGraph
-    costs: StageCosts
-    dp: DPResult
-
-
-def default_graph_layers(graph: OpGraph) -> int:
-    """Layers to cluster an imported graph (all one layer) into when `--layers` is not
-    given: up to DEFAULT_GRAPH_LAYERS, at most one per heavy op (einsum, conv), so that
-    every layer has work to balance."""
-    heavy = sum(1 for op in graph.ops if is_heavy(op))
-    return max(1, min(DEFAULT_GRAPH_LAYERS, heavy))
-
-
-def planning_units(fwd: OpGraph) -> OpGraph:
-    """Give embedding/stem ops and head ops layers of their own (block i -> i + 1)."""
-    if not any(op.tags & (UNIT_TAGS_FIRST | UNIT_TAGS_LAST) for op in fwd.ops):
-        return fwd
-    last = max(op.layer for op in fwd.ops)
-    ops = []
-    for op in fwd.ops:
-        if op.tags & UNIT_TAGS_FIRST:
-            layer = 0
-        elif op.tags & UNIT_TAGS_LAST:
-            layer = last + 2
-        else:
-            layer = op.layer + 1
-        ops.append(op.replace(layer=layer))
-    return fwd.replace(ops=ops)
-
-
-def planning_graph(model: PlanModel) -> OpGraph:
-    """The forward graph a plan was made from, rebuilt from its `model` field: one
-    microbatch (`microbatch_size`) of the model, labelled in planning units; re-clustered
-    with the eq. 6 DP when the plan's layer count says `--layers` was given. Executors
-    use it so that a stage's layer range names the same ops the planner costed."""
-    if model.microbatch_size is None:
-        raise ValueError(f"the plan of {model.name} records no microbatch size (an infeasible plan?)")
-    source = source_from_record(model.source, model.name)
-    recipe = get_recipe(model.precision)
-    fwd = planning_units(source.forward(model.microbatch_size, recipe.weight_dtype(source.dtype)))
-    layers = model.layers if model.layers is not None else fwd.num_layers
-    return fwd if layers == fwd.num_layers else assign_layers(fwd, layers)[0]
-
-
-# Training graphs by (zoo config, microbatch size, dtype, relabelling, layers, remat,
-# recipe, recompute), for the process: a baseline's grid asks for the same microbatch
-# graph at many configurations. Graphs are never changed once built.
-_GRAPH_MEMO: dict[tuple, OpGraph] = {}
-GRAPH_MEMO_ENTRIES = 8
-
-
-def _training_graph(source: ModelSource, size: int, dtype: str, relabel, layers: int | None, remat: bool,
-                    precision: str, recompute: str, loss_kernel: str = "fused", kernels: str = "per-op") -> OpGraph:
-    """The training graph of one microbatch of `size` samples, labelled as the search
-    asks (`relabel`, else `layers` clusters, else planning units); memoised for zoo
-    models (a saved graph has no hashable config to key it by)."""
-    key = None
-    if source.config is not None:
-        key = (source.name, source.config, size, dtype, relabel, layers, remat, precision, recompute, loss_kernel,
-               kernels)
-        try:
-            if key in _GRAPH_MEMO:
-                return _GRAPH_MEMO[key]
-        except TypeError:                   # a config that does not hash: build it every time
-            key = None
-    fwd = source.forward(size, dtype)
-    if relabel is not None:
-        fwd = relabel(fwd)
-    elif layers is None:
-        fwd = planning_units(fwd)
-    else:
-        fwd = assign_layers(fwd, layers)[0]
-    graph = with_loss_kernel(build_training_graph(fwd, remat=remat, precision=precision, recompute=recompute,
-                                                  kernels=kernels).graph, loss_kernel)
-    if key is not None:
-        if len(_GRAPH_MEMO) >= GRAPH_MEMO_ENTRIES:
-            _GRAPH_MEMO.pop(next(iter(_GRAPH_MEMO)))
-        _GRAPH_MEMO[key] = graph
-    return graph
 
 
 def microbatch_candidates(global_batch: int, requested: int | str, multiple: int = 1) -> list[int]:
@@ -224,7 +112,7 @@ def plan_pipeline(model: str | ModelSource, cluster: Cluster, space: SearchSpace
         said = _schedule_said(interleaved, best)
         if interleaved is not None and (options.schedule == "interleaved" or not best.dp.stages
                                         or interleaved[1].latency_s < best.dp.latency_s):
-            plan = _assemble_plan(source, dtype, cluster, interleaved[0], candidates,
+            plan = assemble_plan(source, dtype, cluster, interleaved[0], candidates,
                                   dataclasses.replace(search, seconds=time.perf_counter() - t0), space.method,
                                   options, interleaved[1])
             return dataclasses.replace(plan, notes=(*plan.notes, f"schedule interleaved: {said}"))
@@ -232,7 +120,7 @@ def plan_pipeline(model: str | ModelSource, cluster: Cluster, space: SearchSpace
     if not best.dp.stages:
         raise _nothing_fits(name, cluster, candidates, best.graph.num_layers, space.max_stages,
                             capped=space.num_stages is None)
-    plan = _assemble_plan(source, dtype, cluster, best, candidates, search, space.method, options)
+    plan = assemble_plan(source, dtype, cluster, best, candidates, search, space.method, options)
     return dataclasses.replace(plan, notes=(*plan.notes, auto_note)) if options.schedule != "1f1b" else plan
 
 
@@ -273,8 +161,9 @@ class _Evaluator:
         if b in self.evaluated:
             return self.evaluated[b]
         space, options, run, cluster = self.space, self.options, self.run, self.cluster
-        graph = _training_graph(self.source, self.source.global_batch // b, self.dtype, space.relabel, space.layers,
-                                options.remat, self.recipe, options.recompute, options.loss_kernel, options.kernels)
+        graph = planning_training_graph(self.source, self.source.global_batch // b, self.dtype, space.relabel,
+                                        space.layers, options.remat, self.recipe, options.recompute,
+                                        options.loss_kernel, options.kernels)
         report = (lambda done, total: run.progress(f"B={b}", done, total)) if run.progress else None
         costs = build_stage_costs(graph, cluster, b, max_stages=min(space.max_stages, graph.num_layers,
                                                                     cluster.num_devices),
@@ -400,124 +289,6 @@ def _least_first_stage(costs: StageCosts, last: int, shape: int, depth: int, mic
     return best
 
 
-def _assemble_plan(source: ModelSource, dtype: str, cluster: Cluster, best: Candidate,
-                   candidates: Sequence[Candidate], search: SearchStats, method: str, options: PlanOptions,
-                   interleaved: InterleavedChoice | None = None) -> PipelinePlan:
-    """The plan of `best`'s DP result, or of `interleaved` (its chunks on S meshes of one shape)."""
-    recipe = get_recipe(options.precision)
-    costs, dp, b = best.costs, best.dp, best.microbatches
-    if interleaved is None:
-        choices = dp.stages
-        shapes = [costs.shapes[st.shape] for st in choices]
-        placed = place_submeshes(shapes, cluster.nodes, cluster.devices_per_node, runs=dp.runs or None)
-        depths = [len(choices) - idx for idx in range(len(choices))]
-        inflight = [min(s, b) for s in depths]
-        chunks = 1
-    else:
-        choices, chunks = interleaved.stages, interleaved.chunks
-        meshes = len(choices) // chunks
-        shape = costs.shapes[interleaved.shape]
-        placed = place_submeshes([shape] * meshes, cluster.nodes, cluster.devices_per_node)
-        placed = [placed[j % meshes] for j in range(len(choices))]
-        shapes = [shape] * len(choices)
-        depths, inflight = list(interleaved.depths), list(interleaved.inflight)
-    stages = []
-    chosen: dict[int, LayerOption] = {}      # layer -> the option its stage runs
-    for idx, (st, devices) in enumerate(zip(choices, placed)):
-        stages.append(_plan_stage(costs, st, depths[idx], inflight[idx], devices, shapes[idx], chosen))
-    flops = flops_by_kind(best.graph)["matmul"] * b
-    if interleaved is None:
-        iteration = dp.latency_s
-        peak = max(s.memory_bytes for s in stages)
-        bubble = bubble_fraction([s.time_s for s in stages], b)
-    else:
-        iteration = interleaved.latency_s
-        peak = max(interleaved.mesh_bytes)
-        bubble = 1.0 - b * sum(s.time_s for s in stages) / (len(placed) // chunks * iteration)
-    predicted = Prediction(iteration, flops / iteration / cluster.num_devices / 1e12, flops / iteration / 1e15,
-                           peak, bubble)
-    runner_ups = [RunnerUp(c.microbatches, c.dp.latency_s if c.dp.stages else None,
-                           tuple((s.first, s.last, str(c.costs.shapes[s.shape])) for s in c.dp.stages))
-                  for c in candidates if c is not best or interleaved is not None]
-    batch = source.global_batch
-    model = PlanModel(source.name, source.family, batch, best.graph.num_params(), flops, batch // b,
-                      best.graph.num_layers, options.remat, best.graph.meta.get("recompute", "none"), recipe.name,
-                      dtype, recipe.bytes_per_param(dtype), source.record(), options.loss_kernel,
-                      kernels=best.graph.meta.get("kernels", "per-op"))
-    cl = plan_cluster_info(cluster)
-    transfers = stage_transfers(best.graph, costs.layer_graphs, chosen, [(s.first, s.last) for s in choices])
-    schedule = "1f1b" if interleaved is None else "interleaved"
-    return PipelinePlan(model, cl, method, True, b, tuple(stages), predicted, search, schedule, tuple(runner_ups),
-                        transfers=transfers, chunks=chunks)
-
-
-def _stage_options(costs: StageCosts, st: StageChoice, depth: int) -> tuple[int, int, list[LayerOption]]:
-    """(view, option index, each layer's option) the table holds for stage `st` at
-    `depth` (stages from here)."""
-    view = int(costs.view[st.first, st.last, st.shape, depth - 1])
-    j = int(costs.option[st.first, st.last, st.shape, depth - 1])
-    opts = [costs.options[(costs.layer_kind[l], view)] for l in range(st.first, st.last + 1)]
-    return view, j, [o[min(j, len(o) - 1)] for o in opts]
-
-
-def _plan_stage(costs: StageCosts, st: StageChoice, depth: int, inflight: int, devices: Sequence[int],
-                shape, chosen: dict[int, LayerOption]) -> PipelineStage:
-    """One stage (or chunk) of a plan: layers st.first..st.last on `devices`, running the
-    options the table holds at `depth` (stages from here), with `inflight` microbatches
-    of it in flight; records each layer's option in `chosen`."""
-    view, j, stage_opts = _stage_options(costs, st, depth)
-    _, logical, _ = costs.meshes[view]
-    compute = sync = forward = grad_sync = weight_s = weight_bytes = scatter = 0.0
-    overlap = costs.bucket_bytes is not None
-    param_specs: dict[str, str] = {}
-    collective_bytes: dict[str, float] = {}
-    heavy: list[dict] = []
-    kinds_shown: set[str] = set()
-    layer_specs: list[dict[str, str]] = []
-    for layer, o in zip(range(st.first, st.last + 1), stage_opts, strict=True):
-        kind = costs.layer_kind[layer]
-        chosen[layer] = o
-        compute += o.busy_s(overlap, costs.tp_overlap)
-        forward += o.forward_busy_s(costs.tp_overlap)
-        sync += o.sync_s
-        scatter += o.grad_scatter_stream_s if overlap else 0.0
-        grad_sync += o.grad_sync_s
-        weight_s += o.weight_grad_s
-        weight_bytes += o.weight_stash_bytes
-        layer_graph = costs.layer_graphs[layer]
-        layer_specs.append(layer_tensor_specs(layer_graph, o))
-        for collective, nbytes in o.collective_bytes:
-            collective_bytes[collective] = collective_bytes.get(collective, 0.0) + nbytes
-        for p, spec in zip(canonical_params(layer_graph), o.param_specs):
-            param_specs[p] = spec
-        if kind not in kinds_shown:  # the heaviest ops of each distinct layer kind
-            kinds_shown.add(kind)
-            for i, strategy, out in o.heavy[:3]:
-                op = layer_graph.ops[i]
-                heavy.append({"op": op.name, "equation": op.param("equation") or op.prim,
-                              "strategy": strategy, "output": out})
-    mem = stage_memory_of(costs, st.first, st.last, view, stage_opts, inflight)
-    buckets, exposed, gather, moved = stage_sync(stage_opts, costs.meshes[view][2], costs.bucket_bytes,
-                                                 costs.tp_overlap, costs.gather_overlap)
-    # A gradient-scatter stream's tail runs after the last backward (`grad_scatter_s`).
-    tail = scatter_tail_s(scatter, compute, costs.microbatches)
-    return PipelineStage((st.first, st.last), tuple(devices), (shape.n, shape.m), tuple(logical),
-                         float(st.cost_s), mem.total_bytes, inflight, compute, sync + tail,
-                         mem.persistent_bytes + mem.buffer_bytes, mem.activation_bytes, j,
-                         param_specs, tuple(heavy), forward, compute - forward, mem.stash_bytes,
-                         float(st.boundary_s), mem.to_json(),
-                         tuple(layer_specs) if all(layer_specs) else (), grad_sync, buckets, exposed,
-                         min(weight_s, compute - forward), weight_bytes, gather, moved, scatter,
-                         collective_bytes)
-
-
-def chunk_memory(costs: StageCosts, st: StageChoice, depth: int):
-    """`StageMemory` of one chunk with a single microbatch in flight (its stash is per
-    microbatch; the schedule's order says how many), running the table's option at `depth`."""
-    view, _, opts = _stage_options(costs, st, depth)
-    return stage_memory_of(costs, st.first, st.last, view, opts, 1)
-
-
 def _best_interleaved(candidates: Sequence[Candidate], cluster: Cluster, name: str, space: SearchSpace,
                       options: PlanOptions):
     """(candidate, `InterleavedChoice`) of the fastest interleaved plan at any microbatch
@@ -590,59 +361,3 @@ def interleaved_choices(c: Candidate, cluster: Cluster, chunk_options: Sequence[
             if r is not None:
                 yield r
 
-
-def stage_memory_of(costs: StageCosts, first: int, last: int, view: int, opts: Sequence[LayerOption],
-                    inflight: int):
-    """`compose_stage` of layers first..last running `opts` on mesh `view`, with the tied
-    copies whose owner the stage also holds counted once and their carried gradients."""
-    drop, carries = False, []
-    for l in range(first, last + 1):
-        copy = costs.tied_owner[l]
-        if copy is None or not first <= copy.owner <= last:
-            continue
-        drop = True
-        if copy.owner < l:
-            carries.append((l - first, copy.owner - first,
-                            carry_bytes(costs.layer_graphs[l], opts[l - first], copy, costs.meshes[view][2])))
-    return compose_stage(opts, inflight, drop_tied=drop, carries=carries)
-
-
-def stage_transfers(graph: OpGraph, layer_graphs: Sequence[OpGraph], chosen: dict[int, LayerOption],
-                    ranges: Sequence[tuple[int, int]]) -> tuple[PlanTransfer, ...]:
-    """Every activation or cotangent one stage produces and another reads, with the
-    layout the sender's plan produces it in and the layout the receiver's plan reads it
-    in (what cross-mesh resharding needs). One record per (tensor, receiving stage).
-    A tensor that only feeds parameter gradients or updates on the receiver (a tied
-    embedding's gradient from the head) moves once per iteration: gradient
-    accumulation is a sum, so the sender accumulates its part over the microbatches
-    and sends the total."""
-    stage_of = {layer: i for i, (first, last) in enumerate(ranges) for layer in range(first, last + 1)}
-    readers: dict[str, dict[int, list]] = {}     # tensor -> receiving stage -> [(layer, feeds a gradient/update)]
-    for op in graph.ops:
-        # Only a sum into a gradient (or the update) may take the microbatches' total: an
-        # op that also reads per-microbatch data (embedding_grad reads the ids, a weight
-        # gradient reads the activations) needs each microbatch's cotangent.
-        summing = op.prim == "convert" or (op.prim == "elementwise" and op.param("fn") in ("add", "identity"))
-        to_grad = op.phase == "update" or (summing and all(graph.tensors[o].role == "grad" for o in op.outputs))
-        for t in op.inputs:
-            readers.setdefault(t, {}).setdefault(stage_of[op.layer], []).append((op.layer, to_grad))
-    tied = set(graph.meta.get("tied_grads", ()))
-    out = []
-    for layer, lg in enumerate(layer_graphs):
-        src = stage_of[layer]
-        for k, t in enumerate(lg.outputs):
-            tensor = graph.tensors[t]
-            if tensor.role != "activation":
-                continue
-            for dst, reads in sorted(readers.get(t, {}).items()):
-                if dst == src:
-                    continue
-                first = min(l for l, _ in reads)
-                dst_graph = layer_graphs[first]
-                out.append(PlanTransfer(
-                    t, tensor.nbytes, src, dst, tuple(tensor.shape), tensor.dtype,
-                    "forward" if dst > src else "backward",
-                    all(to_grad for _, to_grad in reads) or t in tied,
-                    chosen[layer].output_specs[k] if chosen[layer].output_specs else None,
-                    chosen[first].input_specs[dst_graph.inputs.index(t)] if chosen[first].input_specs else None))
-    return tuple(out)

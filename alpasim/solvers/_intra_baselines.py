@@ -209,7 +209,7 @@ def megatron_distopt_restriction(graph: OpGraph, mesh: LogicalMesh, cost_model: 
     data-parallel axis (axis 0), each weight gradient reduce-scattered onto such a slice
     once an iteration (it accumulates whole first, as Megatron's gradient buffer does),
     or, in a layout where it cannot be scattered evenly, all-reduced once an iteration
-    (the flat buffer's scatter and gather: `_stage_costs._sync_terms`), and the casts
+    (the flat buffer's scatter and gather: `_layer_options._sync_terms`), and the casts
     into the accumulator in any layout. The reduce-scatter and the
     updated weights' all-gather cost what the all-reduce did; the master weights and
     Adam moments take 1/dp. (A parameter with no dimension left to slice keeps

@@ -45,7 +45,8 @@ from alpasim.graphs import (ModelLike, ModelSource, ModelSpecError, OpGraph, ass
                             expanding_contraction, forward_graph, get_recipe, model_source, read_json_file)
 
 from ._interleave import DEFAULT_CHUNK_OPTIONS
-from ._inter_op import PlanInfeasible, plan_pipeline, planning_units
+from ._inter_op import PlanInfeasible, plan_pipeline
+from ._planning_graph import planning_units
 from ._plan_inputs import DEFAULT_MAX_STAGES, PlanOptions, RunOptions, SearchSpace, split_options
 from ._preflight import check_megatron, check_megatron_interleaved, preflight
 from ._intra_baselines import BASELINES

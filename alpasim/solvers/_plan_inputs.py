@@ -142,7 +142,7 @@ class PlanOptions:
     def at_data_parallel(self, dp: int, model_dtype: str) -> PlanOptions:
         """These options with a system's `GradBuckets` sized for data-parallel degree
         `dp`, in the dtype the weight gradients are reduced in (the precision recipe's
-        accumulator: fp32 under mixed-fp32grad, `_stage_costs._sync_terms`)."""
+        accumulator: fp32 under mixed-fp32grad, `_layer_options._sync_terms`)."""
         if not isinstance(self.bucket_bytes, GradBuckets):
             return self
         recipe = get_recipe(self.precision)

@@ -34,7 +34,8 @@ from alpasim.costmodels import Cluster
 from alpasim.graphs import ModelSource, build_training_graph, context_parallel_refusal, get_recipe
 from alpasim.units import format_bytes
 
-from ._inter_op import PlanInfeasible, default_graph_layers, planning_units
+from ._inter_op import PlanInfeasible
+from ._planning_graph import default_graph_layers, planning_units
 from ._interleave import interleaved_cannot_exist
 from ._intra_problem import kept_gradient_factor
 from ._submesh import submesh_shapes

@@ -37,7 +37,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from alpasim.backends import check_numerics, compare_collectives, hlo_collectives, run_local, stage_memory
 from alpasim.backends._executable import plan_training_graph, split_backward_ops
 from alpasim.simulator import Run, build_program
-from alpasim.solvers._inter_op import planning_graph
+from alpasim.solvers._planning_graph import planning_graph
 from alpasim.solvers import PlanOptions, SearchSpace
 
 BAND = (1 / 3, 1.5)

@@ -15,7 +15,7 @@ from alpasim.costmodels import (LayerSync, bucket_count, bucket_schedule, expose
                                 run_buckets)
 from alpasim.simulator import simulate
 from alpasim.solvers import plan_pipeline
-from alpasim.solvers._stage_costs import exposed_ranges, gather_ranges
+from alpasim.solvers._stage_compose import exposed_ranges, gather_ranges
 from alpasim.solvers import PlanOptions, SearchSpace
 
 layer_syncs = st.builds(LayerSync, st.floats(0.0, 10.0), st.floats(0.0, 10.0), st.integers(0, 6))
@@ -124,7 +124,8 @@ def test_overlapped_gathers_run_in_the_buckets_of_their_gradients():
     bucketed by its own bytes."""
     from alpasim.costmodels import MeshAxis
     from alpasim.solvers import LogicalMesh
-    from alpasim.solvers._stage_costs import LayerOption, layer_gathers
+    from alpasim.solvers._layer_options import LayerOption
+    from alpasim.solvers._stage_compose import layer_gathers
 
     link = get_cluster("aws-p3.16xlarge", nodes=2).inter_node
     mesh = LogicalMesh((MeshAxis(4, link), MeshAxis(2, link)))
@@ -189,7 +190,7 @@ def test_input_gradient_all_reduces_hide_behind_their_weight_gradients():
     import alpasim.costmodels as cm
     import alpasim.graphs as gr
     from alpasim.solvers import BASELINES, LogicalMesh, solve_intra_op
-    from alpasim.solvers._stage_costs import hidden_collectives_s
+    from alpasim.solvers._layer_options import hidden_collectives_s
 
     name, cfg = gr.resolve_model("gpt3:hidden=1024,layers=4,heads=16,seq=1024,vocab=4096,batch=4")
     layer = gr.stage_graph(gr.build_training_graph(gr.forward_graph(dc.replace(cfg, batch=4), name=name)).graph, 1, 1)

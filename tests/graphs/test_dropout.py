@@ -111,8 +111,9 @@ def test_the_graph_drops_the_rate_and_scales_what_it_keeps():
 
 def test_layers_of_one_kind_share_a_plan_though_their_masks_differ():
     """Each layer draws its own mask (its seed), and the planner still solves one layer
-    kind once: the seed changes values, not cost (`_stage_costs.VALUE_ONLY_PARAMS`)."""
-    from alpasim.solvers._stage_costs import canonical_key, layer_graphs
+    kind once: the seed changes values, not cost (`_layer_options.VALUE_ONLY_PARAMS`)."""
+    from alpasim.solvers._stage_costs import layer_graphs
+    from alpasim.solvers._layer_options import canonical_key
 
     layers = layer_graphs(training_graph(forward_graph(
         "gpt3:hidden=64,layers=4,heads=4,seq=32,vocab=128,batch=2,dropout=0.1")))

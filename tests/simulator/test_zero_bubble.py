@@ -183,7 +183,7 @@ def test_the_planner_prices_the_weight_pass_op_by_op(remat):
     from alpasim.costmodels import AnalyticCostModel, fuse, get_cluster
     from alpasim.graphs import build_training_graph, is_weight_grad, stage_graph
     from alpasim.solvers import DiskCache, plan_pipeline
-    from alpasim.solvers._inter_op import planning_graph
+    from alpasim.solvers._planning_graph import planning_graph
 
     cluster = get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=1)
     plan = plan_pipeline("gpt3:hidden=256,layers=2,heads=4,seq=64,vocab=512,batch=8", cluster,

@@ -13,7 +13,8 @@ from alpasim.graphs import build_training_graph, forward_graph, get_recipe, trai
 from alpasim.solvers._accumulation import unreduced_accumulation_s
 from alpasim.solvers._intra_op import solve_intra_op
 from alpasim.solvers._mesh import LogicalMesh
-from alpasim.solvers._stage_costs import _sync_terms, layer_graphs, restricted_solve_kwargs
+from alpasim.solvers._stage_costs import layer_graphs
+from alpasim.solvers._layer_options import _sync_terms, restricted_solve_kwargs
 
 SPEC = "gpt3:hidden=64,layers=2,heads=4,seq=32,vocab=96,batch=16,dtype=bfloat16"
 

@@ -10,9 +10,10 @@ import pytest
 from alpasim import graphs as gr
 from alpasim import solvers as sv
 from alpasim.costmodels import AnalyticCostModel, get_cluster
-from alpasim.solvers import _stage_costs
+from alpasim.solvers import _layer_options
 from alpasim.solvers._mesh import LogicalMesh
-from alpasim.solvers._stage_costs import layer_graphs, layer_options
+from alpasim.solvers._stage_costs import layer_graphs
+from alpasim.solvers._layer_options import layer_options
 
 LLAMA = "llama:hidden=256,layers=2,heads=4,kv_heads=2,ffn=512,seq=512,vocab=512,batch=4,attention=fused"
 
@@ -63,7 +64,7 @@ def test_the_kv_exchange_is_priced_on_the_cp_groups_link(monkeypatch, remat, exc
     block = layer_graphs(gr.training_graph(gr.forward_graph(dataclasses.replace(view, batch=cp)), remat=remat))[1]
     mesh = LogicalMesh.on_cluster(cluster, (cp, 1))
     (priced,) = layer_options(block, mesh, cluster, 1, restriction="megatron_distopt")
-    monkeypatch.setattr(_stage_costs, "kv_exchange_s", lambda *a: (0.0, 0.0))
+    monkeypatch.setattr(_layer_options, "kv_exchange_s", lambda *a: (0.0, 0.0))
     (bare,) = layer_options(block, mesh, cluster, 1, restriction="megatron_distopt")
     # Each rank holds one chunk: K and V of 256 positions, 2 KV heads of 64, bf16.
     gathered = cp * 2 * (256 * 2 * 64 * 2)

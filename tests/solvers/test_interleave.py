@@ -157,7 +157,7 @@ def test_megatron_counts_the_embedding_and_the_head_as_layers_where_asked(cli):
     blocks cannot make 4 virtual stages and the refusal names the blocks; past 4 layers
     it names the layers."""
     from alpasim import solvers as sv
-    from alpasim.solvers._inter_op import planning_graph
+    from alpasim.solvers._planning_graph import planning_graph
 
     cluster = get_cluster("aws-p3.16xlarge", nodes=1, devices_per_node=4)
     model = "gpt3:hidden=64,layers=2,heads=4,seq=16,vocab=128,batch=8,dtype=fp32"

@@ -11,7 +11,8 @@ from alpasim.costmodels import AnalyticCostModel, get_cluster
 from alpasim.graphs import forward_graph, training_graph
 from alpasim.solvers._intra_op import solve_intra_op
 from alpasim.solvers._mesh import LogicalMesh
-from alpasim.solvers._stage_costs import layer_graphs, restricted_solve_kwargs
+from alpasim.solvers._stage_costs import layer_graphs
+from alpasim.solvers._layer_options import restricted_solve_kwargs
 from alpasim.solvers import _systems as systems
 from alpasim.solvers._systems import ENTRIES, PRICED, SYSTEMS, resolve
 from alpasim.solvers._tp_overlap import _backward_groups, tp_overlap_s
@@ -216,7 +217,7 @@ def test_megatron_core_sizes_its_gradient_buckets_by_the_data_parallel_degree():
     kw = dict(megatron=DP4, remat=True, distributed_optimizer=False, attention="explicit")
     core = sv.plan_model(model, cluster, "megatron", system="megatron-core-0.8", **kw)
     ddp = sv.plan_model(model, cluster, "megatron", system="megatron-core-0.8", bucket_bytes=25 * 2 ** 20, **kw)
-    # Buckets fill within a layer (`_stage_costs.layer_sync`): a block's 12 h^2 weight
+    # Buckets fill within a layer (`_stage_compose.layer_sync`): a block's 12 h^2 weight
     # gradients, here 50 M of them, take ceil(bytes / bucket) each.
     grad = 12 * 2048 ** 2 * 4                     # a block's gradients, reduced from the fp32 accumulator
     blocks = 2
@@ -418,7 +419,7 @@ def test_a_flat_buffer_reduce_scatters_its_gradients_and_gathers_its_weights():
     under mixed-fp32grad), twice the bytes of the 16-bit gradient the ILP placed the
     collective on; the option prices the all-reduce's gradients as a reduce-scatter
     plus a gather of half their bytes."""
-    from alpasim.solvers._stage_costs import layer_options
+    from alpasim.solvers._layer_options import layer_options
 
     cluster = get_cluster("dgx-a100", nodes=1, devices_per_node=6)
     block = layer_graphs(training_graph(forward_graph("gpt3:hidden=64,layers=2,heads=4,seq=32,vocab=96,batch=12",
@@ -462,7 +463,7 @@ def test_a_sliced_parameter_whose_gradient_is_all_reduced_is_gathered_once():
     dimension to scatter onto): Megatron-core's flat buffer reduce-scatters it all the
     same (padded), so it is priced as a reduce-scatter, and its weights are gathered
     once, by the loop-back, not again."""
-    from alpasim.solvers._stage_costs import _sync_terms
+    from alpasim.solvers._layer_options import _sync_terms
 
     block, mesh, plan = _bf16_block_plan("megatron_distopt")
     per_iteration = [p for p in plan.collectives if p.per_iteration]
@@ -491,7 +492,7 @@ def test_a_sequence_parallel_norms_gradient_is_all_reduced_over_tp_and_scattered
     and no second gather. The option's sync time is its plan's, each collective's
     seconds exchanged for what it is priced as."""
     from alpasim.solvers._resharding import Collective
-    from alpasim.solvers._stage_costs import _sync_terms
+    from alpasim.solvers._layer_options import _sync_terms
 
     block, mesh, plan = _bf16_block_plan("megatron_sp_distopt")
     grads = [p for p in plan.collectives if p.per_iteration and block.op_by_name.get(p.op) is not None
@@ -524,7 +525,7 @@ def test_llama3_shards_gradients_and_scatters_them_in_fp32_each_microbatch(monke
     and each microbatch's weight gradients are reduce-scattered on the gradient stream
     at fp32's bytes (its paper, sec. 3.3.2), about twice the bf16 gradient's time. A
     user's --distributed-optimizer asks for ZeRO-1 instead, and the plan says so."""
-    from alpasim.solvers import _stage_costs
+    from alpasim.solvers import _layer_options
 
     cluster = get_cluster("dgx-h100", nodes=4)
     model = "llama3-405b:hidden=2048,layers=2,heads=16,kv_heads=4,ffn=8192,seq=256,vocab=1024,batch=16"
@@ -540,7 +541,7 @@ def test_llama3_shards_gradients_and_scatters_them_in_fp32_each_microbatch(monke
     for a, b in zip(llama.stages, core.stages, strict=True):
         assert a.memory["grads_bytes"] == pytest.approx(b.memory["grads_bytes"] / 4, rel=0.01)
         assert a.grad_scatter_s > 0 and b.grad_scatter_s == 0
-    monkeypatch.setattr(_stage_costs, "ACCUMULATOR_SCATTER", frozenset())
+    monkeypatch.setattr(_layer_options, "ACCUMULATOR_SCATTER", frozenset())
     bf16 = plan(system="llama3")
     for a, b in zip(llama.stages[1:3], bf16.stages[1:3], strict=True):     # the blocks: bandwidth-bound
         assert 1.5 < a.grad_scatter_s / b.grad_scatter_s <= 2.0

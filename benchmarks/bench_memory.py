@@ -29,8 +29,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from alpasim.backends import _executable, check_numerics, reference_step, run_local, stage_memory  # noqa: E402
 from alpasim.costmodels import get_cluster  # noqa: E402
-from alpasim.solvers import plan_pipeline  # noqa: E402
-from alpasim.solvers import PlanOptions, SearchSpace  # noqa: E402
+from alpasim.solvers import PlanOptions, SearchSpace, plan_pipeline  # noqa: E402
 
 try:
     from _reference import in_ref, print_reference  # noqa: E402

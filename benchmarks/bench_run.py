@@ -38,8 +38,7 @@ from alpasim.backends import (  # noqa: E402
     run_ray,
 )
 from alpasim.costmodels import Cluster, Device, Link, ProfiledCostModel  # noqa: E402
-from alpasim.solvers import plan_pipeline  # noqa: E402
-from alpasim.solvers import PlanOptions, SearchSpace  # noqa: E402
+from alpasim.solvers import PlanOptions, SearchSpace, plan_pipeline  # noqa: E402
 
 try:
     from _reference import in_ref, print_reference  # noqa: E402
@@ -99,7 +98,8 @@ def main() -> None:
             result = run_local(plan, steps=args.steps, profile_iters=5)
         ok = check_numerics(result.losses[0], result.grads, reference_step(plan))["numerics_ok"]
         pred = predict_run(plan, cost_model=model, runtime=args.runtime,
-                           intra_plans=[s.intra_plan for s in result.stages], stage_times=result.stage_profile)
+                           intra_plans=[s.intra_plan for s in result.stages] if args.runtime == "local" else None,
+                           stage_times=result.stage_profile)
         measured = result.measured_step_s
         measured_steps[family] = measured
         meshes = "+".join("x".join(map(str, s.logical_mesh)) for s in plan.stages)

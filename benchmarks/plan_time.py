@@ -41,8 +41,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests" / "graphs"))
 
 from alpasim.costmodels import get_cluster  # noqa: E402
-from alpasim.solvers import DiskCache, PlanInfeasible, plan_pipeline  # noqa: E402
-from alpasim.solvers import RunOptions  # noqa: E402
+from alpasim.solvers import DiskCache, PlanInfeasible, RunOptions, plan_pipeline  # noqa: E402
 
 try:
     from _reference import in_ref, print_reference  # noqa: E402

@@ -29,8 +29,7 @@ import os
 
 from alpasim.costmodels import get_cluster
 from alpasim.simulator import simulate, synthetic_plan
-from alpasim.solvers import DiskCache, plan_pipeline
-from alpasim.solvers import PlanOptions, RunOptions, SearchSpace
+from alpasim.solvers import DiskCache, PlanOptions, RunOptions, SearchSpace, plan_pipeline
 
 try:
     from _reference import print_reference

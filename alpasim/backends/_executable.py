@@ -330,8 +330,11 @@ def lower_stage(plan: PipelinePlan, graph: OpGraph, stage_index: int, devices: S
     the copies stay equal). `shared` (`stage_inputs`) carries what every stage derives
     alike, so a process lowering all stages derives it once. `split_backward`: the
     program runs the backward as B and W (zero bubble), so the whole backward is not
-    compiled ahead (`StagePrograms`).
+    compiled ahead (`StagePrograms`). `fence` (`FENCES`) holds the backward to the
+    plan's op order.
     """
+    if fence not in FENCES:
+        raise ValueError(f"fence {fence!r}: choose one of {', '.join(map(str, FENCES))}")
     shared = shared or stage_inputs(plan, graph, seed)
     train, part, leaves = shared.train, shared.parts[stage_index], shared.leaves
     ops = stage_ops(train, *plan.stages[stage_index].layers)
@@ -494,8 +497,6 @@ def _stage_functions(ops: StageOps, train: OpGraph, shardings: dict[str, NamedSh
     layout its layer was priced with and a tensor one layer makes and another reads in a
     different layout is resharded where that layer reads it, as the planner's per-layer
     plans do. `fence` (`FENCES`) holds the backward to the plan's op order."""
-    if fence not in FENCES:
-        raise ValueError(f"fence {fence!r}: choose one of {', '.join(map(str, FENCES))}")
     tr = _StageTracer(ops, train, shardings, mesh, microbatches, acc_dtypes, stash_sh, layer_sh, partials or {},
                       fence)
     p_sh, g_sh = tr.p_sh, tr.g_sh

@@ -31,7 +31,6 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-
 from alpasim.solvers import PipelinePlan
 
 from ._executable import StageExecutable

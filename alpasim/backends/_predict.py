@@ -116,8 +116,9 @@ def predict_run(plan: PipelinePlan, *, cost_model: CostModel | None = None, runt
     re-pricing), `dispatch_s`, `core_share` and per-stage re-priced times; with
     `stage_times` (`profile_stage`, Alpa's stage profiling): `predicted_step_s_stage_profiled`.
     `predicted_step_s` is the most informed of the three: stage-profiled, else
-    op-profiled, else analytic. `intra_plans` skips the per-stage re-solve (pass
-    `[s.intra_plan for s in run.stages]`); `cores` defaults to this host's.
+    op-profiled, else analytic. `intra_plans` skips the per-stage re-solve of the
+    op-level re-pricing (pass `[s.intra_plan for s in run.stages]` of a local run, whose
+    stages keep theirs); `cores` defaults to this host's.
     """
     if runtime not in RUNTIMES:
         raise ValueError(f"runtime {runtime!r}: choose one of {RUNTIMES}")

@@ -109,12 +109,13 @@ def print_run(r: dict[str, Any], title: str = "run") -> None:
     out.print(f"numerics vs one device: {verdict} (loss error {r['max_abs_loss_err']:.2e} <= {r['loss_tol']:.1e}, "
               f"worst gradient rel. error {r['max_rel_grad_err']:.2e} <= {r['grad_tol']:.1e})")
     if r["collectives"]:
-        t = Table(title="collective bytes per stage: predicted (intra-op plan) / measured (compiled HLO)")
+        t = Table(title="collective bytes per stage: predicted (the plan's) / measured (compiled HLO)")
         for col in ("stage", "mesh", "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "total ratio"):
             t.add_column(col)
         for row in r["collectives"]:
-            cells = [f"{fmt_bytes(row['predicted'][k])} / {fmt_bytes(row['measured'][k])}"
-                     for k in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")]
+            cells = [f"{fmt_bytes(row['predicted'][k]) if row['predicted'] is not None else '-'} / "
+                     f"{fmt_bytes(row['measured'][k])}" for k in ("all_reduce", "all_gather", "reduce_scatter",
+                                                                  "all_to_all")]
             ratio = f"{row['ratio']:.2f}" if row["ratio"] is not None else "-"
             t.add_row(str(row["stage"]), "x".join(map(str, row["mesh"])), *cells, ratio)
         out.print(t)

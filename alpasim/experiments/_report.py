@@ -18,6 +18,7 @@ from typing import Any
 
 from ._points import Point, Result
 
+
 @dataclass(frozen=True)
 class Figure:
     """One figure or table: what to run, how to summarise it, how to draw it."""

@@ -108,7 +108,12 @@ def zoo_model_of(graph: OpGraph) -> ModelSource | None:
         rebuilt = forward_graph(cfg, name=graph.name)
     except ValueError:             # a configuration this version's zoo does not build
         return None
-    if graph_to_json(rebuilt) != graph_to_json(graph):
+    # A file saved before the builders tagged their parameters for tensor parallelism
+    # (`_builder.TP_SPLITS`) is the same model without the tags.
+    saved, made = graph_to_json(graph), graph_to_json(rebuilt)
+    if "tensor_parallel" not in saved["meta"]:
+        saved = {**saved, "meta": {**saved["meta"], "tensor_parallel": made["meta"].get("tensor_parallel")}}
+    if saved != made:
         return None
     return ModelSource.zoo(graph.name, cfg)
 

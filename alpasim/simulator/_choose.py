@@ -26,7 +26,7 @@ from ._engine import plan_cluster, simulate
 # What `choose_schedule` considers by default: the schedules whose record says so
 # (`solvers.Schedule.automatic`), each running one stage per mesh on the DP's stages
 # (interleaving needs the model cut into S x v chunks: the planner's own search,
-# `plan_pipeline(schedule="interleaved")`, does that).
+# `PlanOptions(schedule="interleaved")`, does that).
 AUTO_SCHEDULES = tuple(name for name, s in SCHEDULES.items() if s.automatic)
 
 

@@ -46,7 +46,8 @@ from typing import Any
 # 41: the tied embedding gradient in the parameter's layout; 42: the precision recipe in the
 # key (how it accumulates and reduces gradients: `graphs.PrecisionRecipe`); 43: GEMMs priced
 # by their shard's shape where the device has a measured grid (`costmodels._gemm.SHAPE_TABLES`);
-# 44: the grid's times hold the launch; BF16_Optimizer's pass in the W pass too.
+# 44: the grid's times hold the launch; BF16_Optimizer's pass in the W pass too; 45: each
+# option's collective bytes by kind (`LayerOption.collective_bytes`), which plans record.
 # The restriction
 # tables are code, not part of a key: a change to them bumps this.
 CACHE_VERSION = "stage-costs/45"

@@ -54,7 +54,8 @@ from ._pipeline_plan import PipelinePlan, PlanModel, Prediction, SearchStats, pl
 from ._submesh import SubmeshShape
 from ._systems import OptionConflict, SystemRecord, get_system, resolve
 
-# Options every method takes (`plan_pipeline` keywords), and those only some do.
+# Options every method takes (`plan_model` keywords, made into `plan_pipeline`'s
+# records by `_plan_inputs.split_options`), and those only some do.
 COMMON_OPTIONS = frozenset({"microbatches", "remat", "recompute", "precision", "cost_model", "epsilon", "cache",
                             "map_fn", "progress", "price_boundaries", "pareto", "bucket_bytes", "schedule",
                             "chunk_options", "tp_overlap", "gather_overlap", "loss_kernel", "kernels"})
@@ -235,7 +236,7 @@ def plan_model(model: ModelLike, cluster: Cluster, method: str = "alpa", *, laye
     `layers` (re-cluster into that many layers), `max_stages` and `megatron` (one
     explicit Megatron-LM configuration; without it the best of its grid) apply to the
     methods whose record accepts them, and are refused for the others. `options` are
-    `COMMON_OPTIONS` (`plan_pipeline`'s). A method that finds nothing that fits returns
+    `COMMON_OPTIONS` (made into `plan_pipeline`'s records). A method that finds nothing that fits returns
     an infeasible plan whose `notes` say why. `recompute="auto"` searches what the
     backward recomputes (`RECOMPUTE_SEARCH`; `remat` is then the search's).
 
@@ -502,9 +503,10 @@ def check_before_planning(model: ModelLike, cluster: Cluster, method: str = "alp
                     distributed_optimizer=distributed_optimizer, sequence_parallel=sequence_parallel)
     if megatron is not None and megatron.distributed_optimizer and distributed_optimizer is None:
         distributed_optimizer = True
-    _, record, _ = system_options(m, options.get("system"), options.get("overlap"), distributed_optimizer,
-                                  megatron, {k: v for k, v in options.items() if k in COMMON_OPTIONS},
-                                  attention=_attention_given(model, options.get("attention")))   # its conflicts
+    resolved, record, _ = system_options(m, options.get("system"), options.get("overlap"), distributed_optimizer,
+                                         megatron, {k: v for k, v in options.items() if k in COMMON_OPTIONS},
+                                         attention=_attention_given(model, options.get("attention")))
+    split_options(resolved)          # the records refuse what cannot be priced, before any work
     source = _zoo_source(model) if m.zoo_only else model_source(model)
     _refuse_view(source)
     _run_preflight(m, source, cluster, layers=layers, max_stages=max_stages, megatron=megatron, **options)
@@ -660,7 +662,7 @@ def megatron_plan(model: ModelLike, cluster: Cluster, config: MegatronConfig, op
 def megatron_grid(model: ModelLike, cluster: Cluster, options: PlanOptions = PlanOptions(),
                   run: RunOptions = RunOptions(), *, distributed_optimizer: bool | None = None,
                   sequence_parallel: bool | None = None, today: bool = False, config: MegatronConfig | None = None,
-                  search_recompute: bool = False, narrowing: dict | None = None) -> PipelinePlan:
+                  search_recompute: bool = True, narrowing: dict | None = None) -> PipelinePlan:
     """The best configuration of Megatron-LM's grid (the paper grid-searches it too):
     a loop over the configurations' search spaces; every configuration priced is listed
     in `search.megatron_grid`.
@@ -686,6 +688,7 @@ def megatron_grid(model: ModelLike, cluster: Cluster, options: PlanOptions = Pla
     searched = today and search_recompute
     ladder = list(reversed(RECOMPUTE_SEARCH)) if searched else [(None, options.remat, options.recompute)]
     method = "megatron_core" if today else "megatron"
+    quiet = dataclasses.replace(run, progress=None)    # the grid reports its configurations, not their jobs
     best: PipelinePlan | None = None
     tried = []
     for i, c in enumerate(base):
@@ -703,7 +706,7 @@ def megatron_grid(model: ModelLike, cluster: Cluster, options: PlanOptions = Pla
             plan = None
             for step, (label, remat, policy) in enumerate(ladder[floor:], floor):
                 priced = dataclasses.replace(options, remat=remat, recompute=policy)
-                plan = megatron_plan(source, cluster, config, priced, run, method=method, **(narrowing or {}))
+                plan = megatron_plan(source, cluster, config, priced, quiet, method=method, **(narrowing or {}))
                 tried.append({**_config_json(config), **({"recompute": label} if searched else {}),
                               "iteration_s": plan.predicted.iteration_s, "feasible": plan.feasible})
                 if plan.feasible:

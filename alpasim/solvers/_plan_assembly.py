@@ -20,6 +20,7 @@ from ._layer_options import LayerOption, canonical_params, layer_tensor_specs
 from ._pipeline_plan import (PipelinePlan, PipelineStage, PlanModel, Prediction, RunnerUp, SearchStats, PlanTransfer,
                              plan_cluster_info)
 from ._plan_inputs import PlanOptions
+from ._schedule import SCHEDULES
 from ._stage_compose import carry_bytes, compose_stage, scatter_tail_s, stage_sync
 from ._stage_costs import StageCosts
 from ._stage_dp import DPResult, StageChoice, bubble_fraction
@@ -45,7 +46,7 @@ def assemble_plan(source: ModelSource, dtype: str, cluster: Cluster, best: Candi
         shapes = [costs.shapes[st.shape] for st in choices]
         placed = place_submeshes(shapes, cluster.nodes, cluster.devices_per_node, runs=dp.runs or None)
         depths = [len(choices) - idx for idx in range(len(choices))]
-        inflight = [min(s, b) for s in depths]
+        inflight = [SCHEDULES["1f1b"].inflight(len(choices), b, k, 1) for k in range(len(choices))]
         chunks = 1
     else:
         choices, chunks = interleaved.stages, interleaved.chunks

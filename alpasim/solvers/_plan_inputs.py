@@ -51,8 +51,8 @@ class SearchSpace:
     replaces the layer assignment instead. `max_stages` caps the pipeline's depth and
     `num_stages` fixes it (with `equal_layers`, stages of equal layer counts).
     `shape_ok`/`views_of` narrow the submeshes and their logical views. `pareto=False`
-    solves each layer for its fastest plan only. `method` and `system` name the method
-    and the system profile it is priced as (`_systems.SYSTEMS`), recorded in the plan."""
+    solves each layer for its fastest plan only. `method` names the method (recorded in
+    the plan) and `system` the system profile it is priced as (`_systems.SYSTEMS`)."""
 
     method: str = "alpa"
     system: str | None = None
@@ -123,8 +123,9 @@ class PlanOptions:
         if not chunks or any(isinstance(v, bool) or not isinstance(v, int) or v < 2 for v in chunks):
             raise ValueError(f"chunks per mesh must be integers >= 2, got {list(chunks)}")
         bucket = self.bucket_bytes
-        if bucket is not None and not isinstance(bucket, GradBuckets) and (isinstance(bucket, (str, bool)) or not isinstance(bucket, (int, float))
-                                   or not (math.isfinite(bucket) and bucket > 0)):
+        if bucket is not None and not isinstance(bucket, GradBuckets) and (
+                isinstance(bucket, (str, bool)) or not isinstance(bucket, (int, float))
+                or not (math.isfinite(bucket) and bucket > 0)):
             raise ValueError(f"the gradient bucket must be a finite number of bytes > 0, got {bucket!r}")
         if self.recompute not in RECOMPUTE_POLICIES:
             raise ValueError(f"unknown recompute policy {self.recompute!r}; choose one of "
@@ -137,7 +138,6 @@ class PlanOptions:
         if isinstance(self.epsilon, bool) or not isinstance(self.epsilon, (int, float)) \
                 or not (math.isfinite(self.epsilon) and self.epsilon >= 0):
             raise ValueError(f"epsilon must be a finite number >= 0, got {self.epsilon!r}")
-
 
     def at_data_parallel(self, dp: int, model_dtype: str) -> PlanOptions:
         """These options with a system's `GradBuckets` sized for data-parallel degree

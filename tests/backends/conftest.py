@@ -5,6 +5,7 @@ import os
 from pathlib import Path
 
 import pytest
+
 from alpasim.solvers import PlanOptions, SearchSpace
 
 MODELS = {
@@ -40,7 +41,7 @@ def small_plan():
     Wide-ResNet's first stage moves to a 2x2 mesh where XLA:CPU holds forward
     temporaries the memory model does not price:
     `test_memory.py::test_wresnet_first_stage_on_2x2`); `options`
-    are more `plan_pipeline` keywords. Cached: the runtime tests of both backends share
+    are more `PlanOptions` fields. Cached: the runtime tests of both backends share
     them."""
     from alpasim.costmodels import get_cluster
     from alpasim.solvers import plan_pipeline

@@ -20,8 +20,7 @@ from alpasim.backends import check_numerics, run_local
 from alpasim.costmodels import get_cluster
 from alpasim.graphs import GraphFormatError, ModelSpecError, from_jax, graph_digest, graph_to_json, load_graph, save_graph
 from alpasim.simulator import simulate
-from alpasim.solvers import PlanModel, load_plan, plan_pipeline, plan_with_method, planning_graph
-from alpasim.solvers import SearchSpace
+from alpasim.solvers import PlanModel, SearchSpace, load_plan, plan_pipeline, plan_with_method, planning_graph
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "graphs"))
 from test_jax_import import TF, gpt_loss, gpt_shapes  # noqa: E402

@@ -23,8 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from alpasim.backends import (ProgramMemory, check_numerics, layer_stash_sum, lower_stage, microbatch_inputs,
                               per_device_bytes, reference_step, run_local, stage_inputs, stage_memory)
 from alpasim.costmodels import DEFAULT_BUCKET_BYTES, get_cluster
-from alpasim.solvers import MegatronConfig, plan_pipeline, plan_with_method, planning_graph
-from alpasim.solvers import PlanOptions, SearchSpace
+from alpasim.solvers import MegatronConfig, PlanOptions, SearchSpace, plan_pipeline, plan_with_method, planning_graph
 
 TINY_GPT = "gpt3:hidden=64,layers=2,heads=4,seq=16,vocab=128,batch=8,dtype=fp32"
 

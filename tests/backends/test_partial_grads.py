@@ -20,8 +20,7 @@ from alpasim.backends._hlo import hlo_collectives
 from alpasim.backends._partial_grads import PartialGrad, eval_split
 from alpasim.costmodels import get_cluster
 from alpasim.graphs import GraphBuilder
-from alpasim.solvers import plan_pipeline, planning_graph
-from alpasim.solvers import PlanOptions, SearchSpace
+from alpasim.solvers import PlanOptions, SearchSpace, plan_pipeline, planning_graph
 
 needs_8 = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
 # Compiles whole pipelined plans: `make test-fast` leaves these to `make test`.

@@ -32,8 +32,7 @@ import pytest
 from alpasim.backends import host_cluster, predict_run, run_local
 from alpasim.costmodels import ProfiledCostModel, get_cluster
 from alpasim.simulator import Send, build_program, simulate, synthetic_plan
-from alpasim.solvers import plan_pipeline
-from alpasim.solvers import PlanOptions, SearchSpace
+from alpasim.solvers import PlanOptions, SearchSpace, plan_pipeline
 
 
 TINY_GPT = "gpt3:hidden=64,layers=2,heads=4,seq=16,vocab=128,batch=8,dtype=fp32"
@@ -103,6 +102,7 @@ def test_run_json_reports_numerics_timing_and_collectives(tmp_path, cli):
     assert sum(e.get("cat") == "compute" for e in events) > 0, events[:5]
 
 
+@pytest.mark.slow
 def test_run_compares_the_compiled_programs_with_what_was_priced_and_solves_no_ilp(monkeypatch):
     """`run` reads each stage's predicted collectives from the plan (what its layers were
     priced with), so it solves no intra-op ILP: patched to raise, the run completes.

@@ -35,8 +35,7 @@ from alpasim.backends._stages import microbatch_inputs, stage_intra_plan  # noqa
 from alpasim.costmodels import get_cluster  # noqa: E402
 from alpasim.graphs import from_jax, load_graph, model_source, save_graph, values_as_tree  # noqa: E402
 from alpasim.simulator import simulate  # noqa: E402
-from alpasim.solvers import plan_pipeline, planning_graph, planning_units  # noqa: E402
-from alpasim.solvers import SearchSpace  # noqa: E402
+from alpasim.solvers import SearchSpace, plan_pipeline, planning_graph, planning_units  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "graphs"))
 import jax_models  # noqa: E402

@@ -58,6 +58,23 @@ def test_a_saved_zoo_graph_is_that_zoo_model(tmp_path, spec):
     assert graph_to_json(source.forward(1)) == graph_to_json(zoo.forward(1))
 
 
+def test_a_zoo_graph_saved_before_the_tensor_parallel_tags_is_still_that_model(tmp_path):
+    """A file written before the builders tagged their parameters has no
+    `meta["tensor_parallel"]`: it is the same model, planned as the zoo's (with the
+    tags), while a file whose tags differ from the zoo's is a graph of its own."""
+    spec = ZOO_SPECS[3]
+    doc = graph_to_json(forward_graph(spec))
+    tags = doc["meta"].pop("tensor_parallel")
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(doc))
+    source = model_source(str(path))
+    assert source.config == model_source(spec).config
+    assert source.forward(1).meta["tensor_parallel"] == tags
+    doc["meta"]["tensor_parallel"] = {**tags, "w_q": {"split": "row", "dim": 0, "expert": False}}
+    path.write_text(json.dumps(doc))
+    assert model_source(str(path)).config is None
+
+
 def test_an_edited_zoo_graph_plans_as_a_graph_of_its_own(tmp_path):
     """One op's layer label changed after saving: no longer the zoo's model, so it is
     planned as the graph it is (its own batch only, its edit kept), never silently as

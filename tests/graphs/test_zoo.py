@@ -365,5 +365,27 @@ def test_an_imported_graph_has_no_tensor_parallel_tags_and_megatron_says_so():
     graph = b.build([b.einsum("bh,hf->bf", x, w)])
     with pytest.raises(ValueError, match="imported carries no tensor-parallel tags"):
         param_split(graph, w)
-    with pytest.raises(GraphError, match="tensor-parallel tag"):
-        GraphBuilder("bad").param("w", (8, 8), tp=("column", 2))
+    for tag in (("column", 2), "column", ("column", None), ("replicated", 0), ("diagonal", 1)):
+        with pytest.raises(GraphError, match="tensor-parallel tag"):
+            GraphBuilder("bad").param("w", (8, 8), tp=tag)
+
+
+# Megatron-LM's split dimension of each parameter (Shoeybi et al. 2019, Narayanan et al.
+# 2021), written out independently of the builders: QKV's heads, the MLP's hidden
+# features, Llama's KV-head groups, experts' hidden features, the vocabulary.
+MEGATRON_DIMS = {"w_qkv": 2, "b_qkv": 1, "w_o": 0, "w_fc1": 1, "b_fc1": 0, "w_fc2": 0, "wte": 0, "w_head": 1,
+                 "w_q": 1, "w_k": 1, "w_v": 1, "w_gate_proj": 1, "w_up_proj": 1, "w_down_proj": 0,
+                 "shared_w_gate_proj": 1, "shared_w_up_proj": 1, "shared_w_down_proj": 0,
+                 "w_expert_in": 2, "w_expert_out": 1, "w_expert_gate": 2, "w_expert_up": 2, "w_expert_down": 1}
+
+
+@pytest.mark.parametrize("spec", TAGGED)
+def test_the_tags_split_each_weight_where_megatron_does(spec):
+    from alpasim.graphs import model_source, param_split
+
+    graph = model_source(spec).forward(8, "float32")
+    for t in graph.params:
+        base = t.name.rsplit("/", 1)[-1]
+        tag = param_split(graph, t.name)
+        assert tag["dim"] == MEGATRON_DIMS.get(base), (t.name, tag)
+        assert tag["expert"] == base.startswith("w_expert_"), (t.name, tag)

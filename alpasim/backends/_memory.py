@@ -4,7 +4,7 @@ XLA reports, per compiled program, the bytes of its arguments, outputs and tempo
 and how many output bytes alias (reuse) an argument (`Compiled.memory_analysis()`).
 The programs are SPMD over the stage's mesh, so every figure is one device's: a
 (256, 512) float32 argument sharded 1x2 counts 256 KiB, not 512 KiB (checked on the
-CPU in `tests/backends/test_memory.py`). `stage_memory` composes the stage's peak per
+CPU in `tests/backends/test_memory.py`). `measured_memory` composes the stage's peak per
 device from them the way a microbatch's life under 1F1B holds memory
 (Korthikanti et al. 2022, section 4; the plan's `stages[i].memory` composes its
 prediction alike):
@@ -66,7 +66,7 @@ class ProgramMemory:
 
 
 @dataclass(frozen=True, slots=True)
-class StageMemory:
+class MeasuredMemory:
     """Measured per-device memory of one stage (module doc for the composition)."""
 
     stage: int
@@ -108,7 +108,7 @@ def _sum_bytes(arrays) -> int:
     return sum(per_device_bytes(a.shape, a.dtype, a.sharding) for a in arrays)
 
 
-def stage_memory(stage, inflight: int) -> StageMemory:
+def measured_memory(stage, inflight: int) -> MeasuredMemory:
     """The measured memory of a lowered stage (`StageExecutable`) with `inflight`
     microbatches between forward and backward; a Ray `RemoteStage` brings its own."""
     if not hasattr(stage, "compiled") or not hasattr(stage.compiled.get("forward"), "memory_analysis"):
@@ -139,7 +139,7 @@ def stage_memory(stage, inflight: int) -> StageMemory:
     held = {"forward": inflight * stash, "backward": inflight * stash, "update": 0}   # no stash at the update
     peak = max(candidates, key=lambda k: sum(candidates[k]) + held[k])
     temp, boundary = candidates[peak]
-    return StageMemory(stage.index, programs, params, grads, optimizer, stash, inflight, temp, boundary, peak,
+    return MeasuredMemory(stage.index, programs, params, grads, optimizer, stash, inflight, temp, boundary, peak,
                        device_peak_bytes(stage.mesh))
 
 

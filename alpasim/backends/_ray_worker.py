@@ -36,7 +36,7 @@ from alpasim.solvers import PipelinePlan, planning_graph
 from ._executable import lower_stage
 from ._runtime import Payload, _Walker, params_bytes_per_device, tied_copies
 from ._stage_profile import StageTimes, profile_stage
-from ._memory import StageMemory, stage_memory
+from ._memory import MeasuredMemory, measured_memory
 from ._stages import StagePart
 
 
@@ -65,7 +65,7 @@ class RemoteStage:
     mesh: jax.sharding.AbstractMesh
     compiled: dict[str, HloText]
     params_bytes: float
-    memory: StageMemory | None = None       # `stage_memory` of the actor's compiled stage
+    memory: MeasuredMemory | None = None       # `measured_memory` of the actor's compiled stage
     device_ids: tuple[int, ...] = ()        # the ids, in the actor's process, of its mesh's devices
 
 
@@ -126,7 +126,7 @@ class MeshWorker:
         self.owners, self.readers = owners, readers
         return [RemoteStage(j, s.part, s.mesh.abstract_mesh,
                             {name: HloText(c.as_text()) for name, c in s.compiled.items()},
-                            params_bytes_per_device(s), stage_memory(s, self.inflight[j]),
+                            params_bytes_per_device(s), measured_memory(s, self.inflight[j]),
                             tuple(int(d.id) for d in s.mesh.devices.flat))
                 for j, s in self.stages.items()]
 

@@ -48,7 +48,7 @@ def run(
     numerical check of loss and gradients, and per stage the predicted vs compiled
     (HLO) collective bytes and predicted vs measured memory per device (XLA's memory
     analysis of the compiled stage programs, composed as the stage runs under 1F1B:
-    `alpasim.backends.stage_memory`). A numerics mismatch exits 1 after the report.
+    `alpasim.backends.measured_memory`). A numerics mismatch exits 1 after the report.
     On the CPU it asks for 8 virtual devices (or as many as the plan uses) unless
     XLA_FLAGS already sets a count."""
     if runtime not in RUNTIMES:

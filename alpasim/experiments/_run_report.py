@@ -93,7 +93,7 @@ def run_report(p: sv.PipelinePlan, *, runtime: str = "local", steps: int = 5, se
         result = backends.run_local(p, steps=steps, seed=seed, profile_iters=profile_iters)
     run_s = time.perf_counter() - t0
     # Read before the reference step runs on device 0 (a GPU's peak counter would count it).
-    memory = [backends.stage_memory(s, st.inflight_microbatches) for s, st in zip(result.stages, p.stages)]
+    memory = [backends.measured_memory(s, st.inflight_microbatches) for s, st in zip(result.stages, p.stages)]
     log(f"run: {steps} steps in {run_s:.1f} s; the single-device reference step")
     check = backends.check_numerics(result.losses[0], result.grads, backends.reference_step(p, seed=seed))
     # The op-level re-pricing of a profiled cost model needs each stage's op strategies
@@ -119,7 +119,7 @@ def run_report(p: sv.PipelinePlan, *, runtime: str = "local", steps: int = 5, se
 
 def _stage_rows(p: sv.PipelinePlan, memory: list, priced: list[dict] | None) -> list[dict[str, Any]]:
     """Per stage: the predicted memory (the plan's, with its breakdown when the plan has
-    one) beside the measured (compiled programs, `backends.stage_memory`), merged into
+    one) beside the measured (compiled programs, `backends.measured_memory`), merged into
     the profiled prediction's rows when there are any."""
     rows = [dict(r) for r in priced] if priced else [{"stage": k, "mesh": list(st.logical_mesh)}
                                                       for k, st in enumerate(p.stages)]

@@ -1,4 +1,4 @@
-"""Measured stage memory (`stage_memory`) against independent figures, the no-remat
+"""Measured stage memory (`measured_memory`) against independent figures, the no-remat
 stash, the gradient-accumulation dtype, and `alpasim run`'s exit on a numerics mismatch.
 
 The independent figures: XLA's memory analysis of a hand-sharded program against the
@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from alpasim.backends import (ProgramMemory, check_numerics, layer_stash_sum, lower_stage, microbatch_inputs,
-                              per_device_bytes, reference_step, run_local, stage_inputs, stage_memory)
+from alpasim.backends import (ProgramMemory, check_numerics, layer_stash_sum, lower_stage, measured_memory,
+                              microbatch_inputs, per_device_bytes, reference_step, run_local, stage_inputs)
 from alpasim.costmodels import DEFAULT_BUCKET_BYTES, get_cluster
 from alpasim.solvers import MegatronConfig, PlanOptions, SearchSpace, plan_pipeline, plan_with_method, planning_graph
 
@@ -98,7 +98,7 @@ def test_one_stage_measured_state_and_stash_equal_the_arrays(remat):
     assert len(plan.stages) == 1 and plan.model.remat == remat
     result = run_local(plan, steps=1)
     (stage,) = result.stages
-    m = stage_memory(stage, plan.stages[0].inflight_microbatches)
+    m = measured_memory(stage, plan.stages[0].inflight_microbatches)
     assert m.params_bytes == shard_bytes(stage.params.values())
     assert m.grads_bytes == shard_bytes(stage.acc.values())
     assert m.optimizer_bytes == shard_bytes(stage.states.values())
@@ -208,7 +208,7 @@ def test_stages_run_the_layouts_the_plan_priced(remat, monkeypatch, reference):
     monkeypatch.setattr("alpasim.backends._stages.solve_intra_op", no_resolve)
     result = run_local(plan, steps=1)
     for st, stage in zip(plan.stages, result.stages, strict=True):
-        m = stage_memory(stage, st.inflight_microbatches)
+        m = measured_memory(stage, st.inflight_microbatches)
         assert m.stash_bytes == pytest.approx(st.memory["stash_bytes"], rel=1e-9)
         assert m.params_bytes == pytest.approx(st.memory["params_bytes"], rel=1e-9)
         assert m.optimizer_bytes == pytest.approx(st.memory["optimizer_bytes"], rel=1e-9)
@@ -233,7 +233,7 @@ def test_backward_runs_its_layers_one_after_another(small_plan):
     st = plan.stages[0]
     assert st.layers[1] - st.layers[0] >= 3, "needs a stage of several layers"
     stage = lower_stage(plan, graph, 0, jax.devices()[:int(np.prod(st.logical_mesh))])
-    m = stage_memory(stage, st.inflight_microbatches)
+    m = measured_memory(stage, st.inflight_microbatches)
     assert m.total_bytes == pytest.approx(st.memory["total_bytes"], rel=0.1)
     assert m.temp_bytes <= 2 * st.memory["transient_bytes"] + m.buffer_bytes
 
@@ -243,7 +243,7 @@ def step_memory(plan) -> list:
     stage's memory as XLA measured it."""
     result = run_local(plan, steps=1)
     assert check_numerics(result.losses[0], result.grads, reference_step(plan))["numerics_ok"]
-    return [stage_memory(stage, st.inflight_microbatches) for st, stage in zip(plan.stages, result.stages,
+    return [measured_memory(stage, st.inflight_microbatches) for st, stage in zip(plan.stages, result.stages,
                                                                                   strict=True)]
 
 
@@ -347,4 +347,4 @@ def test_wresnet_first_stage_on_2x2(small_plan):
     assert tuple(st.logical_mesh) == (2, 2)
     graph = planning_graph(plan.model)
     stage = lower_stage(plan, graph, 0, jax.devices()[:4])
-    assert stage_memory(stage, st.inflight_microbatches).total_bytes == pytest.approx(st.memory_bytes, rel=0.1)
+    assert measured_memory(stage, st.inflight_microbatches).total_bytes == pytest.approx(st.memory_bytes, rel=0.1)

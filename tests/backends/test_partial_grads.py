@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from alpasim.backends import check_numerics, lower_stage, per_device_bytes, run_local, stage_memory
+from alpasim.backends import check_numerics, lower_stage, measured_memory, per_device_bytes, run_local
 from alpasim.backends._hlo import hlo_collectives
 from alpasim.backends._partial_grads import PartialGrad, eval_split
 from alpasim.costmodels import get_cluster
@@ -92,7 +92,7 @@ def test_data_parallel_gradients_are_reduced_once_per_iteration(reference):
         assert stage.acc[p].shape == (8, *stage.params[p].shape)
         assert per_device_bytes(stage.acc[p].shape, stage.acc[p].dtype, stage.acc[p].sharding) == \
             stage.params[p].size * stage.acc[p].dtype.itemsize
-    m = stage_memory(stage, plan.stages[0].inflight_microbatches)
+    m = measured_memory(stage, plan.stages[0].inflight_microbatches)
     # Pure data parallelism: every device holds every parameter's whole gradient.
     assert m.grads_bytes == sum(stage.params[p].size * stage.acc[p].dtype.itemsize for p in stage.ops.grads)
     assert check_numerics(result.losses[0], result.grads, reference(plan))["numerics_ok"]

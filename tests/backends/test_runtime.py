@@ -34,7 +34,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from alpasim.backends import check_numerics, compare_collectives, hlo_collectives, run_local, stage_memory
+from alpasim.backends import check_numerics, compare_collectives, hlo_collectives, measured_memory, run_local
 from alpasim.backends._executable import plan_training_graph, split_backward_ops
 from alpasim.simulator import Run, build_program
 from alpasim.solvers._planning_graph import planning_graph
@@ -80,7 +80,7 @@ def test_pipelined_step_matches_single_device_and_plan(family, small_plan, tmp_p
 
     # Each stage's memory as XLA compiled it, within issue 13's 10 % of the plan's.
     for st, stage in zip(plan.stages, result.stages, strict=True):
-        assert stage_memory(stage, st.inflight_microbatches).total_bytes == pytest.approx(st.memory_bytes, rel=0.1)
+        assert measured_memory(stage, st.inflight_microbatches).total_bytes == pytest.approx(st.memory_bytes, rel=0.1)
 
     tl = result.timeline
     S, B = len(plan.stages), plan.microbatches
@@ -218,7 +218,7 @@ def test_interleaved_plan_runs_the_same_step_in_the_simulated_order(family, smal
     # flight). Not Wide-ResNet-17's, which the check does not hold on (`conftest.MODELS`).
     if family == "gpt":
         for st, stage in zip(plan.stages, result.stages, strict=True):
-            assert stage_memory(stage, st.inflight_microbatches).total_bytes == pytest.approx(st.memory_bytes,
+            assert measured_memory(stage, st.inflight_microbatches).total_bytes == pytest.approx(st.memory_bytes,
                                                                                              rel=0.1)
 
 

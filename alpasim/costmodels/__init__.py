@@ -18,8 +18,6 @@ from ._compute import compute_time_s as compute_time_s
 from ._compute import matmul_efficiency as matmul_efficiency
 from ._compute import op_time_s as op_time_s
 from ._compute import traffic_bytes as traffic_bytes
-from ._fusion import FUSIBLE_PRIMS as FUSIBLE_PRIMS
-from ._fusion import Fusion as Fusion
 from ._fusion import OpAccess as OpAccess
 from ._fusion import accumulating_cast as accumulating_cast
 from ._fusion import fuse as fuse
@@ -29,7 +27,6 @@ from ._hardware import BusSweep as BusSweep
 from ._hardware import Cluster as Cluster
 from ._hardware import ClusterError as ClusterError
 from ._hardware import Device as Device
-from ._hardware import Hop as Hop
 from ._hardware import SpineTier as SpineTier
 from ._hardware import Link as Link
 from ._hardware import host_memory_bytes as host_memory_bytes
@@ -37,7 +34,6 @@ from ._memory import MemoryBreakdown as MemoryBreakdown
 from ._memory import activation_peak_bytes as activation_peak_bytes
 from ._memory import training_memory as training_memory
 from ._stage_memory import LayerMemory as LayerMemory
-from ._stage_memory import Liveness as Liveness
 from ._stage_memory import StageMemory as StageMemory
 from ._stage_memory import carry_peak as carry_peak
 from ._stage_memory import layer_memory as layer_memory
@@ -69,6 +65,5 @@ from ._overlap import bucket_schedule as bucket_schedule
 from ._overlap import exposed_s as exposed_s
 from ._overlap import gather_exposed_s as gather_exposed_s
 from ._overlap import run_buckets as run_buckets
-from ._overlap import stream_end_s as stream_end_s
 from ._tp_overlap import PIPELINE_SPLITS as PIPELINE_SPLITS
 from ._tp_overlap import exposed_tp_s as exposed_tp_s

@@ -1,26 +1,18 @@
 """Experiments: the paper's figures and tables in simulation, what-if sweeps, and the
 reports each `alpasim` command prints (graph, intra-op, simulation, run), as JSON-ready dicts."""
 
-from ._points import DEFAULT_CLUSTER as DEFAULT_CLUSTER
 from ._points import Point as Point
 from ._points import Result as Result
 from ._points import paper_cluster as paper_cluster
-from ._points import run_point as run_point
-from ._points import run_points as run_points
-from ._compare import Comparison as Comparison
 from ._compare import compare as compare
 from ._compare import method_name as method_name
-from ._compare import plan_summary as plan_summary
-from ._sweep import AXES as SWEEP_AXES
 from ._sweep import SweepReport as SweepReport
 from ._sweep import sweep as sweep
 from ._sweep import sweep_cluster as sweep_cluster
 from ._sweep import sweep_cell as sweep_cell
 from ._reproduce import FIGURES as FIGURES
 from ._report import Figure as Figure
-from ._report import Report as Report
 from ._reproduce import figure_points as figure_points
-from ._report import point_json as point_json
 from ._reproduce import ratio as ratio
 from ._reproduce import reproduce as reproduce
 from ._reproduce import scaling_efficiency as scaling_efficiency
@@ -28,22 +20,17 @@ from ._sweep import value_label as value_label
 from ._errors import ReportError as ReportError
 from ._graph_report import cluster_json as cluster_json
 from ._graph_report import graph_report as graph_report
-from ._graph_report import model_with_batch as model_with_batch
 from ._intra_report import DEFAULT_MICROBATCH_SIZE as DEFAULT_MICROBATCH_SIZE
 from ._intra_report import INTRA_METHODS as INTRA_METHODS
 from ._intra_report import intra_report as intra_report
-from ._intra_report import parse_layers as parse_layers
 from ._run_report import RAY_PLATFORMS as RAY_PLATFORMS
 from ._run_report import RUNTIMES as RUNTIMES
 from ._run_report import cpu_devices_for as cpu_devices_for
 from ._run_report import run_report as run_report
 from ._run_report import simulation_report as simulation_report
-from ._run_report import write_outputs as write_outputs
 from ._published_runs import PUBLISHED_RUNS as PUBLISHED_RUNS
 from ._published_runs import PublishedRun as PublishedRun
 from ._breakdown import PARTS as BREAKDOWN_PARTS
-from ._breakdown import iteration_breakdown as iteration_breakdown
-from ._validate import ValidationRow as ValidationRow
 from ._validate import breakdown_cells as validation_breakdown_cells
 from ._validate import span_cell as validation_span_cell
 from ._validate import price_run as price_run

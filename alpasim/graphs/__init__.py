@@ -6,7 +6,6 @@ not import jax; `from_jax` imports it when called.
 
 from ._autodiff import AdamConfig as AdamConfig
 from ._autodiff import AutodiffError as AutodiffError
-from ._autodiff import VJP_RULES as VJP_RULES
 from ._autodiff import WEIGHT_GRAD_TAG as WEIGHT_GRAD_TAG
 from ._autodiff import in_weight_pass as in_weight_pass
 from ._autodiff import is_weight_grad as is_weight_grad
@@ -17,7 +16,6 @@ from ._batch import BatchError as BatchError
 from ._batch import batch_size as batch_size
 from ._batch import mark_batch as mark_batch
 from ._batch import resize_batch as resize_batch
-from ._build import BuiltGraph as BuiltGraph
 from ._source import JaxModel as JaxModel
 from ._source import ModelLike as ModelLike
 from ._source import ModelSource as ModelSource
@@ -31,14 +29,12 @@ from ._build import read_graph_file as read_graph_file
 from ._build import ops_by_phase as ops_by_phase
 from ._builder import GraphBuilder as GraphBuilder
 from ._builder import param_split as param_split
-from ._clustering import Clustering as Clustering
 from ._clustering import assign_layers as assign_layers
 from ._clustering import cluster_ops as cluster_ops
 from ._clustering import received_bytes_matrix as received_bytes_matrix
 from ._jax_import import from_jax as from_jax
 from ._jax_import import values_as_tree as values_as_tree
 from ._prims_layout import constant_array as constant_array
-from ._prims_layout import constant_params as constant_params
 from ._jsonfile import read_json_file as read_json_file
 from ._jax_import import training_graph_from_jax as training_graph_from_jax
 from ._jax_values import JaxImportError as JaxImportError
@@ -46,19 +42,16 @@ from ._precision import DEFAULT_RECIPE as DEFAULT_RECIPE
 from ._precision import LOSS_KERNELS as LOSS_KERNELS
 from ._precision import RECIPES as RECIPES
 from ._precision import PrecisionRecipe as PrecisionRecipe
-from ._precision import UnknownRecipeError as UnknownRecipeError
 from ._precision import get_recipe as get_recipe
 from ._precision import with_loss_kernel as with_loss_kernel
 from ._prims_nn import LOSS_LOGITS as LOSS_LOGITS
 from ._recompute import RECOMPUTABLE_PRIMS as RECOMPUTABLE_PRIMS
 from ._recompute import KERNEL_STASHES as KERNEL_STASHES
 from ._recompute import RECOMPUTE_POLICIES as RECOMPUTE_POLICIES
-from ._recompute import recompute_fusible as recompute_fusible
 from ._recompute import expanding_contraction as expanding_contraction
 from ._primitives import ELEMENTWISE as ELEMENTWISE
 from ._primitives import MATMUL_KINDS as MATMUL_KINDS
 from ._primitives import PRIMITIVES as PRIMITIVES
-from ._primitives import DimMap as DimMap
 from ._primitives import PrimitiveError as PrimitiveError
 from ._primitives import is_heavy as is_heavy
 from ._primitives import op_bytes as op_bytes

@@ -42,8 +42,9 @@ and boundary tensors leave in the sender's `transfers` src_spec and arrive in th
 receiver's dst_spec. Nothing is solved again at run time. A plan from before it carried
 `layer_specs` falls back to one ILP over the whole stage with the parameter and boundary
 layouts fixed (`_stages.stage_intra_plan`), constraining einsum and conv outputs and
-stashed and boundary tensors to it; that solve's collectives are also what
-`compare_collectives` holds the HLO to (solved on first use).
+stashed and boundary tensors to it. A stage's intra-op plan object, which a profiled
+re-pricing reads, is the priced one replayed from the plan's per-op strategies
+(`solvers.replay_intra_op`; built on first use).
 
 On the CPU the programs are compiled with XLA's memory-optimised scheduler
 (`compiler_options`).

@@ -64,8 +64,8 @@ from ._runtime import RunResult, _payloads, measured_timeline, runnable_program
 from ._executable import stage_inputs
 from ._stages import partition
 
-# Importing JAX and lowering a stage (which re-solves its intra-op plan, at most
-# `_stages.RESOLVE_TIME_LIMIT_S`, and compiles three programs).
+# Importing JAX and lowering a stage (a plan from before `layer_specs` re-solves its
+# intra-op plan, at most `_stages.RESOLVE_TIME_LIMIT_S`) and compiling three programs.
 STARTUP_TIMEOUT_S = 600.0
 # The driver's calls that wait on one actor's own work, never on another mesh.
 CALL_TIMEOUT_S = 120.0

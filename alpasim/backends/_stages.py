@@ -26,7 +26,8 @@ import numpy as np
 from alpasim.costmodels import AnalyticCostModel
 from alpasim.graphs import OpGraph, Op, stage_graph
 from alpasim.simulator import plan_cluster
-from alpasim.solvers import IntraOpPlan, PipelinePlan, ShardingSpec, logical_mesh, solve_intra_op
+from alpasim.solvers import (IntraOpPlan, PipelinePlan, ShardingSpec, logical_mesh, plan_restriction,
+                             replay_intra_op, restricted_solve_kwargs, solve_intra_op)
 
 from ._lowering import _index_bound
 
@@ -97,13 +98,18 @@ def microbatch_inputs(graph: OpGraph, seed: int, step: int, microbatch: int) -> 
 
 
 def stage_intra_plan(plan: PipelinePlan, train: OpGraph, k: int) -> IntraOpPlan:
-    """Stage k's intra-op plan: its training subgraph solved on its logical mesh with the
-    plan's parameter layouts and the receiving layouts of its boundary tensors fixed."""
+    """Stage k's intra-op plan: the one its layers were priced with, rebuilt from the
+    plan's record of each op's strategy and each tensor's layout with no solve
+    (`solvers.replay_intra_op`); for a plan from before that record, its training
+    subgraph solved on its logical mesh with the plan's parameter layouts and the
+    receiving layouts of its boundary tensors fixed."""
     st = plan.stages[k]
     cluster = plan_cluster(plan)
     if cluster is None:
         raise ValueError(f"plan cluster {plan.cluster.name!r} is unknown; cannot rebuild stage {k}'s mesh")
     sub = stage_graph(train, *st.layers)
+    if st.layer_strategies and st.layer_specs:
+        return _replayed(plan, train, k, sub, cluster)
     fixed = {p: [ShardingSpec.parse(text)] for p, text in st.param_specs.items() if p in sub.tensors}
     for t in plan.transfers:
         if t.dst_stage == k and t.dst_spec and t.tensor in sub.inputs:
@@ -112,3 +118,18 @@ def stage_intra_plan(plan: PipelinePlan, train: OpGraph, k: int) -> IntraOpPlan:
     return solve_intra_op(sub, mesh, AnalyticCostModel(cluster), with_compute=True,
                           microbatches=plan.microbatches, leaf_specs=fixed,
                           time_limit_s=RESOLVE_TIME_LIMIT_S, mip_gap=RESOLVE_MIP_GAP).plan
+
+
+def _replayed(plan: PipelinePlan, train: OpGraph, k: int, sub: OpGraph, cluster) -> IntraOpPlan:
+    """Stage k's priced plan from its layers' records (`stage_intra_plan`)."""
+    st = plan.stages[k]
+    names: dict[str, str] = {}
+    specs: dict[str, ShardingSpec] = {}
+    for layer, strategies, layout in zip(range(st.layers[0], st.layers[1] + 1), st.layer_strategies,
+                                         st.layer_specs, strict=True):
+        names.update(zip((op.name for op in sub.ops if op.layer == layer), strategies, strict=True))
+        specs.update((t, ShardingSpec.parse(text)) for t, text in layout.items())
+    mesh = logical_mesh(cluster, list(st.devices), tuple(st.logical_mesh))
+    model = AnalyticCostModel(cluster)
+    kw = restricted_solve_kwargs(plan_restriction(plan), sub, mesh, model)
+    return replay_intra_op(sub, mesh, model, names, specs, microbatches=plan.microbatches, **kw)

@@ -96,8 +96,9 @@ def run_report(p: sv.PipelinePlan, *, runtime: str = "local", steps: int = 5, se
     memory = [backends.measured_memory(s, st.inflight_microbatches) for s, st in zip(result.stages, p.stages)]
     log(f"run: {steps} steps in {run_s:.1f} s; the single-device reference step")
     check = backends.check_numerics(result.losses[0], result.grads, backends.reference_step(p, seed=seed))
-    # The op-level re-pricing of a profiled cost model needs each stage's op strategies
-    # (solved again from the plan's layouts); the collectives are the plan's own record.
+    # The op-level re-pricing of a profiled cost model reads each stage's op strategies
+    # (replayed from the plan's record, `stage_intra_plan`); the collectives are the
+    # plan's own record too.
     intra = [s.intra_plan for s in result.stages] if cost_model is not None and runtime == "local" else None
     prediction = backends.predict_run(p, cost_model=cost_model, runtime=runtime, intra_plans=intra,
                                       stage_times=result.stage_profile or None)

@@ -20,6 +20,7 @@ from ._intra_op import IntraOpInfeasible as IntraOpInfeasible
 from ._intra_op import IntraOpResult as IntraOpResult
 from ._intra_op import min_memory_bytes as min_memory_bytes
 from ._intra_op import min_memory_choice as min_memory_choice
+from ._intra_op import replay_intra_op as replay_intra_op
 from ._intra_op import solve_intra_op as solve_intra_op
 from ._intra_op import weight_update_sharding as weight_update_sharding
 from ._intra_plan import IntraOpPlan as IntraOpPlan

@@ -47,10 +47,11 @@ from typing import Any
 # key (how it accumulates and reduces gradients: `graphs.PrecisionRecipe`); 43: GEMMs priced
 # by their shard's shape where the device has a measured grid (`costmodels._gemm.SHAPE_TABLES`);
 # 44: the grid's times hold the launch; BF16_Optimizer's pass in the W pass too; 45: each
-# option's collective bytes by kind (`LayerOption.collective_bytes`), which plans record.
+# option's collective bytes by kind (`LayerOption.collective_bytes`), which plans record;
+# 46: and each op's strategy name (`LayerOption.strategy_names`).
 # The restriction
 # tables are code, not part of a key: a change to them bumps this.
-CACHE_VERSION = "stage-costs/45"
+CACHE_VERSION = "stage-costs/46"
 
 
 def cache_dir() -> Path:

@@ -115,6 +115,10 @@ class LayerOption:
     # plan records each stage's sum, and `alpasim run` compares the compiled programs
     # with it instead of solving the stage again.
     collective_bytes: tuple[tuple[str, float], ...] = ()
+    # Each op's strategy (`Strategy.name`), in the layer graph's op order: with the
+    # tensor layouts, what lets an executor rebuild the priced plan without a solve
+    # (`_intra_op.replay_intra_op`).
+    strategy_names: tuple[str, ...] = ()
 
     @property
     def tied_bytes(self) -> float:
@@ -157,7 +161,8 @@ class LayerOption:
                 d.get("tp_hidden_s", 0.0), d.get("tp_hidden_forward_s", 0.0), d.get("param_gather_s", 0.0),
                 tuple((tuple(int(a) for a in axes), b) for axes, b in d.get("gather_groups", ())),
                 d.get("grad_scatter_s", 0.0), d.get("grad_scatter_stream_s", 0.0),
-                tuple((str(k), b) for k, b in d.get("collective_bytes", ())))
+                tuple((str(k), b) for k, b in d.get("collective_bytes", ())),
+                tuple(str(n) for n in d.get("strategy_names", ())))
         numbers = [o.time_s, o.sync_s, o.persistent_bytes, o.activation_bytes, o.forward_s, o.params_bytes,
                    o.grads_bytes, o.optimizer_bytes, *o.tied, o.gather_bytes, o.update_bytes, o.grad_sync_s,
                    *(b for _, _, b in o.grad_groups), o.hidden_s, o.weight_grad_s, o.weight_stash_bytes,
@@ -412,7 +417,8 @@ def layer_options(layer: OpGraph, mesh: LogicalMesh, cluster: Cluster, microbatc
                            grad_sync_s, grad_groups, hidden_collectives_s(layer, plan),
                            weight_s + accumulate, weight_bytes,       # the pass runs in W (in_weight_pass)
                            *tp_overlap_s(layer, plan), param_gather_s, gather_groups,
-                           *grad_scatters(restriction, layer, plan), tuple(sorted(plan.collective_bytes().items())))
+                           *grad_scatters(restriction, layer, plan), tuple(sorted(plan.collective_bytes().items())),
+                           tuple(plan.strategies[op.name].name for op in layer.ops))
 
     kw = restricted_solve_kwargs(restriction, layer, mesh, model)
     fast = solve_intra_op(layer, mesh, model, with_compute=True, microbatches=microbatches, mip_gap=PLANNING_MIP_GAP,

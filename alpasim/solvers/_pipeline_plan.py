@@ -205,6 +205,10 @@ class PipelineStage(Record):
     # one microbatch's forward and backward and the iteration's sync): what `alpasim run`
     # compares the compiled programs with. None: a plan from before it was recorded.
     collective_bytes: dict[str, float] | None = None
+    # Per layer of the stage, each op's strategy in the layer's op order
+    # (`LayerOption.strategy_names`): with `layer_specs`, the priced plan an executor
+    # rebuilds without a solve. Empty: a plan from before it was recorded.
+    layer_strategies: tuple[tuple[str, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if self.layers[0] > self.layers[1] or self.layers[0] < 0:

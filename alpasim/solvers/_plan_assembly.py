@@ -106,6 +106,7 @@ def _plan_stage(costs: StageCosts, st: StageChoice, depth: int, inflight: int, d
     overlap = costs.bucket_bytes is not None
     param_specs: dict[str, str] = {}
     collective_bytes: dict[str, float] = {}
+    strategies: list[tuple[str, ...]] = []
     heavy: list[dict] = []
     kinds_shown: set[str] = set()
     layer_specs: list[dict[str, str]] = []
@@ -121,6 +122,7 @@ def _plan_stage(costs: StageCosts, st: StageChoice, depth: int, inflight: int, d
         weight_bytes += o.weight_stash_bytes
         layer_graph = costs.layer_graphs[layer]
         layer_specs.append(layer_tensor_specs(layer_graph, o))
+        strategies.append(o.strategy_names)
         for collective, nbytes in o.collective_bytes:
             collective_bytes[collective] = collective_bytes.get(collective, 0.0) + nbytes
         for p, spec in zip(canonical_params(layer_graph), o.param_specs):
@@ -143,7 +145,7 @@ def _plan_stage(costs: StageCosts, st: StageChoice, depth: int, inflight: int, d
                          float(st.boundary_s), mem.to_json(),
                          tuple(layer_specs) if all(layer_specs) else (), grad_sync, buckets, exposed,
                          min(weight_s, compute - forward), weight_bytes, gather, moved, scatter,
-                         collective_bytes)
+                         collective_bytes, tuple(strategies) if all(strategies) else ())
 
 
 def chunk_memory(costs: StageCosts, st: StageChoice, depth: int):

@@ -103,14 +103,30 @@ def test_run_json_reports_numerics_timing_and_collectives(tmp_path, cli):
 
 
 @pytest.mark.slow
-def test_run_compares_the_compiled_programs_with_what_was_priced_and_solves_no_ilp(monkeypatch):
+def test_run_compares_the_compiled_programs_with_what_was_priced_and_solves_no_ilp(monkeypatch, quick_profile):
     """`run` reads each stage's predicted collectives from the plan (what its layers were
-    priced with), so it solves no intra-op ILP: patched to raise, the run completes.
-    A plan from before the record says it has no prediction rather than inventing one."""
+    priced with), and a profiled re-pricing replays each stage's recorded strategies, so
+    it solves no intra-op ILP: patched to raise, the run completes, with a cost model
+    too. A plan from before the record says it has no prediction rather than inventing
+    one."""
+    from alpasim.backends._executable import plan_training_graph
+    from alpasim.backends._stages import stage_intra_plan
     from alpasim.experiments import run_report
-    from alpasim.solvers import _intra_op
+    from alpasim.solvers import _intra_op, planning_graph
 
     plan = small_plan(TINY_GPT)
+    loaded = ProfiledCostModel.load(quick_profile[1], get_cluster("aws-p3.16xlarge", nodes=1))
+    model = loaded.with_cluster(host_cluster(loaded, loaded.meta["num_devices"]))
+    profiled = small_plan(TINY_GPT, model.cluster, model)
+    # The replayed plan is the priced one: a one-layer stage moves exactly its record;
+    # a longer one adds only the resharding between its layers (which the composition
+    # leaves out), never less.
+    train = plan_training_graph(plan, planning_graph(plan.model))
+    for k, st in enumerate(plan.stages):
+        moved = stage_intra_plan(plan, train, k).collective_bytes()
+        if st.layers[0] == st.layers[1]:
+            assert moved == pytest.approx(st.collective_bytes)
+        assert sum(moved.values()) >= sum(st.collective_bytes.values()) * (1 - 1e-9)
     assert all(st.collective_bytes for st in plan.stages) and any(sum(st.collective_bytes.values())
                                                                   for st in plan.stages)
 
@@ -123,6 +139,7 @@ def test_run_compares_the_compiled_programs_with_what_was_priced_and_solves_no_i
     for row, st in zip(got["collectives"], plan.stages, strict=True):
         assert row["predicted"] == {k: st.collective_bytes.get(k, 0.0) for k in row["predicted"]}
         assert row["predicted_bytes"] == pytest.approx(sum(st.collective_bytes.values()))
+    assert run_report(profiled, steps=1, profile_iters=0, cost_model=model)["predicted_step_s_profiled"] > 0
     older = dataclasses.replace(plan, stages=tuple(dataclasses.replace(st, collective_bytes=None)
                                                    for st in plan.stages))
     rows = run_report(older, steps=1, profile_iters=0)["collectives"]

@@ -128,8 +128,8 @@ class StageExecutable:
 
     @property
     def intra_plan(self) -> IntraOpPlan:
-        """The stage's intra-op plan as one solve (its collectives are what the HLO is
-        compared with); solved on first use when the stage runs the plan's own layouts."""
+        """The stage's intra-op plan (`_stages.stage_intra_plan`: the priced one replayed
+        from the plan's record), built on first use; a profiled re-pricing reads it."""
         if callable(self._intra):
             self._intra = self._intra()
         return self._intra

@@ -17,8 +17,8 @@ predictions of the run on this machine can come with it:
   for MoE and 0.26-0.36 for Wide-ResNet over three to five runs, each with a fresh
   profile (gaps below):
 
-1. Each stage's intra-op plan — the one the runtime lowers (`stage_intra_plan`, or
-   the run's own `StageExecutable.intra_plan`) — is re-priced op by op and collective
+1. Each stage's intra-op plan — the priced one, replayed from the plan's records
+   (`stage_intra_plan`, or the run's own `StageExecutable.intra_plan`) — is re-priced op by op and collective
    by collective with the profiled model on the profile's host cluster
    (`alpasim.solvers.reprice`): forward_s, backward_s per microbatch, and the gradient
    sync plus Adam update once per iteration.

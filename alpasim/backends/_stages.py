@@ -9,11 +9,12 @@ the embedding and by the head) is *owned* by the stage that runs its Adam update
 the layer of its first use, as `alpasim.graphs.training_graph` places it — and
 replicated read-only on the others.
 
-`stage_intra_plan` solves one intra-op plan for a whole stage: its training subgraph on
-its logical mesh with the plan's parameter and boundary layouts fixed. The backend runs
-a plan's own per-layer layouts (`stages[i].layer_specs`) where the plan carries them and
-uses this solve only for plans from before they existed and as the collectives
-prediction the HLO is compared with (`compare_collectives`, `predict_run`).
+`stage_intra_plan` gives one intra-op plan for a whole stage: the priced one, replayed
+from the plan's record of each op's strategy and each tensor's layout
+(`stages[i].layer_strategies`, `layer_specs`; `solvers.replay_intra_op`), which a
+profiled re-pricing reads (`predict_run`). Only a plan from before those records (or
+whose records do not line up with its graph) has its stage solved: its training
+subgraph on its logical mesh with the plan's parameter and boundary layouts fixed.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from alpasim.costmodels import AnalyticCostModel
 from alpasim.graphs import OpGraph, Op, stage_graph
 from alpasim.simulator import plan_cluster
 from alpasim.solvers import (IntraOpPlan, PipelinePlan, ShardingSpec, logical_mesh, plan_restriction,
-                             replay_intra_op, restricted_solve_kwargs, solve_intra_op)
+                             replay_intra_op, solve_intra_op)
 
 from ._lowering import _index_bound
 
@@ -108,8 +109,9 @@ def stage_intra_plan(plan: PipelinePlan, train: OpGraph, k: int) -> IntraOpPlan:
     if cluster is None:
         raise ValueError(f"plan cluster {plan.cluster.name!r} is unknown; cannot rebuild stage {k}'s mesh")
     sub = stage_graph(train, *st.layers)
-    if st.layer_strategies and st.layer_specs:
-        return _replayed(plan, train, k, sub, cluster)
+    replayed = _replayed(plan, train, k, sub, cluster) if st.layer_strategies and st.layer_specs else None
+    if replayed is not None:
+        return replayed
     fixed = {p: [ShardingSpec.parse(text)] for p, text in st.param_specs.items() if p in sub.tensors}
     for t in plan.transfers:
         if t.dst_stage == k and t.dst_spec and t.tensor in sub.inputs:
@@ -120,16 +122,14 @@ def stage_intra_plan(plan: PipelinePlan, train: OpGraph, k: int) -> IntraOpPlan:
                           time_limit_s=RESOLVE_TIME_LIMIT_S, mip_gap=RESOLVE_MIP_GAP).plan
 
 
-def _replayed(plan: PipelinePlan, train: OpGraph, k: int, sub: OpGraph, cluster) -> IntraOpPlan:
-    """Stage k's priced plan from its layers' records (`stage_intra_plan`)."""
+def _replayed(plan: PipelinePlan, train: OpGraph, k: int, sub: OpGraph, cluster) -> IntraOpPlan | None:
+    """Stage k's priced plan from its layers' records (`stage_intra_plan`); None where
+    the records do not line up with the plan's graph (a relabelled method's layers)."""
     st = plan.stages[k]
-    names: dict[str, str] = {}
-    specs: dict[str, ShardingSpec] = {}
-    for layer, strategies, layout in zip(range(st.layers[0], st.layers[1] + 1), st.layer_strategies,
-                                         st.layer_specs, strict=True):
-        names.update(zip((op.name for op in sub.ops if op.layer == layer), strategies, strict=True))
-        specs.update((t, ShardingSpec.parse(text)) for t, text in layout.items())
+    layers = [stage_graph(train, l, l) for l in range(st.layers[0], st.layers[1] + 1)]
+    if [len(g.ops) for g in layers] != [len(names) for names in st.layer_strategies]:
+        return None
+    specs = {t: ShardingSpec.parse(text) for layout in st.layer_specs for t, text in layout.items()}
     mesh = logical_mesh(cluster, list(st.devices), tuple(st.logical_mesh))
-    model = AnalyticCostModel(cluster)
-    kw = restricted_solve_kwargs(plan_restriction(plan), sub, mesh, model)
-    return replay_intra_op(sub, mesh, model, names, specs, microbatches=plan.microbatches, **kw)
+    return replay_intra_op(sub, mesh, AnalyticCostModel(cluster), layers, st.layer_strategies, specs,
+                           microbatches=plan.microbatches, restriction=plan_restriction(plan))

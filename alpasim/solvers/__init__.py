@@ -20,7 +20,6 @@ from ._intra_op import IntraOpInfeasible as IntraOpInfeasible
 from ._intra_op import IntraOpResult as IntraOpResult
 from ._intra_op import min_memory_bytes as min_memory_bytes
 from ._intra_op import min_memory_choice as min_memory_choice
-from ._intra_op import replay_intra_op as replay_intra_op
 from ._intra_op import solve_intra_op as solve_intra_op
 from ._intra_op import weight_update_sharding as weight_update_sharding
 from ._intra_plan import IntraOpPlan as IntraOpPlan
@@ -70,6 +69,7 @@ from ._pipeline_orders import stage_phase_s as stage_phase_s
 from ._pipeline_orders import zb_h2_limits as zb_h2_limits
 from ._pipeline_orders import zero_bubble_greedy as zero_bubble_greedy
 from ._stage_costs import build_stage_costs as build_stage_costs
+from ._layer_options import replay_intra_op as replay_intra_op
 from ._layer_options import restricted_solve_kwargs as restricted_solve_kwargs
 from ._stage_compose import scatter_tail_s as scatter_tail_s
 from ._stage_dp import bubble_fraction as bubble_fraction

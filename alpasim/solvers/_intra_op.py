@@ -73,36 +73,6 @@ def solve_intra_op(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel, *,
                          mip_gap=mip_gap, rewrite=rewrite, build_s=time.perf_counter() - t0)
 
 
-def replay_intra_op(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel, strategies: Mapping[str, str],
-                    specs: Mapping[str, ShardingSpec], *, microbatches: int = 1,
-                    restrict: Mapping[str, Sequence[Strategy]] | None = None,
-                    leaf_specs: Mapping[str, Sequence[ShardingSpec]] | None = None,
-                    allow_replicated_heavy: bool = False, **_) -> IntraOpPlan:
-    """The plan a solve chose, rebuilt with no solve from what it recorded: each op's
-    strategy (`Strategy.name`) and each tensor's layout. Every group takes a choice whose
-    root runs its recorded strategy, the one most of its followers' records agree with
-    (a stage groups ops as its layers did not, across their boundaries), every leaf its
-    recorded layout; `restrict`/`leaf_specs` are the baseline's, as solved
-    (`restricted_solve_kwargs`). `ValueError` where a record is none of the choices."""
-    problem = build_problem(graph, mesh, cost_model, with_compute=True, microbatches=microbatches,
-                            allow_replicated_heavy=allow_replicated_heavy, restrict=restrict, leaf_specs=leaf_specs)
-    choice = []
-    for node in problem.nodes:
-        if node.leaf is not None:
-            want = specs.get(node.leaf)
-            found = [i for i, s in enumerate(node.specs) if want is None or s.get(node.leaf) == want]
-        else:   # the root's strategy, and of those the one most of its followers agree with
-            root = node.ops[0]
-            agree = [(-sum(c[o].name == strategies.get(o) for o in node.ops), i) for i, c in enumerate(node.choices)
-                     if c[root].name == strategies.get(root, c[root].name)]
-            found = [min(agree)[1]] if agree else []
-        if not found:
-            raise ValueError(f"{graph.name}: the recorded plan of {node.name} on a {mesh} mesh is none of its "
-                             f"{node.k} choices")
-        choice.append(found[0])
-    return realize(problem, tuple(choice))
-
-
 def solve_problem(problem: IntraOpProblem, *, memory_budget_bytes: float | None = None,
                   activation_multiplier: float = 1.0, solver: str = "highs", time_limit_s: float | None = None,
                   mip_gap: float | None = None, rewrite: bool = True, build_s: float = 0.0,

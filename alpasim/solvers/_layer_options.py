@@ -12,7 +12,7 @@ dropped: `canonical_key`), so the 46 middle layers of GPT-3 39B are one kind.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -25,8 +25,11 @@ from ._context_parallel import kv_exchange_s
 from ._intra_baselines import (ACCUMULATOR_SCATTER, BASELINES, PER_MICROBATCH_GRAD_SYNC, REWRITE_ALLOWED, grad_owners,
                                optimizer_state_shards, params_of_grads, unsliced_params, unsliced_state_bytes)
 from ._intra_op import IntraOpInfeasible, min_memory_choice, solve_intra_op, solve_problem
+from ._intra_plan import IntraOpPlan, realize
+from ._intra_problem import build_problem
 from ._mesh import LogicalMesh
 from ._resharding import Collective
+from ._spec import ShardingSpec
 from ._tp_overlap import tp_overlap_s
 
 INF = math.inf
@@ -516,6 +519,32 @@ def restricted_solve_kwargs(restriction: str | None, layer: OpGraph, mesh: Logic
     restrict, leaf_specs = BASELINES[restriction](layer, mesh, model)
     return {"restrict": restrict, "leaf_specs": leaf_specs, "rewrite": REWRITE_ALLOWED.get(restriction, False),
             "allow_replicated_heavy": True}
+
+
+def replay_intra_op(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel, layers: Sequence[OpGraph],
+                    strategies: Sequence[Sequence[str]], specs: Mapping[str, ShardingSpec], *,
+                    microbatches: int = 1, restriction: str | None = None) -> IntraOpPlan:
+    """The plan its layers were priced with, rebuilt with no solve from what the plan
+    recorded: each op's strategy (`LayerOption.strategy_names`, named among the
+    choices its own layer graph offered under `restriction`, as it was solved) and each
+    leaf's layout. Every op is then fixed to its one strategy, so the stage's problem has
+    a single choice per node. `ValueError` where a name is not exactly one choice."""
+    chosen: dict[str, list] = {}
+    for layer, names in zip(layers, strategies, strict=True):
+        kw = restricted_solve_kwargs(restriction, layer, mesh, cost_model)
+        solved = build_problem(layer, mesh, cost_model, with_compute=True, microbatches=microbatches,
+                               allow_replicated_heavy=kw.get("allow_replicated_heavy", False),
+                               restrict=kw.get("restrict"), leaf_specs=kw.get("leaf_specs"))
+        for op, name in zip(layer.ops, names, strict=True):
+            match = [s for s in solved.strategies[op.name] if s.name == name]
+            if len(match) != 1:
+                raise ValueError(f"{graph.name}: op {op.name}'s recorded strategy {name!r} is {len(match)} of its "
+                                 f"choices on a {mesh} mesh, not one")
+            chosen[op.name] = match
+    leaves = {t: [specs[t]] for t in graph.tensors if t not in graph.producer and t in specs}
+    problem = build_problem(graph, mesh, cost_model, with_compute=True, microbatches=microbatches,
+                            allow_replicated_heavy=True, restrict=chosen, leaf_specs=leaves)
+    return realize(problem, (0,) * len(problem.nodes))
 
 
 def _reference_bytes(o: LayerOption) -> float:

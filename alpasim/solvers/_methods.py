@@ -49,7 +49,6 @@ from ._inter_op import PlanInfeasible, plan_pipeline
 from ._planning_graph import planning_units
 from ._plan_inputs import DEFAULT_MAX_STAGES, PlanOptions, RunOptions, SearchSpace, split_options
 from ._preflight import check_megatron, check_megatron_interleaved, preflight
-from ._intra_baselines import BASELINES
 from ._pipeline_plan import PipelinePlan, PlanModel, Prediction, SearchStats, plan_cluster_info
 from ._submesh import SubmeshShape
 from ._systems import OptionConflict, SystemRecord, get_system, resolve
@@ -458,12 +457,12 @@ def with_attention(model: ModelLike, record: SystemRecord) -> tuple[ModelLike, S
 
 def plan_restriction(plan: PipelinePlan) -> str | None:
     """The intra-op baseline `plan`'s stages were solved under (`_intra_baselines.
-    BASELINES`): its Megatron configuration's, else its method's own name where that
-    names one (ZeRO's, data parallelism), else None (a searched plan)."""
+    BASELINES`): its Megatron configuration's, else its method record's (ZeRO's, data
+    parallelism's, PP-DP's), else None (a searched plan)."""
     config = plan.search.megatron
     if config is not None:
         return MegatronConfig(**config).restriction
-    return plan.method if plan.method in BASELINES else None
+    return METHODS[plan.method].restriction if plan.method in METHODS else None
 
 
 def _sharding(distributed_optimizer: bool, sharded_gradients: bool = False) -> str:

@@ -113,10 +113,9 @@ class GraphBuilder:
         """A parameter; `tp` tags how tensor parallelism splits it (`TP_SPLITS`): (split,
         dim), or "replicated"; `expert`: its dim 0 indexes experts."""
         if tp is not None:
-            split, dim = (tp, None) if tp == "replicated" else tp if isinstance(tp, tuple) and len(tp) == 2 \
-                else (None, None)
-            if split not in TP_SPLITS or (dim is None) != (split == "replicated") \
-                    or (dim is not None and not (isinstance(dim, int) and 0 <= dim < len(shape))):
+            split, dim = tp if isinstance(tp, tuple) and len(tp) == 2 else (tp, None)
+            if not (tp == "replicated" or (split != "replicated" and split in TP_SPLITS and isinstance(dim, int)
+                                           and 0 <= dim < len(shape))):
                 raise GraphError(f"parameter {name!r}: tensor-parallel tag {tp!r} is not \"replicated\" or (split, "
                                  f"dim) with a split of {TP_SPLITS[:-1]} and a dimension of {tuple(shape)}")
             self.tp_tags[name] = {"split": split, "dim": dim, "expert": expert}

@@ -530,13 +530,17 @@ def replay_intra_op(graph: OpGraph, mesh: LogicalMesh, cost_model: CostModel, la
     leaf's layout. Every op is then fixed to its one strategy, so the stage's problem has
     a single choice per node. `ValueError` where a name is not exactly one choice."""
     chosen: dict[str, list] = {}
+    offered: dict[str, list] = {}     # a layer kind's choices by op position, as the planner solved it once
     for layer, names in zip(layers, strategies, strict=True):
-        kw = restricted_solve_kwargs(restriction, layer, mesh, cost_model)
-        solved = build_problem(layer, mesh, cost_model, with_compute=True, microbatches=microbatches,
-                               allow_replicated_heavy=kw.get("allow_replicated_heavy", False),
-                               restrict=kw.get("restrict"), leaf_specs=kw.get("leaf_specs"))
-        for op, name in zip(layer.ops, names, strict=True):
-            match = [s for s in solved.strategies[op.name] if s.name == name]
+        kind = canonical_key(layer)
+        if kind not in offered:
+            kw = restricted_solve_kwargs(restriction, layer, mesh, cost_model)
+            solved = build_problem(layer, mesh, cost_model, with_compute=True, microbatches=microbatches,
+                                   allow_replicated_heavy=kw.get("allow_replicated_heavy", False),
+                                   restrict=kw.get("restrict"), leaf_specs=kw.get("leaf_specs"))
+            offered[kind] = [solved.strategies[op.name] for op in layer.ops]
+        for op, options, name in zip(layer.ops, offered[kind], names, strict=True):
+            match = [s for s in options if s.name == name]
             if len(match) != 1:
                 raise ValueError(f"{graph.name}: op {op.name}'s recorded strategy {name!r} is {len(match)} of its "
                                  f"choices on a {mesh} mesh, not one")

@@ -44,15 +44,18 @@ def _held(order: Order) -> int:
 
 
 def _fixed(name: str, order: Callable[[int, int, int, int], Order], *, splits_backward: bool = False,
-           chunked: bool = False, automatic: bool = False) -> Schedule:
-    """A schedule whose order depends on S, B and the chunks only, not on pass times."""
+           chunked: bool = False, automatic: bool = False,
+           held: Callable[[int, int, int, int], int] | None = None) -> Schedule:
+    """A schedule whose order depends on S, B and the chunks only, not on pass times;
+    `held` is its in-flight rule in closed form where it has one (the planner asks it of
+    every plan it assembles), else the rule is counted on the order."""
     def orders(plan: PipelinePlan, chunks: int) -> list[Order]:
         return [order(plan.num_meshes, plan.microbatches, k, chunks) for k in range(plan.num_meshes)]
 
     def inflight(num_stages: int, microbatches: int, stage: int, chunks: int) -> int:
         return _held(order(num_stages, microbatches, stage, chunks))
 
-    return Schedule(name, orders, splits_backward, chunked, automatic, inflight)
+    return Schedule(name, orders, splits_backward, chunked, automatic, held or inflight)
 
 
 def _zb_h2_orders(plan: PipelinePlan, chunks: int) -> list[Order]:
@@ -70,7 +73,8 @@ def _zb_h2_inflight(num_stages: int, microbatches: int, stage: int, chunks: int)
 
 
 SCHEDULES: dict[str, Schedule] = {s.name: s for s in (
-    _fixed("1f1b", lambda S, B, k, v: one_f_one_b_order(S, B, k), automatic=True),
+    _fixed("1f1b", lambda S, B, k, v: one_f_one_b_order(S, B, k), automatic=True,
+           held=lambda S, B, k, v: min(S - k, B)),                 # the seed's eq. 5
     _fixed("gpipe", lambda S, B, k, v: gpipe_order(S, B, k)),
     _fixed("interleaved", interleaved_order, chunked=True),
     _fixed("zb-h1", lambda S, B, k, v: zb_h1_order(S, B, k), splits_backward=True, automatic=True),
